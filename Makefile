@@ -1,0 +1,68 @@
+# streamgrpo developer entry points. Every target runs `setup` first and is idempotent.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.streamgrpo-setup
+# One torch thread per process: two busy processes on two cores otherwise run 10-40x slower.
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+export HF_HUB_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP) system-deps
+
+# The stamp depends on pyproject.toml and this Makefile: a second `make setup` with nothing
+# changed does no pip work at all.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "CUDA machine: installing torch from the default index"; \
+	  $(PIP) install -q "torch>=2.9" "torchvision>=0.24"; \
+	else \
+	  echo "CPU machine: torch==2.14.1 torchvision==0.29.1"; \
+	  $(PIP) install -q torch==2.14.1 torchvision==0.29.1; \
+	fi
+	@# deepspeed's setup.py imports torch: build it against the torch above, without isolation.
+	@$(PY) -c "import deepspeed" >/dev/null 2>&1 || $(PIP) install -q --no-build-isolation "deepspeed>=0.16"
+	@$(PIP) install -q -e ".[dev]"
+	@touch $(STAMP)
+
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && \
+	    for p in $$missing; do \
+	      if [ $$p = redis-server ]; then apt-get install -y -qq redis-server >/dev/null; \
+	      else apt-get install -y -qq --no-install-recommends $$p >/dev/null; fi; \
+	    done; \
+	  else \
+	    echo "missing:$$missing. Install with:"; \
+	    echo "  sudo apt-get install -y redis-server && sudo apt-get install -y --no-install-recommends prometheus docker-compose"; \
+	  fi; \
+	fi
+
+demo: setup
+	$(VENV)/bin/streamgrpo up --config demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+lint: setup
+	$(VENV)/bin/ruff check streamgrpo tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

@@ -1,0 +1,7 @@
+"""`python -m streamgrpo ...` (used by `torchrun -m streamgrpo learner ...`)."""
+
+import sys
+
+from streamgrpo.cli import main
+
+sys.exit(main())

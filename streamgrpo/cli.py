@@ -1,0 +1,262 @@
+"""The `streamgrpo` command line (design.md §6).
+
+Only argparse and the config module are imported at start-up, so `--help` is fast and torch stays
+out of `sys.modules` until a command that needs it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+NOT_BUILT_EXIT = 2
+
+
+class NotBuilt(Exception):
+    """A command whose capability does not exist yet: say so and exit 2, never fake output."""
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--config", default=default, help="YAML file or shipped config name (demo, qwen2_5_vl_7b_video)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. --set loss.beta=0.04 (repeatable; seed-era flat names accepted)",
+    )
+
+
+def _load(args) -> object:
+    from streamgrpo.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+# ------------------------------------------------------------------------------------ commands
+def cmd_config_show(args) -> int:
+    cfg = _load(args)
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+def cmd_up(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.orchestrate import run_up
+
+    return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config)
+
+
+def cmd_learner(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.learner import run_learner
+
+    if args.resume:
+        cfg.learner.resume = True
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    return run_learner(cfg)
+
+
+def cmd_generator(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.generator import run_generator
+
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    return run_generator(cfg, generator_id=args.id)
+
+
+def cmd_infer(args) -> int:
+    from streamgrpo.infer import run_infer
+
+    return run_infer(args)
+
+
+def cmd_eval(args) -> int:
+    from streamgrpo.evaluate import run_eval
+
+    return run_eval(args)
+
+
+def cmd_report(args) -> int:
+    from streamgrpo.report import run_report
+
+    return run_report(args.run_dir)
+
+
+def cmd_data_check(args) -> int:
+    from streamgrpo.data.check import run_check
+
+    cfg = _load(args)
+    return run_check(args.path, cfg.data, workers=args.workers, allow_errors=args.allow_errors)
+
+
+def cmd_data_demo(args) -> int:
+    from streamgrpo.data.demo import make_demo
+
+    make_demo(args.out, n=args.n, seed=args.seed)
+    print(f"demo data set written to {args.out}")
+    return 0
+
+
+def cmd_model_tiny(args) -> int:
+    from streamgrpo.models.tiny import build_tiny
+
+    out = build_tiny(args.out, arch=args.arch, seed=args.seed)
+    if args.warm_format:
+        from streamgrpo.models.warm import warm_format
+
+        warm_format(out, seed=args.seed, steps=args.warm_steps)
+    print(f"tiny {args.arch} model written to {out}")
+    return 0
+
+
+def cmd_model_merge(args) -> int:
+    from streamgrpo.models.lora import merge_adapter
+
+    merge_adapter(args.adapter, args.out, base=args.base)
+    print(f"merged model written to {args.out}")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from streamgrpo.transport.keys import generate_keys
+
+    paths = generate_keys(args.out, clients=args.clients)
+    print(f"CURVE keys written to {args.out} ({len(paths)} files)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamgrpo",
+        description="Asynchronous GRPO for Qwen vision-language models on video and image questions.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("up", help="everything on one machine: Redis, learner, N generators, live status")
+    _add_config_args(p, default="demo")
+    p.add_argument("--generators", type=int, default=None, help="number of generator processes (default: rollout.num_generators)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: run_dir from the config)")
+    p.add_argument("--sync", action="store_true", help="on-policy mode: generate for version v only once v is applied")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
+    p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
+    p.set_defaults(func=cmd_learner)
+
+    p = sub.add_parser("generator", help="one generator")
+    _add_config_args(p)
+    p.add_argument("--id", type=int, required=True, help="generator index K (reads shard K of rollout.num_generators)")
+    p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
+    p.set_defaults(func=cmd_generator)
+
+    p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
+    p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory on top of --model")
+    p.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--prompt", default=None, help="question text (single mode)")
+    p.add_argument("--input", default=None, help="records JSON/JSONL (batch mode)")
+    p.add_argument("--output", default=None, help="results JSONL (batch mode; resumable)")
+    p.add_argument("--format", choices=["think", "no_think"], default="think", help="answer format instruction")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    _add_config_args(p)
+    p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser("eval", help="accuracy and rewards on held-out data; before/after table")
+    p.add_argument("--model", required=True)
+    p.add_argument("--baseline", default=None, help="model to compare against (e.g. the starting point)")
+    p.add_argument("--data", required=True, help="held-out records JSON/JSONL")
+    p.add_argument("--rewards", default=None, help="comma-separated reward names (default: the config's)")
+    p.add_argument("--samples", type=int, default=1, help="K samples per prompt (pass@k / mean@k); 1 = greedy")
+    p.add_argument("--out", default=None, help="output directory for eval.json / eval.md")
+    p.add_argument("--limit", type=int, default=None, help="evaluate at most this many records")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="PNG plots of reward, KL, staleness, throughput from a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_report)
+
+    data = sub.add_parser("data", help="data set tools").add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.required = True
+    p = data.add_parser("check", help="validate a data set and print a report")
+    p.add_argument("path")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--allow-errors", action="store_true", help="exit 0 even when records have errors")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_data_check)
+    p = data.add_parser("demo", help="make the synthetic demo data set (real mp4 files)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_data_demo)
+
+    model = sub.add_parser("model", help="model tools").add_subparsers(dest="model_command", metavar="SUBCOMMAND")
+    model.required = True
+    p = model.add_parser("tiny", help="build a tiny random model + tokenizer + processor offline")
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-format", action="store_true", help="teach the answer format (not the answers) on demo prompts")
+    p.add_argument("--warm-steps", type=int, default=60)
+    p.set_defaults(func=cmd_model_tiny)
+    p = model.add_parser("merge", help="merge a LoRA adapter into its base model")
+    p.add_argument("--adapter", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
+    p.set_defaults(func=cmd_model_merge)
+
+    cfg = sub.add_parser("config", help="config tools").add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    cfg.required = True
+    p = cfg.add_parser("show", help="print the resolved config")
+    _add_config_args(p, default="demo")
+    p.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("keys", help="CURVE key pairs for the weight channel")
+    p.add_argument("--out", required=True)
+    p.add_argument("--clients", type=int, default=4, help="client key pairs to make")
+    p.set_defaults(func=cmd_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    from streamgrpo.config import ConfigError
+
+    try:
+        return int(func(args) or 0)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except NotBuilt as exc:
+        print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)
+        return NOT_BUILT_EXIT
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("streamgrpo."):
+            print(f"streamgrpo {args.command}: not built yet ({exc.name} does not exist)", file=sys.stderr)
+            return NOT_BUILT_EXIT
+        raise
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

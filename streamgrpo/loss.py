@@ -1,0 +1,293 @@
+r"""The clipped importance-ratio GRPO loss (pure tensor function).
+
+Inputs per completion token t of row b (all (B, T), only positions with ``mask`` set count):
+``p`` current log-prob (carries the gradient), ``q`` behaviour log-prob (what the generator
+sampled with, possibly several policy versions old), ``r`` reference log-prob; ``A_b`` the
+advantage of row b ((B,), from :mod:`streamgrpo.advantages`).
+
+Per-token objective (pessimistic PPO form, Schulman et al. 2017; asymmetric "clip-higher" bounds
+from DAPO, Yu et al. 2025)::
+
+    rho_t  = exp(p_t - q_t)                                  ratio_mode="behaviour"
+    rho_t  = exp(p_t - sg(p_t))   (value 1, gradient of p)   ratio_mode="current"
+    J_t    = min(rho_t * A_b, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_b)
+    J_t   *= min(sg(exp(p_t - q_t)), tis_cap)                 only when tis_cap is set
+    l_t    = -J_t + beta * k3_t,   k3_t = exp(r_t - p_t) - (r_t - p_t) - 1   (k3 only when beta > 0)
+
+``sg`` is stop-gradient. k3 is the unbiased, always non-negative estimator of KL(pi || pi_ref)
+from J. Schulman, "Approximating KL divergence" (2020, http://joschu.net/blog/kl-approx.html), as
+used by GRPO. Gradient of J_t: A_b * rho_t * grad p_t unless the ratio is clipped on the side that
+matters for the sign of A (A>0 and rho>1+epsilon_high, or A<0 and rho<1-epsilon: zero gradient).
+``ratio_mode="current"`` ignores the behaviour policy (plain on-policy policy gradient that ignores
+staleness; a baseline for the staleness benchmark). The truncated importance weight always uses the
+behaviour log-probs; it is the natural correction to pair with ``ratio_mode="current"`` (truncated
+importance-sampled PG), while with ``ratio_mode="behaviour"`` it multiplies the already
+importance-weighted PPO term (exactly as the design's section 3 specifies).
+
+Aggregation of l over tokens (``loss_type``), with M the mask and L = ``max_completion_length``::
+
+    grpo     mean_b( sum_t M l / max(sum_t M, 1) )      per-sequence mean, then batch mean
+                                                         (GRPO: DeepSeekMath, Shao et al. 2024)
+    bnpo     sum_bt M l / max(sum_bt M, 1)              token mean over this batch
+    dr_grpo  sum_bt M l / (B * L)                        constant normaliser (Dr. GRPO, Liu et al. 2025)
+    dapo     sum_bt M l / token_normaliser               token-level mean over the *global* batch of the
+                                                         optimizer step (DAPO, Yu et al. 2025); the
+                                                         normaliser defaults to max(sum_bt M, 1) here
+
+Under gradient accumulation or several ranks pass ``token_normaliser`` = the number of completion
+tokens of the whole optimizer step (all micro-batches, all ranks); summing the micro-batch losses
+(and the gradients across ranks) then gives exactly the dapo loss of the whole step.
+
+Masked positions may hold anything (even inf/nan): they are replaced with ``torch.where`` before any
+arithmetic, so they reach neither the loss nor the gradient. Arithmetic runs in at least float32.
+Metrics come back as detached 0-d tensors (no host sync inside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor
+
+from streamgrpo.metrics import ERRORS
+
+if TYPE_CHECKING:
+    from streamgrpo.config import LossConfig
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+RatioMode = Literal["behaviour", "current"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+RATIO_MODES: tuple[str, ...] = ("behaviour", "current")
+
+__all__ = [
+    "LOSS_TYPES",
+    "RATIO_MODES",
+    "LossInputs",
+    "LossType",
+    "RatioMode",
+    "compute_loss",
+    "kl_k3",
+    "loss_kwargs",
+    "naive_loss",
+]
+
+
+@dataclass
+class LossInputs:
+    """The tensors of one loss call (a typed bundle for callers that like one; see compute_loss)."""
+
+    logprobs: Tensor
+    """(B, T) current policy log-probs of the completion tokens (with grad)."""
+    behaviour_logprobs: Optional[Tensor]
+    """(B, T) log-probs the generator sampled with (may be None only with ratio_mode="current" and no tis_cap)."""
+    advantages: Tensor
+    """(B,) one advantage per completion row."""
+    mask: Tensor
+    """(B, T) bool/0-1: which positions are completion tokens."""
+    ref_logprobs: Optional[Tensor] = None
+    """(B, T) reference model log-probs (only read when beta > 0)."""
+    entropies: Optional[Tensor] = None
+    """(B, T) token entropies for the metric (optional)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for compute_loss (e.g. token_normaliser)."""
+
+    def compute(self, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """compute_loss on these tensors; ``kwargs`` are its keyword settings (see loss_kwargs)."""
+        return compute_loss(
+            self.logprobs,
+            self.behaviour_logprobs,
+            self.advantages,
+            self.mask,
+            self.ref_logprobs,
+            entropies=self.entropies,
+            **{**self.extra, **kwargs},
+        )
+
+
+def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) -> dict[str, Any]:
+    """The compute_loss keyword settings from a ``LossConfig`` (plus the rollout's max_completion_length)."""
+    return {
+        "epsilon": cfg.epsilon,
+        "epsilon_high": cfg.epsilon_high,
+        "beta": cfg.beta,
+        "loss_type": cfg.loss_type,
+        "max_completion_length": max_completion_length,
+        "tis_cap": cfg.tis_cap,
+    }
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(r - p) - (r - p) - 1`` (>= 0, 0 iff equal)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+def _bad(msg: str) -> ValueError:
+    ERRORS.labels(kind="loss").inc()
+    return ValueError(f"compute_loss: {msg}")
+
+
+def _check_bt(name: str, x: Tensor, shape: torch.Size) -> None:
+    if not isinstance(x, Tensor):
+        raise _bad(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.shape != shape:
+        raise _bad(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (B, T) like logprobs")
+
+
+def _masked_mean(x: Tensor, m: Tensor, n: Tensor) -> Tensor:
+    return torch.where(m, x, torch.zeros_like(x)).sum() / n
+
+
+def compute_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Optional[Tensor],
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Optional[Tensor] = None,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.28,
+    beta: float = 0.0,
+    loss_type: LossType = "dapo",
+    max_completion_length: Optional[int] = None,
+    tis_cap: Optional[float] = None,
+    entropies: Optional[Tensor] = None,
+    token_normaliser: Union[None, int, float, Tensor] = None,
+    ratio_mode: RatioMode = "behaviour",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO loss of one (micro-)batch and its metrics; formulas in the module docstring.
+
+    Shapes: ``logprobs``, ``behaviour_logprobs``, ``ref_logprobs``, ``mask``, ``entropies`` (B, T);
+    ``advantages`` (B,). ``ref_logprobs`` is never read when ``beta == 0`` (it may be None).
+    ``max_completion_length`` is required for ``dr_grpo``; ``token_normaliser`` (the global token
+    count of the optimizer step) is only accepted for ``dapo``. ``behaviour_logprobs`` may be None
+    only with ``ratio_mode="current"`` and no ``tis_cap``.
+
+    Returns ``(loss, metrics)``: a 0-d loss (float32 or wider) and detached 0-d tensors
+    ``clip_frac_low`` (A<0, ratio<1-epsilon), ``clip_frac_high`` (A>0, ratio>1+epsilon_high),
+    ``clip_frac`` (either), ``ratio_mean/max/min`` (of exp(p - q) when behaviour log-probs are
+    given, else of the objective's ratio; 1 with no tokens), ``kl`` (mean k3; 0 when beta == 0),
+    ``adv_mean``/``adv_std`` (population std over rows with at least one token), ``entropy`` (only
+    when ``entropies`` is given) and ``num_tokens``; token fractions and means are over this call's
+    unmasked tokens.
+    """
+    # ---- validation (cheap shape/option checks only; no host sync on values)
+    if loss_type not in LOSS_TYPES:
+        raise _bad(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+    if ratio_mode not in RATIO_MODES:
+        raise _bad(f"ratio_mode={ratio_mode!r}: must be one of {', '.join(RATIO_MODES)}")
+    if not isinstance(logprobs, Tensor) or logprobs.ndim != 2:
+        raise _bad(f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs).__name__)}")
+    shape = logprobs.shape
+    B, T = shape
+    _check_bt("mask", mask, shape)
+    if not isinstance(advantages, Tensor) or advantages.shape != (B,):
+        raise _bad(f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}")
+    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None
+    if behaviour_logprobs is None:
+        if need_behaviour:
+            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour' or tis_cap needs it")
+    else:
+        _check_bt("behaviour_logprobs", behaviour_logprobs, shape)
+    if epsilon < 0 or epsilon_high < 0:
+        raise _bad(f"epsilon={epsilon}, epsilon_high={epsilon_high}: must be >= 0")
+    if tis_cap is not None and not tis_cap > 0:
+        raise _bad(f"tis_cap={tis_cap}: must be > 0 or None")
+    if beta < 0:
+        raise _bad(f"beta={beta}: must be >= 0")
+    use_kl = beta > 0
+    if use_kl:
+        if ref_logprobs is None:
+            raise _bad(f"beta={beta} > 0 needs ref_logprobs")
+        _check_bt("ref_logprobs", ref_logprobs, shape)
+    if entropies is not None:
+        _check_bt("entropies", entropies, shape)
+    if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length <= 0):
+        raise _bad(f"loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}")
+    if token_normaliser is not None and loss_type != "dapo":
+        raise _bad(f"token_normaliser is only used by loss_type='dapo', got loss_type={loss_type!r}")
+
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    m = mask.to(torch.bool)
+    zero = logprobs.new_zeros((), dtype=dtype)
+    one = zero + 1.0
+
+    def clean(x: Tensor) -> Tensor:
+        """Masked positions -> 0 before any arithmetic (no nan/inf leaks into values or gradients)."""
+        return torch.where(m, x.to(dtype), zero)
+
+    p = clean(logprobs)
+    A = torch.where(m, advantages.to(dtype)[:, None].expand(B, T), zero)
+    log_is = None if behaviour_logprobs is None else p - clean(behaviour_logprobs.detach())
+
+    # ---- per-token objective
+    log_ratio = log_is if ratio_mode == "behaviour" else p - p.detach()
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    objective = torch.minimum(ratio * A, clipped * A)
+    if tis_cap is not None:
+        objective = objective * torch.clamp(torch.exp(log_is.detach()), max=tis_cap)
+    per_token = -objective
+    if use_kl:
+        kl_t = kl_k3(p, clean(ref_logprobs.detach()))
+        per_token = per_token + beta * kl_t
+    per_token = torch.where(m, per_token, zero)
+
+    # ---- aggregation
+    n_tokens = m.sum().to(dtype)
+    n_safe = n_tokens.clamp(min=1.0)
+    if loss_type == "grpo":
+        per_row = per_token.sum(-1) / m.sum(-1).to(dtype).clamp(min=1.0)
+        loss = per_row.mean() if B > 0 else per_token.sum()
+    elif loss_type == "bnpo":
+        loss = per_token.sum() / n_safe
+    elif loss_type == "dr_grpo":
+        loss = per_token.sum() / float(max(B, 1) * max_completion_length)
+    else:  # dapo
+        norm = n_safe if token_normaliser is None else torch.as_tensor(token_normaliser, dtype=dtype, device=p.device)
+        loss = per_token.sum() / norm
+
+    # ---- metrics (detached, 0-d)
+    with torch.no_grad():
+        low = m & (A < 0) & (ratio < 1.0 - epsilon)
+        high = m & (A > 0) & (ratio > 1.0 + epsilon_high)
+        stat_ratio = torch.exp(log_is) if log_is is not None else ratio
+        has_tokens = n_tokens > 0
+        inf = torch.full_like(stat_ratio, float("inf"))
+        metrics: dict[str, Tensor] = {
+            "clip_frac_low": low.sum().to(dtype) / n_safe,
+            "clip_frac_high": high.sum().to(dtype) / n_safe,
+            "clip_frac": (low | high).sum().to(dtype) / n_safe,
+            "ratio_mean": torch.where(has_tokens, _masked_mean(stat_ratio, m, n_safe), one),
+            "ratio_max": torch.where(has_tokens, torch.where(m, stat_ratio, -inf).amax() if m.numel() else one, one),
+            "ratio_min": torch.where(has_tokens, torch.where(m, stat_ratio, inf).amin() if m.numel() else one, one),
+            "kl": _masked_mean(kl_t, m, n_safe) if use_kl else zero.clone(),
+        }
+        rows = m.any(-1)
+        n_rows = rows.sum().to(dtype).clamp(min=1.0)
+        adv = torch.where(rows, advantages.detach().to(dtype), zero)
+        adv_mean = adv.sum() / n_rows
+        adv_var = torch.where(rows, (adv - adv_mean) ** 2, zero).sum() / n_rows
+        metrics["adv_mean"] = adv_mean
+        metrics["adv_std"] = adv_var.sqrt()
+        if entropies is not None:
+            metrics["entropy"] = _masked_mean(entropies.detach().to(dtype), m, n_safe)
+        metrics["num_tokens"] = n_tokens
+    return loss, metrics
+
+
+def naive_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Optional[Tensor] = None,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """On-policy policy gradient that ignores staleness: ``compute_loss(..., ratio_mode="current")``.
+
+    Pass ``behaviour_logprobs=...`` in ``kwargs`` only to get importance-ratio metrics or a tis_cap.
+    """
+    behaviour = kwargs.pop("behaviour_logprobs", None)
+    return compute_loss(logprobs, behaviour, advantages, mask, ref_logprobs, ratio_mode="current", **kwargs)

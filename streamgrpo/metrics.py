@@ -1,0 +1,101 @@
+"""Prometheus metrics shared by every streamgrpo process (names: design.md §5).
+
+Import the metric objects from here; never create a second metric with one of these names. Each
+process calls :func:`serve` once to expose ``/metrics`` and ``/healthz``. Labels are low
+cardinality by construction: ``fn`` (reward function), ``role`` (learner/generator), ``event``,
+``reason``, ``side``, ``stat``, ``kind``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+log = logging.getLogger(__name__)
+
+_UNIT = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+REWARD = Histogram(
+    "streamgrpo_reward", "Reward per completion, by function (fn=total is the weighted sum)", ["fn"],
+    buckets=(-1.0, -0.5, *_UNIT, 1.5, 2.0, 5.0),
+)
+KL = Gauge("streamgrpo_kl", "Mean k3 KL to the reference model in the last step")
+LOSS = Gauge("streamgrpo_loss", "Loss of the last optimizer step")
+GRAD_NORM = Gauge("streamgrpo_grad_norm", "Gradient norm before clipping, last step")
+ENTROPY = Gauge("streamgrpo_entropy", "Mean token entropy of the policy on trained completions, last step")
+CLIP_FRACTION = Gauge("streamgrpo_clip_fraction", "Fraction of tokens clipped, by side (low/high/total)", ["side"])
+IMPORTANCE_RATIO = Gauge("streamgrpo_importance_ratio", "Importance ratio statistics of the last step", ["stat"])
+POLICY_VERSION = Gauge("streamgrpo_policy_version", "Policy version held by this process", ["role"])
+STALENESS = Histogram(
+    "streamgrpo_staleness_steps", "Learner version minus group version at training time",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+QUEUE_DEPTH = Gauge("streamgrpo_queue_depth", "Groups in the stream not yet acknowledged by the learner")
+GROUPS = Counter("streamgrpo_groups", "Groups by event (produced, consumed, trained)", ["event"])
+GROUPS_DROPPED = Counter("streamgrpo_groups_dropped", "Groups dropped, by reason", ["reason"])
+TOKENS = Counter("streamgrpo_tokens", "Completion tokens generated (generator) or trained (learner)", ["role"])
+WEIGHT_SYNC_SECONDS = Histogram(
+    "streamgrpo_weight_sync_seconds", "Seconds from publish to applied on a generator", buckets=_SECONDS
+)
+WEIGHT_BYTES = Counter("streamgrpo_weight_bytes", "Weight bytes published or received")
+STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learner step (train part)")
+IDLE_SECONDS = Counter("streamgrpo_idle_seconds", "Seconds spent waiting (learner for groups, generator on backpressure)", ["role"])
+ERRORS = Counter("streamgrpo_errors", "Errors by kind (data, reward, wire, queue, weights, loss, ...)", ["kind"])
+BACKPRESSURE = Gauge("streamgrpo_backpressure", "1 while this producer is blocked because the queue is full")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    health = None  # callable returning (ok: bool, text: str)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        if self.path.startswith("/metrics"):
+            body = generate_latest(REGISTRY)
+            self._send(200, body, CONTENT_TYPE_LATEST)
+        elif self.path.startswith("/healthz"):
+            ok, text = (True, "ok") if _Handler.health is None else _Handler.health()
+            self._send(200 if ok else 503, text.encode(), "text/plain")
+        else:
+            self._send(404, b"not found", "text/plain")
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt: str, *args) -> None:  # silence per-request logs
+        return
+
+
+class MetricsServer:
+    """``/metrics`` + ``/healthz`` on a daemon thread. ``port=0`` picks a free port (see ``.port``)."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, health=None):
+        _Handler.health = health
+        self._httpd = ThreadingHTTPServer((host, port), _Handler)
+        self._httpd.daemon_threads = True
+        self.host = host
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve(host: str = "0.0.0.0", port: int = 0, health=None) -> MetricsServer:
+    return MetricsServer(host, port, health)

@@ -1,0 +1,209 @@
+"""A tiny random Qwen2.5-VL / Qwen3-VL, with a tokenizer trained here, for tests and the CPU demo.
+
+Nothing is downloaded: the byte-level BPE tokenizer is trained with the ``tokenizers`` library on a
+small built-in corpus (chat template pieces, the demo questions, answer formats), the processor is
+the real Qwen image + video processor with explicit pixel bounds, and the model is the real
+transformers class with a small config (~0.6M parameters). The directory loads back with
+``AutoProcessor.from_pretrained`` and ``AutoModelForImageTextToText.from_pretrained``.
+
+Same seed, same bytes: training the tokenizer is deterministic and the weights come from a seeded
+generator, saved with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
+
+# Special tokens of the Qwen chat/vision format, in Qwen's own order, then the reasoning tags.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "<reasoning>", "</reasoning>"]
+
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+_WORDS = (
+    "What colour is the moving square shape in the video? Which direction does the shape move? "
+    "left right up down Which video shows a red shape? In what percentage of the frames is the shape in the "
+    "left half? Answer with the option letter. Output the thinking process in and the final answer in tags. "
+    "You are a helpful assistant. system user assistant Picture Video seconds frame the a of is in to and "
+    "Collision Pick up Rotate EF is % quality Good Excellent Let me think about it. I see The answer is "
+    "First, second, third. Options: (A) (B) (C) (D) (1) (2) (3) (4) A B C D 0 1 2 3 4 5 6 7 8 9 . , ; : ? ! "
+)
+
+
+def _corpus() -> list[str]:
+    lines = [_WORDS] * 4
+    for i, c in enumerate(_COLOURS):
+        lines.append(f"(A) {c} (B) {_COLOURS[(i + 1) % 8]} (C) {_COLOURS[(i + 2) % 8]} <answer>{'ABC'[i % 3]}</answer>")
+        lines.append(f"<think>The square is {c}.</think> <answer>({'ABC'[i % 3]}) {c}</answer>")
+    for n in range(0, 101, 7):
+        lines.append(f"<answer>{n}</answer> {n}.5% <{n / 2:.1f} seconds>")
+    return lines
+
+
+def _train_tokenizer(vocab_size: int = 400):
+    """Byte-level BPE trained on the built-in corpus; returns a transformers Qwen2 tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    # The same pre-tokenisation as Qwen2's tokenizer, so training and use split text identically.
+    pattern = (
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    )
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    state = json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    # tokenizers 0.23 serialises merges as pairs; Qwen2Tokenizer wants them as tuples.
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["model"]["merges"]]
+    hf_tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    hf_tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    hf_tok.add_tokens(TAG_TOKENS)  # not special: they stay visible in decoded text
+    hf_tok.eos_token = "<|im_end|>"
+    hf_tok.pad_token = "<|endoftext|>"
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def _model_config(arch: str, tokenizer):
+    vocab = len(tokenizer)
+    vocab_padded = ((vocab + 63) // 64) * 64
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    common = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    text = dict(
+        vocab_size=vocab_padded,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}
+        vision = dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, window_size=56, out_hidden_size=128, fullatt_block_indexes=[1], tokens_per_second=2,
+        )
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        text["head_dim"] = 32
+        text["rope_parameters"] = {
+            "rope_type": "default", "rope_theta": 5e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+        }
+        vision = dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16, spatial_merge_size=2,
+            temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[1],
+        )
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _processor(arch: str, tokenizer):
+    """The real Qwen processor with explicit, small pixel bounds (never upsample tiny demo frames)."""
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+        factor = 28
+        bounds = {"shortest_edge": 4 * factor * factor, "longest_edge": 256 * factor * factor}
+        image = Qwen2VLImageProcessor(size=bounds, patch_size=14, merge_size=2, temporal_patch_size=2)
+        video = Qwen2VLVideoProcessor(
+            size=bounds, patch_size=14, merge_size=2, temporal_patch_size=2, cap_pixels_per_frame=False
+        )
+        return Qwen2_5_VLProcessor(image_processor=image, video_processor=video, tokenizer=tokenizer,
+                                   chat_template=CHAT_TEMPLATE)
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    factor = 32
+    bounds = {"shortest_edge": 4 * factor * factor, "longest_edge": 256 * factor * factor}
+    image = Qwen2VLImageProcessor(size=bounds, patch_size=16, merge_size=2, temporal_patch_size=2,
+                                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    video = Qwen3VLVideoProcessor(size=bounds, patch_size=16, merge_size=2, temporal_patch_size=2,
+                                  cap_pixels_per_frame=False, do_sample_frames=False)
+    return Qwen3VLProcessor(image_processor=image, video_processor=video, tokenizer=tokenizer,
+                            chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
+    """Write a tiny random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer()
+    config = _model_config(arch, tokenizer)
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.save_pretrained(out)
+    _processor(arch, tokenizer).save_pretrained(out)
+    return out
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,67 @@
+"""CLI: lazy imports, every command has --help, not-built commands exit 2, config errors name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from streamgrpo.cli import build_parser, main
+
+COMMANDS = [
+    ["up"], ["learner"], ["generator"], ["infer"], ["eval"], ["report"], ["data", "check"], ["data", "demo"],
+    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["keys"],
+]
+
+
+def test_importing_cli_leaves_torch_out():
+    code = "import sys, streamgrpo.cli, streamgrpo.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c))
+def test_every_command_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd, "--help"])
+    assert exc.value.code == 0
+    assert "usage: streamgrpo" in capsys.readouterr().out
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\nfrom streamgrpo.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_config_error_names_key_and_exits_2(capsys):
+    rc = main(["learner", "--config", "demo", "--set", "loss.nope=1"])
+    assert rc == 2
+    assert "loss.nope" in capsys.readouterr().err
+
+
+def test_config_show_prints_resolved_yaml(capsys):
+    assert main(["config", "show", "--config", "demo", "--set", "loss.beta=0.5"]) == 0
+    import yaml
+
+    tree = yaml.safe_load(capsys.readouterr().out)
+    assert tree["loss"]["beta"] == 0.5 and tree["model"]["tune_mm_vision"] is True
+
+
+def test_parser_knows_design_flags():
+    p = build_parser()
+    args = p.parse_args(["up", "--generators", "3", "--sync", "--run-dir", "r"])
+    assert args.generators == 3 and args.sync and args.run_dir == "r"
+    args = p.parse_args(["generator", "--config", "demo", "--id", "2"])
+    assert args.id == 2
+    args = p.parse_args(["model", "tiny", "--out", "x", "--arch", "qwen3_vl"])
+    assert args.arch == "qwen3_vl"
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "learner" in out.stdout

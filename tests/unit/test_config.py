@@ -1,0 +1,161 @@
+"""Config: round trip, shipped configs, named errors, --set coercion, seed-era aliases."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from streamgrpo.config import (
+    ALIASES,
+    Config,
+    ConfigError,
+    build_config,
+    find_config,
+    load_config,
+    parse_override,
+    shipped_configs,
+)
+
+
+def test_defaults_round_trip_through_yaml(tmp_path):
+    cfg = build_config({"loss": {"beta": 0.04}, "rollout": {"num_generations": 4}})
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_config(path)
+    assert again == cfg
+    assert again.loss.beta == 0.04 and again.rollout.num_generations == 4
+
+
+@pytest.mark.parametrize("name", shipped_configs())
+def test_every_shipped_config_parses(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, Config)
+    assert find_config(name).name == f"{name}.yaml"
+
+
+def test_shipped_configs_include_demo_and_gpu_run():
+    assert {"demo", "qwen2_5_vl_7b_video"} <= set(shipped_configs())
+
+
+def test_every_yaml_in_the_repo_configs_folder_is_shipped_and_parses():
+    from importlib import resources
+
+    folder = resources.files("streamgrpo") / "configs"
+    files = [p.name for p in folder.iterdir() if p.name.endswith((".yaml", ".yml"))]
+    assert files, "no shipped configs found"
+    for f in files:
+        load_config(str(folder / f))
+
+
+def test_unknown_key_names_key_value_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"loss": {"nope": 1}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "loss.nope" in msg and "1" in msg and str(path) in msg
+
+
+def test_unknown_override_names_key():
+    with pytest.raises(ConfigError, match=r"loss\.nope"):
+        load_config("demo", ["loss.nope=1"])
+
+
+def test_out_of_bound_value_is_named():
+    with pytest.raises(ConfigError) as err:
+        build_config({"loss": {"epsilon": -0.5}}, source="x.yaml")
+    assert "loss.epsilon" in str(err.value) and "-0.5" in str(err.value) and "x.yaml" in str(err.value)
+    with pytest.raises(ConfigError, match="rollout.num_generations"):
+        build_config({}, ["rollout.num_generations=1"])
+
+
+def test_cross_field_bounds():
+    with pytest.raises(ConfigError, match="min_frames"):
+        build_config({"data": {"min_frames": 10, "max_frames": 4}})
+
+
+def test_set_coerces_types():
+    cfg = build_config({}, ["loss.beta=0.04", "learner.bf16=true", "rollout.stop=[a, b]", "queue.url=null",
+                            "model.name_or_path=/tmp/m", "rollout.num_generations=16"])
+    assert cfg.loss.beta == pytest.approx(0.04)
+    assert cfg.learner.bf16 is True
+    assert cfg.rollout.stop == ["a", "b"]
+    assert cfg.queue.url is None
+    assert cfg.model.name_or_path == "/tmp/m"
+    assert cfg.rollout.num_generations == 16 and isinstance(cfg.rollout.num_generations, int)
+
+
+def test_set_wrong_type_is_named():
+    with pytest.raises(ConfigError, match="rollout.num_generations"):
+        build_config({}, ["rollout.num_generations=many"])
+
+
+def test_parse_override_requires_equals():
+    with pytest.raises(ConfigError):
+        parse_override("loss.beta")
+    assert parse_override("a.b=1") == ("a.b", 1)
+
+
+def test_seed_era_aliases_are_mapped_with_notice(capsys):
+    cfg = build_config({
+        "grpo_beta": 0.04, "grpo_sample_size": 4, "generation_temperature": 0.7, "generation_top_p": 0.9,
+        "tune_mm_vision": True, "epsilon_high": 0.3, "format_reward_weight": 0.2, "accuracy_reward_weight": 0.8,
+        "learning_rate": 2e-5, "per_device_train_batch_size": 8,
+    })
+    assert cfg.loss.beta == 0.04 and cfg.rollout.num_generations == 4
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.top_p == 0.9
+    assert cfg.model.tune_mm_vision is True and cfg.loss.epsilon_high == 0.3
+    weights = {s.name: s.weight for s in cfg.rewards.functions}
+    assert weights == {"format": 0.2, "accuracy": 0.8}
+    assert cfg.learner.learning_rate == 2e-5
+    assert cfg.learner.groups_per_step == 2  # 8 completions / G=4
+    err = capsys.readouterr().err
+    assert "grpo_beta" in err and "loss.beta" in err
+
+
+def test_seed_alias_in_set_and_lora_alias():
+    cfg = build_config({}, ["grpo_beta=0.1", "lora_r=8"])
+    assert cfg.loss.beta == 0.1
+    assert cfg.model.lora is not None and cfg.model.lora.r == 8
+
+
+def test_every_alias_target_exists():
+    for alias, target in ALIASES.items():
+        node = Config()
+        parts = target.split(".")
+        for p in parts[:-1]:
+            node = getattr(node, p) if getattr(node, p) is not None else None
+            if node is None:
+                break
+        else:
+            assert parts[-1] in type(node).model_fields, f"{alias} -> {target}"
+
+
+def test_rewards_section_accepts_a_plain_list():
+    cfg = build_config({"rewards": [{"name": "numeric", "weight": 1.0, "params": {"scale": 20}}]})
+    assert cfg.rewards.functions[0].name == "numeric" and cfg.rewards.functions[0].params == {"scale": 20}
+
+
+def test_env_vars_expand_in_strings(tmp_path, monkeypatch):
+    monkeypatch.setenv("SG_TEST_PW", "s3cret")
+    path = tmp_path / "c.yaml"
+    path.write_text("queue:\n  url: redis://:${SG_TEST_PW}@localhost:6379/0\n")
+    assert load_config(path).queue.url == "redis://:s3cret@localhost:6379/0"
+
+
+def test_missing_config_file_is_clear():
+    with pytest.raises(ConfigError, match="not found|neither"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_every_field_is_documented():
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            ann = field.annotation
+            sub = getattr(ann, "model_fields", None)
+            if sub is not None and prefix == "":
+                walk(ann, f"{name}.")
+                continue
+            assert field.description, f"{prefix}{name} has no docstring"
+
+    walk(Config)
