@@ -36,7 +36,9 @@ __all__ = ["ScaleRewards", "group_advantages", "batch_advantages"]
 def _check(rewards: Tensor, where: str) -> None:
     if rewards.ndim != 1:
         ERRORS.labels(kind="loss").inc()
-        raise ValueError(f"{where}: rewards must be 1-D (one value per completion), got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"{where}: rewards must be 1-D (one value per completion), got shape {tuple(rewards.shape)}"
+        )
     if rewards.numel() and not bool(torch.isfinite(rewards).all()):
         ERRORS.labels(kind="reward").inc()
         raise ValueError(f"{where}: rewards must be finite, got {rewards.tolist()}")
@@ -114,7 +116,9 @@ def batch_advantages(
     if as_matrix:
         if rewards.ndim != 2:
             ERRORS.labels(kind="loss").inc()
-            raise ValueError(f"batch_advantages: rewards tensor must be (N, G), got shape {tuple(rewards.shape)}")
+            raise ValueError(
+                f"batch_advantages: rewards tensor must be (N, G), got shape {tuple(rewards.shape)}"
+            )
         groups = list(rewards.unbind(0))
     else:
         groups = [torch.as_tensor(g) for g in rewards]

@@ -65,6 +65,8 @@ class ModelConfig(_Section):
     """Attention kernel. flash_attention_2 needs CUDA and the flash-attn package."""
     revision: Optional[str] = None
     """Hub revision (branch, tag or commit) to load."""
+    tiny_if_missing: bool = False
+    """CPU demo: when name_or_path does not exist, build a tiny random model there and teach it the answer format."""
     tune_mm_llm: bool = True
     """Train the language model (decoder layers, embeddings, lm_head)."""
     tune_mm_mlp: bool = True

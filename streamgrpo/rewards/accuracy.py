@@ -84,7 +84,10 @@ def score_choice(pred: str | None, truth: str, question: str | None) -> float:
 
 @register("accuracy")
 def accuracy(
-    answer_tag: str = "answer", think_tag: str | None = "think", fallback: bool = False, question_field: str = "question"
+    answer_tag: str = "answer",
+    think_tag: str | None = "think",
+    fallback: bool = False,
+    question_field: str = "question",
 ):
     """Multiple-choice accuracy; ``fallback=True`` reads the whole completion when no answer tag."""
 

@@ -25,6 +25,10 @@ _L = r"(?:[A-Z]|\d{1,2})"
 _Q_MARK = re.compile(rf"\(\s*({_L})\s*\)|(?m:^)[ \t]*({_L})[.)][ \t]")
 
 
+# The last option's text ends at its line end or sentence end ("(C) blue. Answer with ...").
+_LAST_END = re.compile(r"\n|[.?!](?:\s|$)")
+
+
 @dataclass
 class Options:
     """Option labels in order with their normalised texts (text may be empty, e.g. ``(1) (2)``)."""
@@ -48,7 +52,8 @@ def _next(label: str) -> str:
 def parse_options(question: str | None) -> Options:
     """The longest run of consecutive option labels (A, B, C ... or 1, 2, 3 ...) in ``question``.
 
-    A run needs two labels or more; the text of the last option ends at the end of its line.
+    A run needs two labels or more; the text of the last option ends at the end of its line or
+    sentence.
     Mentions outside the run (``answer with (A)``) are ignored.
     """
     if not question or not isinstance(question, str):
@@ -75,24 +80,23 @@ def parse_options(question: str | None) -> Options:
         if k + 1 < len(best):
             raw = question[end : best[k + 1][1]]
         else:
-            line_end = question.find("\n", end)
-            raw = question[end : line_end if line_end >= 0 else len(question)]
+            raw = _LAST_END.split(question[end:], maxsplit=1)[0]
         texts[label] = normalize(raw)
     return Options(texts=texts, full=True)
 
 
 _PREFIX = re.compile(
-    r"^\s*(?:(?:the|my)\s+)?(?:final\s+|correct\s+|best\s+)?(?:answer|option|choice)s?\s*(?:is|would\s+be|:|-)?\s*:?\s*",
+    r"^\s*(?:(?:the|my)\s+)?(?:final\s+|correct\s+|best\s+)?(?:answer|option|choice|video)s?\s*(?:is|would\s+be|:|-)?\s*:?\s*",
     re.IGNORECASE,
 )
 # The whole answer is one label or a list of labels: "B", "(b)", "A or B", "A, C", "(1) and (3)".
 _ONE = r"[\(\[]?\s*(?:[A-Za-z]|\d{1,2})\s*[\)\]]?"
-_LIST = re.compile(rf"^\s*{_ONE}(?:\s*(?:,|;|/|&|\+|\bor\b|\band\b|\bor\s+maybe\b)\s*{_ONE})*\s*[.!]?\s*$", re.IGNORECASE)
+_LIST = re.compile(
+    rf"^\s*{_ONE}(?:\s*(?:,|;|/|&|\+|\bor\b|\band\b|\bor\s+maybe\b)\s*{_ONE})*\s*[.!]?\s*$", re.IGNORECASE
+)
 _LABEL_IN = re.compile(r"(?<![A-Za-z\d])([A-Za-z]|\d{1,2})(?![A-Za-z\d])")
 # A label opening the answer, followed by its text: "(B) red", "[B] red", "B) red", "B. red", "B: red", "2) x".
-_LEAD = re.compile(
-    r"^\s*(?:[\(\[]\s*([A-Za-z]|\d{1,2})\s*[\)\]]|([A-Z]|\d{1,2})\s*[).:](?=\s|$)(?!\s*\d))"
-)
+_LEAD = re.compile(r"^\s*(?:[\(\[]\s*([A-Za-z]|\d{1,2})\s*[\)\]]|([A-Z]|\d{1,2})\s*[).:](?=\s|$)(?!\s*\d))")
 _LEAD_AFTER_PREFIX = re.compile(r"^\s*([A-Z]|\d{1,2})(?=\s|$|[,;!?])")
 # A parenthesised capital label anywhere: "... so (B)".
 _PAREN_ANY = re.compile(r"[\(\[]\s*([A-Z]|\d{1,2})\s*[\)\]]")

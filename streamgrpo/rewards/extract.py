@@ -90,7 +90,9 @@ def normalize(text: str) -> str:
 
 
 # A number: thousands separators (1,200), decimals (-3.5, .5); a trailing % is ignored.
-_NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])[-+\u2212]?\.\d+")
+_NUMBER = re.compile(
+    r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])[-+\u2212]?\.\d+"
+)
 
 
 def numbers(text: str) -> list[float]:
@@ -113,7 +115,9 @@ def first_number(text: str) -> float | None:
     return found[0] if found else None
 
 
-_NUMBER_ONLY = re.compile(r"^\s*[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*%?\s*\.?\s*$|^\s*[-+]?\.\d+\s*%?\s*$")
+_NUMBER_ONLY = re.compile(
+    r"^\s*[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*%?\s*\.?\s*$|^\s*[-+]?\.\d+\s*%?\s*$"
+)
 
 
 def is_number_only(text: str) -> bool:

@@ -60,9 +60,14 @@ def builtin_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def canonical_name(name: str) -> str:
+    """The built-in name behind an alias (``accuracy_reward`` -> ``accuracy``); others unchanged."""
+    return _ALIASES.get(name, name)
+
+
 def factory_params(name: str) -> set[str] | None:
     """Keyword parameters a built-in factory accepts (``None`` for a custom reward: unknown)."""
-    name = _ALIASES.get(name, name)
+    name = canonical_name(name)
     factory = _FACTORIES.get(name)
     if factory is None:
         return None
@@ -85,7 +90,9 @@ def _import_custom(name: str) -> Callable[..., Any]:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise RewardError(f"custom reward {name!r}: module {module_name!r} has no {attr_path!r}") from None
+            raise RewardError(
+                f"custom reward {name!r}: module {module_name!r} has no {attr_path!r}"
+            ) from None
     if not callable(obj):
         raise RewardError(f"custom reward {name!r}: {attr_path!r} is not callable")
     return obj

@@ -71,7 +71,12 @@ def test_matrix_batch_scaling_uses_whole_batch_std():
 
 
 def test_ragged_groups():
-    groups = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.7]), torch.tensor([]), torch.tensor([2.0, 4.0, 4.0, 2.0])]
+    groups = [
+        torch.tensor([1.0, 0.0, 0.0]),
+        torch.tensor([0.7]),
+        torch.tensor([]),
+        torch.tensor([2.0, 4.0, 4.0, 2.0]),
+    ]
     adv, zv = batch_advantages(groups, "group", eps=EPS)
     assert isinstance(adv, list) and [a.shape[0] for a in adv] == [3, 1, 0, 4]
     assert zv.tolist() == [False, True, True, False]
@@ -123,7 +128,9 @@ def test_property_group_mode(rewards, shift):
     assert abs(adv.sum().item()) < 1e-9 * len(rewards) * (1 + 1 / std)
     torch.testing.assert_close(adv.std(), torch.tensor(std / (std + EPS), dtype=torch.float64))
     # order preserved, shift invariant
-    assert torch.equal(torch.argsort(adv, stable=True), torch.argsort(r, stable=True))
+    # (weakly: values closer than rounding may become ties)
+    less = r[:, None] < r[None, :]
+    assert bool((adv[:, None] <= adv[None, :])[less].all())
     shifted = r + shift
     if bool(shifted.max() != shifted.min()):
         torch.testing.assert_close(group_advantages(shifted, "group", eps=EPS), adv, rtol=1e-6, atol=1e-6)

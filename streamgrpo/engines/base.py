@@ -1,0 +1,75 @@
+"""The rollout engine interface: one small protocol, one class per backend (hf.py, vllm.py).
+
+An engine turns prompt requests into G sampled completions each, with the log-probability of every
+sampled token under the distribution it was actually sampled from (after temperature), and takes new
+weights between generation calls. Engines know nothing about rewards, queues or configs beyond
+:class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from streamgrpo.wire import Visual
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 8  # G completions per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_config(cls, rollout, seed: int | None = None) -> SamplingParams:
+        return cls(
+            n=rollout.num_generations, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+            max_tokens=rollout.max_completion_length, stop=tuple(rollout.stop), seed=seed,
+        )
+
+
+@dataclass
+class PromptRequest:
+    """One prompt: the chat-templated text, its visuals (already resized uint8 frames) and the
+    processor outputs for exactly that text and those frames (``inputs``: input_ids (1, P), ...)."""
+
+    prompt_text: str
+    visuals: list[Visual]
+    inputs: Any  # transformers BatchFeature / dict of tensors for one prompt
+    request_id: str = ""
+
+
+@dataclass
+class SampledCompletion:
+    token_ids: np.ndarray  # int32 (L,), up to and including the end token when it stopped
+    logprobs: np.ndarray  # float32 (L,)
+    text: str
+    finish_reason: str  # "stop" | "length"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
+        """G completions for each request, in request order."""
+        ...
+
+    def load_weights(self, version: int, tensors: dict[str, Any]) -> None:
+        """Apply a complete weight version (between generate calls)."""
+        ...
+
+
+def cut_at_stop(token_ids: np.ndarray, stop_ids: set[int]) -> tuple[int, str]:
+    """Length of a sampled row up to and including the first stop token, and the finish reason
+    (``"stop"``, or ``"length"`` for a row that used its whole token budget)."""
+    for i, t in enumerate(token_ids.tolist()):
+        if t in stop_ids:
+            return i + 1, "stop"
+    return len(token_ids), "length"

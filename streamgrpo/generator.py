@@ -1,0 +1,168 @@
+"""The generator process: prompts in, scored groups out (``streamgrpo generator --config F --id K``).
+
+One top-down loop. Per batch of prompts: apply the newest verified weights (a safe point), sample
+G completions per prompt, score them, and push one ScoredGroup per prompt into the Redis stream
+(blocking under backpressure). Generator K reads shard K of ``rollout.num_generators``. SIGTERM
+finishes the current batch and exits 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from streamgrpo import metrics as M
+from streamgrpo.config import Config
+from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
+
+log = logging.getLogger("streamgrpo.generator")
+
+
+def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None) -> int:
+    import torch
+
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.prompts import build_prompt_text, processor_inputs
+    from streamgrpo.data.records import load_records
+    from streamgrpo.engines.base import PromptRequest, SamplingParams
+    from streamgrpo.models.loading import load_model, load_processor, resolve_device
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.weights import WeightSubscriber
+    from streamgrpo.wire import Completion, ScoredGroup
+
+    if not 0 <= generator_id < cfg.rollout.num_generators:
+        raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
+    stop = stop if stop is not None else StopFlag()
+    name = f"generator-{generator_id}"
+    run_dir = Path(cfg.run_dir)
+    setup_torch_threads()
+    torch.manual_seed(cfg.seed * 1000 + generator_id)
+    server = start_metrics(cfg, run_dir, name)
+    audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
+
+    # --- the policy, its processor, the engine ---------------------------------------------
+    device = resolve_device(cfg.rollout.device)
+    processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
+    if cfg.rollout.engine == "vllm":
+        from streamgrpo.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine.from_config(cfg, processor)
+    else:
+        from streamgrpo.engines.hf import HFEngine
+
+        engine = HFEngine(load_model(cfg.model, device), processor, device=device)
+    vp = processor.video_processor
+    factor, temporal = vp.patch_size * vp.merge_size, vp.temporal_patch_size
+
+    # --- data, rewards, queue, weights ---------------------------------------------------------
+    records = load_records(cfg.data.train_path, cfg.data)
+    if cfg.data.kinds:
+        records = [r for r in records if r.kind in cfg.data.kinds]
+    if not records:
+        raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
+    rewards = RewardSet(cfg)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name)
+    weights = WeightSubscriber.from_config(cfg.weights)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
+
+    def apply_newest(block_s: float = 0.0) -> None:
+        got = weights.poll(timeout_s=block_s)
+        while got is not None:
+            pending.append(got)
+            got = weights.poll(timeout_s=0.0)
+        target = None
+        while pending and pending[-1][0] - pending[0][0] >= cfg.rollout.weight_apply_delay:
+            target = pending.popleft()
+        if target is not None and target[0] > engine.version:
+            version, tensors = target[0], target[1]
+            t0 = time.perf_counter()
+            engine.load_weights(version, tensors)
+            published = target[2] if len(target) > 2 else None
+            if published:
+                M.WEIGHT_SYNC_SECONDS.observe(max(0.0, time.time() - published))
+            M.POLICY_VERSION.labels(role="generator").set(version)
+            log.info("%s: applied weights v%d (%.2fs)", name, version, time.perf_counter() - t0)
+
+    snap = weights.request_snapshot(timeout_s=10.0)
+    if snap is not None and snap[0] > engine.version:
+        engine.load_weights(snap[0], snap[1])
+        M.POLICY_VERSION.labels(role="generator").set(snap[0])
+    log.info("%s: %d records in shard %d/%d, starting at policy v%d", name,
+             (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
+             generator_id, cfg.rollout.num_generators, engine.version)
+
+    samples = iter_samples(records, cfg.data, shard=generator_id, num_shards=cfg.rollout.num_generators,
+                           seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=factor, temporal_patch=temporal)
+    produced = 0
+    try:
+        while not stop:
+            apply_newest()
+            batch_size = cfg.rollout.prompts_per_batch
+            if cfg.rollout.sync:
+                batch_size = _claim_sync_slots(queue, cfg, engine.version, batch_size)
+                if batch_size == 0:  # this version's share is produced: wait for the next one
+                    apply_newest(block_s=1.0)
+                    continue
+            chunk = list(itertools.islice(samples, batch_size))
+            if not chunk:
+                log.info("%s: data exhausted after %d groups", name, produced)
+                break
+            requests = []
+            for record, visuals in chunk:
+                text = build_prompt_text(processor, record, cfg.data)
+                requests.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
+            version = engine.version
+            t0 = time.perf_counter()
+            outs = engine.generate(requests, sampling)
+            gen_s = time.perf_counter() - t0
+            for (record, visuals), req, group_out in zip(chunk, requests, outs):
+                texts = [c.text for c in group_out]
+                scored = rewards.score(texts, record.answer, prompt_id=record.id,
+                                       fields={"question": record.question, "kind": record.kind})
+                group = ScoredGroup(
+                    prompt_id=record.id, generator_id=name, policy_version=version, model_id=cfg.model.name_or_path,
+                    prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
+                    answer=record.answer, prompt_text=req.prompt_text,
+                    meta={"kind": record.kind, "temperature": sampling.temperature},
+                    completions=[
+                        Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
+                                   float(scored.totals[i]))
+                        for i, c in enumerate(group_out)
+                    ],
+                )
+                t_put = time.perf_counter()
+                queue.put(group)
+                produced += 1
+                M.GROUPS.labels(event="produced").inc()
+                M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group_out))
+                audit.write({"event": "produced", "group_id": group.group_id, "version": version,
+                             "reward": float(np.mean(scored.totals)), "t": time.time(),
+                             "put_s": round(time.perf_counter() - t_put, 4)})
+            log.debug("%s: %d groups at v%d in %.2fs", name, len(chunk), version, gen_s)
+    finally:
+        log.info("%s: stopping after %d groups", name, produced)
+        weights.close()
+        queue.close()
+        audit.close()
+        server.close()
+    return 0
+
+
+def _claim_sync_slots(queue, cfg: Config, version: int, want: int) -> int:
+    """On-policy mode: claim up to ``want`` of the ``groups_per_step`` slots of ``version``.
+
+    All generators share one Redis counter per version, so exactly one step's worth of groups is
+    produced with each version and the learner never sees a stale group.
+    """
+    key = f"{cfg.queue.namespace}:sync:{version}"
+    total = queue.client.incrby(key, want)
+    queue.client.expire(key, 24 * 3600)
+    already = total - want
+    return max(0, min(want, cfg.learner.groups_per_step - already))

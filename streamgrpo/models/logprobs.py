@@ -1,0 +1,252 @@
+"""Per-token log-probabilities of sampled completions under a Qwen-VL policy (or its reference).
+
+``completion_logprobs(model, batch, temperature=T)`` returns, for every completion token of a
+:class:`~streamgrpo.models.batching.TrainBatch`, ``log_softmax(logits / T)`` at the sampled token,
+in the (B, T) layout of ``batch.completion_mask`` (0 where masked), as float32. It is the same
+quantity a sampler reports at temperature T with top-k/top-p off, so importance ratios against
+the behaviour log-probs are exact. The reference path is this same function: a frozen copy of
+the model, or a peft model inside ``with model.disable_adapter():``.
+
+How it stays cheap:
+
+* One vision pass per group (``shared_vision=True``). The G rows of a group share one prompt and
+  its visuals, so the vision encoder runs once per group (all groups of the batch in one call);
+  its outputs (and Qwen3-VL's deepstack features) are handed to the model as precomputed
+  ``mm_encoder_outputs``, one reference per row, and the model scatters them into
+  ``inputs_embeds`` itself. Gradients of the G rows accumulate into the single encoder output.
+  ``shared_vision=False`` is the usual per-row path (pixels repeated G times, as TRL does).
+* Explicit m-RoPE ``position_ids`` from :func:`~streamgrpo.models.batching.build_batch`.
+* Only completion positions reach the LM head: the last hidden states are gathered at the
+  positions that predict completion tokens (no padding, no prompt), then projected in chunks of
+  ``chunk_tokens`` rows; each chunk takes ``logsumexp`` in float32 and gathers the chosen logit.
+  With gradients on, each chunk is recomputed in backward (activation checkpointing), so neither
+  a float32 (B, T, V) log-softmax nor the (N, V) logits are ever held for the backward pass.
+
+Entropies (``with_entropy=True``) are of the same temperature-scaled distribution and carry no
+gradient (they are a metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from streamgrpo.models.batching import GroupInputs, TrainBatch
+
+_PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+
+
+def unwrap_model(model: Any) -> nn.Module:
+    """The transformers ``*ForConditionalGeneration`` inside DeepSpeed/DDP/peft wrappers.
+
+    peft injects LoRA layers in place, so calling the unwrapped modules still uses the adapters
+    (and honours ``disable_adapter()``).
+    """
+    m = model
+    for _ in range(8):
+        if callable(getattr(m, "get_base_model", None)):  # peft
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "module", None), nn.Module) and not hasattr(m, "lm_head"):  # DeepSpeed, DDP
+            m = m.module
+        else:
+            break
+    if not (hasattr(m, "model") and hasattr(m, "lm_head")):
+        raise TypeError(f"{type(m).__name__} is not a transformers Qwen-VL *ForConditionalGeneration model")
+    return m
+
+
+# ------------------------------------------------------------------------------- vision inputs
+def _encode_once(inner: nn.Module, batch: TrainBatch) -> dict[str, Any]:
+    """Run the vision encoder once over the visuals of all groups; replicate the outputs per row.
+
+    Returns ``mm_encoder_outputs`` for the model's forward: per modality, the encoder output
+    object whose ``pooler_output`` (and ``deepstack_features`` per layer) is a tuple with one
+    entry per image/video in the order they occur in the flattened batch (row after row).
+    """
+    encoded: dict[str, Any] = {}
+    for kind, (pix_key, grid_key) in _PIXELS.items():
+        members = [gi for gi, g in enumerate(batch.groups) if getattr(g, pix_key) is not None]
+        if not members:
+            continue
+        pixels = torch.cat([getattr(batch.groups[gi], pix_key) for gi in members])
+        grids = torch.cat([getattr(batch.groups[gi], grid_key) for gi in members])
+        fn = inner.get_image_features if kind == "image" else inner.get_video_features
+        out = fn(pixels, grids, return_dict=True)
+        # the items (images or videos) of each group, as index ranges into the encoder's tuples
+        spans, start = {}, 0
+        for gi in members:
+            n = int(getattr(batch.groups[gi], grid_key).shape[0])
+            spans[gi] = range(start, start + n)
+            start += n
+        order = [i for gi in batch.row_group.tolist() for i in spans.get(gi, ())]
+        fields = dict(out.items())
+        fields["pooler_output"] = tuple(out.pooler_output[i] for i in order)
+        deep = getattr(out, "deepstack_features", None)
+        if deep is not None:
+            fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in deep]
+        encoded[kind] = type(out)(**fields)
+    return encoded
+
+
+def _repeat_per_row(batch: TrainBatch) -> dict[str, Tensor]:
+    """Visual tensors with each group's visuals repeated for each of its rows (the naive layout)."""
+    groups = [batch.groups[gi] for gi in batch.row_group.tolist()]
+    out: dict[str, Tensor] = {}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        parts = [getattr(g, key) for g in groups if getattr(g, key) is not None]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out
+
+
+def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = True) -> Tensor:
+    """Final (normed) hidden states (B, L, H) of the language model for ``batch``."""
+    hf = unwrap_model(model)
+    inner = hf.model
+    kw: dict[str, Any] = dict(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    if batch.mm_token_type_ids is not None:
+        kw["mm_token_type_ids"] = batch.mm_token_type_ids
+    if shared_vision:
+        enc = _encode_once(inner, batch)
+        if enc:
+            kw["mm_encoder_outputs"] = enc
+    else:
+        kw.update(_repeat_per_row(batch))
+    return inner(**kw).last_hidden_state
+
+
+# ------------------------------------------------------------------------------------ LM head
+def _token_logprobs(hidden_NH: Tensor, ids_N: Tensor, lm_head: nn.Module, temperature: float,
+                    suppress: Tensor | None, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(lm_head(h) / T)[id] for N positions (float32); entropy without gradient."""
+    logits = lm_head(hidden_NH).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if suppress is not None:
+        logits = logits.index_fill(-1, suppress, float("-inf"))
+    lse_N = torch.logsumexp(logits, dim=-1)
+    logp_N = logits.gather(-1, ids_N[:, None]).squeeze(-1) - lse_N
+    ent_N = None
+    if with_entropy:
+        with torch.no_grad():
+            ent_N = torch.special.entr(torch.exp(logits - lse_N[:, None])).sum(-1)
+    return logp_N, ent_N
+
+
+def chunked_token_logprobs(
+    hidden_NH: Tensor,
+    ids_N: Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float = 1.0,
+    suppress_token_ids: Sequence[int] | Tensor | None = None,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+    recompute: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (N,) of ``ids_N`` given hidden states (N, H), ``chunk_tokens`` rows of logits at a time.
+
+    With gradients on and ``recompute``, each chunk's logits are recomputed in backward instead
+    of stored. ``suppress_token_ids`` get -inf logits first (as a sampler's ``suppress_tokens``).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    suppress = None
+    if suppress_token_ids is not None and len(suppress_token_ids):
+        suppress = torch.as_tensor(suppress_token_ids, dtype=torch.long, device=hidden_NH.device)
+    n = hidden_NH.shape[0]
+    if n == 0:
+        empty = hidden_NH.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    use_ckpt = recompute and torch.is_grad_enabled() and hidden_NH.requires_grad
+    lps, ents = [], []
+    for s in range(0, n, chunk_tokens):
+        args = (hidden_NH[s : s + chunk_tokens], ids_N[s : s + chunk_tokens], lm_head, temperature, suppress,
+                with_entropy)
+        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if use_ckpt else _token_logprobs(*args)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def completion_logprobs(
+    model: Any,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    shared_vision: bool = True,
+    suppress_token_ids: Sequence[int] | None = None,
+    chunk_tokens: int = 1024,
+    recompute: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropies) of the completion tokens of ``batch``.
+
+    Returns ``(logprobs_BT, entropy_BT or None)``, float32, shaped like ``batch.completion_mask``
+    and zero where it is False. ``batch`` must be on the model's device (``batch.to(device)``).
+    Pass ``suppress_token_ids`` (e.g. :func:`~streamgrpo.models.batching.vision_token_ids`) when
+    the sampler suppressed those tokens and reported log-probs of its processed distribution.
+    """
+    hf = unwrap_model(model)
+    hidden_BLH = last_hidden_states(hf, batch, shared_vision=shared_vision)
+    rows, cols = batch.completion_mask.nonzero(as_tuple=True)
+    hidden_NH = hidden_BLH[rows, batch.logit_index[rows, cols]]
+    ids_N = batch.completion_ids[rows, cols]
+    vocab = hf.lm_head.out_features if isinstance(hf.lm_head, nn.Linear) else None
+    if ids_N.numel() and (int(ids_N.min()) < 0 or (vocab is not None and int(ids_N.max()) >= vocab)):
+        raise ValueError(f"completion token ids outside the vocabulary [0, {vocab})")
+    logp_N, ent_N = chunked_token_logprobs(
+        hidden_NH, ids_N, hf.lm_head, temperature=temperature, suppress_token_ids=suppress_token_ids,
+        with_entropy=with_entropy, chunk_tokens=chunk_tokens, recompute=recompute,
+    )
+    shape = tuple(batch.completion_mask.shape)
+    logprobs_BT = logp_N.new_zeros(shape)
+    logprobs_BT[rows, cols] = logp_N
+    entropy_BT = None
+    if with_entropy:
+        entropy_BT = logp_N.new_zeros(shape)
+        entropy_BT[rows, cols] = ent_N
+    return logprobs_BT, entropy_BT
+
+
+def per_row_logprobs(model: Any, batch: TrainBatch, *, temperature: float = 1.0,
+                     suppress_token_ids: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Reference: one plain forward per row (its own vision pass, full logits, ``log_softmax``).
+
+    Slow and memory-hungry on purpose; for tests and benchmarks. Returns ``(logprobs_BT, entropy_BT)``.
+    """
+    B, T = batch.completion_mask.shape
+    out_lp, out_ent = [], []
+    for b in range(B):
+        g: GroupInputs = batch.groups[int(batch.row_group[b])]
+        P, C = int(batch.prompt_lens[b]), int(batch.completion_lens[b])
+        n = P + C
+        kw = dict(g.visual_kwargs())
+        if batch.mm_token_type_ids is not None:
+            kw["mm_token_type_ids"] = batch.mm_token_type_ids[b : b + 1, :n]
+        logits = model(
+            input_ids=batch.input_ids[b : b + 1, :n],
+            attention_mask=batch.attention_mask[b : b + 1, :n],
+            position_ids=batch.position_ids[:, b : b + 1, :n],
+            use_cache=False,
+            **kw,
+        ).logits[0].float() / temperature
+        if suppress_token_ids:
+            logits[:, list(suppress_token_ids)] = float("-inf")
+        logp = torch.log_softmax(logits[P - 1 : n - 1], dim=-1)
+        lp = logp.gather(-1, batch.input_ids[b, P:n, None]).squeeze(-1)
+        ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).detach()
+        out_lp.append(torch.nn.functional.pad(lp, (0, T - C)))
+        out_ent.append(torch.nn.functional.pad(ent, (0, T - C)))
+    return torch.stack(out_lp), torch.stack(out_ent)

@@ -1,0 +1,97 @@
+"""Format warm start for the tiny demo model (``streamgrpo model tiny --warm-format``).
+
+A short supervised pass on demo prompts whose targets are ``<answer>X</answer>`` with X drawn
+uniformly at random from the question's options: afterwards the model writes the answer format
+almost always but has learnt nothing about which option is right (sampled accuracy stays at chance),
+so any accuracy GRPO reaches later is GRPO's doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_OPTION = re.compile(r"\(([A-Z])\)")
+
+
+def _options(question: str) -> list[str]:
+    letters = _OPTION.findall(question)
+    return sorted(set(letters)) or ["A", "B", "C"]
+
+
+def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: int = 60, batch_size: int = 32,
+                lr: float = 3e-3, pool: int = 192) -> dict[str, float]:
+    """Teach the answer format in place; returns {"loss_first": .., "loss_last": ..}."""
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.config import load_config
+    from streamgrpo.data.demo import make_demo
+    from streamgrpo.data.prompts import build_prompt_text, processor_inputs
+    from streamgrpo.data.records import load_records
+    from streamgrpo.data.video import load_visuals
+    from streamgrpo.engines.hf import collate_prompts
+    from streamgrpo.models.loading import load_processor
+
+    model_dir = Path(model_dir)
+    data_cfg = data_cfg or load_config("demo").data
+    train = Path(data_cfg.train_path)
+    if not train.exists():
+        make_demo(train.parent, n=data_cfg.demo_size, seed=seed)
+    records = [r for r in load_records(train, data_cfg) if data_cfg.kinds is None or r.kind in data_cfg.kinds]
+    rng = random.Random(seed)
+    rng.shuffle(records)
+    processor = load_processor(str(model_dir))
+    tok = processor.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    vp = processor.video_processor
+    factor = vp.patch_size * vp.merge_size
+    tag = data_cfg.answer_tag
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    prompts = []
+    for rec in records[:pool]:
+        visuals = load_visuals(rec, data_cfg, factor=factor, temporal_patch=vp.temporal_patch_size)
+        text = build_prompt_text(processor, rec, data_cfg)
+        prompts.append((processor_inputs(processor, text, visuals), _options(rec.question)))
+    if not prompts:
+        raise ValueError(f"{train}: no records to warm up on")
+
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
+    first = last = float("nan")
+    for step in range(steps):
+        rows, targets = [], []
+        for inp, options in (prompts[rng.randrange(len(prompts))] for _ in range(batch_size)):
+            answer = tok.encode(f"<{tag}>{rng.choice(options)}</{tag}>", add_special_tokens=False) + [end]
+            ids = torch.cat([inp["input_ids"].reshape(-1), torch.tensor(answer)])
+            row = dict(inp)
+            row["input_ids"] = ids
+            row["attention_mask"] = torch.ones_like(ids)
+            if "mm_token_type_ids" in inp:
+                row["mm_token_type_ids"] = torch.cat(
+                    [inp["mm_token_type_ids"].reshape(-1), torch.zeros(len(answer), dtype=inp["mm_token_type_ids"].dtype)]
+                )
+            rows.append(row)
+            targets.append(len(answer))
+        batch = collate_prompts(rows, tok.pad_token_id)
+        labels = torch.full_like(batch["input_ids"], -100)
+        for i, n in enumerate(targets):
+            labels[i, -n:] = batch["input_ids"][i, -n:]
+        loss = model(**batch, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        first = loss.item() if step == 0 else first
+        last = loss.item()
+        if step % 20 == 0 or step == steps - 1:
+            log.info("warm-format step %d/%d loss %.3f", step + 1, steps, last)
+    model.save_pretrained(model_dir)
+    return {"loss_first": first, "loss_last": last}

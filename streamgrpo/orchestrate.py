@@ -1,0 +1,296 @@
+"""``streamgrpo up``: everything on one machine.
+
+Starts an embedded Redis when no ``queue.url`` is set, the learner and N generators as child
+processes (each with its own /metrics port and a log file in the run directory), shows one live
+status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and
+waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and
+``reward.png`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from streamgrpo.config import Config
+from streamgrpo.runtime import write_json
+
+log = logging.getLogger("streamgrpo.up")
+
+TARGET_ACCURACY = 0.9
+WINDOW_GROUPS = 50
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_assets(cfg: Config) -> None:
+    """Make the demo data set and the tiny warm-started model when the config asks for them."""
+    train = Path(cfg.data.train_path)
+    if not train.exists() and cfg.data.make_demo_if_missing:
+        from streamgrpo.data.demo import make_demo
+
+        print(f"making the demo data set in {train.parent} ({cfg.data.demo_size} records) ...", flush=True)
+        make_demo(train.parent, n=cfg.data.demo_size, seed=cfg.seed)
+    model_dir = Path(cfg.model.name_or_path)
+    if cfg.model.tiny_if_missing and not (model_dir / "config.json").exists():
+        from streamgrpo.models.tiny import build_tiny
+        from streamgrpo.models.warm import warm_format
+
+        print(f"building the tiny Qwen2.5-VL in {model_dir} and teaching it the answer format ...", flush=True)
+        tmp = model_dir.with_name(model_dir.name + ".tmp")
+        build_tiny(tmp, arch="qwen2_5_vl", seed=cfg.seed)
+        warm_format(tmp, data_cfg=cfg.data, seed=cfg.seed)
+        if model_dir.exists():
+            import shutil
+
+            shutil.rmtree(model_dir)
+        tmp.rename(model_dir)
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
+        self.name = name
+        self.log_path = log_path
+        self._fh = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM (finish the current unit of work), then SIGKILL after ``grace_s``; by PID only."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop in %.0fs: killing it", self.name, self.pid, grace_s)
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+        return self.proc.returncode
+
+
+def _read_metrics(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
+    if not path.exists():
+        return offset
+    with open(path) as fh:
+        fh.seek(offset)
+        while True:
+            line = fh.readline()
+            if not line or not line.endswith("\n"):
+                break
+            offset += len(line.encode())
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return offset
+
+
+def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
+    """summary.json: steps, groups, accuracy over the first/last 50 trained groups, time to 0.9."""
+    accs: list[tuple[float, float]] = []  # (time the group was trained, its mean accuracy reward)
+    for r in rows:
+        for a in r.get("group_accuracy") or []:
+            accs.append((r["time"], a))
+    first = [a for _, a in accs[:WINDOW_GROUPS]]
+    last = [a for _, a in accs[-WINDOW_GROUPS:]]
+    time_to_target = None
+    for i in range(WINDOW_GROUPS - 1, len(accs)):
+        window = [a for _, a in accs[i - WINDOW_GROUPS + 1 : i + 1]]
+        if sum(window) / len(window) >= TARGET_ACCURACY:
+            time_to_target = round(accs[i][0] - started, 2)
+            break
+    final = rows[-1] if rows else {}
+    return {
+        "steps": final.get("step", 0),
+        "version": final.get("version", 0),
+        "groups_trained": final.get("groups_trained", 0),
+        "groups_dropped": final.get("groups_dropped", {}),
+        "wall_seconds": round(finished - started, 2),
+        "first_accuracy": sum(first) / len(first) if first else None,
+        "last_accuracy": sum(last) / len(last) if last else None,
+        "time_to_target_s": time_to_target,
+        "target_accuracy": TARGET_ACCURACY,
+        "final_reward": final.get("reward"),
+    }
+
+
+def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward"] for r in rows], label="reward (total)", color="tab:blue")
+    fns = sorted({k for r in rows for k in (r.get("rewards") or {})})
+    for fn in fns:
+        if fn != "accuracy":
+            ax.plot(steps, [(r.get("rewards") or {}).get(fn) for r in rows], label=f"reward: {fn}", alpha=0.6)
+    if any(r.get("accuracy") is not None for r in rows):
+        ax.plot(steps, [r.get("accuracy") for r in rows], label="accuracy", color="tab:green")
+    ax.axhline(TARGET_ACCURACY, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean over the step's groups")
+    ax.set_ylim(-0.05, max(1.05, max((r["reward"] for r in rows), default=1.0) + 0.05))
+    ax.legend(loc="lower right")
+    ax.set_title("streamgrpo: reward and accuracy over training")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, alive: str) -> str:
+    r = rows[-1] if rows else {}
+    elapsed = time.time() - started
+    gps = r.get("groups_trained", 0) / elapsed if elapsed > 0 else 0.0
+    acc = r.get("accuracy")
+    return (f"[{elapsed:6.0f}s] step {r.get('step', 0):4d}  v{r.get('version', 0):<4d} "
+            f"reward {r.get('reward', float('nan')):.3f}  acc {'-' if acc is None else f'{acc:.3f}'}  "
+            f"stale {r.get('staleness_mean', 0.0):.1f}  queue {'-' if depth is None else depth:>3}  "
+            f"{gps:.2f} groups/s  {alive}")
+
+
+def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
+           config_source: str | None = None, status_every_s: float = 1.0) -> int:
+    if run_dir:
+        cfg.run_dir = run_dir
+    if generators is not None:
+        cfg.rollout.num_generators = generators
+    if sync:
+        cfg.rollout.sync = True
+        cfg.loss.max_staleness = 0
+    rd = Path(cfg.run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "logs").mkdir(exist_ok=True)
+    prepare_assets(cfg)
+
+    redis = None
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if not cfg.queue.url:
+        from streamgrpo.transport.redis_server import EmbeddedRedis
+
+        redis = EmbeddedRedis(rd / "redis")
+        url = redis.start()
+        write_json(rd / "redis.json", {"url": url, "pid": redis.pid})
+        env["STREAMGRPO_REDIS_URL"] = url
+        print(f"embedded Redis at {url} (AOF in {rd / 'redis'})", flush=True)
+    if cfg.weights.pub_port == 0:
+        cfg.weights.pub_port = free_port()
+    if cfg.weights.snapshot_port == 0:
+        cfg.weights.snapshot_port = free_port()
+    config_path = rd / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+
+    metrics_path = rd / "metrics.jsonl"
+    if metrics_path.exists() and not cfg.learner.resume:
+        metrics_path.rename(rd / f"metrics.{int(time.time())}.jsonl")
+    base = [sys.executable, "-m", "streamgrpo"]
+    children: list[Child] = []
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    offset = 0
+    code = 0
+    interrupted = False
+    queue = None
+    try:
+        children.append(Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env))
+        for k in range(cfg.rollout.num_generators):
+            children.append(Child(f"generator-{k}", [*base, "generator", "--config", str(config_path), "--id", str(k)],
+                                  rd / "logs" / f"generator-{k}.log", env))
+        write_json(rd / "processes.json", {c.name: c.pid for c in children})
+        print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+        learner = children[0]
+        tty = sys.stdout.isatty()
+        last_print = 0.0
+        reported_dead: set[str] = set()
+        while True:
+            offset = _read_metrics(metrics_path, offset, rows)
+            if queue is None:
+                queue = _try_queue(cfg, env)
+            depth = _depth(queue)
+            gens_alive = sum(c.alive() for c in children[1:])
+            line = _status_line(rows, depth, started, f"gens {gens_alive}/{len(children) - 1}")
+            now = time.time()
+            if tty:
+                sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
+                sys.stdout.flush()
+            elif now - last_print >= 10.0:
+                print(line, flush=True)
+                last_print = now
+            for c in children[1:]:
+                if not c.alive() and c.name not in reported_dead:
+                    reported_dead.add(c.name)
+                    print(f"\n{c.name} exited with code {c.proc.returncode}; see {c.log_path}", flush=True)
+            if not learner.alive():
+                code = learner.proc.returncode or 0
+                if code != 0:
+                    print(f"\nthe learner exited with code {code}; see {learner.log_path}", flush=True)
+                break
+            if gens_alive == 0 and len(children) > 1:
+                print("\nall generators have exited; stopping the learner", flush=True)
+                break
+            time.sleep(status_every_s)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nCtrl-C: stopping every process ...", flush=True)
+    finally:
+        for c in reversed(children):  # generators first, the learner last (it checkpoints)
+            c.stop()
+        if queue is not None:
+            queue.close()
+        if redis is not None:
+            redis.stop()
+    finished = time.time()
+    offset = _read_metrics(metrics_path, offset, rows)
+    summary = summarise(rows, started, finished)
+    summary["interrupted"] = interrupted
+    write_json(rd / "summary.json", summary)
+    outputs = [rd / "config.yaml", metrics_path, rd / "summary.json"]
+    if rows:
+        outputs.append(plot_rewards(rows, rd / "reward.png"))
+    print("\n" + json.dumps({k: summary[k] for k in ("steps", "groups_trained", "first_accuracy", "last_accuracy",
+                                                       "time_to_target_s", "wall_seconds")}), flush=True)
+    for p in outputs:
+        print(f"  {p}")
+    return 130 if interrupted else code
+
+
+def _try_queue(cfg: Config, env: dict[str, str]):
+    try:
+        from streamgrpo.transport.queue import RedisQueue
+
+        url = cfg.queue.url or env.get("STREAMGRPO_REDIS_URL")
+        return RedisQueue.from_config(cfg.queue, url, consumer="up-status") if url else None
+    except Exception:  # noqa: BLE001 - the status line simply shows no depth
+        return None
+
+
+def _depth(queue) -> int | None:
+    if queue is None:
+        return None
+    try:
+        return queue.depth()
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,108 @@
+"""Small process plumbing shared by the learner and generator loops: stop signals, run-dir files,
+the metrics endpoint and the queue URL. No training logic lives here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; loops check it at safe points and finish the current unit of work."""
+
+    def __init__(self, install: bool = True):
+        self._event = threading.Event()
+        self.signal_name: str | None = None
+        if install and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        if self._event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.info("%s received: finishing the current step, then stopping", self.signal_name)
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write JSON atomically (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+class JsonlWriter:
+    """Append-only JSON lines, flushed per line (``metrics.jsonl``, audit logs)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, default=_default) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, set):
+        return sorted(obj)
+    return str(obj)
+
+
+def start_metrics(cfg, run_dir: Path, role: str, health=None):
+    """Serve /metrics and /healthz; record the port in ``<run_dir>/ports/<role>.json``."""
+    from streamgrpo.metrics import serve
+
+    server = serve(cfg.metrics.host, cfg.metrics.port, health=health)
+    write_json(run_dir / "ports" / f"{role}.json", {"metrics": server.port, "pid": os.getpid(), "started": time.time()})
+    log.info("%s: metrics on port %d", role, server.port)
+    return server
+
+
+def queue_url(cfg, run_dir: Path) -> str:
+    """The configured Redis URL, or the embedded server's URL that `streamgrpo up` recorded."""
+    if cfg.queue.url:
+        return cfg.queue.url
+    env = os.environ.get("STREAMGRPO_REDIS_URL")
+    if env:
+        return env
+    rec = run_dir / "redis.json"
+    if rec.is_file():
+        return json.loads(rec.read_text())["url"]
+    raise RuntimeError(
+        "no Redis configured: set queue.url (redis://host:port/db) or start everything with `streamgrpo up`, "
+        "which runs an embedded Redis"
+    )
+
+
+def setup_torch_threads() -> None:
+    """Respect OMP_NUM_THREADS (default 1 here: two busy processes on 2 cores otherwise crawl)."""
+    import torch
+
+    n = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    torch.set_num_threads(max(1, n))

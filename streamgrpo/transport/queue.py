@@ -1,0 +1,549 @@
+"""The replay queue between generators and the learner: ScoredGroups on a Redis stream (design.md §1-2).
+
+Keys (``ns`` = ``queue.namespace``):
+
+* ``<ns>:groups`` -- the stream. Entry fields: ``g`` (group id, read without decoding) and ``d``
+  (the :mod:`streamgrpo.wire` message). Consumer group ``learner``; one consumer per learner rank.
+* ``<ns>:dead`` -- dead letters: undecodable entries with the reason, the original stream id and
+  (when small) the raw bytes. Capped at about 10 000 entries.
+* ``<ns>:trained`` -- de-duplication memory (see :meth:`RedisQueue.mark_trained`).
+
+Delivery is at least once. An entry is acknowledged *and deleted* in one transaction, so the
+stream only ever holds entries that are undelivered or delivered-but-unacknowledged: its length is
+the queue depth that backpressure and ``streamgrpo_queue_depth`` use, on Redis 6.2 and 7.x alike.
+A consumer that restarts under the same name first re-reads its own unacknowledged entries; the
+entries of a consumer that stays silent for ``claim_idle_s`` are claimed by another (XAUTOCLAIM);
+a live consumer refreshes its in-flight entries so they are not claimed from under it.
+
+What each side counts in :mod:`streamgrpo.metrics`: the queue counts what only it can see --
+``groups_dropped{reason=malformed|duplicate}``, ``errors{kind=wire|queue}``, ``queue_depth``,
+``backpressure`` and the generator's ``idle_seconds`` while blocked. Callers count
+``groups{event=produced|consumed|trained}`` and their own drops (stale, mismatch).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from streamgrpo import metrics
+from streamgrpo.wire import DEFAULT_MAX_BYTES, ScoredGroup, WireError, decode, encode
+
+if TYPE_CHECKING:
+    from streamgrpo.config import QueueConfig
+
+log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "learner"
+DEAD_MAXLEN = 10_000
+DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
+
+
+class QueueError(RuntimeError):
+    """The queue cannot do its job (authentication, permissions, an outage longer than allowed, closed)."""
+
+
+class QueueFull(QueueError):
+    """``put(..., timeout_s=...)`` waited that long under backpressure."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One group handed to a consumer: ack ``stream_id`` after the optimizer step that used it."""
+
+    stream_id: str
+    group: ScoredGroup
+    nbytes: int = 0  # size of the wire message
+    claimed: bool = False  # taken over from another (presumed dead) consumer or re-read after a restart
+
+
+class GroupQueue(abc.ABC):
+    """What generators and the learner need from a replay queue."""
+
+    @abc.abstractmethod
+    def put(self, group: ScoredGroup, *, timeout_s: float | None = None) -> str: ...
+
+    @abc.abstractmethod
+    def get(self, n: int, timeout_s: float) -> list[Delivery]: ...
+
+    @abc.abstractmethod
+    def ack(self, stream_ids: list[str]) -> int: ...
+
+    @abc.abstractmethod
+    def mark_trained(self, group_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def depth(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password: ``redis://user:secret@h:1/0`` -> ``redis://user@h:1/0``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable redis url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}@{netloc}" if user else netloc).geturl()
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def parse_entries(raw: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
+    """``[[id, [f1, v1, ...]], ...]`` -> ``[(id, {f1: v1}), ...]``; a deleted entry (nil fields) gives ``(id, None)``."""
+    out = []
+    for item in raw or []:
+        if not isinstance(item, (list, tuple)) or not item:
+            continue  # Redis 6.2 XAUTOCLAIM may return a bare nil for an entry deleted while pending
+        sid = _s(item[0])
+        fields = item[1] if len(item) > 1 else None
+        out.append((sid, None if fields is None else dict(zip(fields[::2], fields[1::2]))))
+    return out
+
+
+def parse_autoclaim(raw: Any) -> tuple[str, list[tuple[str, dict[bytes, bytes] | None]], list[str]]:
+    """XAUTOCLAIM reply -> (next cursor, entries, deleted ids).
+
+    Redis 6.2 replies ``[cursor, entries]``; 7.x adds a third element, the ids of pending entries
+    that no longer exist (7.x already removed them from the pending list).
+    """
+    if not isinstance(raw, (list, tuple)) or len(raw) not in (2, 3):
+        raise QueueError(f"unexpected XAUTOCLAIM reply: {raw!r:.200}")
+    deleted = [_s(x) for x in raw[2]] if len(raw) == 3 and raw[2] else []
+    return _s(raw[0]), parse_entries(raw[1]), deleted
+
+
+class RedisQueue(GroupQueue):
+    """ScoredGroups over a Redis stream; see the module docstring for the keys and guarantees.
+
+    ``url`` may carry a password or an ACL user (``redis://user:pass@host:port/db``), use TLS
+    (``rediss://...?ssl_ca_certs=/path/ca.pem``) or a unix socket (``unix:///path/redis.sock``).
+    Connection loss is retried with capped exponential backoff (one log line per outage) for up to
+    ``max_outage_s`` (None: forever); a wrong password raises :class:`QueueError` at once.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "streamgrpo",
+        consumer: str = "learner-0",
+        max_pending: int = 64,
+        claim_idle_s: float = 120.0,
+        max_message_bytes: int = DEFAULT_MAX_BYTES,
+        dedupe_ttl_s: float = 7 * 24 * 3600,
+        max_outage_s: float | None = None,
+        backoff_s: tuple[float, float] = (0.05, 5.0),
+        socket_timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url
+        self.safe_url = safe_url(url)
+        self.namespace = namespace
+        self.consumer = consumer
+        self.max_pending = int(max_pending)
+        self.claim_idle_s = float(claim_idle_s)
+        self.max_message_bytes = int(max_message_bytes)
+        self.dedupe_ttl_s = float(dedupe_ttl_s)
+        self.max_outage_s = max_outage_s
+        self.backoff_s = backoff_s
+        self.stream = f"{namespace}:groups"
+        self.dead = f"{namespace}:dead"
+        self.trained = f"{namespace}:trained"
+        self._block_s = max(0.05, min(2.0, socket_timeout_s / 4))
+        self._closed = False
+        self._lock = threading.Lock()
+        self._outage_since: float | None = None
+        self._inflight: dict[str, tuple[str, float]] = {}  # stream id -> (group id, last refreshed)
+        self._own_cursor: str | None = "0"  # history cursor over our own pending entries; None when done
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+        try:
+            self._r = redis.Redis.from_url(
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, socket_keepalive=True,
+                retry=Retry(NoBackoff(), 0), client_name=f"streamgrpo-{consumer}", decode_responses=False, protocol=2,
+            )
+        except ValueError as exc:
+            raise QueueError(f"bad redis url {self.safe_url}: {exc}") from None
+        for cmd in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):  # parse replies ourselves (deleted entries keep ids)
+            self._r.set_response_callback(cmd, lambda r, **_: r)
+        self._ensure_group()
+
+    @classmethod
+    def from_config(cls, cfg: QueueConfig, url: str | None = None, consumer: str = "learner-0", **kw) -> RedisQueue:
+        """Build from the ``queue`` config section; ``url`` overrides ``cfg.url`` (e.g. an embedded server's)."""
+        url = url or cfg.url
+        if not url:
+            raise QueueError("no redis url: set queue.url or start an EmbeddedRedis and pass its url")
+        return cls(
+            url, namespace=cfg.namespace, consumer=consumer, max_pending=cfg.max_pending,
+            claim_idle_s=cfg.claim_idle_s, max_message_bytes=int(cfg.max_message_mib * (1 << 20)),
+            dedupe_ttl_s=cfg.dedupe_ttl_s, **kw,
+        )
+
+    # ------------------------------------------------------------------------ redis calls
+    def _call(self, what: str, fn, *args, **kwargs):
+        """Run one Redis call; retry connection loss with capped exponential backoff, one log line per outage."""
+        delay = self.backoff_s[0]
+        while True:
+            if self._closed:
+                raise QueueError(f"queue on {self.safe_url} is closed")
+            try:
+                out = fn(*args, **kwargs)
+            except redis.AuthenticationError as exc:
+                raise QueueError(
+                    f"authentication failed for {self.safe_url} ({exc}); check the user/password in queue.url"
+                ) from None
+            except (redis.AuthorizationError, redis.exceptions.NoPermissionError) as exc:
+                raise QueueError(f"permission denied on {self.safe_url} for {what}: {exc}") from None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:  # includes BusyLoadingError (AOF replay)
+                now = time.monotonic()
+                with self._lock:
+                    first = self._outage_since is None
+                    if first:
+                        self._outage_since = now
+                    since = self._outage_since
+                if first:
+                    metrics.ERRORS.labels(kind="queue").inc()
+                    log.warning("redis at %s unavailable during %s (%s); retrying with backoff up to %.0fs",
+                                self.safe_url, what, exc, self.backoff_s[1])
+                if self.max_outage_s is not None and now - since > self.max_outage_s:
+                    raise QueueError(f"redis at {self.safe_url} unavailable for {now - since:.0f}s: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, self.backoff_s[1])
+                continue
+            with self._lock:
+                since, self._outage_since = self._outage_since, None
+            if since is not None:
+                log.warning("redis at %s is back after %.1fs", self.safe_url, time.monotonic() - since)
+            return out
+
+    def _ensure_group(self) -> None:
+        def create() -> None:
+            try:
+                self._r.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+        self._call("XGROUP CREATE", create)
+
+    def _with_group(self, what: str, fn, *args):
+        """Like _call, but recreate the consumer group once if Redis lost it (restarted without its AOF)."""
+        try:
+            return self._call(what, fn, *args)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("consumer group %r on %s is gone (redis restarted without data?); recreating it",
+                        CONSUMER_GROUP, self.stream)
+            self._ensure_group()
+            return self._call(what, fn, *args)
+
+    def ping(self) -> bool:
+        """True if Redis answers now (no retry); :class:`QueueError` if it refuses our credentials."""
+        try:
+            return bool(self._r.ping())
+        except redis.AuthenticationError as exc:
+            raise QueueError(f"authentication failed for {self.safe_url} ({exc})") from None
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+
+    # ------------------------------------------------------------------------ producer
+    def depth(self) -> int:
+        """Groups in the stream that are undelivered or unacknowledged (also sets ``streamgrpo_queue_depth``)."""
+        n = int(self._call("XLEN", self._r.xlen, self.stream))
+        metrics.QUEUE_DEPTH.set(n)
+        return n
+
+    def put(self, group: ScoredGroup, *, timeout_s: float | None = None) -> str:
+        """Append ``group``; blocks while the queue holds ``max_pending`` groups (never drops). Returns the stream id.
+
+        Raises :class:`WireError` (counted as ``errors{kind=wire}``) if the group is invalid or over
+        ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. The bound is
+        soft by at most the number of producers racing for the last slot.
+        """
+        try:
+            data = encode(group, max_bytes=self.max_message_bytes)
+        except WireError:
+            metrics.ERRORS.labels(kind="wire").inc()
+            raise
+        self._wait_for_room(timeout_s)
+        sid = self._call("XADD", self._r.xadd, self.stream, {b"g": group.group_id.encode(), b"d": data})
+        return _s(sid)
+
+    def _wait_for_room(self, timeout_s: float | None) -> None:
+        depth = self.depth()
+        if depth < self.max_pending:
+            return
+        t0 = last_log = time.monotonic()
+        log.info("queue %s full (%d >= max_pending %d): generator waits", self.stream, depth, self.max_pending)
+        metrics.BACKPRESSURE.set(1)
+        pause = 0.02
+        try:
+            while depth >= self.max_pending:
+                now = time.monotonic()
+                if timeout_s is not None and now - t0 >= timeout_s:
+                    raise QueueFull(f"queue {self.stream} still full after {timeout_s:.1f}s (depth {depth})")
+                if now - last_log >= 5.0:
+                    log.info("queue %s still full (%d groups), waiting for %.0fs", self.stream, depth, now - t0)
+                    last_log = now
+                time.sleep(pause)
+                metrics.IDLE_SECONDS.labels(role="generator").inc(time.monotonic() - now)
+                pause = min(pause * 1.5, 0.5)
+                depth = self.depth()
+        finally:
+            metrics.BACKPRESSURE.set(0)
+        log.info("queue %s has room again after %.1fs", self.stream, time.monotonic() - t0)
+
+    # ------------------------------------------------------------------------ consumer
+    def get(self, n: int, timeout_s: float) -> list[Delivery]:
+        """Up to ``n`` groups, waiting up to ``timeout_s`` for the first; ``[]`` if none came.
+
+        Order of sources: this consumer's own unacknowledged entries (once, after a restart),
+        entries idle for ``claim_idle_s`` on other consumers, then new entries. Undecodable
+        entries are dead-lettered and acked, already-trained or already-in-flight group ids are
+        acked and skipped; neither is returned.
+        """
+        if n < 1:
+            return []
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        out: list[Delivery] = []
+        self._refresh_inflight()
+        while self._own_cursor is not None and len(out) < n:  # after a restart: our own unacked entries
+            raw = self._with_group("XREADGROUP", self._r.execute_command, "XREADGROUP", "GROUP", CONSUMER_GROUP,
+                                   self.consumer, "COUNT", n - len(out), "STREAMS", self.stream, self._own_cursor)
+            entries = parse_entries(raw[0][1]) if raw else []
+            if not entries:
+                self._own_cursor = None
+                break
+            self._own_cursor = entries[-1][0]
+            entries = [e for e in entries if e[0] not in self._inflight]
+            if entries:
+                log.info("re-reading %d unacknowledged group(s) of consumer %s", len(entries), self.consumer)
+                out += self._accept(entries, claimed=True)
+        if len(out) < n and time.monotonic() >= self._next_claim:
+            out += self._claim(n - len(out))
+        while len(out) < n:
+            remaining = deadline - time.monotonic()
+            block = [] if (out or remaining <= 0) else ["BLOCK", max(1, int(min(remaining, self._block_s) * 1000))]
+            raw = self._with_group("XREADGROUP", self._r.execute_command, "XREADGROUP", "GROUP", CONSUMER_GROUP,
+                                   self.consumer, "COUNT", n - len(out), *block, "STREAMS", self.stream, ">")
+            entries = parse_entries(raw[0][1]) if raw else []
+            out += self._accept(entries, claimed=False)
+            if out or time.monotonic() >= deadline:
+                break
+        return out
+
+    def _claim(self, n: int) -> list[Delivery]:
+        raw = self._with_group("XAUTOCLAIM", self._r.execute_command, "XAUTOCLAIM", self.stream, CONSUMER_GROUP,
+                               self.consumer, int(self.claim_idle_s * 1000), self._claim_cursor, "COUNT", n)
+        cursor, entries, deleted = parse_autoclaim(raw)
+        self._claim_cursor = cursor
+        # Scan again right away while there is more to claim, else in a while.
+        more = cursor != "0-0" or len(entries) >= n
+        self._next_claim = time.monotonic() + (0.0 if more else min(5.0, self.claim_idle_s / 2))
+        mine = [e for e in entries if e[0] in self._inflight]  # our own slow entries: claiming just refreshed them
+        entries = [e for e in entries if e[0] not in self._inflight]
+        if mine:
+            now = time.monotonic()
+            with self._lock:
+                for sid, _ in mine:
+                    self._inflight[sid] = (self._inflight[sid][0], now)
+        if entries:
+            log.warning("claimed %d group(s) idle for over %.0fs on other consumers", len(entries), self.claim_idle_s)
+        if deleted:
+            log.info("%d pending entries had been deleted from %s", len(deleted), self.stream)
+        return self._accept(entries, claimed=True)
+
+    def _accept(self, entries: list[tuple[str, dict[bytes, bytes] | None]], *, claimed: bool) -> list[Delivery]:
+        """Decode, dead-letter and de-duplicate a batch of entries; returns the deliveries."""
+        if not entries:
+            return []
+        gone = [sid for sid, f in entries if f is None]  # deleted while pending: just clear the pending entry
+        if gone:
+            self._call("XACK", self._r.xack, self.stream, CONSUMER_GROUP, *gone)
+        live = [(sid, f) for sid, f in entries if f is not None]
+        gids = [_s(f.get(b"g", b"")) for _, f in live]
+        trained = self.is_trained(gids) if gids else []
+        out, dup = [], []
+        with self._lock:
+            inflight_gids = {g for g, _ in self._inflight.values()}
+        for (sid, fields), gid, done in zip(live, gids, trained):
+            if done or (gid and gid in inflight_gids):
+                dup.append(sid)
+                continue
+            data = fields.get(b"d")
+            try:
+                if data is None:
+                    raise WireError("entry: no 'd' field")
+                group = decode(data, max_bytes=self.max_message_bytes)
+                if gid and group.group_id != gid:
+                    raise WireError(f"group_id: entry says {gid!r}, message says {group.group_id!r}")
+            except WireError as exc:
+                self._dead_letter(sid, fields, str(exc))
+                continue
+            inflight_gids.add(group.group_id)
+            out.append(Delivery(sid, group, len(data), claimed))
+        if dup:
+            metrics.GROUPS_DROPPED.labels(reason="duplicate").inc(len(dup))
+            log.info("skipped %d duplicate group(s) (already trained or in flight)", len(dup))
+            self._ack_delete(dup)
+        now = time.monotonic()
+        with self._lock:
+            for d in out:
+                self._inflight[d.stream_id] = (d.group.group_id, now)
+        return out
+
+    def _dead_letter(self, sid: str, fields: dict[bytes, bytes], reason: str) -> None:
+        metrics.GROUPS_DROPPED.labels(reason="malformed").inc()
+        metrics.ERRORS.labels(kind="wire").inc()
+        data = fields.get(b"d") or b""
+        log.warning("dead-lettering %s entry %s: %s", self.stream, sid, reason)
+        letter = {
+            b"stream_id": sid, b"reason": reason, b"group_id": fields.get(b"g", b""), b"consumer": self.consumer,
+            b"time": repr(time.time()), b"size": str(len(data)),
+        }
+        if len(data) <= DEAD_KEEP_BYTES:
+            letter[b"data"] = data
+
+        def tx() -> None:
+            p = self._r.pipeline(transaction=True)
+            p.xadd(self.dead, letter, maxlen=DEAD_MAXLEN, approximate=True)
+            p.xack(self.stream, CONSUMER_GROUP, sid)
+            p.xdel(self.stream, sid)
+            p.execute()
+
+        self._call("dead-letter", tx)
+
+    def _refresh_inflight(self) -> None:
+        """Reset the idle time of our slow in-flight entries so other consumers do not claim them."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, (_, t) in self._inflight.items() if now - t > self.claim_idle_s / 3]
+        if not stale:
+            return
+        self._call("XCLAIM", self._r.execute_command, "XCLAIM", self.stream, CONSUMER_GROUP, self.consumer, 0,
+                   *stale, "JUSTID")
+        with self._lock:
+            for sid in stale:
+                if sid in self._inflight:
+                    self._inflight[sid] = (self._inflight[sid][0], now)
+
+    def _ack_delete(self, stream_ids: list[str]) -> int:
+        def tx() -> int:
+            p = self._r.pipeline(transaction=True)
+            p.xack(self.stream, CONSUMER_GROUP, *stream_ids)
+            p.xdel(self.stream, *stream_ids)
+            return int(p.execute()[0])
+
+        return self._call("XACK", tx)
+
+    def ack(self, stream_ids: list[str]) -> int:
+        """Acknowledge (and delete) entries after the optimizer step that used them; returns how many were pending.
+
+        Safe to repeat. Call :meth:`mark_trained` first: a crash between the two then re-delivers
+        entries that are skipped as duplicates, never trains them twice.
+        """
+        stream_ids = [_s(s) for s in stream_ids]
+        if not stream_ids:
+            return 0
+        n = self._ack_delete(stream_ids)
+        with self._lock:
+            for sid in stream_ids:
+                self._inflight.pop(sid, None)
+        return n
+
+    def release(self, stream_ids: list[str]) -> None:
+        """Forget in-flight entries without acking them (they are re-read after a restart or claimed)."""
+        with self._lock:
+            for sid in stream_ids:
+                self._inflight.pop(_s(sid), None)
+
+    # ------------------------------------------------------------------------ dedupe
+    def mark_trained(self, group_ids: list[str]) -> None:
+        """Remember that these groups were trained, so a re-delivery is skipped (``reason="duplicate"``).
+
+        Where the memory lives: a sorted set ``<ns>:trained`` in the same Redis (member = group id,
+        score = time trained), trimmed to ``dedupe_ttl_s`` and expiring when idle that long. Chosen
+        over the learner checkpoint because it is shared by every learner rank, written in the same
+        place and with the same AOF durability as the acks it guards (mark, then ack), and needs no
+        checkpoint to be loaded before the first read. Cost: one set entry (~100 B) per group for
+        the TTL. What it cannot know: groups trained after the last checkpoint of a learner that
+        crashed are not re-trained after resuming from that checkpoint (the learner can defer
+        mark_trained/ack to its checkpoint if it wants that).
+        """
+        gids = [g for g in group_ids if g]
+        if not gids:
+            return
+        now = time.time()
+
+        def tx() -> None:
+            p = self._r.pipeline(transaction=True)
+            p.zadd(self.trained, dict.fromkeys(gids, now))
+            p.zremrangebyscore(self.trained, "-inf", now - self.dedupe_ttl_s)
+            p.expire(self.trained, max(1, int(self.dedupe_ttl_s)))
+            p.execute()
+
+        self._call("mark_trained", tx)
+
+    def is_trained(self, group_ids: list[str]) -> list[bool]:
+        """Whether each group id was marked trained within ``dedupe_ttl_s``."""
+        if not group_ids:
+            return []
+        scores = self._call("ZMSCORE", self._r.zmscore, self.trained, list(group_ids))
+        horizon = time.time() - self.dedupe_ttl_s
+        return [s is not None and s >= horizon for s in scores]
+
+    # ------------------------------------------------------------------------ inspection
+    @property
+    def client(self) -> redis.Redis:
+        """The underlying redis-py client (RESP2, bytes replies; no automatic retry) for small side keys."""
+        return self._r
+
+    def in_flight(self) -> list[str]:
+        """Stream ids delivered to this consumer and not yet acked."""
+        with self._lock:
+            return list(self._inflight)
+
+    def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
+        """The newest dead letters (without raw bytes), newest first."""
+        raw = self._call("XREVRANGE", self._r.xrevrange, self.dead, count=count)
+        return [
+            {"id": _s(sid), **{_s(k): (_s(v) if k != b"data" else len(v)) for k, v in fields.items()}}
+            for sid, fields in raw
+        ]
+
+    def close(self) -> None:
+        """Release the connections; in-flight entries stay pending in Redis (re-read on restart or claimed)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._r.close()
+        except Exception:  # pragma: no cover - closing a dead connection
+            pass
+
+    def __repr__(self) -> str:
+        return f"RedisQueue({self.safe_url!r}, stream={self.stream!r}, consumer={self.consumer!r})"
