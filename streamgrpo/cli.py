@@ -164,12 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="question text (single mode)")
     p.add_argument("--input", default=None, help="records JSON/JSONL (batch mode)")
     p.add_argument("--output", default=None, help="results JSONL (batch mode; resumable)")
-    p.add_argument("--format", choices=["think", "no_think"], default="think", help="answer format instruction")
+    p.add_argument("--format", choices=["think", "no_think"], default=None,
+                   help="answer format instruction (default: the config's data.prompt_format)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_completion_length")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     _add_config_args(p)
     p.set_defaults(func=cmd_infer)
 
@@ -181,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=1, help="K samples per prompt (pass@k / mean@k); 1 = greedy")
     p.add_argument("--out", default=None, help="output directory for eval.json / eval.md")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many records")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory on top of --model")
+    p.add_argument("--format", choices=["think", "no_think"], default=None,
+                   help="answer format instruction (default: the config's data.prompt_format)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: 0 (greedy) with --samples 1, else rollout.temperature")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_completion_length")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
 

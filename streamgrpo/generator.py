@@ -73,27 +73,33 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
 
     def apply_newest(block_s: float = 0.0) -> None:
+        """Safe point between batches: apply the newest verified version (or, for the staleness
+        benchmark, the one ``weight_apply_delay`` receipts behind it)."""
         got = weights.poll(timeout_s=block_s)
         while got is not None:
             pending.append(got)
             got = weights.poll(timeout_s=0.0)
-        target = None
-        while pending and pending[-1][0] - pending[0][0] >= cfg.rollout.weight_apply_delay:
-            target = pending.popleft()
-        if target is not None and target[0] > engine.version:
-            version, tensors = target[0], target[1]
-            t0 = time.perf_counter()
-            engine.load_weights(version, tensors)
-            published = target[2] if len(target) > 2 else None
-            if published:
-                M.WEIGHT_SYNC_SECONDS.observe(max(0.0, time.time() - published))
-            M.POLICY_VERSION.labels(role="generator").set(version)
-            log.info("%s: applied weights v%d (%.2fs)", name, version, time.perf_counter() - t0)
+        delay = cfg.rollout.weight_apply_delay
+        if len(pending) <= delay:
+            return
+        target = pending[-1 - delay]
+        while pending and pending[0] is not target:
+            pending.popleft()
+        pending.popleft()
+        t0 = time.perf_counter()
+        engine.load_weights(target[0], target[1])
+        sync_s = None
+        if delay == 0:
+            sync_s = weights.mark_applied()  # publish-to-applied latency + policy_version{role="generator"}
+        else:
+            M.POLICY_VERSION.labels(role="generator").set(target[0])
+        audit.write({"event": "applied", "version": target[0], "weight_sync_s": sync_s, "t": time.time()})
+        log.info("%s: applied weights v%d (%.2fs)", name, target[0], time.perf_counter() - t0)
 
-    snap = weights.request_snapshot(timeout_s=10.0)
-    if snap is not None and snap[0] > engine.version:
+    snap = weights.request_snapshot(timeout_s=10.0)  # a (re)started generator catches up first
+    if snap is not None:
         engine.load_weights(snap[0], snap[1])
-        M.POLICY_VERSION.labels(role="generator").set(snap[0])
+        weights.mark_applied()
     log.info("%s: %d records in shard %d/%d, starting at policy v%d", name,
              (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
              generator_id, cfg.rollout.num_generators, engine.version)

@@ -250,13 +250,15 @@ def train_step(policy, ref, optimizer, scheduler, batch: list[Accepted], process
     """One optimizer step on the accepted groups; None when the loss is not finite (nothing applied)."""
     from streamgrpo.advantages import batch_advantages
     from streamgrpo.loss import compute_loss, loss_kwargs
-    from streamgrpo.models.batching import GroupInputs, build_batch, pad_right
+    from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
     from streamgrpo.models.logprobs import completion_logprobs
 
     rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
     advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
     temperature = float(batch[0].group.meta.get("temperature", cfg.rollout.temperature))
     pad_id = processor.tokenizer.pad_token_id
+    # the engine never samples vision placeholders: the learner's softmax excludes them too
+    suppress = vision_token_ids(processor) if cfg.rollout.engine == "hf" else None
     micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
     total_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
     kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
@@ -268,14 +270,15 @@ def train_step(policy, ref, optimizer, scheduler, batch: list[Accepted], process
         groups = [GroupInputs.from_processor(a.inputs, [torch.as_tensor(c.token_ids, dtype=torch.long)
                                                         for c in a.group.completions]) for a in part]
         tb = build_batch(groups, pad_id).to(device)
-        logprobs, entropy = completion_logprobs(policy, tb, temperature=temperature, with_entropy=True)
+        logprobs, entropy = completion_logprobs(policy, tb, temperature=temperature, with_entropy=True,
+                                                suppress_token_ids=suppress)
         behaviour = pad_right([torch.as_tensor(c.logprobs) for a in part for c in a.group.completions], 0.0,
                               length=logprobs.shape[1]).to(device)
         adv = torch.cat([advs[index[id(a)]] for a in part]).to(device)
         ref_lp = None
         if ref is not None:
             with torch.no_grad():
-                ref_lp, _ = completion_logprobs(ref, tb, temperature=temperature)
+                ref_lp, _ = completion_logprobs(ref, tb, temperature=temperature, suppress_token_ids=suppress)
         loss, m = compute_loss(logprobs, behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
                                token_normaliser=total_tokens if cfg.loss.loss_type == "dapo" else None, **kw)
         if cfg.loss.loss_type != "dapo":

@@ -132,10 +132,10 @@ def _to_numpy(x: Any) -> tuple[str, np.ndarray]:
         raise TypeError(f"not an array: {type(x).__name__}")
     name = _wire_name(x.dtype)
     if name == _BF16:  # ml_dtypes.bfloat16
-        return _BF16, np.ascontiguousarray(x).view(np.uint16)
+        return _BF16, x.astype(x.dtype, order="C", copy=False).view(np.uint16)
     if name is None:
         raise TypeError(f"dtype {x.dtype} is not supported on the wire (supported: {', '.join([*_DTYPES, _BF16])})")
-    return name, np.ascontiguousarray(x, dtype=_DTYPES[name])
+    return name, x.astype(_DTYPES[name], order="C", copy=False)  # keeps 0-d arrays 0-d
 
 
 class _Body:

@@ -39,7 +39,15 @@ def tiny_any_dir(request):
 
 
 # --- demo data ---------------------------------------------------------------------------------
-# (data pipeline fixtures go here)
+@pytest.fixture(scope="session")
+def demo_data_dir(tmp_path_factory):
+    """The synthetic demo data set (real mp4 + PNG files), 40 train / 10 test records, built once.
+
+    Read-only for tests: copy it (``shutil.copytree``) before breaking files.
+    """
+    from streamgrpo.data.demo import make_demo
+
+    return make_demo(tmp_path_factory.mktemp("demo_data"), n=40, seed=0)
 
 
 # --- redis (queue) -----------------------------------------------------------------------------
@@ -107,4 +115,36 @@ def redis_ns():
 
 
 # --- zmq (weights) -----------------------------------------------------------------------------
-# (weight-channel fixtures go here)
+@pytest.fixture
+def weight_publisher():
+    """A WeightPublisher on free loopback ports with small chunks (many chunks per version)."""
+    from streamgrpo.transport.weights import WeightPublisher
+
+    pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64)
+    yield pub
+    pub.close(timeout_s=1.0)
+
+
+@pytest.fixture
+def weight_subscriber_factory():
+    """``make(pub_port, snapshot_port, **kw)`` -> WeightSubscriber on loopback; all closed at teardown."""
+    from streamgrpo.transport.weights import WeightSubscriber
+
+    made = []
+
+    def make(pub_port: int, snapshot_port: int, **kw):
+        sub = WeightSubscriber("127.0.0.1", pub_port, snapshot_port, **kw)
+        made.append(sub)
+        return sub
+
+    yield make
+    for sub in made:
+        sub.close()
+
+
+@pytest.fixture
+def curve_keys_dir(tmp_path):
+    """A `streamgrpo keys` directory with two client key pairs."""
+    from streamgrpo.transport.keys import generate_keys
+
+    return generate_keys(tmp_path / "keys", clients=2).keys_dir

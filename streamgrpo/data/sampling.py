@@ -157,8 +157,8 @@ def plan_sizes(specs: list[MediaSpec], *, factor: int, temporal_patch: int = 2, 
         if sum(ns) * min_pixels <= total_pixels:
             break
     cap = total_pixels // sum(ns)
-    for _ in range(200):
-        if cap < factor * factor:
+    for _ in range(200):  # smart_resize's rounding (and its factor-sized floor) may overshoot the cap
+        if cap < 1:
             break
         plans = sizes(cap)
         used = sample_pixels(plans)

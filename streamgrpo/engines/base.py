@@ -19,7 +19,7 @@ from streamgrpo.wire import Visual
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 8  # G completions per prompt
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy (argmax; the n completions are identical)
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 512

@@ -21,21 +21,13 @@ import numpy as np
 import torch
 
 from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams, cut_at_stop
+from streamgrpo.models.batching import vision_token_ids
 
 log = logging.getLogger(__name__)
 
-_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-
-
 def suppressed_token_ids(tokenizer) -> list[int]:
-    """Token ids a completion must never contain (vision placeholders), known to this tokenizer."""
-    ids = []
-    unk = tokenizer.unk_token_id
-    for t in _VISION_TOKENS:
-        i = tokenizer.convert_tokens_to_ids(t)
-        if i is not None and i != unk:
-            ids.append(int(i))
-    return sorted(set(ids))
+    """Token ids a completion must never contain (the vision placeholders this tokenizer knows)."""
+    return vision_token_ids(tokenizer)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -91,19 +83,21 @@ class HFEngine:
         batch = collate_prompts([r.inputs for r in requests], self.pad_id)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         width = batch["input_ids"].shape[1]
+        greedy = sampling.temperature == 0  # argmax decoding: one sequence per prompt, copied n times
         kwargs: dict[str, Any] = dict(
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else None,
             max_new_tokens=sampling.max_tokens,
-            num_return_sequences=sampling.n,
+            num_return_sequences=1 if greedy else sampling.n,
             output_scores=True,
             return_dict_in_generate=True,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             suppress_tokens=self.suppress_ids or None,
         )
+        if greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else None)
         if sampling.stop:
             kwargs["stop_strings"] = list(sampling.stop)
             kwargs["tokenizer"] = self.tokenizer
@@ -121,7 +115,7 @@ class HFEngine:
         for i in range(len(requests)):
             group = []
             for j in range(sampling.n):
-                row = i * sampling.n + j
+                row = i if greedy else i * sampling.n + j
                 n, reason = cut_at_stop(ids_np[row], stop_ids)
                 text = self.tokenizer.decode(ids_np[row, :n], skip_special_tokens=True)
                 if reason == "length" and sampling.stop and any(s in text for s in sampling.stop):

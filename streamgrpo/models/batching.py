@@ -11,11 +11,12 @@ explicit m-RoPE ``position_ids`` (3, B, L), ``mm_token_type_ids`` and, for the l
 completion tokens in a (B, T) layout with ``completion_mask`` (1 on completion tokens only).
 
 Positions are computed once per group (not per row) with the model's own ``get_rope_index`` on the
-unpadded prompt. Completion token i of a row gets the text position ``max(prompt positions) + 1 + i``
-on all three m-RoPE axes: this is exactly what ``generate`` (and vLLM) use while decoding
-(``rope_deltas``), so the recomputed log-probs match the sampling-time ones. Note that calling
-``get_rope_index`` on the full prompt+completion row can give different positions in
-transformers 5.x for Qwen2.5-VL when a video's temporal extent exceeds the text after it.
+unpadded prompt. Completion token i of a row gets ``last prompt position + 1 + i`` on each m-RoPE
+axis: exactly the rule ``generate`` uses while decoding (and what ``get_rope_index`` gives for the
+whole row, since completions are text), so recomputed log-probs match the sampling-time ones.
+Caveat: for Qwen2.5-VL, when a video's temporal extent exceeds the text after it, the largest
+prompt position is larger than the last one; engines that continue at ``max + 1`` (vLLM's mrope
+``rope_deltas``, the original Qwen code) then disagree with transformers 5.x.
 
 Padding never influences real tokens: right padding plus a causal mask, so pad positions only
 ever come after the tokens that matter.
@@ -226,15 +227,16 @@ class TrainBatch:
     """Right-padded batch of B = sum(G) rows (group-major), each ``prompt | completion | pad``.
 
     Shapes: ``input_ids``, ``attention_mask``, ``mm_token_type_ids`` (B, L); ``position_ids``
-    (3, B, L); ``completion_ids``, ``completion_mask`` (bool), ``logit_index`` (B, T) with T the
-    longest completion: ``logit_index[b, t]`` is the sequence position whose logits predict
-    completion token t (``prompt_len - 1 + t``; 0 where masked). ``row_group`` (B,) maps rows to
-    ``groups``, whose visual tensors are used once per group.
+    (3, B, L), None until :func:`prepare_batch` has seen the model; ``completion_ids``,
+    ``completion_mask`` (bool), ``logit_index`` (B, T) with T the longest completion:
+    ``logit_index[b, t]`` is the sequence position whose logits predict completion token t
+    (``prompt_len - 1 + t``; 0 where masked). ``row_group`` (B,) maps rows to ``groups``, whose
+    visual tensors are used once per group. ``validated``: the groups passed :func:`validate_group`.
     """
 
     input_ids: Tensor
     attention_mask: Tensor
-    position_ids: Tensor
+    position_ids: Tensor | None
     mm_token_type_ids: Tensor | None
     completion_ids: Tensor
     completion_mask: Tensor
@@ -243,6 +245,7 @@ class TrainBatch:
     completion_lens: Tensor
     row_group: Tensor
     groups: list[GroupInputs]
+    validated: bool = False
 
     padding_side = "right"
 
@@ -268,40 +271,27 @@ class TrainBatch:
 def build_batch(groups: Sequence[GroupInputs], pad_token_id: int, model: Any = None) -> TrainBatch:
     """Lay ``groups`` out as one right-padded :class:`TrainBatch` (rows group-major).
 
-    ``model`` (the policy, any wrapper) is used to validate the groups against its config and to
-    compute each group's prompt m-RoPE positions once (cached on the group as
-    ``prompt_position_ids``); without a model every group must already carry them. Completions
-    must already be cut at the end token (:func:`truncate_at_eos`).
+    With ``model`` (the policy, any wrapper) the groups are validated against its config and the
+    m-RoPE positions computed right away (:func:`prepare_batch`); without it that happens on the
+    first :func:`~streamgrpo.models.logprobs.completion_logprobs` call. Completions must already be
+    cut at the end token (:func:`truncate_at_eos`).
     """
     if not groups:
         raise _fail("build_batch: no groups")
-    config = _vl_config(model) if model is not None else None
-    for gi, g in enumerate(groups):
-        if config is not None:
-            validate_group(g, config, where=f"group {gi}")
-            if g.mm_token_type_ids is None:
-                g.mm_token_type_ids = mm_token_types(g.prompt_ids, config)
-        if g.prompt_position_ids is None:
-            if model is None:
-                raise _fail(f"build_batch: group {gi} has no prompt_position_ids; pass model= to compute them")
-            g.prompt_position_ids = prompt_positions(model, g)
-        if g.prompt_position_ids.shape != (3, g.prompt_ids.numel()):
-            raise _fail(f"build_batch: group {gi}: prompt_position_ids shape {tuple(g.prompt_position_ids.shape)} "
-                        f"!= (3, {g.prompt_ids.numel()})")
-
     rows, row_group, p_lens, c_lens = [], [], [], []
     for gi, g in enumerate(groups):
         for c in g.completion_ids:
-            rows.append((g, c.long()))
+            rows.append((g, c.long().cpu()))
             row_group.append(gi)
             p_lens.append(g.prompt_ids.numel())
             c_lens.append(c.numel())
+    if not rows:
+        raise _fail("build_batch: the groups have no completions")
     B = len(rows)
     L = max(p + c for p, c in zip(p_lens, c_lens))
     T = max(c_lens)
     input_ids = torch.full((B, L), int(pad_token_id), dtype=torch.long)
     attention_mask = torch.zeros((B, L), dtype=torch.long)
-    position_ids = torch.zeros((3, B, L), dtype=torch.long)
     with_mm = any(g.mm_token_type_ids is not None for g in groups)
     mm_types = torch.zeros((B, L), dtype=torch.long) if with_mm else None
     t_idx = torch.arange(T)
@@ -310,9 +300,6 @@ def build_batch(groups: Sequence[GroupInputs], pad_token_id: int, model: Any = N
         input_ids[b, :P] = g.prompt_ids
         input_ids[b, P : P + C] = c
         attention_mask[b, : P + C] = 1
-        position_ids[:, b, :P] = g.prompt_position_ids
-        # completion (and trailing pad) positions continue as text after the prompt's largest position
-        position_ids[:, b, P:] = int(g.prompt_position_ids.max()) + 1 + torch.arange(L - P)
         if mm_types is not None and g.mm_token_type_ids is not None:
             mm_types[b, :P] = g.mm_token_type_ids
     c_lens_t = torch.tensor(c_lens, dtype=torch.long)
@@ -320,10 +307,10 @@ def build_batch(groups: Sequence[GroupInputs], pad_token_id: int, model: Any = N
     completion_mask = t_idx[None, :] < c_lens_t[:, None]
     completion_ids = pad_right([c for _, c in rows], int(pad_token_id), length=T, dtype=torch.long)
     logit_index = torch.where(completion_mask, p_lens_t[:, None] - 1 + t_idx[None, :], torch.zeros((), dtype=torch.long))
-    return TrainBatch(
+    batch = TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids,
+        position_ids=None,
         mm_token_type_ids=mm_types,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
@@ -333,3 +320,40 @@ def build_batch(groups: Sequence[GroupInputs], pad_token_id: int, model: Any = N
         row_group=torch.tensor(row_group, dtype=torch.long),
         groups=list(groups),
     )
+    if model is not None or all(g.prompt_position_ids is not None for g in groups):
+        prepare_batch(batch, model)
+    return batch
+
+
+def prepare_batch(batch: TrainBatch, model: Any = None) -> TrainBatch:
+    """Validate the groups against ``model``'s config and fill ``batch.position_ids``, in place; idempotent.
+
+    Each group's prompt positions come from the model's own ``get_rope_index`` once (cached on the
+    group as ``prompt_position_ids``); completion token i of a row gets ``last prompt position +
+    1 + i`` on each axis, as in ``generate``. Raises :class:`BatchError` naming the bad group.
+    """
+    if not batch.validated and model is not None:
+        config = _vl_config(model)
+        for gi, g in enumerate(batch.groups):
+            validate_group(g, config, where=f"group {gi}")
+        batch.validated = True
+    if batch.position_ids is not None:
+        return batch
+    B, L = batch.input_ids.shape
+    position_ids = torch.zeros((3, B, L), dtype=torch.long)
+    for gi, g in enumerate(batch.groups):
+        if g.prompt_position_ids is None:
+            if model is None:
+                raise _fail(f"group {gi} has no prompt_position_ids; pass the model to compute them")
+            g.prompt_position_ids = prompt_positions(model, g)
+        if tuple(g.prompt_position_ids.shape) != (3, g.prompt_ids.numel()):
+            raise _fail(f"group {gi}: prompt_position_ids shape {tuple(g.prompt_position_ids.shape)} "
+                        f"!= (3, {g.prompt_ids.numel()})")
+    for b, gi in enumerate(batch.row_group.tolist()):
+        pos = batch.groups[gi].prompt_position_ids.cpu()
+        P = pos.shape[1]
+        position_ids[:, b, :P] = pos
+        # completion (and trailing pad) positions: last prompt position + 1 + i per axis, as in generate
+        position_ids[:, b, P:] = pos[:, -1:] + 1 + torch.arange(L - P)[None, :]
+    batch.position_ids = position_ids.to(batch.input_ids.device)
+    return batch

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from streamgrpo.models.batching import GroupInputs, TrainBatch
+from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
@@ -106,6 +106,7 @@ def _repeat_per_row(batch: TrainBatch) -> dict[str, Tensor]:
 def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = True) -> Tensor:
     """Final (normed) hidden states (B, L, H) of the language model for ``batch``."""
     hf = unwrap_model(model)
+    prepare_batch(batch, hf)
     inner = hf.model
     kw: dict[str, Any] = dict(
         input_ids=batch.input_ids,
@@ -194,7 +195,8 @@ def completion_logprobs(
     """Per-token log-probs (and entropies) of the completion tokens of ``batch``.
 
     Returns ``(logprobs_BT, entropy_BT or None)``, float32, shaped like ``batch.completion_mask``
-    and zero where it is False. ``batch`` must be on the model's device (``batch.to(device)``).
+    and zero where it is False. ``batch`` must be on the model's device (``batch.to(device)``); its
+    groups are validated and its positions computed on first use (:func:`prepare_batch`).
     Pass ``suppress_token_ids`` (e.g. :func:`~streamgrpo.models.batching.vision_token_ids`) when
     the sampler suppressed those tokens and reported log-probs of its processed distribution.
     """
@@ -226,6 +228,7 @@ def per_row_logprobs(model: Any, batch: TrainBatch, *, temperature: float = 1.0,
 
     Slow and memory-hungry on purpose; for tests and benchmarks. Returns ``(logprobs_BT, entropy_BT)``.
     """
+    prepare_batch(batch, unwrap_model(model))
     B, T = batch.completion_mask.shape
     out_lp, out_ent = [], []
     for b in range(B):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learner"
 DEAD_MAXLEN = 10_000
 DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
+TRAINED_CACHE = 100_000  # group ids a consumer remembers locally as trained (the Redis set is the truth)
 
 
 class QueueError(RuntimeError):
@@ -100,11 +102,11 @@ def safe_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable redis url>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}@{netloc}" if user else netloc).geturl()
+    out = url
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        out = out.replace(parts.netloc, f"{parts.username}@{host}" if parts.username else host, 1)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", out)
 
 
 def _s(x: Any) -> str:
@@ -179,10 +181,13 @@ class RedisQueue(GroupQueue):
         self._own_cursor: str | None = "0"  # history cursor over our own pending entries; None when done
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
+        self._last_depth: int | None = None  # producer: depth seen by the last put (skips a round trip)
+        self._trained_here: dict[str, None] = {}  # group ids this object marked trained (bounded, ordered)
         try:
+            tcp = {} if url.startswith("unix:") else {"socket_connect_timeout": 5.0, "socket_keepalive": True}
             self._r = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, socket_keepalive=True,
-                retry=Retry(NoBackoff(), 0), client_name=f"streamgrpo-{consumer}", decode_responses=False, protocol=2,
+                url, socket_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0), client_name=f"streamgrpo-{consumer}",
+                decode_responses=False, protocol=2, socket_read_size=1 << 20, **tcp,
             )
         except ValueError as exc:
             raise QueueError(f"bad redis url {self.safe_url}: {exc}") from None
@@ -215,7 +220,7 @@ class RedisQueue(GroupQueue):
                 raise QueueError(
                     f"authentication failed for {self.safe_url} ({exc}); check the user/password in queue.url"
                 ) from None
-            except (redis.AuthorizationError, redis.exceptions.NoPermissionError) as exc:
+            except (redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError) as exc:
                 raise QueueError(f"permission denied on {self.safe_url} for {what}: {exc}") from None
             except (redis.ConnectionError, redis.TimeoutError) as exc:  # includes BusyLoadingError (AOF replay)
                 now = time.monotonic()
@@ -275,22 +280,42 @@ class RedisQueue(GroupQueue):
         """Groups in the stream that are undelivered or unacknowledged (also sets ``streamgrpo_queue_depth``)."""
         n = int(self._call("XLEN", self._r.xlen, self.stream))
         metrics.QUEUE_DEPTH.set(n)
+        self._last_depth = n
         return n
 
     def put(self, group: ScoredGroup, *, timeout_s: float | None = None) -> str:
         """Append ``group``; blocks while the queue holds ``max_pending`` groups (never drops). Returns the stream id.
 
         Raises :class:`WireError` (counted as ``errors{kind=wire}``) if the group is invalid or over
-        ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. The bound is
-        soft by at most the number of producers racing for the last slot.
+        ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. One round
+        trip (XADD + XLEN pipelined) while the last depth seen was well below the bound; the bound
+        is soft by at most the number of producers racing for the last slots. If the reply to an
+        XADD is lost the retry is flagged ``r`` so consumers check it against the trained set.
         """
         try:
             data = encode(group, max_bytes=self.max_message_bytes)
         except WireError:
             metrics.ERRORS.labels(kind="wire").inc()
             raise
-        self._wait_for_room(timeout_s)
-        sid = self._call("XADD", self._r.xadd, self.stream, {b"g": group.group_id.encode(), b"d": data})
+        if self._last_depth is None or self._last_depth + 1 >= self.max_pending:
+            self._wait_for_room(timeout_s)
+        fields = {b"g": group.group_id.encode(), b"d": data}
+        attempts = 0
+
+        def add() -> tuple[bytes, int]:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                fields[b"r"] = b"1"  # the first attempt may have landed: a possible duplicate
+            p = self._r.pipeline(transaction=False)
+            p.xadd(self.stream, fields)
+            p.xlen(self.stream)
+            sid, depth = p.execute()
+            return sid, depth
+
+        sid, depth = self._call("XADD", add)
+        self._last_depth = int(depth)
+        metrics.QUEUE_DEPTH.set(self._last_depth)
         return _s(sid)
 
     def _wait_for_room(self, timeout_s: float | None) -> None:
@@ -386,7 +411,12 @@ class RedisQueue(GroupQueue):
             self._call("XACK", self._r.xack, self.stream, CONSUMER_GROUP, *gone)
         live = [(sid, f) for sid, f in entries if f is not None]
         gids = [_s(f.get(b"g", b"")) for _, f in live]
-        trained = self.is_trained(gids) if gids else []
+        # Possible re-deliveries are checked against the shared trained set (one round trip); fresh
+        # entries only against what this consumer holds or trained itself.
+        suspect = [i for i, (_, f) in enumerate(live) if claimed or b"r" in f]
+        trained = [gid in self._trained_here for gid in gids]
+        for i, done in zip(suspect, self.is_trained([gids[i] for i in suspect])):
+            trained[i] = trained[i] or done
         out, dup = [], []
         with self._lock:
             inflight_gids = {g for g, _ in self._inflight.values()}
@@ -490,14 +520,21 @@ class RedisQueue(GroupQueue):
         over the learner checkpoint because it is shared by every learner rank, written in the same
         place and with the same AOF durability as the acks it guards (mark, then ack), and needs no
         checkpoint to be loaded before the first read. Cost: one set entry (~100 B) per group for
-        the TTL. What it cannot know: groups trained after the last checkpoint of a learner that
-        crashed are not re-trained after resuming from that checkpoint (the learner can defer
-        mark_trained/ack to its checkpoint if it wants that).
+        the TTL. The set is consulted for entries that can be re-deliveries (re-read after a
+        restart, claimed from another consumer, or re-sent by a producer whose XADD reply was
+        lost); first deliveries are checked against this object's own memory of trained ids
+        only, which saves a round trip per read. What it cannot know: groups trained after the
+        last checkpoint of a learner that crashed are not re-trained after resuming from that
+        checkpoint (the learner can defer mark_trained/ack to its checkpoint if it wants that).
         """
         gids = [g for g in group_ids if g]
         if not gids:
             return
         now = time.time()
+        for gid in gids:
+            self._trained_here[gid] = None
+        while len(self._trained_here) > TRAINED_CACHE:
+            del self._trained_here[next(iter(self._trained_here))]
 
         def tx() -> None:
             p = self._r.pipeline(transaction=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -77,7 +78,9 @@ def test_numeric_spec_rows(truth, pred, want):
 
 def test_numeric_rule_details():
     numeric = get("numeric")
-    assert numeric(["<think>maybe 10</think><answer>50</answer>"], ["60"]) == pytest.approx([0.1 + 0.9 * 0.84])
+    assert numeric(["<think>maybe 10</think><answer>50</answer>"], ["60"]) == pytest.approx(
+        [0.1 + 0.9 * 0.84]
+    )
     assert numeric(["<think>I think 60</think> so what"], ["60"]) == [0.0]  # reasoning is not the answer
     assert numeric(["<answer></answer>"], ["60"]) == [0.0]
     assert numeric(["1,200 units"], ["1200"]) == [1.0]
@@ -199,7 +202,12 @@ def test_accuracy_option_numbers(spelling, want):
 
 def test_accuracy_non_choice_truths():
     acc = get("accuracy")
-    assert acc([tagged("37.5"), tagged("37.50 cm"), tagged("37"), tagged("37.5 or 40")], ["37.5"]) == [1, 1, 0, 0]
+    assert acc([tagged("37.5"), tagged("37.50 cm"), tagged("37"), tagged("37.5 or 40")], ["37.5"]) == [
+        1,
+        1,
+        0,
+        0,
+    ]
     assert acc([tagged("Collision"), tagged("(B) collision"), tagged("no")], ["Collision"]) == [1, 1, 0]
     # the ground truth may be a whole gpt turn: its answer tag is read
     assert acc([tagged("B")], ["<think>because</think> <answer>(B) Collision</answer>"]) == [1.0]
@@ -213,7 +221,9 @@ def test_guard_several_options_score_zero(hedge):
 
 @pytest.mark.parametrize("name", ["accuracy", "action_iou", "numeric", "exact_match"])
 def test_guard_empty_answer_scores_zero(name):
-    truth = {"accuracy": "(B) green", "action_iou": "(1) Pick up", "numeric": "60", "exact_match": "green"}[name]
+    truth = {"accuracy": "(B) green", "action_iou": "(1) Pick up", "numeric": "60", "exact_match": "green"}[
+        name
+    ]
     assert one(name, "<think>x</think><answer></answer>", truth, question=QUESTION) == 0.0
     assert one(name, "<think>x</think><answer>   </answer>", truth, question=QUESTION) == 0.0
 
@@ -263,8 +273,15 @@ def test_action_iou(pred, want):
 # ----------------------------------------------------------------------------- exact_match
 def test_exact_match():
     em = get("exact_match")
-    assert em([tagged("Red ball!"), tagged("red  ball"), tagged("red"), "red ball"], ["red ball"]) == [1, 1, 0, 0]
-    assert get("exact_match", case_sensitive=True)([tagged("Red ball"), tagged("red ball")], ["red ball"]) == [0, 1]
+    assert em([tagged("Red ball!"), tagged("red  ball"), tagged("red"), "red ball"], ["red ball"]) == [
+        1,
+        1,
+        0,
+        0,
+    ]
+    assert get("exact_match", case_sensitive=True)(
+        [tagged("Red ball"), tagged("red ball")], ["red ball"]
+    ) == [0, 1]
 
 
 # ----------------------------------------------------------------------------- registry
@@ -296,13 +313,34 @@ TRUTHS = ["(B) green", "B", "green", "(2)", "37.5", "EF is 60%", "Good quality",
           "<think>t</think><answer>(A) red</answer>"]  # fmt: skip
 FRAGMENTS = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "<reasoning>", "</reasoning>", "\n",
                              "(B)", "A or B", "1,200", "-3.5%", "9" * 400, "green", " "])  # fmt: skip
-COMPLETIONS = st.one_of(st.text(), st.lists(st.one_of(FRAGMENTS, st.text(max_size=8)), max_size=30).map("".join))
+COMPLETIONS = st.one_of(
+    st.text(), st.lists(st.one_of(FRAGMENTS, st.text(max_size=8)), max_size=30).map("".join)
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(completion=COMPLETIONS, truth=st.sampled_from(TRUTHS), question=st.sampled_from([None, QUESTION, MULTI_VIDEO]))
+@given(
+    completion=COMPLETIONS,
+    truth=st.sampled_from(TRUTHS),
+    question=st.sampled_from([None, QUESTION, MULTI_VIDEO]),
+)
 def test_any_unicode_completion_scores_finite_in_unit_interval(completion, truth, question):
     for name in builtin_names():
         value = get(name)([completion], [truth], question=question)[0]
         assert isinstance(value, float) and math.isfinite(value), (name, completion, value)
         assert 0.0 <= value <= 1.0, (name, completion, value)
+
+
+def test_done_when_command_and_no_torch():
+    """The issue's check prints 0.964, and importing the rewards package pulls in no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from streamgrpo.rewards import get; "
+        "print(get('numeric')(['EF is 55%'], ['EF is 60%'])); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    values, torch_loaded = out.stdout.strip().splitlines()
+    assert round(json.loads(values)[0], 3) == 0.964
+    assert torch_loaded == "False"

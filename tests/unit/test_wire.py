@@ -1,0 +1,279 @@
+"""The ScoredGroup wire format: bit-exact round trips, zero-copy decode, field-naming errors, fuzzing."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streamgrpo.wire import (
+    MAGIC,
+    SCHEMA_VERSION,
+    Completion,
+    ScoredGroup,
+    Visual,
+    WireError,
+    decode,
+    encode,
+)
+
+
+def make_group(seed: int = 0, n_videos: int = 2, g: int = 4) -> ScoredGroup:
+    rng = np.random.default_rng(seed)
+    visuals = [
+        Visual("video", rng.integers(0, 256, (3 + i, 28, 56, 3), dtype=np.uint8), fps=2.0 + i,
+               frame_indices=np.arange(3 + i, dtype=np.int32) * 7)
+        for i in range(n_videos)
+    ]
+    visuals.append(Visual("image", rng.integers(0, 256, (1, 56, 28, 3), dtype=np.uint8)))
+    completions = []
+    for i in range(g):
+        n = 5 + i
+        lp = rng.standard_normal(n).astype(np.float32)
+        lp[0] = -0.0  # bit patterns that a float round trip through text would lose
+        if n > 3:
+            lp[1], lp[2], lp[3] = np.nan, -np.inf, np.float32(1e-45)
+        completions.append(Completion(
+            token_ids=rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int64).astype(np.int32),
+            logprobs=lp, text=f"<think>t{i}</think> <answer>(B) é中</answer>", finish_reason="stop" if i else "length",
+            rewards={"format": 1.0, "accuracy": float(i % 2)}, reward=0.3 + 0.7 * (i % 2),
+        ))
+    return ScoredGroup(
+        prompt_id="rec-17", generator_id="gen-1", policy_version=42, model_id="tiny/qwen2_5_vl",
+        prompt_ids=np.array([151644, 0, -1, 2**31 - 1, -(2**31)], dtype=np.int32), visuals=visuals,
+        answer="(B) Collision", completions=completions, prompt_text="<|im_start|>user ...",
+        meta={"kind": "multi_video", "temperature": 1.0, "nested": {"list": [1, "a", None, True]}},
+    )
+
+
+def assert_same_array(a, b) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()  # bit-exact (NaN payloads, -0.0, denormals)
+
+
+def assert_same_group(a: ScoredGroup, b: ScoredGroup) -> None:
+    for name in ("prompt_id", "generator_id", "policy_version", "model_id", "answer", "prompt_text", "group_id",
+                 "created_at", "schema"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert_same_array(a.prompt_ids, b.prompt_ids)
+    assert len(a.visuals) == len(b.visuals)
+    for va, vb in zip(a.visuals, b.visuals):
+        assert (va.kind, va.fps) == (vb.kind, vb.fps)
+        assert_same_array(va.frames, vb.frames)
+        assert_same_array(va.frame_indices, vb.frame_indices)
+    assert len(a.completions) == len(b.completions)
+    for ca, cb in zip(a.completions, b.completions):
+        assert_same_array(ca.token_ids, cb.token_ids)
+        assert_same_array(ca.logprobs, cb.logprobs)
+        assert (ca.text, ca.finish_reason, ca.rewards, ca.reward) == (cb.text, cb.finish_reason, cb.rewards, cb.reward)
+
+
+def test_round_trip_bit_exact_multi_video():
+    g = make_group(n_videos=3)
+    out = decode(encode(g))
+    assert_same_group(g, out)
+    assert [v.frames.shape[0] for v in out.visuals] == [3, 4, 5, 1]
+    assert out.meta == g.meta
+    assert np.isnan(out.completions[0].logprobs[1]) and np.signbit(out.completions[0].logprobs[0])
+
+
+def test_decode_is_zero_copy_and_aligned():
+    data = encode(make_group())
+    out = decode(data)
+    whole = np.frombuffer(data, dtype=np.uint8)
+    for arr in [out.prompt_ids, *(v.frames for v in out.visuals), *(c.logprobs for c in out.completions)]:
+        assert np.shares_memory(arr, whole)
+        assert arr.ctypes.data % 8 == 0
+        assert not arr.flags.writeable  # a view of immutable bytes
+
+
+def test_generic_arrays_in_meta_bf16_f32_i32_and_more():
+    rng = np.random.default_rng(1)
+    bf = torch.randn(3, 5, dtype=torch.float32).to(torch.bfloat16)
+    bf[0, 0] = float("nan")
+    meta = {
+        "bf16": bf,
+        "f32": rng.standard_normal((2, 3)).astype(np.float32),
+        "i32": np.array([[-(2**31), 2**31 - 1]], dtype=np.int32),
+        "f16": np.array([1.5, -0.0], dtype=np.float16),
+        "i64": np.arange(4, dtype=np.int64),
+        "u8": np.arange(3, dtype=np.uint8),
+        "bool": np.array([True, False]),
+        "scalar0d": np.array(3.25, dtype=np.float64),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "big_endian": np.arange(3, dtype=">i4"),
+        "strided": np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2],
+        "torch_f32": torch.arange(4, dtype=torch.float32),
+        "list": [np.arange(2, dtype=np.int32), {"deep": np.ones(1, dtype=np.float64)}],
+    }
+    g = make_group()
+    g.meta = meta
+    out = decode(encode(g)).meta
+    assert out["bf16"].dtype == torch.bfloat16 and out["bf16"].shape == (3, 5)
+    assert torch.equal(out["bf16"].view(torch.int16), bf.view(torch.int16))  # bits, NaN included
+    for key in ("f32", "i32", "f16", "i64", "u8", "bool", "scalar0d", "empty"):
+        assert_same_array(out[key], meta[key])
+    assert out["big_endian"].dtype == np.dtype("<i4") and out["big_endian"].tolist() == [0, 1, 2]
+    assert out["strided"].tolist() == [[0, 2], [4, 6], [8, 10]]
+    assert out["torch_f32"].dtype == np.float32 and out["torch_f32"].tolist() == [0, 1, 2, 3]
+    assert out["list"][1]["deep"].tolist() == [1.0]
+
+
+def test_encode_casts_to_contract_dtypes():
+    g = make_group()
+    g.prompt_ids = torch.tensor([1, 2, 3])  # int64 tensor, as processors return it
+    g.completions[0].token_ids = list(range(len(g.completions[0].logprobs)))
+    g.completions[0].logprobs = g.completions[0].logprobs.astype(np.float64)
+    g.completions[0].reward = np.float32(0.5)
+    out = decode(encode(g))
+    assert out.prompt_ids.dtype == np.int32 and out.prompt_ids.tolist() == [1, 2, 3]
+    assert out.completions[0].token_ids.dtype == np.int32
+    assert out.completions[0].logprobs.dtype == np.float32
+    assert out.completions[0].reward == 0.5
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda g: setattr(g.completions[2], "logprobs", np.zeros(1, np.float32)), "completions[2].logprobs"),
+        (lambda g: setattr(g.visuals[1], "kind", "audio"), "visuals[1].kind"),
+        (lambda g: setattr(g.visuals[0], "frames", np.zeros((2, 4, 4), np.uint8)), "visuals[0].frames"),
+        (lambda g: setattr(g.visuals[0], "frames", np.zeros((2, 4, 4, 3), np.float32)), "visuals[0].frames"),
+        (lambda g: setattr(g.visuals[0], "frame_indices", np.arange(9, dtype=np.int32)), "visuals[0].frame_indices"),
+        (lambda g: setattr(g, "prompt_ids", np.array([2**40])), "prompt_ids"),
+        (lambda g: setattr(g, "policy_version", -1), "policy_version"),
+        (lambda g: setattr(g, "group_id", ""), "group_id"),
+        (lambda g: setattr(g, "schema", 99), "schema"),
+        (lambda g: setattr(g.completions[1], "reward", float("nan")), "completions[1].reward"),
+        (lambda g: g.completions[3].rewards.update(format="high"), "completions[3].rewards['format']"),
+        (lambda g: setattr(g, "completions", []), "completions"),
+        (lambda g: setattr(g, "answer", None), "answer"),
+        (lambda g: g.meta.update(obj=object()), "meta"),
+    ],
+)
+def test_encode_names_the_bad_field(mutate, field):
+    g = make_group()
+    mutate(g)
+    with pytest.raises(WireError) as info:
+        encode(g)
+    assert str(info.value).startswith(field + ":"), str(info.value)
+
+
+def _frame(header: dict, body: bytes = b"") -> bytes:
+    head = msgpack.packb(header, use_bin_type=True)
+    pad = -(16 + len(head)) % 8
+    return struct.pack("<4sIQ", MAGIC, len(head), len(body)) + head + bytes(pad) + body
+
+
+def _header_of(data: bytes) -> dict:
+    _, hlen, _ = struct.unpack_from("<4sIQ", data)
+    return msgpack.unpackb(data[16:16 + hlen], raw=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
+
+
+def test_decode_names_the_bad_field():
+    data = encode(make_group())
+    header = _header_of(data)
+    _, hlen, blen = struct.unpack_from("<4sIQ", data)
+    body = data[len(data) - blen:]
+
+    def bad(h: dict) -> str:
+        with pytest.raises(WireError) as info:
+            decode(_frame(h, body))
+        return str(info.value)
+
+    assert bad({**header, "schema": 2}).startswith("schema: version 2 is not supported")
+    assert bad({k: v for k, v in header.items() if k != "answer"}) == "answer: missing"
+    assert bad({**header, "policy_version": "7"}).startswith("policy_version:")
+    comps = [dict(c) for c in header["completions"]]
+    comps[1]["logprobs"] = comps[0]["token_ids"]
+    assert bad({**header, "completions": comps}).startswith("completions[1].logprobs: expected dtype float32")
+    vis = [dict(v) for v in header["visuals"]]
+    ref = msgpack.unpackb(vis[0]["frames"].data)
+    vis[0]["frames"] = msgpack.ExtType(1, msgpack.packb([ref[0], ref[1], blen, ref[3]]))  # points past the body
+    assert bad({**header, "visuals": vis}).startswith("visuals[0].frames: array bytes")
+    assert "over the limit" in str(pytest.raises(WireError, decode, data, max_bytes=len(data) - 1).value)
+
+
+def test_size_limit_on_encode():
+    g = make_group()
+    size = len(encode(g))
+    with pytest.raises(WireError, match="over the limit"):
+        encode(g, max_bytes=size - 1)
+    assert len(encode(g, max_bytes=size)) == size
+
+
+# ------------------------------------------------------------------------------------ fuzzing
+_VALID = encode(make_group(n_videos=1, g=2))
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decode_or_wire_error(data) -> None:
+    try:
+        out = decode(data)
+    except WireError:
+        return
+    assert isinstance(out, ScoredGroup)
+
+
+@_FUZZ
+@given(st.binary(max_size=4096))
+def test_fuzz_random_bytes_only_raise_wire_error(data):
+    _decode_or_wire_error(data)
+
+
+@_FUZZ
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_behind_magic(data):
+    _decode_or_wire_error(MAGIC + data)
+    _decode_or_wire_error(struct.pack("<4sIQ", MAGIC, len(data), 0) + data)
+
+
+@_FUZZ
+@given(st.integers(min_value=0, max_value=len(_VALID) - 1))
+def test_fuzz_truncated_message_raises_wire_error(n):
+    with pytest.raises(WireError):
+        decode(_VALID[:n])
+
+
+@_FUZZ
+@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8))
+def test_fuzz_corrupted_bytes_decode_or_raise_wire_error(flips):
+    data = bytearray(_VALID)
+    for pos, value in flips:
+        data[pos] = value
+    _decode_or_wire_error(bytes(data))
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@_FUZZ
+@given(st.dictionaries(st.sampled_from(list(_header_of(_VALID))), _msgpack_values, max_size=14), st.binary(max_size=64))
+def test_fuzz_structured_headers_raise_wire_error(replaced, body):
+    header = {**_header_of(_VALID), **replaced}
+    header["schema"] = replaced.get("schema", SCHEMA_VERSION)
+    _decode_or_wire_error(_frame(header, body))
+
+
+@_FUZZ
+@given(st.text(max_size=8), st.lists(st.integers(-3, 2**40), max_size=5), st.integers(-5, 2**40), st.integers(-5, 2**40))
+def test_fuzz_array_references_raise_wire_error(dtype, shape, offset, nbytes):
+    header = _header_of(_VALID)
+    header["prompt_ids"] = msgpack.ExtType(1, msgpack.packb([dtype, shape, offset, nbytes]))
+    _decode_or_wire_error(_frame(header, bytes(64)))
+
+
+def test_non_bytes_input_raises_wire_error():
+    for x in (None, "SGRP", 123, [1, 2]):
+        with pytest.raises(WireError, match="message: expected bytes"):
+            decode(x)
