@@ -144,7 +144,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                     ],
                 )
                 t_put = time.perf_counter()
-                queue.put(group)
+                if not _put(queue, group, stop, name):
+                    break
                 produced += 1
                 M.GROUPS.labels(event="produced").inc()
                 M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group_out))
@@ -159,6 +160,25 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.close()
         server.close()
     return 0
+
+
+def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool:
+    """Put under backpressure, waking every second to notice SIGTERM; after a stop request the
+    group gets ``grace_s`` more seconds to find room, then it is given up (logged)."""
+    from streamgrpo.transport.queue import QueueFull
+
+    stopped_at = None
+    while True:
+        try:
+            queue.put(group, timeout_s=1.0)
+            return True
+        except QueueFull:
+            if stop:
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at >= grace_s:
+                    log.warning("%s: queue still full at shutdown: group %s (%s) not delivered",
+                                name, group.group_id, group.prompt_id)
+                    return False
 
 
 def _claim_sync_slots(queue, cfg: Config, version: int, want: int) -> int:

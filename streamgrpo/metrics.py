@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 _UNIT = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
+# No negative bucket bound: prometheus_client drops a histogram's `_sum` when its first bound is
+# negative, and the dashboard's mean reward is rate(_sum)/rate(_count). Negative rewards count in le=0.
 REWARD = Histogram(
     "streamgrpo_reward", "Reward per completion, by function (fn=total is the weighted sum)", ["fn"],
-    buckets=(-1.0, -0.5, *_UNIT, 1.5, 2.0, 5.0),
+    buckets=(*_UNIT, 1.5, 2.0, 5.0),
 )
 KL = Gauge("streamgrpo_kl", "Mean k3 KL to the reference model in the last step")
 LOSS = Gauge("streamgrpo_loss", "Loss of the last optimizer step")

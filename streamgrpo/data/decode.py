@@ -66,7 +66,10 @@ class DecordReader:
         total = len(self._vr)
         if total <= 0:
             raise DecodeError("video has no frames", kind="zero_frames")
-        first = self._vr[0].asnumpy()
+        try:
+            first = self._vr[0].asnumpy()
+        except Exception as exc:
+            raise DecodeError(f"decord cannot decode the first frame: {_clean(exc)}") from None
         self.info = VideoInfo(total, float(self._vr.get_avg_fps() or 0.0), int(first.shape[0]), int(first.shape[1]))
 
     def read(self, indices: list[int]) -> np.ndarray:
@@ -196,14 +199,67 @@ def _short(indices: list[int]) -> str:
     return str(list(indices)) if len(indices) <= 6 else f"[{indices[0]}, {indices[1]}, ..., {indices[-1]}]"
 
 
+class AutoReader:
+    """decord, and PyAV for the same file when decord fails to read it."""
+
+    name = "auto"
+
+    def __init__(self, path: str, first: DecordReader):
+        self._path, self._decord, self.info = path, first, first.info
+
+    def read(self, indices: list[int]) -> np.ndarray:
+        try:
+            return self._decord.read(indices)
+        except DecodeError as first:
+            try:
+                fallback = PyAVReader(self._path)
+            except DecodeError as second:
+                raise DecodeError(f"{second} (decord: {first})", kind=second.kind) from None
+            try:
+                return fallback.read(indices)
+            except DecodeError as second:
+                raise DecodeError(f"{second} (decord: {first})", kind=second.kind) from None
+            finally:
+                fallback.close()
+
+    def close(self) -> None:
+        self._decord.close()
+
+
+# Codecs whose seeking decord gets right (checked against PyAV's full decode in the tests). decord
+# returns the wrong frames after a seek in MPEG-4 part 2 streams with B-frames (off by the B-frame
+# delay), so `auto` decodes every other codec with PyAV.
+DECORD_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mjpeg"})
+
+
+def video_codec(path: str) -> str | None:
+    """The first video stream's codec name from the container header, or None if unreadable."""
+    import av
+
+    try:
+        with av.open(path) as c:
+            stream = c.streams.video[0] if c.streams.video else None
+            ctx = stream.codec_context if stream is not None else None
+            return getattr(ctx, "name", None) if ctx is not None else None
+    except Exception:
+        return None
+
+
 def open_video(path: str, backend: str = "auto"):
-    """A reader (``.info``, ``.read(indices)``, ``.close()``); ``auto`` tries decord, then PyAV."""
+    """A reader (``.info``, ``.read(indices)``, ``.close()``).
+
+    ``auto``: decord for the codecs in :data:`DECORD_CODECS` with PyAV as fallback (open or read
+    failures), PyAV for everything else.
+    """
     if backend == "decord":
         return DecordReader(path)
     if backend == "pyav" or _decord is None:
         return PyAVReader(path)
+    codec = video_codec(path)
+    if codec is not None and codec not in DECORD_CODECS:
+        return PyAVReader(path)
     try:
-        return DecordReader(path)
+        return AutoReader(path, DecordReader(path))
     except DecodeError as first:
         try:
             return PyAVReader(path)

@@ -256,6 +256,9 @@ def _hf_dataset(path: Path):
             datasets.load_from_disk(str(path))
     elif path.suffix == ".parquet":
         ds = datasets.load_dataset("parquet", data_files=[str(path)], split="train")
+    elif path.suffix in (".json", ".jsonl", ".csv"):  # flat question/answer columns (data.source: hf)
+        ds = datasets.load_dataset(path.suffix.lstrip(".").replace("jsonl", "json"), data_files=[str(path)],
+                                   split="train")
     else:
         ds = datasets.Dataset.from_file(str(path))
     if isinstance(ds, datasets.DatasetDict):

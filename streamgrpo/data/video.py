@@ -182,6 +182,8 @@ def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[t
                 frames = resize_frames(raw, plan.height, plan.width)
             except DecodeError as exc:
                 raise _fail(record, path, exc) from None
+            except OSError as exc:  # removed or unreadable since it was probed
+                raise _fail(record, path, exc, "missing_file") from None
             if cache is not None:
                 cache.put(ckey, frames)
         if kind == "image":

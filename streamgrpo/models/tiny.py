@@ -61,7 +61,23 @@ _WORDS = (
 
 
 def _corpus() -> list[str]:
-    lines = [_WORDS] * 4
+    """Chat/template pieces, the prompt instructions and the demo questions, repeated so that BPE
+    gives their words single tokens (short prompts keep the CPU demo fast)."""
+    from streamgrpo.data.demo import COLOUR_OPTIONS, DIRECTION_OPTIONS
+    from streamgrpo.data.prompts import NO_THINK_INSTRUCTION, THINK_INSTRUCTION
+
+    phrases = [
+        THINK_INSTRUCTION.format(think=t, answer="answer") for t in ("think", "reasoning")
+    ] + [
+        NO_THINK_INSTRUCTION.format(answer="answer"),
+        f"What colour is the moving square? {COLOUR_OPTIONS}. Answer with the option letter.",
+        f"Which direction does the square move? {DIRECTION_OPTIONS}. Answer with the option letter.",
+        "In what percentage of the frames is the centre of the square in the left half? Answer with a number.",
+        "Which video shows a red square? (1) (2) (3) (4). Answer with the option number.",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+        "<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    lines = [_WORDS] * 4 + phrases * 20
     for i, c in enumerate(_COLOURS):
         lines.append(f"(A) {c} (B) {_COLOURS[(i + 1) % 8]} (C) {_COLOURS[(i + 2) % 8]} <answer>{'ABC'[i % 3]}</answer>")
         lines.append(f"<think>The square is {c}.</think> <answer>({'ABC'[i % 3]}) {c}</answer>")
@@ -70,7 +86,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int = 400):
+def _train_tokenizer(vocab_size: int = 640):
     """Byte-level BPE trained on the built-in corpus; returns a transformers Qwen2 tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer

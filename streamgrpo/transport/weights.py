@@ -55,8 +55,10 @@ from streamgrpo.transport.weights_apply import (
     merge_lora_into,
 )
 from streamgrpo.transport.weights_codec import (
+    BEAT_S,
     DEFAULT_ALGO,
     TOPIC,
+    TOPIC_BEAT,
     VersionMeta,
     WeightsFormatError,
     chunk_span,
@@ -121,26 +123,23 @@ class WeightPublisher:
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.algo = algo
         self.src = secrets.randbits(62)  # publisher id: a restarted learner starts a new lineage
+        self.bind_host = bind_host
         self._ctx = zmq.Context()
         self._auth = None
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.sndhwm = sndhwm
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.sndhwm = 100_000
-        self._router.linger = 0
+        self._curve: tuple[bytes, bytes] | None = None
         if curve_keys_dir:
             from zmq.auth.thread import ThreadAuthenticator
 
-            public, secret = server_keys(curve_keys_dir, secret=True)
+            self._curve = server_keys(curve_keys_dir, secret=True)
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".auth"))
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(authorised_dir(curve_keys_dir)))
-            for s in (self._pub, self._router):
-                s.curve_server = True
-                s.curve_publickey = public
-                s.curve_secretkey = secret
+        self._hwm = sndhwm
+        self._pub = self._socket(zmq.PUB, sndhwm)
+        self._router = self._socket(zmq.ROUTER, 100_000)
         self.pub_port = _bind(self._pub, bind_host, pub_port)
         self.snapshot_port = _bind(self._router, bind_host, snapshot_port)
+        self._last_beat = 0.0
         self._wake_addr = f"inproc://weights-pub-{self.src}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_addr)
@@ -167,6 +166,43 @@ class WeightPublisher:
         else:
             log.warning("weights: %s WITHOUT CURVE keys: anyone who reaches %s can read the weights "
                         "(make keys with `streamgrpo keys` and set weights.curve_keys_dir)", where, bind_host)
+
+    def _socket(self, kind: int, sndhwm: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.sndhwm = sndhwm
+        sock.linger = 0
+        if self._curve is not None:
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = self._curve
+        return sock
+
+    def _raise_hwm(self, hwm: int) -> None:
+        """Rebind PUB with a high-water mark that holds two versions (libzmq applies a new HWM only to
+        new connections). Subscribers reconnect by themselves; what they miss meanwhile comes from
+        the snapshot endpoint. Happens once, at the first version bigger than ``sndhwm`` allows."""
+        self._pub.close(linger=0)
+        self._pub = self._socket(zmq.PUB, hwm)
+        if ":" in self.bind_host:
+            self._pub.ipv6 = True
+        for _ in range(250):  # the old listener closes asynchronously
+            try:
+                self._pub.bind(endpoint(self.bind_host, self.pub_port))
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                time.sleep(0.02)
+        else:
+            raise RuntimeError(f"weights: could not rebind PUB port {self.pub_port}")
+        log.info("weights: PUB high-water mark raised from %d to %d messages (two versions)", self._hwm, hwm)
+        self._hwm = hwm
+
+    def _beat(self) -> None:
+        """Announce the latest complete version, so a subscriber that lost a version's tail notices."""
+        latest = self._latest
+        if latest is not None:
+            self._pub.send_multipart([TOPIC_BEAT, msgpack.packb({"s": latest.meta.src, "v": latest.meta.version})])
+            self._last_beat = time.monotonic()
 
     @classmethod
     def from_config(cls, cfg, **kw) -> WeightPublisher:
@@ -268,7 +304,7 @@ class WeightPublisher:
         poller.register(self._router, zmq.POLLIN)
         while True:
             try:
-                events = dict(poller.poll(500))
+                events = dict(poller.poll(int(BEAT_S * 1000)))
                 if self._wake_pull in events:
                     while self._wake_pull.poll(0):
                         self._wake_pull.recv()
@@ -280,6 +316,8 @@ class WeightPublisher:
                 if job is not None:
                     self._send(job)
                 self._answer_snapshots()
+                if time.monotonic() - self._last_beat >= BEAT_S:
+                    self._beat()
             except zmq.ContextTerminated:
                 return
             except Exception:
@@ -291,6 +329,8 @@ class WeightPublisher:
 
     def _send(self, job: _Version) -> None:
         meta, mv = job.meta, memoryview(job.buf_N.numpy())
+        if 2 * meta.n_chunks + 16 > self._hwm:
+            self._raise_hwm(2 * meta.n_chunks + 16)
         hasher = new_hasher(meta.algo)
         hasher.update(job.meta_bytes)
         digest = None
@@ -319,6 +359,7 @@ class WeightPublisher:
             self._sending = False
             self.versions_sent += 1
             self._cv.notify_all()
+        self._beat()
 
     def _answer_snapshots(self, limit: int = 256) -> None:
         for _ in range(limit):

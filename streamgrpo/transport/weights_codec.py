@@ -35,7 +35,9 @@ except ImportError:  # pragma: no cover - exercised only without xxhash
 log = logging.getLogger("streamgrpo.transport.weights")
 
 FORMAT = 1
-TOPIC = b"w"
+TOPIC = b"w"  # version chunks: [TOPIC, header, payload]
+TOPIC_BEAT = b"h"  # heartbeat: [TOPIC_BEAT, msgpack {"s": src, "v": latest complete version}]
+BEAT_S = 1.0  # heartbeat period (also sent right after each version)
 ALIGN = 64
 ALGOS: dict[str, Callable] = {"sha256": hashlib.sha256}
 if xxhash is not None:

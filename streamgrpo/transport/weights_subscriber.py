@@ -16,6 +16,7 @@ from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_SYNC
 from streamgrpo.transport.keys import client_keys, server_keys
 from streamgrpo.transport.weights_codec import (
     TOPIC,
+    TOPIC_BEAT,
     Assembler,
     Completed,
     VersionMeta,
@@ -84,6 +85,7 @@ class WeightSubscriber:
                 s.curve_publickey = public
                 s.curve_secretkey = secret
         self._sub.subscribe(TOPIC)
+        self._sub.subscribe(TOPIC_BEAT)
         self._sub.connect(endpoint(connect_host, pub_port))
         self._dealer.connect(endpoint(connect_host, snapshot_port))
         self._wake_addr = f"inproc://weights-sub-{secrets.randbits(62)}"
@@ -102,6 +104,7 @@ class WeightSubscriber:
         self._pub_asm = Assembler(self._alloc, self._release)
         self._fetch: _Fetch | None = None
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
+        self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
         self._rid = 0
         self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
@@ -116,7 +119,9 @@ class WeightSubscriber:
     def poll(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest verified version not returned yet, waiting up to ``timeout_s``; else None.
 
-        The tensors are CPU views into a buffer owned by the caller from now on.
+        The tensors are CPU views into one receive buffer; they stay valid until
+        :meth:`mark_applied` hands that buffer back (``release=True``), so copy them (e.g. with
+        :func:`~streamgrpo.transport.weights_apply.apply_to_model`) before calling it.
         """
         with self._cv:
             self._cv.wait_for(lambda: self._ready is not None or self._closing, max(0.0, timeout_s))
@@ -248,17 +253,36 @@ class WeightSubscriber:
             except zmq.Again:
                 break
             try:
+                if frames[0].bytes == TOPIC_BEAT and len(frames) == 2:
+                    beat = msgpack.unpackb(frames[1].bytes)
+                    key = (int(beat["s"]), int(beat["v"]))
+                    if newer(key, self._announced):
+                        self._announced = key
+                    continue
                 if len(frames) != 3:
                     raise WeightsFormatError(f"weights message has {len(frames)} frames, expected 3")
                 h = decode_header(frames[1].bytes)
-            except WeightsFormatError as exc:
-                self._dropped(str(exc), repair=True)
+            except (WeightsFormatError, KeyError, ValueError, TypeError) as exc:
+                self._dropped(f"weights: malformed message ({exc})", repair=True)
                 continue
             WEIGHT_BYTES.inc(len(frames[2]))
             if newer(h, self._have):  # older or already-held versions cost nothing
                 batch.append((h, frames[2]))
-        if not batch:
-            return
+        if batch:
+            self._assemble(batch)
+        # Heartbeats follow a version's last chunk: if the announced version is newer than what we
+        # hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark).
+        announced, building = self._announced, self._pub_asm.in_progress
+        if announced is not None and newer(announced, self._have) and (building is None or not newer(building[0], announced)):
+            self._announced = None
+            if building is not None:
+                self._pub_asm.reset()
+                self._dropped(f"weights version {building[0][1]}: incomplete ({building[1]} chunks), its tail was lost",
+                              repair=False)
+            if self._fetch is None:
+                self._fetch_due = time.monotonic()
+
+    def _assemble(self, batch: list) -> None:
         keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)
         if keep and keep[0] > 0 and self._pub_asm.in_progress is not None:
             if self._pub_asm.in_progress[0] == key_of(batch[0][0]):

@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -31,7 +32,7 @@ from streamgrpo.transport.weights import (
     apply_to_model,
     filter_lora,
 )
-from streamgrpo.transport.weights_codec import TOPIC, build_version, encode_header, iter_chunks
+from streamgrpo.transport.weights_codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
@@ -125,6 +126,18 @@ def test_late_subscriber_gets_the_latest_version_from_the_snapshot(weight_publis
     assert late.request_snapshot(WAIT_S)[0] == 3
 
 
+def test_version_bigger_than_the_high_water_mark_arrives_whole_over_pub(weight_subscriber_factory):
+    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, sndhwm=4) as pub:
+        sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
+        pub.publish(1, _tensors(1, big=1 << 20))  # ~2.3 MiB: 150 chunks, far over sndhwm=4
+        _wait_version(sub, 1)  # (the PUB socket was rebuilt for it; version 1 may come via the snapshot)
+        discarded = sub.stats["discarded"]
+        for version in (2, 3):
+            pub.publish(version, _tensors(version, big=1 << 20))
+            assert _same(_wait_version(sub, version)[1], _tensors(version, big=1 << 20))
+        assert sub.stats["from_pub"] >= 2 and sub.stats["discarded"] == discarded  # no drops at the HWM
+
+
 def test_lora_adapters_travel_and_merge_into_the_generator_model(weight_publisher, weight_subscriber_factory):
     from peft import LoraConfig, get_peft_model
 
@@ -172,6 +185,7 @@ def _send_version(pub, version: int, tensors, mutate=None, chunk_bytes: int = 40
         chunks = mutate(chunks)
     for h, p in chunks:
         pub.send_multipart([TOPIC, encode_header(h), p])
+    pub.send_multipart([TOPIC_BEAT, msgpack.packb({"s": src, "v": version})])  # as the publisher does
     return meta.n_chunks
 
 
@@ -197,7 +211,12 @@ def _drop_one_chunk(chunks):
     return chunks
 
 
-@pytest.mark.parametrize("damage", [_flip_one_byte, _drop_one_chunk], ids=["tampered_byte", "missing_chunk"])
+def _drop_last_chunk(chunks):  # nothing follows the gap but the heartbeat
+    return chunks[:-1]
+
+
+@pytest.mark.parametrize("damage", [_flip_one_byte, _drop_one_chunk, _drop_last_chunk],
+                         ids=["tampered_byte", "missing_chunk", "missing_last_chunk"])
 def test_damaged_version_is_never_applied_and_the_previous_stays(raw_channel, weight_subscriber_factory, damage):
     pub, pub_port, snap_port = raw_channel
     sub = weight_subscriber_factory(pub_port, snap_port, snapshot_timeout_s=1.0)
@@ -265,19 +284,19 @@ _CHILD = textwrap.dedent(
 
 @pytest.mark.slow
 def test_stalled_subscriber_does_not_slow_the_publisher_and_recovers_from_the_snapshot():
-    last = 6
+    last = 7
+    versions = {v: {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(v)).to(torch.bfloat16)}
+                for v in range(1, last + 1)}  # 8 MiB each, in 64 KiB chunks
     with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 16, sndhwm=16) as pub:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(pub.pub_port), str(pub.snapshot_port), str(last)],
                                  stdout=subprocess.PIPE, text=True, env=env)
         try:
-            pub.publish(1, {"w": torch.zeros(16)})
+            pub.publish(1, versions[1])
             assert json.loads(child.stdout.readline()) == {"ready": 1}
             os.kill(child.pid, signal.SIGSTOP)  # the whole process stalls: its zmq I/O thread too
-            versions = {v: {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(v)).to(torch.bfloat16)}
-                        for v in range(2, last + 1)}
-            for v, t in versions.items():  # 8 MiB each, far more than socket buffers + HWM hold
-                pub.publish(v, t)
+            for v in range(2, last + 1):  # 48 MiB: far more than the PUB queue (two versions) + socket buffers
+                pub.publish(v, versions[v])
             assert pub.flush(120.0)  # everything handed to ZeroMQ while the subscriber is stopped
             assert pub.latest_version == last  # (queued versions a newer one overtook were skipped)
             os.kill(child.pid, signal.SIGCONT)
@@ -289,8 +308,7 @@ def test_stalled_subscriber_does_not_slow_the_publisher_and_recovers_from_the_sn
     h.update(b"w")
     h.update(_bits(versions[last]["w"]))
     assert result["version"] == last and result["digest"] == h.hexdigest()
-    assert result["stats"]["from_snapshot"] >= 1  # repaired through the snapshot endpoint
-    assert result["stats"]["discarded"] >= 1  # the partial versions it did see were dropped, not applied
+    assert result["stats"]["from_snapshot"] >= 1  # the last version was dropped on PUB: repaired via the snapshot
 
 
 # ----------------------------------------------------------------------------- tiny Qwen model

@@ -150,6 +150,9 @@ def test_hf_saved_dataset_source(tmp_path, demo_data_dir, monkeypatch):
     assert vis.frames.shape == (1, 56, 56, 3)
     ds.to_parquet(str(tmp_path / "d.parquet"))
     assert [r.id for r in load_records(tmp_path / "d.parquet", cfg)] == ["h0", "h1", "h2"]
+    ds.remove_columns("picture").to_json(str(tmp_path / "flat.jsonl"))
+    flat = load_records(tmp_path / "flat.jsonl", cfg.model_copy(update={"source": "hf"}))
+    assert [r.answer for r in flat] == ["(A) red", "(B) right", "green"] and not flat[2].media()
     with pytest.raises(DataError, match="no column 'question'"):
         load_records(tmp_path / "hf", DataConfig(hf_answer_column="label"))
 

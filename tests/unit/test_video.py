@@ -240,12 +240,39 @@ def test_images_use_the_same_resize_rule(demo_data_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------ decoders
+def _write_bframes(path: Path, frames: np.ndarray, codec: str = "libx264") -> None:
+    """An mp4 with B-frames (decode order != display order) and a key frame every 10 frames."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=25)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.codec_context.gop_size = 10
+        s.codec_context.max_b_frames = 2
+        if codec == "libx264":
+            s.codec_context.options = {"preset": "medium", "bf": "2", "threads": "1"}
+        for f in frames:
+            for pkt in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+
+
 def test_decord_and_pyav_give_the_same_frames(demo_data_dir, tmp_path):
     long = tmp_path / "gop.mp4"
     rng = np.random.default_rng(0)
     frames = np.repeat(rng.integers(0, 255, (60, 8, 8, 3), dtype=np.uint8), 8, axis=1).repeat(8, axis=2)
     write_mp4(long, frames, fps=30, gop=12)  # 5 key frames: the PyAV reader must seek
-    for path, idx in [(_videos(demo_data_dir)[3], [0, 2, 5, 7]), (long, [0, 7, 13, 30, 31, 59]), (long, [59, 3, 3])]:
+    bfr, mp4v = tmp_path / "bframes.mp4", tmp_path / "mpeg4.mp4"
+    _write_bframes(bfr, frames[:40])
+    _write_bframes(mp4v, frames[:40], codec="mpeg4")
+    cases = [(_videos(demo_data_dir)[3], [0, 2, 5, 7]), (long, [0, 7, 13, 30, 31, 59]), (long, [59, 3, 3]),
+             (bfr, [1, 2, 9, 10, 11, 25, 38, 39]), (bfr, [12, 21, 33])]
+    # MPEG-4 part 2 with B-frames: decord seeks to the wrong frames (off by the B-frame delay), so
+    # `auto` reads it with PyAV, which must match a full decode.
+    auto = decode.open_video(str(mp4v), "auto")
+    assert isinstance(auto, decode.PyAVReader)
+    assert np.array_equal(auto.read([0, 5, 12, 21, 33, 39]), decode.decode_all(str(mp4v))[[0, 5, 12, 21, 33, 39]])
+    auto.close()
+    for path, idx in cases:
         d = decode.open_video(str(path), "decord")
         p = decode.open_video(str(path), "pyav")
         assert d.info.total_frames == p.info.total_frames
@@ -256,6 +283,16 @@ def test_decord_and_pyav_give_the_same_frames(demo_data_dir, tmp_path):
         assert a.shape == b.shape == (len(idx), d.info.height, d.info.width, 3)
         assert np.array_equal(a, b)
         assert np.array_equal(b, decode.decode_all(str(path))[idx])
+
+
+def test_auto_backend_falls_back_to_pyav_when_decord_fails_to_read(demo_data_dir):
+    path = str(_videos(demo_data_dir)[2])
+    reader = decode.open_video(path, "auto")
+    assert isinstance(reader, decode.AutoReader)
+    reader._decord._vr = None  # decord breaks after opening (as on a file corrupt mid-stream)
+    frames = reader.read([0, 3, 7])
+    reader.close()
+    assert np.array_equal(frames, decode.decode_all(path)[[0, 3, 7]])
 
 
 def test_frame_cache_hits_and_invalidation(demo_data_dir, tmp_path):

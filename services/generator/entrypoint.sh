@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Generator container entrypoint: runs `streamgrpo "$@"` and nothing else.
+#
+# `generator` without --id gets `--id K` appended, K (0-based) from
+#   GENERATOR_ID               when set (k8s passes the StatefulSet pod index this way), else
+#   the compose replica number: compose names replica N of a service `<project>-<service>-N`
+#   (`<project>_<service>_N` for docker-compose v1) and Docker's DNS answers the reverse lookup of
+#   the container's own address with that name; K = N - 1.
+# Keep rollout.num_generators equal to the number of replicas so the K shards cover the data once.
+# STREAMGRPO_DRY_RUN=1 prints the command, one argument per line, instead of running it.
+# STREAMGRPO_CONTAINER_NAME overrides the name lookup (tests, or runtimes without that DNS).
+set -euo pipefail
+
+run() {
+  if [[ "${STREAMGRPO_DRY_RUN:-0}" == 1 ]]; then
+    printf '%s\n' "$@"
+    exit 0
+  fi
+  exec "$@"
+}
+
+container_name() {
+  if [[ -n "${STREAMGRPO_CONTAINER_NAME:-}" ]]; then
+    echo "$STREAMGRPO_CONTAINER_NAME"
+    return
+  fi
+  python3 - <<'PY'
+import socket
+ip = socket.gethostbyname(socket.gethostname())
+print(socket.gethostbyaddr(ip)[0].split(".")[0])
+PY
+}
+
+has_id() {
+  local a
+  for a in "$@"; do
+    [[ "$a" == --id || "$a" == --id=* ]] && return 0
+  done
+  return 1
+}
+
+if [[ "${1:-}" == generator ]] && ! has_id "$@"; then
+  id="${GENERATOR_ID:-}"
+  if [[ -z "$id" ]]; then
+    name="$(container_name 2>/dev/null || true)"
+    if [[ "$name" =~ [-_]([0-9]+)$ ]]; then
+      id=$(( 10#${BASH_REMATCH[1]} - 1 ))
+    else
+      echo "entrypoint: cannot tell this generator's index (container name '${name}' has no replica number);" \
+           "set GENERATOR_ID or pass --id" >&2
+      exit 2
+    fi
+  fi
+  if ! [[ "$id" =~ ^[0-9]+$ ]]; then
+    echo "entrypoint: GENERATOR_ID must be a non-negative integer, got '$id'" >&2
+    exit 2
+  fi
+  set -- "$@" --id "$id"
+fi
+run streamgrpo "$@"
