@@ -4,7 +4,8 @@ One embedded redis-server (AOF everysec, as `streamgrpo up` runs it). For groups
 and 10 MB (uint8 video frames plus 8 completions of 256 tokens) this process runs, serially:
 
 * ours, ``serial``: ``put(group)`` -> ``get(1)`` -> ``ack([id])``, one group at a time;
-* ours, ``batch8``: 8 x ``put`` -> ``get(8)`` -> ``ack(8 ids)`` (how the learner reads a step);
+* ours, ``batch8``: ``put_many(8 groups)`` -> ``get(8)`` -> ``ack(8 ids)`` (a generator's batch of
+  prompts, a learner's step);
 * baseline: ``redis-benchmark -t set,get -c 1 -P 1 -d <message bytes>`` against the same server.
 
 A group moves through Redis twice (in with XADD, out with XREADGROUP), like one SET plus one GET,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +64,11 @@ def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple
     """Groups moved and seconds taken; runs whole batches for at least ``seconds``."""
     done, t0 = 0, time.perf_counter()
     while done < 3 * batch or time.perf_counter() - t0 < seconds:
-        for _ in range(batch):
-            q.put(g)
+        fresh = [dataclasses.replace(g, group_id=uuid.uuid4().hex) for _ in range(batch)]  # repeated ids are skipped
+        if batch == 1:
+            q.put(fresh[0])
+        else:
+            q.put_many(fresh)
         got = []
         while len(got) < batch:
             got += q.get(batch - len(got), timeout_s=5.0)

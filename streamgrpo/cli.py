@@ -122,8 +122,8 @@ def cmd_model_merge(args) -> int:
 def cmd_keys(args) -> int:
     from streamgrpo.transport.keys import generate_keys
 
-    paths = generate_keys(args.out, clients=args.clients)
-    print(f"CURVE keys written to {args.out} ({len(paths)} files)")
+    keys = generate_keys(args.out, clients=args.clients)
+    print(keys.describe())
     return 0
 
 

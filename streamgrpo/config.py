@@ -286,10 +286,12 @@ class QueueConfig(_Section):
     """Producers block while the stream holds more than this many unread or unacked groups."""
     claim_idle_s: float = Field(120.0, gt=0.0)
     """Entries pending this long on another consumer are claimed (it is presumed dead)."""
-    max_message_mib: float = Field(256.0, gt=0.0, le=4096.0)
-    """Messages larger than this are refused by producers and dead-lettered by consumers."""
+    max_message_mib: float = Field(256.0, gt=0.0, le=512.0)
+    """Messages larger than this are refused by producers and dead-lettered by consumers (Redis caps a value at 512 MiB)."""
     dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
     """How long trained group ids are remembered in Redis for de-duplication."""
+    max_outage_s: Optional[float] = Field(None, gt=0.0)
+    """Give up with an error after Redis has been unreachable this long; null retries (with backoff) forever."""
 
 
 # ------------------------------------------------------------------------------------- weights
@@ -309,7 +311,7 @@ class WeightsConfig(_Section):
     curve_keys_dir: Optional[str] = None
     """Directory made by `streamgrpo keys`: enables CURVE encryption and client authorisation."""
     sndhwm: int = Field(64, ge=1)
-    """PUB high-water mark in messages (late subscribers repair through the snapshot endpoint)."""
+    """Minimum PUB high-water mark in messages; raised automatically to hold two versions (a subscriber that falls further behind repairs through the snapshot endpoint)."""
 
 
 # ------------------------------------------------------------------------------------- metrics

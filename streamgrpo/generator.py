@@ -68,7 +68,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
     rewards = RewardSet(cfg)
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name)
-    weights = WeightSubscriber.from_config(cfg.weights)
+    weights = WeightSubscriber.from_config(cfg.weights, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None)
     sampling = SamplingParams.from_config(cfg.rollout)
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
 

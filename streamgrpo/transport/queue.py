@@ -8,7 +8,7 @@ Keys (``ns`` = ``queue.namespace``):
   (when small) the raw bytes. Capped at about 10 000 entries.
 * ``<ns>:trained`` -- de-duplication memory (see :meth:`RedisQueue.mark_trained`).
 
-Delivery is at least once. An entry is acknowledged *and deleted* in one transaction, so the
+Delivery is at least once. An entry is acknowledged *and deleted* in one atomic step, so the
 stream only ever holds entries that are undelivered or delivered-but-unacknowledged: its length is
 the queue depth that backpressure and ``streamgrpo_queue_depth`` use, on Redis 6.2 and 7.x alike.
 A consumer that restarts under the same name first re-reads its own unacknowledged entries; the
@@ -25,19 +25,26 @@ from __future__ import annotations
 
 import abc
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from streamgrpo import metrics
-from streamgrpo.wire import DEFAULT_MAX_BYTES, ScoredGroup, WireError, decode, encode
+from streamgrpo.transport.resp import (
+    ACK_DELETE_LUA,
+    coalesce,
+    parse_autoclaim,
+    parse_entries,
+    safe_url,
+    to_str,
+    xadd_command,
+)
+from streamgrpo.wire import DEFAULT_MAX_BYTES, ScoredGroup, WireError, decode, encode_parts
 
 if TYPE_CHECKING:
     from streamgrpo.config import QueueConfig
@@ -74,18 +81,17 @@ class GroupQueue(abc.ABC):
     @abc.abstractmethod
     def put(self, group: ScoredGroup, *, timeout_s: float | None = None) -> str: ...
 
+    def put_many(self, groups: list[ScoredGroup], *, timeout_s: float | None = None) -> list[str]:
+        return [self.put(g, timeout_s=timeout_s) for g in groups]
+
     @abc.abstractmethod
     def get(self, n: int, timeout_s: float) -> list[Delivery]: ...
-
     @abc.abstractmethod
     def ack(self, stream_ids: list[str]) -> int: ...
-
     @abc.abstractmethod
     def mark_trained(self, group_ids: list[str]) -> None: ...
-
     @abc.abstractmethod
     def depth(self) -> int: ...
-
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -96,54 +102,14 @@ class GroupQueue(abc.ABC):
         self.close()
 
 
-def safe_url(url: str) -> str:
-    """The URL without its password: ``redis://user:secret@h:1/0`` -> ``redis://user@h:1/0``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable redis url>"
-    out = url
-    if parts.password is not None:
-        host = parts.netloc.rsplit("@", 1)[1]
-        out = out.replace(parts.netloc, f"{parts.username}@{host}" if parts.username else host, 1)
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", out)
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def parse_entries(raw: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
-    """``[[id, [f1, v1, ...]], ...]`` -> ``[(id, {f1: v1}), ...]``; a deleted entry (nil fields) gives ``(id, None)``."""
-    out = []
-    for item in raw or []:
-        if not isinstance(item, (list, tuple)) or not item:
-            continue  # Redis 6.2 XAUTOCLAIM may return a bare nil for an entry deleted while pending
-        sid = _s(item[0])
-        fields = item[1] if len(item) > 1 else None
-        out.append((sid, None if fields is None else dict(zip(fields[::2], fields[1::2]))))
-    return out
-
-
-def parse_autoclaim(raw: Any) -> tuple[str, list[tuple[str, dict[bytes, bytes] | None]], list[str]]:
-    """XAUTOCLAIM reply -> (next cursor, entries, deleted ids).
-
-    Redis 6.2 replies ``[cursor, entries]``; 7.x adds a third element, the ids of pending entries
-    that no longer exist (7.x already removed them from the pending list).
-    """
-    if not isinstance(raw, (list, tuple)) or len(raw) not in (2, 3):
-        raise QueueError(f"unexpected XAUTOCLAIM reply: {raw!r:.200}")
-    deleted = [_s(x) for x in raw[2]] if len(raw) == 3 and raw[2] else []
-    return _s(raw[0]), parse_entries(raw[1]), deleted
-
-
 class RedisQueue(GroupQueue):
     """ScoredGroups over a Redis stream; see the module docstring for the keys and guarantees.
 
     ``url`` may carry a password or an ACL user (``redis://user:pass@host:port/db``), use TLS
     (``rediss://...?ssl_ca_certs=/path/ca.pem``) or a unix socket (``unix:///path/redis.sock``).
     Connection loss is retried with capped exponential backoff (one log line per outage) for up to
-    ``max_outage_s`` (None: forever); a wrong password raises :class:`QueueError` at once.
+    ``max_outage_s`` (None: forever); a wrong password raises :class:`QueueError` at once. An ACL user
+    needs ``+@stream +@sortedset +@scripting +@transaction +ping +expire +client`` on ``<namespace>:*``.
     """
 
     def __init__(
@@ -193,6 +159,7 @@ class RedisQueue(GroupQueue):
             raise QueueError(f"bad redis url {self.safe_url}: {exc}") from None
         for cmd in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):  # parse replies ourselves (deleted entries keep ids)
             self._r.set_response_callback(cmd, lambda r, **_: r)
+        self._ack_script = self._r.register_script(ACK_DELETE_LUA)
         self._ensure_group()
 
     @classmethod
@@ -204,7 +171,7 @@ class RedisQueue(GroupQueue):
         return cls(
             url, namespace=cfg.namespace, consumer=consumer, max_pending=cfg.max_pending,
             claim_idle_s=cfg.claim_idle_s, max_message_bytes=int(cfg.max_message_mib * (1 << 20)),
-            dedupe_ttl_s=cfg.dedupe_ttl_s, **kw,
+            dedupe_ttl_s=cfg.dedupe_ttl_s, **{"max_outage_s": cfg.max_outage_s, **kw},
         )
 
     # ------------------------------------------------------------------------ redis calls
@@ -288,46 +255,68 @@ class RedisQueue(GroupQueue):
 
         Raises :class:`WireError` (counted as ``errors{kind=wire}``) if the group is invalid or over
         ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. One round
-        trip (XADD + XLEN pipelined) while the last depth seen was well below the bound; the bound
+        trip (XADD) while the depth last read plus the puts since stays below the bound; the bound
         is soft by at most the number of producers racing for the last slots. If the reply to an
         XADD is lost the retry is flagged ``r`` so consumers check it against the trained set.
         """
-        try:
-            data = encode(group, max_bytes=self.max_message_bytes)
-        except WireError:
-            metrics.ERRORS.labels(kind="wire").inc()
-            raise
-        if self._last_depth is None or self._last_depth + 1 >= self.max_pending:
-            self._wait_for_room(timeout_s)
-        fields = {b"g": group.group_id.encode(), b"d": data}
+        return self.put_many([group], timeout_s=timeout_s)[0]
+
+    def put_many(self, groups: list[ScoredGroup], *, timeout_s: float | None = None) -> list[str]:
+        """Append several groups in one round trip (pipelined XADDs); waits for room for all of them.
+
+        Same errors and guarantees as :meth:`put`; nothing is sent if any group fails to encode.
+        """
+        messages = []
+        for g in groups:
+            try:  # the message stays in pieces (the arrays' own memory) down to the socket: no copy
+                messages.append(encode_parts(g, max_bytes=self.max_message_bytes))
+            except WireError:
+                metrics.ERRORS.labels(kind="wire").inc()
+                raise
+        if not messages:
+            return []
+        need = min(len(messages), self.max_pending)
+        # Depth is re-read only when the estimate (last depth read + our puts since) nears the bound.
+        if self._last_depth is None or self._last_depth + need > self.max_pending:
+            self._wait_for_room(timeout_s, need)
         attempts = 0
 
-        def add() -> tuple[bytes, int]:
+        def add() -> list[bytes]:
             nonlocal attempts
             attempts += 1
-            if attempts > 1:
-                fields[b"r"] = b"1"  # the first attempt may have landed: a possible duplicate
-            p = self._r.pipeline(transaction=False)
-            p.xadd(self.stream, fields)
-            p.xlen(self.stream)
-            sid, depth = p.execute()
-            return sid, depth
+            retry = [(b"r", [b"1"])] if attempts > 1 else []  # an earlier attempt may have landed: possible duplicates
+            chunks = []
+            for g, parts in zip(groups, messages):
+                chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts), *retry])
+            return self._send_raw(chunks, len(messages))
 
-        sid, depth = self._call("XADD", add)
-        self._last_depth = int(depth)
-        metrics.QUEUE_DEPTH.set(self._last_depth)
-        return _s(sid)
+        sids = self._call("XADD", add)
+        self._last_depth = (self._last_depth or 0) + len(messages)
+        return [to_str(sid) for sid in sids]
 
-    def _wait_for_room(self, timeout_s: float | None) -> None:
+    def _send_raw(self, chunks: list[Any], n_replies: int) -> list[Any]:
+        """Write pre-packed commands on one pooled connection and read ``n_replies`` replies."""
+        pool = self._r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(coalesce(chunks))
+            return [conn.read_response() for _ in range(n_replies)]  # a ResponseError is raised here
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never reuse this socket
+            raise
+        finally:
+            pool.release(conn)
+
+    def _wait_for_room(self, timeout_s: float | None, need: int = 1) -> None:
         depth = self.depth()
-        if depth < self.max_pending:
+        if depth + need <= self.max_pending:
             return
         t0 = last_log = time.monotonic()
         log.info("queue %s full (%d >= max_pending %d): generator waits", self.stream, depth, self.max_pending)
         metrics.BACKPRESSURE.set(1)
         pause = 0.02
         try:
-            while depth >= self.max_pending:
+            while depth + need > self.max_pending:
                 now = time.monotonic()
                 if timeout_s is not None and now - t0 >= timeout_s:
                     raise QueueFull(f"queue {self.stream} still full after {timeout_s:.1f}s (depth {depth})")
@@ -384,7 +373,10 @@ class RedisQueue(GroupQueue):
     def _claim(self, n: int) -> list[Delivery]:
         raw = self._with_group("XAUTOCLAIM", self._r.execute_command, "XAUTOCLAIM", self.stream, CONSUMER_GROUP,
                                self.consumer, int(self.claim_idle_s * 1000), self._claim_cursor, "COUNT", n)
-        cursor, entries, deleted = parse_autoclaim(raw)
+        try:
+            cursor, entries, deleted = parse_autoclaim(raw)
+        except ValueError as exc:
+            raise QueueError(str(exc)) from None
         self._claim_cursor = cursor
         # Scan again right away while there is more to claim, else in a while.
         more = cursor != "0-0" or len(entries) >= n
@@ -410,7 +402,7 @@ class RedisQueue(GroupQueue):
         if gone:
             self._call("XACK", self._r.xack, self.stream, CONSUMER_GROUP, *gone)
         live = [(sid, f) for sid, f in entries if f is not None]
-        gids = [_s(f.get(b"g", b"")) for _, f in live]
+        gids = [to_str(f.get(b"g", b"")) for _, f in live]
         # Possible re-deliveries are checked against the shared trained set (one round trip); fresh
         # entries only against what this consumer holds or trained itself.
         suspect = [i for i, (_, f) in enumerate(live) if claimed or b"r" in f]
@@ -482,13 +474,12 @@ class RedisQueue(GroupQueue):
                     self._inflight[sid] = (self._inflight[sid][0], now)
 
     def _ack_delete(self, stream_ids: list[str]) -> int:
-        def tx() -> int:
-            p = self._r.pipeline(transaction=True)
-            p.xack(self.stream, CONSUMER_GROUP, *stream_ids)
-            p.xdel(self.stream, *stream_ids)
-            return int(p.execute()[0])
-
-        return self._call("XACK", tx)
+        """XACK + XDEL atomically, in one round trip (a Lua script; redis-py reloads it after a restart)."""
+        acked = 0
+        for i in range(0, len(stream_ids), 1000):  # Lua's unpack() has a stack limit
+            chunk = stream_ids[i:i + 1000]
+            acked += int(self._call("XACK", self._ack_script, keys=[self.stream], args=[CONSUMER_GROUP, *chunk]))
+        return acked
 
     def ack(self, stream_ids: list[str]) -> int:
         """Acknowledge (and delete) entries after the optimizer step that used them; returns how many were pending.
@@ -496,7 +487,7 @@ class RedisQueue(GroupQueue):
         Safe to repeat. Call :meth:`mark_trained` first: a crash between the two then re-delivers
         entries that are skipped as duplicates, never trains them twice.
         """
-        stream_ids = [_s(s) for s in stream_ids]
+        stream_ids = [to_str(s) for s in stream_ids]
         if not stream_ids:
             return 0
         n = self._ack_delete(stream_ids)
@@ -504,12 +495,6 @@ class RedisQueue(GroupQueue):
             for sid in stream_ids:
                 self._inflight.pop(sid, None)
         return n
-
-    def release(self, stream_ids: list[str]) -> None:
-        """Forget in-flight entries without acking them (they are re-read after a restart or claimed)."""
-        with self._lock:
-            for sid in stream_ids:
-                self._inflight.pop(_s(sid), None)
 
     # ------------------------------------------------------------------------ dedupe
     def mark_trained(self, group_ids: list[str]) -> None:
@@ -568,19 +553,15 @@ class RedisQueue(GroupQueue):
         """The newest dead letters (without raw bytes), newest first."""
         raw = self._call("XREVRANGE", self._r.xrevrange, self.dead, count=count)
         return [
-            {"id": _s(sid), **{_s(k): (_s(v) if k != b"data" else len(v)) for k, v in fields.items()}}
+            {"id": to_str(sid), **{to_str(k): (to_str(v) if k != b"data" else len(v)) for k, v in fields.items()}}
             for sid, fields in raw
         ]
 
     def close(self) -> None:
         """Release the connections; in-flight entries stay pending in Redis (re-read on restart or claimed)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._r.close()
-        except Exception:  # pragma: no cover - closing a dead connection
-            pass
+        if not self._closed:
+            self._closed = True
+            self._r.close()  # only drops sockets; never talks to the server
 
     def __repr__(self) -> str:
         return f"RedisQueue({self.safe_url!r}, stream={self.stream!r}, consumer={self.consumer!r})"

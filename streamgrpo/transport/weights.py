@@ -17,12 +17,16 @@ How it works. ``publish`` copies every tensor once into a flat byte buffer (pinn
 on CUDA) and hands it to a background thread, which sends it as chunks ``[b"w", header, payload]``
 on a PUB socket with zero-copy frames, hashing as it goes (the digest rides on the last chunk).
 The same thread owns a ROUTER socket that serves the latest complete version chunk by chunk on
-request (credit-based, so a slow client never blocks anyone). The subscriber's background thread
-drains the SUB socket, skips versions a newer one supersedes, assembles and verifies the newest
+request (credit-based, so a slow client never blocks anyone), and sends a heartbeat
+``[b"h", {src, version}]`` after each version and every second. PUB never blocks: a subscriber
+whose queue is full loses messages. The PUB high-water mark is raised (once, by rebinding) to hold
+two whole versions, so a subscriber that keeps up never loses chunks while a stalled one pins at
+most about two version buffers. The subscriber's background thread drains the SUB socket, skips
+versions a newer one supersedes, assembles and verifies the newest
 (:class:`~streamgrpo.transport.weights_codec.Assembler`) and parks it for :meth:`poll`; when a
-version is lost (PUB drops at the high-water mark, a gap, a bad digest) or at start-up it fetches
-the latest version from the snapshot endpoint instead. So a version is applied whole or not at all,
-and a late, slow or restarted generator catches up without slowing the learner down.
+version is lost (a gap, a bad digest, or a heartbeat announcing a version it never completed) or at
+start-up it fetches the latest version from the snapshot endpoint instead. So a version is applied
+whole or not at all, and a late, slow or restarted generator catches up without slowing the learner.
 
 Security: with ``curve_keys_dir`` both sockets are CURVE servers and only client public keys in
 ``DIR/clients/*.key`` may connect (ZAP via pyzmq's ThreadAuthenticator); see :mod:`.keys`. Without
@@ -274,7 +278,7 @@ class WeightPublisher:
         self._thread.join(timeout_s)
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.destroy(linger=int(timeout_s * 1000))
+        self._ctx.destroy(linger=int(min(timeout_s, 1.0) * 1000))
 
     def __enter__(self) -> WeightPublisher:
         return self

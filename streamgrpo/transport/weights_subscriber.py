@@ -106,7 +106,7 @@ class WeightSubscriber:
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
         self._rid = 0
-        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0}
+        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0, "beats": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._thread.start()
 
@@ -256,6 +256,7 @@ class WeightSubscriber:
                 if frames[0].bytes == TOPIC_BEAT and len(frames) == 2:
                     beat = msgpack.unpackb(frames[1].bytes)
                     key = (int(beat["s"]), int(beat["v"]))
+                    self.stats["beats"] += 1
                     if newer(key, self._announced):
                         self._announced = key
                     continue

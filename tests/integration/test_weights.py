@@ -131,6 +131,8 @@ def test_version_bigger_than_the_high_water_mark_arrives_whole_over_pub(weight_s
         sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
         pub.publish(1, _tensors(1, big=1 << 20))  # ~2.3 MiB: 150 chunks, far over sndhwm=4
         _wait_version(sub, 1)  # (the PUB socket was rebuilt for it; version 1 may come via the snapshot)
+        beats = sub.stats["beats"]
+        _until(lambda: sub.stats["beats"] > beats, "a heartbeat: the subscriber is on the rebuilt PUB socket")
         discarded = sub.stats["discarded"]
         for version in (2, 3):
             pub.publish(version, _tensors(version, big=1 << 20))

@@ -169,6 +169,11 @@ def test_assembler_rebuilds_a_version_and_a_later_one():
     assert done[0].meta.published_at == 123.0 and asm.in_progress is None
 
 
+def test_empty_version_round_trips():
+    done, drops = _feed_all(_assembler(), _chunks(4, {}))
+    assert drops == [] and done[0].meta.version == 4 and done[0].tensors() == {}
+
+
 def test_flipped_payload_byte_is_rejected_once():
     chunks = _chunks(1, _sample_tensors())
     h, p = chunks[3]

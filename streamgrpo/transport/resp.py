@@ -1,0 +1,88 @@
+"""Pure helpers for talking to Redis: RESP packing of XADD from buffers, reply parsing, URL redaction.
+
+Kept apart from :mod:`streamgrpo.transport.queue` (the queue's behaviour) because these are plain
+functions over bytes and lists, unit-testable without a server. Reply shapes are RESP2 (the
+queue's client sets ``protocol=2``), as Redis 6.2 and 7.x send them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+# Acknowledge and delete in one atomic step, so the stream length stays "undelivered + unacked".
+ACK_DELETE_LUA = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+return acked
+"""
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password: ``redis://user:secret@h:1/0`` -> ``redis://user@h:1/0``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable redis url>"
+    out = url
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        out = out.replace(parts.netloc, f"{parts.username}@{host}" if parts.username else host, 1)
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", out)
+
+
+def xadd_command(stream: bytes, fields: list[tuple[bytes, list[Any]]]) -> list[Any]:
+    """RESP for ``XADD stream * f1 v1 ...`` where each value is a list of buffers (sent as they are)."""
+    out: list[Any] = [b"*%d\r\n$4\r\nXADD\r\n$%d\r\n%s\r\n$1\r\n*\r\n" % (3 + 2 * len(fields), len(stream), stream)]
+    for name, parts in fields:
+        size = sum(memoryview(p).nbytes for p in parts)
+        out.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(name), name, size))
+        out += parts
+        out.append(b"\r\n")
+    return out
+
+
+def coalesce(chunks: list[Any], small: int = 64 << 10) -> list[Any]:
+    """Join runs of small buffers (one send call each otherwise); large ones pass through uncopied."""
+    out: list[Any] = []
+    run: list[Any] = []
+    for c in chunks:
+        if memoryview(c).nbytes < small:
+            run.append(c)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(c)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
+def to_str(x: Any) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+
+
+def parse_entries(raw: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
+    """``[[id, [f1, v1, ...]], ...]`` -> ``[(id, {f1: v1}), ...]``; a deleted entry (nil fields) gives ``(id, None)``."""
+    out = []
+    for item in raw or []:
+        if not isinstance(item, (list, tuple)) or not item:
+            continue  # Redis 6.2 XAUTOCLAIM may return a bare nil for an entry deleted while pending
+        sid = to_str(item[0])
+        fields = item[1] if len(item) > 1 else None
+        out.append((sid, None if fields is None else dict(zip(fields[::2], fields[1::2]))))
+    return out
+
+
+def parse_autoclaim(raw: Any) -> tuple[str, list[tuple[str, dict[bytes, bytes] | None]], list[str]]:
+    """XAUTOCLAIM reply -> (next cursor, entries, deleted ids).
+
+    Redis 6.2 replies ``[cursor, entries]``; 7.x adds a third element, the ids of pending entries
+    that no longer exist (7.x already removed them from the pending list).
+    """
+    if not isinstance(raw, (list, tuple)) or len(raw) not in (2, 3):
+        raise ValueError(f"unexpected XAUTOCLAIM reply: {raw!r:.200}")
+    deleted = [to_str(x) for x in raw[2]] if len(raw) == 3 and raw[2] else []
+    return to_str(raw[0]), parse_entries(raw[1]), deleted

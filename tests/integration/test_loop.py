@@ -1,0 +1,240 @@
+"""The loop end to end: real redis-server, real ZeroMQ, the tiny model, demo mp4s, real processes.
+
+* `streamgrpo up` with 1 learner + 2 generators: the accuracy reward rises.
+* staleness: max_staleness=0 with 2 fast generators drops stale groups; a large bound drops none.
+* kill -9 the learner, restart with --resume: no group trained twice, every produced group accounted for.
+* Ctrl-C on `up` leaves no child process alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def demo_assets(tmp_path_factory):
+    """Demo data (colour questions used) and a tiny Qwen2.5-VL taught the answer format."""
+    from streamgrpo.config import load_config
+    from streamgrpo.data.demo import make_demo
+    from streamgrpo.models.tiny import build_tiny
+    from streamgrpo.models.warm import warm_format
+
+    root = tmp_path_factory.mktemp("loop")
+    data = make_demo(root / "data", n=300, seed=0)
+    cfg = load_config("demo", [f"data.train_path={Path(data) / 'train.jsonl'}"])
+    model = build_tiny(root / "model", seed=0)
+    warm_format(model, data_cfg=cfg.data, seed=0)
+    return {"data": Path(data) / "train.jsonl", "model": model, "root": root}
+
+
+def _config(assets, run_dir: Path, **sets) -> Path:
+    from streamgrpo.config import load_config
+
+    overrides = [f"data.train_path={assets['data']}", f"model.name_or_path={assets['model']}", f"run_dir={run_dir}",
+                 "model.tiny_if_missing=false", "data.make_demo_if_missing=false", "metrics.log_every=1"]
+    overrides += [f"{k}={v}" for k, v in sets.items()]
+    cfg = load_config("demo", overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "test-config.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, procs=()):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise AssertionError(f"{what}: process {p.args} exited with {p.returncode}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _stop(procs, sig=signal.SIGTERM, grace=30):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is not alive
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_learns_accuracy_rises(demo_assets, tmp_path):
+    run = tmp_path / "run"
+    cfg = _config(demo_assets, run, **{"learner.max_steps": 150, "learner.save_steps": 1000})
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
+                         env=ENV, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    rows = _jsonl(run / "metrics.jsonl")
+    assert summary["steps"] == 150 and len(rows) == 150
+    accs = [a for r in rows for a in r["group_accuracy"]]
+    first, last = sum(accs[:20]) / 20, sum(accs[-20:]) / 20
+    assert last >= first + 0.25, f"accuracy did not rise: first 20 groups {first:.3f}, last 20 {last:.3f}"
+    assert (run / "reward.png").stat().st_size > 1000
+    for key in ("groups_trained", "groups_dropped", "wall_seconds", "first_accuracy", "last_accuracy", "time_to_target_s"):
+        assert key in summary
+    # every process wrote its metrics port
+    assert {"learner.json", "generator-0.json", "generator-1.json"} <= {p.name for p in (run / "ports").iterdir()}
+
+
+def _start_servers(tmp_path):
+    from streamgrpo.transport.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(tmp_path / "redis")
+    return redis, redis.start()
+
+
+def _spawn(cfg: Path, role: str, run: Path, *extra: str) -> subprocess.Popen:
+    log = open(run / f"{role}.log", "ab")
+    args = [sys.executable, "-m", "streamgrpo", role.split("-")[0], "--config", str(cfg), *extra]
+    return subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _free_port():
+    from streamgrpo.orchestrate import free_port
+
+    return free_port()
+
+
+def test_staleness_bound_drops_and_counts(demo_assets, tmp_path):
+    redis, url = _start_servers(tmp_path)
+    try:
+        results = {}
+        for bound in (0, 1000):
+            run = tmp_path / f"stale{bound}"
+            cfg = _config(demo_assets, run, **{
+                "queue.url": url, "queue.namespace": f"stale{bound}", "queue.max_pending": 64,
+                "loss.max_staleness": bound, "learner.max_steps": 6, "learner.groups_per_step": 4,
+                "weights.pub_port": _free_port(), "weights.snapshot_port": _free_port(),
+                "rollout.prompts_per_batch": 8, "rollout.num_generators": 2})
+            gens = [_spawn(cfg, f"generator-{k}", run, "--id", str(k)) for k in range(2)]
+            learner = _spawn(cfg, "learner", run)
+            try:
+                assert learner.wait(600) == 0, (run / "learner.log").read_text()[-3000:]
+            finally:
+                _stop(gens)
+            results[bound] = json.loads((run / "learner_state.json").read_text())
+        assert results[0]["dropped"].get("stale", 0) > 0, results
+        assert results[1000]["dropped"].get("stale", 0) == 0, results
+        rows = _jsonl(tmp_path / "stale0" / "metrics.jsonl")
+        assert all(r["staleness_max"] == 0 for r in rows)
+    finally:
+        redis.stop()
+
+
+def test_kill_learner_and_resume_trains_no_group_twice(demo_assets, tmp_path):
+    from streamgrpo.transport.queue import RedisQueue
+
+    redis, url = _start_servers(tmp_path)
+    run = tmp_path / "resume"
+    cfg = _config(demo_assets, run, **{
+        "queue.url": url, "queue.claim_idle_s": 3, "learner.max_steps": 10, "learner.save_steps": 3,
+        "learner.groups_per_step": 4, "weights.pub_port": _free_port(), "weights.snapshot_port": _free_port()})
+    gens = [_spawn(cfg, f"generator-{k}", run, "--id", str(k)) for k in range(2)]
+    try:
+        learner = _spawn(cfg, "learner", run)
+        trained = lambda: [e for e in _jsonl(run / "audit" / "learner.jsonl") if e["event"] == "trained"]  # noqa: E731
+        _wait_for(lambda: len(trained()) >= 5, 600, "5 trained steps", [learner])
+        learner.send_signal(signal.SIGKILL)
+        learner.wait()
+        first_run_steps = len(trained())
+        ckpt_step = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+        assert 3 <= ckpt_step < first_run_steps + 1
+        learner = _spawn(cfg, "learner", run, "--resume")
+        assert learner.wait(600) == 0, (run / "learner.log").read_text()[-3000:]
+    finally:
+        _stop(gens)
+    events = _jsonl(run / "audit" / "learner.jsonl")
+    steps = [e for e in events if e["event"] == "trained"]
+    # the second run continued from the checkpointed version
+    resumed = steps[first_run_steps:]
+    assert resumed and resumed[0]["version"] == ckpt_step + 1
+    trained_ids = [g for e in steps for g in e["group_ids"]]
+    assert len(trained_ids) == len(set(trained_ids)), "a group was trained twice"
+    dropped = {e["group_id"] for e in events if e["event"] == "dropped"}
+    produced = {e["group_id"] for k in range(2) for e in _jsonl(run / "audit" / f"generator-{k}.jsonl")
+                if e["event"] == "produced"}
+    q = RedisQueue(url, namespace="streamgrpo", consumer="inspector")
+    try:
+        in_queue = {g for g in _stream_group_ids(q)}
+        duplicates_known = set(_trained_in_redis(q, produced))
+    finally:
+        q.close()
+    accounted = set(trained_ids) | dropped | in_queue
+    missing = produced - accounted - duplicates_known
+    assert not missing, f"{len(missing)} produced groups are neither trained, dropped nor queued"
+    redis.stop()
+
+
+def _stream_group_ids(q) -> list[str]:
+    entries = q.client.xrange(q.stream, "-", "+")
+    return [fields[b"g"].decode() for _, fields in entries if b"g" in fields]
+
+
+def _trained_in_redis(q, ids) -> list[str]:
+    ids = sorted(ids)
+    flags = q.is_trained(ids) if ids else []
+    return [i for i, f in zip(ids, flags) if f]
+
+
+def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path):
+    run = tmp_path / "ctrlc"
+    cfg = _config(demo_assets, run, **{"learner.max_steps": 10000})
+    up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
+                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= 1, 600, "the first step", [up])
+        pids = json.loads((run / "processes.json").read_text())
+        redis_pid = json.loads((run / "redis.json").read_text())["pid"]
+        assert all(_pid_alive(p) for p in pids.values())
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 130, out[-2000:]
+    alive = {name: pid for name, pid in {**pids, "redis": redis_pid}.items() if _pid_alive(pid)}
+    assert not alive, f"still running after Ctrl-C: {alive}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] >= 1
+    # the learner checkpointed on the way out
+    assert any((run / "checkpoints").iterdir())
+    assert yaml.safe_load((run / "config.yaml").read_text())["learner"]["max_steps"] == 10000
