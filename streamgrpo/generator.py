@@ -71,6 +71,9 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     weights = WeightSubscriber.from_config(cfg.weights, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None)
     sampling = SamplingParams.from_config(cfg.rollout)
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
+    from streamgrpo.models.lora import make_weight_applier
+
+    load_weights = make_weight_applier(cfg, engine)  # LoRA mode: merge adapters into the pristine base
 
     def apply_newest(block_s: float = 0.0) -> None:
         """Safe point between batches: apply the newest verified version (or, for the staleness
@@ -87,7 +90,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             pending.popleft()
         pending.popleft()
         t0 = time.perf_counter()
-        engine.load_weights(target[0], target[1])
+        load_weights(target[0], target[1])
         sync_s = None
         if delay == 0:
             sync_s = weights.mark_applied()  # publish-to-applied latency + policy_version{role="generator"}
@@ -98,7 +101,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
 
     snap = weights.request_snapshot(timeout_s=10.0)  # a (re)started generator catches up first
     if snap is not None:
-        engine.load_weights(snap[0], snap[1])
+        load_weights(snap[0], snap[1])
         weights.mark_applied()
     log.info("%s: %d records in shard %d/%d, starting at policy v%d", name,
              (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,

@@ -1,16 +1,25 @@
 """The learner process (``streamgrpo learner --config F``): groups in, new weights out.
 
-One top-down loop per optimizer step:
+One process, or several DeepSpeed ranks under ``torchrun`` (``learner.backend=deepspeed``). Every
+rank is consumer ``learner-<rank>`` of the same Redis consumer group, so groups spread over the
+ranks with no coordinator. One top-down loop per optimizer step:
 
-1. take ``learner.groups_per_step`` groups from the queue (waiting with a timeout, idle time
-   counted); drop stale ones (``loss.max_staleness``), and ones whose re-processed prompt ids differ
-   from the message (``mismatch``); duplicates are skipped by the queue;
-2. advantages from the rewards in the messages;
-3. per-token log-probs of the completions (one vision pass per group), reference log-probs when
-   ``beta > 0``; the clipped importance-ratio loss; backward (micro-batched by tokens);
-4. clip, optimizer step, bump the policy version; record the groups as trained, ack them;
-5. publish weights every ``weights.sync_every`` steps; one ``metrics.jsonl`` line and Prometheus
-   gauges per step; a checkpoint every ``learner.save_steps`` and on SIGTERM.
+1. every rank takes its share (``groups_per_step / world_size``) of groups from the queue, dropping
+   stale ones (``loss.max_staleness``) and ones whose re-processed prompt ids differ from the message
+   (``mismatch``); the ranks poll in lockstep rounds and go on once every rank has its share (or all
+   stop together when any rank is asked to stop);
+2. :meth:`~streamgrpo.training.Learner.train_step`: advantages, log-probs (+ reference), the
+   clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.training`);
+3. bump the policy version (identical on every rank by construction); every rank marks its own
+   groups trained and acks them;
+4. rank 0 publishes weights every ``weights.sync_every`` steps (ZeRO-3 partitions are gathered
+   first), writes the ``metrics.jsonl`` line (numbers of all ranks merged), sets the Prometheus
+   gauges and logs to wandb; a checkpoint every ``learner.save_steps`` and at the end/SIGTERM
+   (every rank takes part).
+
+Each rank serves ``/metrics`` (rank r on ``metrics.port + r``, or a free port when it is 0; ports in
+``<run_dir>/ports/learner.json`` and ``learner-rank<r>.json``): counters (groups, tokens, drops,
+idle time) are per rank, step gauges (loss, KL, ...) come from rank 0 and cover the whole step.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,347 +36,325 @@ import torch
 
 from streamgrpo import metrics as M
 from streamgrpo.config import Config
-from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics, write_json
+from streamgrpo.distributed import DistInfo, gather_json, init_distributed, share
+from streamgrpo.runtime import (
+    JsonlWriter,
+    StopFlag,
+    queue_url,
+    setup_torch_threads,
+    start_metrics,
+    write_json,
+)
+from streamgrpo.training import (  # noqa: F401 - re-exported: the learner's vocabulary
+    Accepted,
+    Learner,
+    LearnerState,
+    lr_lambda,
+    make_optimizer,
+    split_micro_batches,
+)
 
 log = logging.getLogger("streamgrpo.learner")
 
 
-@dataclass
-class LearnerState:
-    """Everything besides weights and optimizer that a checkpoint must restore."""
-
-    step: int = 0
-    version: int = 0
-    groups_trained: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    tokens_trained: int = 0
-    started_at: float = field(default_factory=time.time)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version, "groups_trained": self.groups_trained,
-                "dropped": dict(self.dropped), "tokens_trained": self.tokens_trained}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> LearnerState:
-        return cls(step=d["step"], version=d["version"], groups_trained=d.get("groups_trained", 0),
-                   dropped=Counter(d.get("dropped", {})), tokens_trained=d.get("tokens_trained", 0))
-
-
-@dataclass
-class Accepted:
-    """A group that passed the checks, with its re-processed prompt inputs."""
-
-    stream_id: str
-    group: Any  # ScoredGroup
-    inputs: Any  # processor outputs for the prompt
-    staleness: int
-
-
-def make_optimizer(model: torch.nn.Module, cfg: Config):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
-    lc = cfg.learner
-    opt = torch.optim.AdamW(params, lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
-                            weight_decay=lc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
-    return opt, sched
-
-
-def lr_lambda(lc):
-    """Linear warm-up, then constant / cosine / linear decay to 0 at max_steps."""
-
-    def f(step: int) -> float:
-        if lc.warmup_steps and step < lc.warmup_steps:
-            return (step + 1) / lc.warmup_steps
-        if lc.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - lc.warmup_steps) / max(1, lc.max_steps - lc.warmup_steps))
-        if lc.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress
-
-    return f
-
-
-def policy_state_for_broadcast(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors generators need: every parameter (detached, contiguous, CPU)."""
-    return {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
-
-
-def run_learner(cfg: Config, *, stop: StopFlag | None = None) -> int:
-    from streamgrpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
+    from streamgrpo.checkpoint import latest_checkpoint
     from streamgrpo.models.card import model_card
-    from streamgrpo.models.loading import load_model, load_processor, resolve_device
+    from streamgrpo.tracking import Tracker, sample_rows
     from streamgrpo.transport.queue import RedisQueue
     from streamgrpo.transport.weights import WeightPublisher
 
     stop = stop if stop is not None else StopFlag()
+    dist = dist or init_distributed(cfg.learner.backend)
+    main = dist.is_main
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_torch_threads()
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.learner.device)
     ckpt_root = run_dir / "checkpoints"
 
-    # --- model, reference, optimizer; resume --------------------------------------------------
-    processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    policy = load_model(cfg.model, device, dtype="float32" if not cfg.learner.bf16 else "bfloat16", trainable=True)
-    ref = load_model(cfg.model, device) if cfg.loss.beta > 0 else None
-    if cfg.learner.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    optimizer, scheduler = make_optimizer(policy, cfg)
-    state = LearnerState()
+    # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
+    learner = Learner(cfg, dist=dist)
     if cfg.learner.resume:
-        ckpt = latest_checkpoint(ckpt_root)
-        if ckpt is None:
+        from streamgrpo.distributed import broadcast_json
+
+        found = broadcast_json(dist, str(latest_checkpoint(ckpt_root) or ""))  # rank 0 decides for everyone
+        if not found:
             log.info("resume: no checkpoint under %s, starting fresh", ckpt_root)
         else:
-            meta = load_trainer_state(ckpt, model=policy, optimizer=optimizer, scheduler=scheduler)
-            state = LearnerState.from_json(meta["learner"])
-            log.info("resumed from %s at step %d (policy v%d)", ckpt, state.step, state.version)
+            learner.load(found)
+            log.info("resumed from %s at step %d (policy v%d)", found, learner.state.step, learner.state.version)
+    state = learner.state
 
-    # --- queue, weights, metrics -------------------------------------------------------------
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer="learner-0")
-    publisher = WeightPublisher.from_config(cfg.weights)
-    write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
-    publisher.publish(state.version, policy_state_for_broadcast(policy))
+    # --- queue, weights, metrics, wandb --------------------------------------------------------
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}")
+    publisher = WeightPublisher.from_config(cfg.weights) if main else None
+    if publisher is not None:
+        write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
+    publish(learner, publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
-    server = start_metrics(cfg, run_dir, "learner")
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
-    audit = JsonlWriter(run_dir / "audit" / "learner.jsonl")
+    server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
+    audit = JsonlWriter(run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl"))
+    tracker = Tracker.from_config(cfg, run_dir, enabled=main)
+    drops: Counter = Counter()  # this rank's drops since the last step (merged into state at each step)
 
     def checkpoint() -> None:
-        save_checkpoint(ckpt_root, state.step, model=policy, processor=processor, optimizer=optimizer,
-                        scheduler=scheduler, state={"learner": state.to_json()},
-                        model_card=model_card(cfg, state.to_json(), last_metrics),
-                        total_limit=cfg.learner.save_total_limit)
+        learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
 
     last_metrics: dict[str, Any] = {}
-    log.info("learner ready: policy v%d, %d groups per step, max %d steps", state.version,
-             cfg.learner.groups_per_step, cfg.learner.max_steps)
+    saved_step = state.step
+    want = cfg.learner.groups_per_step // dist.world_size
+    if main:
+        log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
+                 dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
+    finished = False
     try:
-        while state.step < cfg.learner.max_steps and not stop:
-            # 1. collect a step's worth of usable groups
+        while state.step < cfg.learner.max_steps:
+            # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
-            batch = collect_groups(queue, processor, cfg, state, stop, audit)
+            batch = collect_groups(queue, learner.processor, cfg, state, stop, audit, dist, want, drops)
             wait_s = time.perf_counter() - t_wait
-            if len(batch) < cfg.learner.groups_per_step:
+            if batch is None:
                 break  # stopping
-            # 2-3. advantages, log-probs, loss, backward, step
+            # 2. one optimizer step over all ranks' groups
             t0 = time.perf_counter()
-            out = train_step(policy, ref, optimizer, scheduler, batch, processor, cfg, device)
+            out = learner.train_step(batch)
             step_s = time.perf_counter() - t0
             ids = [a.group.group_id for a in batch]
-            if out is None:  # non-finite loss: skip the step, drop its groups
+            if out is None:  # non-finite loss or gradient on some rank: nothing applied anywhere
                 M.ERRORS.labels(kind="loss").inc()
-                _drop(queue, audit, state, batch, "nan_loss")
+                _drop(queue, audit, drops, batch, "nan_loss")
                 continue
-            # 4. bump the version, remember the groups as trained, ack them
+            # 3. bump the version (every rank alike), mark this rank's groups trained, ack them
+            merged = merge_summaries(gather_json(dist, local_summary(batch, out, drops)))
+            drops.clear()
             state.step += 1
             state.version += 1
-            state.groups_trained += len(batch)
-            state.tokens_trained += out["tokens"]
+            state.groups_trained += merged["groups"]
+            state.tokens_trained += merged["tokens"]
+            state.dropped.update(merged["drops"])
+            state.recent_group_ids.extend(merged["group_ids"])
             queue.mark_trained(ids)
             queue.ack([a.stream_id for a in batch])
-            audit.write({"event": "trained", "step": state.step, "version": state.version, "group_ids": ids})
-            # 5. weights out, metrics, checkpoint
+            record = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
+            every = cfg.learner.replica_check_every
+            if every and state.step % every == 0:
+                record["weights_checksum"] = learner.replicas_agree()
+            audit.write(record)
+            # 4. weights out, metrics, checkpoint
             if state.step % cfg.weights.sync_every == 0:
-                publisher.publish(state.version, policy_state_for_broadcast(policy))
-            last_metrics = step_record(state, batch, out, step_s, wait_s, scheduler)
-            metrics_log.write(last_metrics)
-            export_prometheus(last_metrics, batch, state)
-            if state.step % cfg.metrics.log_every == 0:
-                log.info(
-                    "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
-                    state.step, state.version, last_metrics["reward"], _fmt(last_metrics.get("accuracy")),
-                    last_metrics["loss"], last_metrics["kl"], last_metrics["clip_frac"],
-                    last_metrics["staleness_mean"], step_s, wait_s,
-                )
+                publish(learner, publisher, state.version)
+            last_metrics = step_record(state, merged, out, step_s, wait_s, learner.last_lr())
+            export_prometheus(last_metrics, batch, out, main)
+            if main:
+                metrics_log.write(last_metrics)
+                tracker.log_step(last_metrics, sample_rows(batch, state.step)
+                                 if state.step % cfg.metrics.sample_every == 0 else None)
+                if state.step % cfg.metrics.log_every == 0:
+                    log.info(
+                        "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
+                        state.step, state.version, last_metrics["reward"], _fmt(last_metrics.get("accuracy")),
+                        last_metrics["loss"], last_metrics["kl"], last_metrics["clip_frac"],
+                        last_metrics["staleness_mean"], step_s, wait_s,
+                    )
             if state.step % cfg.learner.save_steps == 0:
                 checkpoint()
+                saved_step = state.step
+        finished = True
     finally:
-        if state.step > 0 and (stop or state.step >= cfg.learner.max_steps):
-            latest = latest_checkpoint(ckpt_root)
-            if latest is None or int(latest.name.split("-")[1]) != state.step:
+        if finished:  # a clean stop: every rank is here, so collectives are safe
+            late = merge_summaries(gather_json(dist, {"drops": dict(drops)}))["drops"]
+            state.dropped.update(late)
+            if state.step > saved_step:
                 checkpoint()
-        write_json(run_dir / "learner_state.json", state.to_json())
-        publisher.close()
+        if main:
+            write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
+                                                        if k != "recent_group_ids"})
+        tracker.close()
+        if publisher is not None:
+            publisher.close()
         queue.close()
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
         audit.close()
         server.close()
     return 0
+
+
+def _rank_metrics_cfg(cfg: Config, dist: DistInfo) -> Config:
+    """Rank r serves /metrics on ``metrics.port + r`` (0 stays 0: a free port each)."""
+    if dist.rank == 0 or not cfg.metrics.port:
+        return cfg
+    return cfg.model_copy(update={"metrics": cfg.metrics.model_copy(update={"port": cfg.metrics.port + dist.rank})})
+
+
+def publish(learner: Learner, publisher, version: int) -> None:
+    """Every rank calls it (ZeRO-3 gathers partitions); rank 0 hands the tensors to ZeroMQ."""
+    tensors = learner.policy_tensors()
+    if publisher is not None and tensors is not None:
+        publisher.publish(version, tensors)
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _drop(queue, audit, state: LearnerState, accepted: list[Accepted], reason: str) -> None:
+def _drop(queue, audit, drops: Counter, accepted: list[Accepted], reason: str) -> None:
     for a in accepted:
         M.GROUPS_DROPPED.labels(reason=reason).inc()
-        state.dropped[reason] += 1
+        drops[reason] += 1
         audit.write({"event": "dropped", "reason": reason, "group_id": a.group.group_id})
     queue.ack([a.stream_id for a in accepted])
 
 
-def collect_groups(queue, processor, cfg: Config, state: LearnerState, stop, audit) -> list[Accepted]:
-    """Block until ``groups_per_step`` usable groups are in hand (or ``stop`` is set)."""
+def collect_groups(queue, processor, cfg: Config, state: LearnerState, stop, audit, dist: DistInfo, want: int,
+                   drops: Counter) -> list[Accepted] | None:
+    """This rank's ``want`` usable groups once every rank has its share; None when stopping.
+
+    Ranks poll in rounds of at most ``learner.get_timeout_s`` and agree after each round (one
+    small all-reduce), so no rank waits in a collective for longer than a round.
+    """
     from streamgrpo.data.prompts import processor_inputs
 
-    want = cfg.learner.groups_per_step
     accepted: list[Accepted] = []
-    while len(accepted) < want and not stop:
-        t0 = time.perf_counter()
-        deliveries = queue.get(want - len(accepted), timeout_s=cfg.learner.get_timeout_s)
-        if not deliveries:
-            M.IDLE_SECONDS.labels(role="learner").inc(time.perf_counter() - t0)
-            continue
-        for d in deliveries:
-            g = d.group
-            M.GROUPS.labels(event="consumed").inc()
-            staleness = state.version - int(g.policy_version)
-            if staleness > cfg.loss.max_staleness or staleness < 0:
-                # negative: made by weights from a run that was rolled back (learner resumed) -- unusable
-                _drop(queue, audit, state, [Accepted(d.stream_id, g, None, staleness)], "stale")
-                continue
-            try:
-                inputs = processor_inputs(processor, g.prompt_text, g.visuals)
-                same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
-            except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
-                log.warning("group %s: cannot re-process its prompt: %s", g.group_id, exc)
-                same = False
-            if not same:
-                _drop(queue, audit, state, [Accepted(d.stream_id, g, None, staleness)], "mismatch")
-                continue
-            accepted.append(Accepted(d.stream_id, g, inputs, staleness))
-    return accepted
+    while True:
+        if len(accepted) < want and not stop:
+            t0 = time.perf_counter()
+            deliveries = queue.get(want - len(accepted), timeout_s=cfg.learner.get_timeout_s)
+            if not deliveries:
+                M.IDLE_SECONDS.labels(role="learner").inc(time.perf_counter() - t0)
+            for d in deliveries:
+                g = d.group
+                M.GROUPS.labels(event="consumed").inc()
+                staleness = state.version - int(g.policy_version)
+                if staleness > cfg.loss.max_staleness or staleness < 0:
+                    # negative: made by weights from a run that was rolled back (learner resumed) -- unusable
+                    _drop(queue, audit, drops, [Accepted(d.stream_id, g, None, staleness)], "stale")
+                    continue
+                try:
+                    inputs = processor_inputs(processor, g.prompt_text, g.visuals)
+                    same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
+                except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
+                    log.warning("group %s: cannot re-process its prompt: %s", g.group_id, exc)
+                    same = False
+                if not same:
+                    _drop(queue, audit, drops, [Accepted(d.stream_id, g, None, staleness)], "mismatch")
+                    continue
+                accepted.append(Accepted(d.stream_id, g, inputs, staleness))
+        flags = share(dist, [len(accepted) >= want, bool(stop)])
+        if flags[:, 0].all():
+            return accepted
+        if flags[:, 1].any():
+            return None  # un-acked groups stay pending: re-read by this consumer after a restart
 
 
-def train_step(policy, ref, optimizer, scheduler, batch: list[Accepted], processor, cfg: Config, device) -> dict | None:
-    """One optimizer step on the accepted groups; None when the loss is not finite (nothing applied)."""
-    from streamgrpo.advantages import batch_advantages
-    from streamgrpo.loss import compute_loss, loss_kwargs
-    from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
-    from streamgrpo.models.logprobs import completion_logprobs
-
-    rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
-    advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
-    temperature = float(batch[0].group.meta.get("temperature", cfg.rollout.temperature))
-    pad_id = processor.tokenizer.pad_token_id
-    # the engine never samples vision placeholders: the learner's softmax excludes them too
-    suppress = vision_token_ids(processor) if cfg.rollout.engine == "hf" else None
-    micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
-    total_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
-    kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
-    optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    loss_total = 0.0
-    index = {id(a): i for i, a in enumerate(batch)}
-    for part in micro:
-        groups = [GroupInputs.from_processor(a.inputs, [torch.as_tensor(c.token_ids, dtype=torch.long)
-                                                        for c in a.group.completions]) for a in part]
-        tb = build_batch(groups, pad_id).to(device)
-        logprobs, entropy = completion_logprobs(policy, tb, temperature=temperature, with_entropy=True,
-                                                suppress_token_ids=suppress)
-        behaviour = pad_right([torch.as_tensor(c.logprobs) for a in part for c in a.group.completions], 0.0,
-                              length=logprobs.shape[1]).to(device)
-        adv = torch.cat([advs[index[id(a)]] for a in part]).to(device)
-        ref_lp = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_lp, _ = completion_logprobs(ref, tb, temperature=temperature, suppress_token_ids=suppress)
-        loss, m = compute_loss(logprobs, behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
-                               token_normaliser=total_tokens if cfg.loss.loss_type == "dapo" else None, **kw)
-        if cfg.loss.loss_type != "dapo":
-            loss = loss * (len(part) / len(batch))
-        if not torch.isfinite(loss):
-            optimizer.zero_grad(set_to_none=True)
-            log.warning("non-finite loss (%s): step skipped", loss.item())
-            return None
-        loss.backward()
-        loss_total += float(loss.detach())
-        w = m["num_tokens"].item() / max(total_tokens, 1)
-        for k, v in m.items():
-            if k == "num_tokens":
-                continue
-            sums[k] = sums.get(k, 0.0) + float(v) * w if k not in ("ratio_max", "ratio_min") else (
-                max(sums.get(k, -math.inf), float(v)) if k == "ratio_max" else min(sums.get(k, math.inf), float(v)))
-    params = [p for p in policy.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.learner.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        log.warning("non-finite gradient norm: step skipped")
-        return None
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norm": grad_norm, "tokens": total_tokens,
-            "zero_variance": int(zero_var.sum()), "adv": torch.cat(advs), **sums}
+# ------------------------------------------------------------------------------ step numbers
+_TOKEN_WEIGHTED = ("kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean")
 
 
-def split_micro_batches(batch: list[Accepted], max_tokens: int | None) -> list[list[Accepted]]:
-    """Whole groups per micro-batch (one vision pass per group), at most ``max_tokens`` tokens each
-    (a single larger group gets a micro-batch of its own)."""
-    if not max_tokens:
-        return [batch]
-    parts: list[list[Accepted]] = [[]]
-    size = 0
-    for a in batch:
-        n = sum(len(a.group.prompt_ids) + len(c.token_ids) for c in a.group.completions)
-        if parts[-1] and size + n > max_tokens:
-            parts.append([])
-            size = 0
-        parts[-1].append(a)
-        size += n
-    return parts
-
-
-def step_record(state: LearnerState, batch: list[Accepted], out: dict, step_s: float, wait_s: float, scheduler) -> dict:
-    """The ``metrics.jsonl`` line of one step."""
+def local_summary(batch: list[Accepted], out: dict[str, Any], drops: Counter) -> dict[str, Any]:
+    """This rank's numbers of one step, as sums that :func:`merge_summaries` can add up (JSON only)."""
     per_fn: dict[str, list[float]] = {}
     for a in batch:
         for c in a.group.completions:
             for k, v in c.rewards.items():
-                per_fn.setdefault(k, []).append(v)
-    totals = [c.reward for a in batch for c in a.group.completions]
-    stale = [a.staleness for a in batch]
-    lengths = [len(c.token_ids) for a in batch for c in a.group.completions]
-    rec = {
-        "step": state.step, "version": state.version, "time": time.time(),
-        "reward": float(np.mean(totals)), "rewards": {k: float(np.mean(v)) for k, v in per_fn.items()},
-        "accuracy": float(np.mean(per_fn["accuracy"])) if "accuracy" in per_fn else None,
+                s = per_fn.setdefault(k, [0.0, 0])
+                s[0] += float(v)
+                s[1] += 1
+    has_acc = any("accuracy" in c.rewards for a in batch for c in a.group.completions)
+    tokens = int(out["tokens"])
+    return {
+        "groups": len(batch), "group_ids": [a.group.group_id for a in batch],
+        "completions": sum(len(a.group.completions) for a in batch),
+        "reward_sum": float(sum(c.reward for a in batch for c in a.group.completions)), "reward_fn": per_fn,
         "group_accuracy": [float(np.mean([c.rewards.get("accuracy", 0.0) for c in a.group.completions]))
-                           for a in batch] if "accuracy" in per_fn else None,
-        "loss": out["loss"], "kl": out.get("kl", 0.0), "entropy": out.get("entropy"),
-        "clip_frac": out.get("clip_frac", 0.0), "clip_frac_low": out.get("clip_frac_low", 0.0),
-        "clip_frac_high": out.get("clip_frac_high", 0.0), "ratio_mean": out.get("ratio_mean"),
-        "ratio_max": out.get("ratio_max"), "ratio_min": out.get("ratio_min"), "grad_norm": out["grad_norm"],
-        "adv_mean": float(out["adv"].mean()), "adv_std": float(out["adv"].std()) if out["adv"].numel() > 1 else 0.0,
-        "zero_variance_groups": out["zero_variance"],
+                           for a in batch] if has_acc else None,
+        "staleness": [a.staleness for a in batch],
+        "len_sum": sum(len(c.token_ids) for a in batch for c in a.group.completions),
+        "tokens": tokens, "loss": float(out["loss"]),
+        "weighted": {k: float(out[k]) * tokens for k in _TOKEN_WEIGHTED if out.get(k) is not None},
+        "ratio_max": out.get("ratio_max"), "ratio_min": out.get("ratio_min"),
+        "adv": [float(x) for x in out["adv"].reshape(-1).tolist()], "zero_variance": int(out["zero_variance"]),
+        "seq_logprob_sum": float(out.get("seq_logprob_sum", 0.0)), "rows": int(out.get("rows", 0)),
+        "drops": dict(drops),
+    }
+
+
+def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Add up the :func:`local_summary` of every rank (in rank order)."""
+    merged: dict[str, Any] = {"groups": 0, "group_ids": [], "completions": 0, "reward_sum": 0.0, "reward_fn": {},
+                              "group_accuracy": None, "staleness": [], "len_sum": 0, "tokens": 0, "loss": 0.0,
+                              "weighted": {}, "ratio_max": None, "ratio_min": None, "adv": [], "zero_variance": 0,
+                              "seq_logprob_sum": 0.0, "rows": 0, "drops": Counter(), "ranks": len(parts)}
+    for p in parts:
+        merged["drops"].update(p.get("drops", {}))
+        if "groups" not in p:
+            continue
+        for k in ("groups", "completions", "reward_sum", "len_sum", "tokens", "loss", "zero_variance",
+                  "seq_logprob_sum", "rows"):
+            merged[k] += p[k]
+        for k in ("group_ids", "staleness", "adv"):
+            merged[k] += p[k]
+        if p["group_accuracy"] is not None:
+            merged["group_accuracy"] = (merged["group_accuracy"] or []) + p["group_accuracy"]
+        for k, (s, n) in p["reward_fn"].items():
+            acc = merged["reward_fn"].setdefault(k, [0.0, 0])
+            acc[0] += s
+            acc[1] += n
+        for k, v in p["weighted"].items():
+            merged["weighted"][k] = merged["weighted"].get(k, 0.0) + v
+        for k, pick in (("ratio_max", max), ("ratio_min", min)):
+            if p[k] is not None:
+                merged[k] = p[k] if merged[k] is None else pick(merged[k], p[k])
+    return merged
+
+
+def step_record(state: LearnerState, merged: dict[str, Any], out: dict[str, Any], step_s: float, wait_s: float,
+                lr: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of one step (all ranks' groups)."""
+    rewards = {k: s / max(n, 1) for k, (s, n) in merged["reward_fn"].items()}
+    tokens = max(merged["tokens"], 1)
+    w = {k: v / tokens for k, v in merged["weighted"].items()}
+    adv = np.asarray(merged["adv"], dtype=np.float64)
+    stale = merged["staleness"]
+    return {
+        "step": state.step, "version": state.version, "time": time.time(),
+        "reward": merged["reward_sum"] / max(merged["completions"], 1), "rewards": rewards,
+        "accuracy": rewards.get("accuracy"), "group_accuracy": merged["group_accuracy"],
+        "loss": merged["loss"],
+        "kl": w.get("kl", 0.0), "entropy": w.get("entropy"),
+        "clip_frac": w.get("clip_frac", 0.0), "clip_frac_low": w.get("clip_frac_low", 0.0),
+        "clip_frac_high": w.get("clip_frac_high", 0.0), "ratio_mean": w.get("ratio_mean"),
+        "ratio_max": merged["ratio_max"], "ratio_min": merged["ratio_min"], "grad_norm": out["grad_norm"],
+        "adv_mean": float(adv.mean()) if adv.size else 0.0, "adv_std": float(adv.std(ddof=1)) if adv.size > 1 else 0.0,
+        "policy_seq_log_prob": merged["seq_logprob_sum"] / max(merged["rows"], 1),
+        "zero_variance_groups": merged["zero_variance"],
         "staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale)),
-        "groups_trained": state.groups_trained, "groups_dropped": dict(state.dropped), "tokens": out["tokens"],
-        "completion_len_mean": float(np.mean(lengths)), "lr": scheduler.get_last_lr()[0],
+        "groups_trained": state.groups_trained, "groups_dropped": dict(state.dropped), "tokens": merged["tokens"],
+        "completion_len_mean": merged["len_sum"] / max(merged["completions"], 1), "lr": lr,
+        "ranks": merged["ranks"], "micro_batches": out.get("micro_batches", 1),
         "seconds": step_s, "wait_seconds": wait_s,
     }
-    return rec
 
 
-def export_prometheus(rec: dict, batch: list[Accepted], state: LearnerState) -> None:
-    M.LOSS.set(rec["loss"])
-    M.KL.set(rec["kl"])
-    M.GRAD_NORM.set(rec["grad_norm"])
-    if rec["entropy"] is not None:
-        M.ENTROPY.set(rec["entropy"])
-    for side, key in (("low", "clip_frac_low"), ("high", "clip_frac_high"), ("total", "clip_frac")):
-        M.CLIP_FRACTION.labels(side=side).set(rec[key])
-    for stat in ("mean", "max", "min"):
-        if rec[f"ratio_{stat}"] is not None:
-            M.IMPORTANCE_RATIO.labels(stat=stat).set(rec[f"ratio_{stat}"])
-    M.POLICY_VERSION.labels(role="learner").set(state.version)
-    M.STEP_SECONDS.set(rec["seconds"])
+def export_prometheus(rec: dict, batch: list[Accepted], out: dict[str, Any], main: bool) -> None:
+    """Rank 0 sets the step gauges (whole step); every rank counts its own groups and tokens."""
+    if main:
+        M.LOSS.set(rec["loss"])
+        M.KL.set(rec["kl"])
+        if math.isfinite(rec["grad_norm"]):
+            M.GRAD_NORM.set(rec["grad_norm"])
+        if rec["entropy"] is not None:
+            M.ENTROPY.set(rec["entropy"])
+        for side, key in (("low", "clip_frac_low"), ("high", "clip_frac_high"), ("total", "clip_frac")):
+            M.CLIP_FRACTION.labels(side=side).set(rec[key])
+        for stat in ("mean", "max", "min"):
+            if rec[f"ratio_{stat}"] is not None:
+                M.IMPORTANCE_RATIO.labels(stat=stat).set(rec[f"ratio_{stat}"])
+        M.STEP_SECONDS.set(rec["seconds"])
+    M.POLICY_VERSION.labels(role="learner").set(rec["version"])
     M.GROUPS.labels(event="trained").inc(len(batch))
-    M.TOKENS.labels(role="learner").inc(rec["tokens"])
+    M.TOKENS.labels(role="learner").inc(out["tokens"])
     for a in batch:
         M.STALENESS.observe(a.staleness)

@@ -67,9 +67,10 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
     first = last = float("nan")
     for step in range(steps):
-        rows, targets = [], []
+        rows, targets, option_ids = [], [], []
         for inp, options in (prompts[rng.randrange(len(prompts))] for _ in range(batch_size)):
             answer = tok.encode(f"<{tag}>{rng.choice(options)}</{tag}>", add_special_tokens=False) + [end]
+            option_ids.append(torch.tensor([tok.convert_tokens_to_ids(o) for o in options]))
             ids = torch.cat([inp["input_ids"].reshape(-1), torch.tensor(answer)])
             row = dict(inp)
             row["input_ids"] = ids
@@ -80,11 +81,19 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
                 )
             rows.append(row)
             targets.append(len(answer))
+        letter_pos = -3  # <answer> X </answer> <|im_end|>: the letter is third from the end
         batch = collate_prompts(rows, tok.pad_token_id)
         labels = torch.full_like(batch["input_ids"], -100)
         for i, n in enumerate(targets):
             labels[i, -n:] = batch["input_ids"][i, -n:]
-        loss = model(**batch, labels=labels).loss
+        labels[:, letter_pos] = -100  # the option letter gets a soft target below
+        out = model(**batch, labels=labels)
+        # Soft target for the letter: the mean log-prob of every option. It teaches "one of the
+        # options" without feeding the model random answers, whose noise would teach it to ignore
+        # the video (measured: a random-letter warm start made colour SFT fail to converge).
+        logp = torch.log_softmax(out.logits[:, letter_pos - 1].float(), dim=-1)
+        soft = -torch.stack([logp[i, option_ids[i]].mean() for i in range(len(rows))]).mean()
+        loss = out.loss * (len(answer) - 1) / len(answer) + soft / len(answer)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

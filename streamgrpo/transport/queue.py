@@ -148,6 +148,8 @@ class RedisQueue(GroupQueue):
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
         self._last_depth: int | None = None  # producer: depth seen by the last put (skips a round trip)
+        self._full_since: float | None = None  # producer: start of the current backpressure spell
+        self._full_logged = 0.0
         self._trained_here: dict[str, None] = {}  # group ids this object marked trained (bounded, ordered)
         try:
             tcp = {} if url.startswith("unix:") else {"socket_connect_timeout": 5.0, "socket_keepalive": True}
@@ -308,28 +310,29 @@ class RedisQueue(GroupQueue):
             pool.release(conn)
 
     def _wait_for_room(self, timeout_s: float | None, need: int = 1) -> None:
-        depth = self.depth()
-        if depth + need <= self.max_pending:
-            return
-        t0 = last_log = time.monotonic()
-        log.info("queue %s full (%d >= max_pending %d): generator waits", self.stream, depth, self.max_pending)
-        metrics.BACKPRESSURE.set(1)
-        pause = 0.02
-        try:
-            while depth + need > self.max_pending:
-                now = time.monotonic()
-                if timeout_s is not None and now - t0 >= timeout_s:
-                    raise QueueFull(f"queue {self.stream} still full after {timeout_s:.1f}s (depth {depth})")
-                if now - last_log >= 5.0:
-                    log.info("queue %s still full (%d groups), waiting for %.0fs", self.stream, depth, now - t0)
-                    last_log = now
-                time.sleep(pause)
-                metrics.IDLE_SECONDS.labels(role="generator").inc(time.monotonic() - now)
-                pause = min(pause * 1.5, 0.5)
-                depth = self.depth()
-        finally:
+        """Block until ``need`` more groups fit. A full spell spans calls (a caller retrying after
+        QueueFull): one log line when it starts, one every 5 s, one when it ends."""
+        t0 = time.monotonic()
+        depth, pause = self.depth(), 0.02
+        while depth + need > self.max_pending:
+            now = time.monotonic()
+            if self._full_since is None:
+                self._full_since = self._full_logged = now
+                metrics.BACKPRESSURE.set(1)
+                log.info("queue %s full (%d >= max_pending %d): producer waits", self.stream, depth, self.max_pending)
+            elif now - self._full_logged >= 5.0:
+                self._full_logged = now
+                log.info("queue %s still full (%d groups) after %.0fs", self.stream, depth, now - self._full_since)
+            if timeout_s is not None and now - t0 >= timeout_s:
+                raise QueueFull(f"queue {self.stream} still full after {timeout_s:.1f}s (depth {depth})")
+            time.sleep(pause)
+            metrics.IDLE_SECONDS.labels(role="generator").inc(time.monotonic() - now)
+            pause = min(pause * 1.5, 0.5)
+            depth = self.depth()
+        if self._full_since is not None:
+            log.info("queue %s has room again after %.1fs", self.stream, time.monotonic() - self._full_since)
+            self._full_since = None
             metrics.BACKPRESSURE.set(0)
-        log.info("queue %s has room again after %.1fs", self.stream, time.monotonic() - t0)
 
     # ------------------------------------------------------------------------ consumer
     def get(self, n: int, timeout_s: float) -> list[Delivery]:
@@ -561,6 +564,8 @@ class RedisQueue(GroupQueue):
         """Release the connections; in-flight entries stay pending in Redis (re-read on restart or claimed)."""
         if not self._closed:
             self._closed = True
+            if self._full_since is not None:
+                metrics.BACKPRESSURE.set(0)
             self._r.close()  # only drops sockets; never talks to the server
 
     def __repr__(self) -> str:

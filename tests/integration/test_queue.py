@@ -262,13 +262,12 @@ def test_put_refuses_oversize_and_invalid(redis_server, redis_ns, queues):
 
 
 # ------------------------------------------------------------------------------ backpressure
-def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues):
+def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues, caplog):
+    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue")
     producer = queues(redis_server.url, namespace=redis_ns, consumer="gen-0", max_pending=2)
     consumer = queues(redis_server.url, namespace=redis_ns)
     producer.put(group(0))
     producer.put(group(1))
-    with pytest.raises(QueueFull):
-        producer.put(group(2), timeout_s=0.05)
     idle0 = value(metrics.IDLE_SECONDS, role="generator")
     done = threading.Event()
     result = {}
@@ -290,6 +289,16 @@ def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues
     assert value(metrics.BACKPRESSURE) == 0
     assert value(metrics.IDLE_SECONDS, role="generator") > idle0
     assert consumer.depth() == 2
+    # A caller that retries after QueueFull stays in one backpressure spell: one "full" line, not one per try.
+    for _ in range(3):
+        with pytest.raises(QueueFull):
+            producer.put(group(4), timeout_s=0.05)
+        assert value(metrics.BACKPRESSURE) == 1
+    consumer.ack([x.stream_id for x in consumer.get(2, timeout_s=1.0)])
+    producer.put(group(4), timeout_s=5.0)
+    assert value(metrics.BACKPRESSURE) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue"]
+    assert sum(" full (" in m for m in lines) == 2 and sum("has room again" in m for m in lines) == 2
 
 
 def test_put_many_one_round_trip_and_backpressure(redis_server, redis_ns, queues):

@@ -30,8 +30,9 @@ def _request(proc, frames, colour, question):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from streamgrpo.models.loading import load_processor
     from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.models.loading import load_processor
 
     proc = load_processor(str(tiny_model_dir))
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)

