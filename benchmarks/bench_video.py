@@ -20,9 +20,6 @@ Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -33,39 +30,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
 from streamgrpo.data import decode  # noqa: E402
 from streamgrpo.data.demo import make_demo, render, write_mp4  # noqa: E402
 from streamgrpo.data.sampling import evenly_spaced_indices  # noqa: E402
-
-
-def _machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import av
-
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "av": av.__version__,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    try:
-        import decord
-
-        info["decord"] = decord.__version__
-    except ImportError:
-        info["decord"] = None
-    return info
 
 
 def _long_videos(d: Path, n: int, frames: int, size: int) -> list[Path]:
@@ -123,11 +91,12 @@ def main() -> None:
     ap.add_argument("--long-videos", type=int, default=12)
     ap.add_argument("--long-frames", type=int, default=300)
     ap.add_argument("--long-size", type=int, default=224)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_video.json"))
+    ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_video.json)")
     args = ap.parse_args()
 
     methods = ["decode_all", "pyav"] + (["decord"] if decode._decord is not None else [])
-    results: dict = {"machine": _machine(), "args": vars(args), "sets": {}}
+    results: dict = {"sets": {}}
+    machine = machine_info(packages=("numpy", "av", "decord"))
     with tempfile.TemporaryDirectory(prefix="bench_video_") as tmp:
         tmp = Path(tmp)
         demo = make_demo(tmp / "demo", n=args.demo_n, seed=0)
@@ -138,6 +107,7 @@ def main() -> None:
         for name, videos in sets.items():
             results["sets"][name] = _measure(videos, args.frames, args.repeats, methods)
 
+    figures = []
     for name, r in results["sets"].items():
         base = r["decode_all"]["frames_per_s"]
         for method in methods:
@@ -145,16 +115,14 @@ def main() -> None:
                 continue
             v = r[method]["frames_per_s"]
             r[method]["ratio_vs_decode_all"] = v / base
-            print(f"{name}_{method}_frames_per_s: {v:.1f} (baseline: {base:.1f}, ratio: {v / base:.2f})")
+            figures.append(emit(figure(f"{name}_{method}_frames_per_s", v, base, unit="frames/s",
+                                       note="baseline: decode every frame (PyAV), pick the indices")))
         if "decord" in r:
             d, p = r["decord"]["frames_per_s"], r["pyav"]["frames_per_s"]
-            print(f"{name}_decord_vs_pyav_frames_per_s: {d:.1f} (baseline: {p:.1f}, ratio: {d / p:.2f})")
+            figures.append(emit(figure(f"{name}_decord_vs_pyav_frames_per_s", d, p, unit="frames/s")))
         print(f"# {name}: {r['videos']} videos x {r['frames_per_video']} sampled of "
               f"{r['source_frames_per_video']} frames, best of {args.repeats}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"# wrote {out}")
+    write_result("bench_video", figures, machine, vars(args), results, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
 
 
 def _tensors(mib: int):
@@ -264,22 +265,14 @@ def cpu_costs(mib: int) -> dict:
     return {"memcpy_GBps": nbytes / (t1 - t0) / 1e9, "xxh3_128_GBps": nbytes / (t2 - t1) / 1e9}
 
 
-def machine_info() -> dict:
-    import torch
+def weights_machine_info() -> dict:
+    import torch  # noqa: F401  (machine_info reports its thread count)
     import zmq
 
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-        "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
-        "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return machine_info(packages=("numpy", "torch", "pyzmq", "xxhash"), libzmq=zmq.zmq_version())
+
+
+_MAIN_ARGS = ("mib", "chunk_mib", "repeats", "subs", "curve")
 
 
 def main() -> None:
@@ -290,7 +283,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--subs", default="1,2")
     ap.add_argument("--curve", action="store_true", help="also run both paths with CURVE encryption")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_weights.json"))
+    ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_weights.json)")
     ap.add_argument("--port", type=int)
     ap.add_argument("--snap", type=int)
     ap.add_argument("--nbytes", type=int)
@@ -303,7 +296,9 @@ def main() -> None:
         return _sub_weights(a)
 
     nbytes = a.mib << 20
-    results: dict = {"machine": machine_info(), "mib": a.mib, "chunk_mib": a.chunk_mib, "repeats": a.repeats, "runs": {}}
+    machine = weights_machine_info()
+    results: dict = {"mib": a.mib, "chunk_mib": a.chunk_mib, "repeats": a.repeats, "runs": {}}
+    figures: list[dict] = []
     modes = [("", None)]
     tmp = None
     if a.curve:
@@ -319,9 +314,12 @@ def main() -> None:
             gbps, raw_gbps = nbytes / ours_s / 1e9, nbytes / raw_s / 1e9
             ratio = statistics.median(res["ratio"])  # per-repeat pairs: robust to load drifting
             name = f"{n}sub{suffix}"
-            print(f"weights_{name}_GBps: {gbps:.3f} (baseline: {raw_gbps:.3f}, ratio: {ratio:.2f})")
-            print(f"apply_pause_{name}_s: {pause:.4f} (baseline: transfer {ours_s:.4f}, ratio: {pause / ours_s:.3f})")
-            print(f"publish_call_{name}_s: {call:.4f} (baseline: transfer {ours_s:.4f}, ratio: {call / ours_s:.3f})")
+            figures.append(emit(figure(f"weights_{name}_GBps", gbps, raw_gbps, ratio, unit="GB/s",
+                                       note="baseline: raw ZeroMQ PUB/SUB of the same bytes and chunks")))
+            figures.append(emit(figure(f"apply_pause_{name}_s", pause, ours_s, unit="s",
+                                       note="baseline: the transfer time of a version")))
+            figures.append(emit(figure(f"publish_call_{name}_s", call, ours_s, unit="s",
+                                       note="baseline: the transfer time of a version")))
             results["runs"][name] = {
                 "weights_GBps": gbps, "raw_GBps": raw_gbps, "ratio": ratio,
                 "apply_pause_s": pause, "transfer_s": ours_s, "pause_fraction": pause / ours_s,
@@ -329,12 +327,10 @@ def main() -> None:
             }
     costs = cpu_costs(a.mib)
     results["cpu_costs"] = costs
-    print(f"context: memcpy {costs['memcpy_GBps']:.2f} GB/s, xxh3_128 {costs['xxh3_128_GBps']:.2f} GB/s single-threaded; "
+    print(f"# context: memcpy {costs['memcpy_GBps']:.2f} GB/s, xxh3_128 {costs['xxh3_128_GBps']:.2f} GB/s single-threaded; "
           f"our path adds 1 copy + 1 hash on each side of the wire, plus the apply copy")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_result("bench_weights", figures, machine, {k: v for k, v in vars(a).items() if k in _MAIN_ARGS},
+                 results, a.out)
     if tmp is not None:
         tmp.cleanup()
 

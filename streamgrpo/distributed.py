@@ -53,7 +53,7 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
     ``backend`` is the learner backend: ``deepspeed`` may span ranks; ``torch`` must run alone.
     """
     info = DistInfo.from_env()
-    if info.world_size <= 1:
+    if info.world_size <= 1 and backend != "deepspeed":
         return info
     if backend != "deepspeed":
         raise RuntimeError(
@@ -63,6 +63,9 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # one DeepSpeed process started without a launcher
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                               "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(info.local_rank)
@@ -75,6 +78,14 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
     log.info("learner rank %d of %d (local rank %d, %s)", info.rank, info.world_size, info.local_rank,
              dist.get_backend())
     return info
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _device() -> torch.device:

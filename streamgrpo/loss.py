@@ -115,6 +115,7 @@ def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) ->
         "loss_type": cfg.loss_type,
         "max_completion_length": max_completion_length,
         "tis_cap": cfg.tis_cap,
+        "ratio_mode": cfg.ratio_mode,
     }
 
 

@@ -207,6 +207,53 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     return ds
 
 
+def enable_activation_checkpointing(model) -> None:
+    """``learner.gradient_checkpointing``: recompute each decoder layer in backward (non-reentrant)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def import_deepspeed():
+    """``import deepspeed`` without surprise compilation.
+
+    Extensions go under the virtual environment (``TORCH_EXTENSIONS_DIR``, unless set). On CPU,
+    DeepSpeed's shared-memory all-reduce op is switched off: its first use JIT-compiles C++ for
+    minutes, and the learner's CPU collectives are few and small (gloo does them). The optimizer
+    is a torch AdamW passed in, so no optimizer op is built either.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    return deepspeed
+
+
+class PolicyLogprobs(torch.nn.Module):
+    """The policy with its forward set to "completion log-probs of a TrainBatch".
+
+    This is the module DeepSpeed wraps, so each micro-batch goes through ``engine(...)`` and gets
+    the engine's forward/backward bookkeeping (ZeRO's per-micro-step gradient accumulation hooks).
+    """
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
+                                   suppress_token_ids=suppress_token_ids)
+
+
 # ------------------------------------------------------------------------------------- Learner
 class Learner:
     """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
@@ -234,13 +281,13 @@ class Learner:
             base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
                 load_model(cfg.model, device, dtype="float32")
             if lc.gradient_checkpointing:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(base)
             model = apply_lora(base, lora)
             model.train()
         else:
             model = load_model(cfg.model, device, dtype="float32", trainable=True)
             if lc.gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(model)
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())
         if self.dist.is_main and lora is not None:  # full-weight training: apply_freezing logged the counts
@@ -248,21 +295,20 @@ class Learner:
                      100.0 * self.trainable / max(self.total, 1))
         # reference: the base itself with adapters off (LoRA), else a frozen copy
         self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
-        self.module = model  # the peft or transformers module (inside the DeepSpeed engine when there is one)
+        self.module = model  # the peft or transformers module: names, saving, publishing
+        self.forward = PolicyLogprobs(model)  # what computes the policy's log-probs (DeepSpeed wraps it)
         self.engine = None
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.resumed_from: Path | None = None
         if self.deepspeed:
-            os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-            import deepspeed
-
+            deepspeed = import_deepspeed()
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=deepspeed_config(cfg),
-                dist_init_required=self.dist.active)
+                model=self.forward, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                config=deepspeed_config(cfg), dist_init_required=True)
             from streamgrpo.checkpoint import SafeTensorsCheckpointEngine
 
             self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
-            self.module = self.engine.module
+            self.forward = self.engine
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
 
     # -------------------------------------------------------------------------------- helpers
@@ -300,15 +346,15 @@ class Learner:
         from streamgrpo.advantages import batch_advantages
         from streamgrpo.loss import compute_loss, loss_kwargs
         from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
-        from streamgrpo.models.logprobs import completion_logprobs
 
         cfg = self.cfg
         rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
         advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
         temperature = float(batch[0].group.meta.get("temperature", cfg.rollout.temperature))
         pad_id = self.processor.tokenizer.pad_token_id
-        # the engine never samples vision placeholders: the learner's softmax excludes them too
-        suppress = vision_token_ids(self.processor) if cfg.rollout.engine == "hf" else None
+        # neither engine samples vision placeholders (hf: suppress_tokens; vllm: a -inf logit bias inside
+        # its processed log-probs): the learner's softmax excludes them too
+        suppress = vision_token_ids(self.processor) if cfg.rollout.engine in ("hf", "vllm") else None
         local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
         greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
@@ -324,13 +370,12 @@ class Learner:
             groups = [GroupInputs.from_processor(a.inputs, [torch.as_tensor(c.token_ids, dtype=torch.long)
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
+            ref_lp = self._reference_logprobs(tb, temperature, suppress)
             with self._autocast():
-                logprobs, entropy = completion_logprobs(self.module, tb, temperature=temperature, with_entropy=True,
-                                                        suppress_token_ids=suppress)
+                logprobs, entropy = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
             behaviour = pad_right([torch.as_tensor(c.logprobs) for a in part for c in a.group.completions], 0.0,
                                   length=logprobs.shape[1]).to(self.device)
             adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
-            ref_lp = self._reference_logprobs(tb, temperature, suppress)
             loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
                                    token_normaliser=global_tokens if dapo else None, **kw)
             # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
@@ -421,7 +466,7 @@ class Learner:
             if not self.dist.is_main:
                 return None
             return {n: p.detach().to("cpu").contiguous() for n, p in named}
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         out: dict[str, torch.Tensor] = {}
         chunk: list[tuple[str, torch.nn.Parameter]] = []
@@ -539,6 +584,8 @@ class Learner:
             if bad:
                 raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {bad[:5]})")
             return
-        missing, unexpected = self.module.load_state_dict(tensors, strict=False)
+        from streamgrpo.checkpoint import to_model_names
+
+        missing, unexpected = self.module.load_state_dict(to_model_names(tensors, self.module.state_dict()), strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")

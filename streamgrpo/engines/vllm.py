@@ -17,7 +17,7 @@ vLLM API used (0.32; names checked against the installed package):
   keeps the checkpoint's generation_config.json from changing our sampling settings.
 * ``LLM.generate([{"prompt", "multi_modal_data", "mm_processor_kwargs"}], SamplingParams(n,
   temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, logprobs=0,
-  flat_logprobs=True, logit_bias, include_stop_str_in_output=True), lora_request=...)``. Videos
+  flat_logprobs=True, logit_bias, include_stop_str_in_output=True))``. Videos
   go in as ``(frames THWC uint8, metadata dict)`` (the format vLLM's Qwen2.5-VL/Qwen3-VL parsers
   expect with ``video_needs_metadata``) and the processor's resize and frame sampling are turned
   off (``videos_kwargs``/``images_kwargs``), so vLLM's processor sees exactly the frames the message
@@ -25,11 +25,12 @@ vLLM API used (0.32; names checked against the installed package):
   The vision placeholder ids get a ``-inf`` logit bias (the HF engine's ``suppress_tokens``); the
   learner masks the same ids (``models.batching.vision_token_ids``). ``flat_logprobs`` returns
   the log-probs as flat lists, so parsing makes no per-token Python objects.
-* Weights: ``LLM.collective_rpc("streamgrpo_load_weights", args=(names, tensors))`` on the
-  registered worker extension (:mod:`.vllm_worker`), which calls the model runner's
-  ``reload_weights(weights_iterator=...)``; then ``LLM.reset_prefix_cache()`` and
-  ``LLM.reset_mm_cache()`` (the front end's multimodal processor cache would otherwise send
-  cache hits for encoder outputs the worker has dropped: "Encoder cache miss"). vLLM's RLHF
+* Weights: ``LLM.collective_rpc("streamgrpo_load_weights", args=([(name, dtype, shape, bytes)],))``
+  on the registered worker extension (:mod:`.vllm_worker`), which calls the model runner's
+  ``reload_weights(weights_iterator=...)``; then ``LLM.reset_prefix_cache()``,
+  ``LLM.llm_engine.reset_encoder_cache()`` and ``LLM.reset_mm_cache()`` (without the last two the
+  scheduler and the multimodal processor caches name encoder outputs the worker dropped when it
+  reloaded: "Encoder cache miss"; with them the vision tower also re-encodes with the new weights). vLLM's RLHF
   examples use the same shape (``worker_extension_cls`` + ``collective_rpc`` by method name,
   examples/offline_inference/rlhf*.py); TRL's colocate mode instead reaches into
   ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` in process and
@@ -37,27 +38,35 @@ vLLM API used (0.32; names checked against the installed package):
   post-load processing the CPU build needs. vLLM's ``weight_transfer_config`` (NCCL/CUDA IPC from
   the trainer's GPUs) is the GPU-only alternative for a colocated trainer; ours receives weights
   over ZeroMQ on the host, so the host-tensor RPC is the path that works on CPU and GPU alike.
-* LoRA mode: the received adapter is written as a PEFT adapter directory and used through
-  ``vllm.lora.request.LoRARequest`` (``LLM(enable_lora=True, max_lora_rank=...)``), one id per version.
+* Positions (Qwen2.5-VL): transformers 5.x continues the text after a video at ``video start +
+  max(h, w)``, vLLM (like the original Qwen code) at the video's largest position + 1; for videos
+  whose temporal extent reaches their spatial extent the prompt positions after the video differ
+  (measured on the tiny model and demo videos: learner-vs-behaviour gap 1e-3 at random init, 2e-2
+  after perturbing the language model; 1e-6 once aligned). With ``rollout.vllm.position_rule:
+  learner`` (default) the worker extension replaces the model's ``get_mrope_input_positions`` by
+  :func:`.vllm_worker.transformers_mrope_positions`, so vLLM samples under the learner's positions.
+  Qwen3-VL needs nothing: it sends each frame as its own block, where both rules agree.
+* LoRA mode: the generator merges each received adapter into the base weights
+  (:func:`streamgrpo.models.lora.make_weight_applier`) and hands the merged modules to
+  :meth:`VLLMEngine.load_weights`. vLLM reloads whole layers only, so a partial update (LoRA on
+  ``q_proj``/``v_proj``: no ``k_proj``, no biases) is completed with the untouched tensors of the
+  same layers from the checkpoint (:func:`.vllm_worker.missing_for_reload`); a module whose other
+  part an earlier version already changed is refused rather than reverted.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams
-from streamgrpo.engines.vllm_worker import check_names, normalize_name
+from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
 from streamgrpo.wire import Visual
 
@@ -72,7 +81,6 @@ MM_PROCESSOR_KWARGS: dict[str, dict[str, bool]] = {
     "images_kwargs": {"do_resize": False},
     "videos_kwargs": {"do_resize": False, "do_sample_frames": False},
 }
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # ranks vLLM accepts for max_lora_rank
 
 
 class VLLMNotInstalled(ImportError):
@@ -263,14 +271,6 @@ def mm_limits(counts: Iterable[tuple[int, int]], *, max_frames: int, max_pixels:
             "image": {"count": n_img, "width": side, "height": side}}
 
 
-def lora_rank(r: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds rank ``r``."""
-    for k in _LORA_RANKS:
-        if k >= r:
-            return k
-    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank {_LORA_RANKS[-1]}")
-
-
 def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | None = None) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` from the streamgrpo config."""
     vc = cfg.rollout.vllm
@@ -290,30 +290,7 @@ def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | N
     }
     if vc.max_model_len is not None:
         kw["max_model_len"] = vc.max_model_len
-    if cfg.model.lora is not None:
-        kw.update(enable_lora=True, max_lora_rank=lora_rank(cfg.model.lora.r), max_loras=1)
     return kw
-
-
-def peft_adapter(tensors: Mapping[str, Any], lora_cfg, base_model: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(adapter_config, tensors)`` of a PEFT adapter directory from received LoRA tensors.
-
-    Names become PEFT's saved form ``base_model.model.<module>.lora_A.weight`` (adapter name
-    dropped), which vLLM's LoRA loader maps with the model's ``hf_to_vllm_mapper``.
-    """
-    out, modules = {}, set()
-    for name, t in tensors.items():
-        core = normalize_name(name).replace(".default.", ".")
-        if ".lora_A." not in core and ".lora_B." not in core:
-            raise _fail(f"LoRA weight {name!r} is not a lora_A/lora_B tensor")
-        modules.add(core.split(".lora_")[0].rsplit(".", 1)[-1])
-        out[f"base_model.model.{core}"] = t
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": int(lora_cfg.r), "lora_alpha": int(lora_cfg.alpha), "lora_dropout": 0.0, "bias": "none",
-        "target_modules": sorted(modules), "fan_in_fan_out": False, "use_rslora": False,
-    }
-    return config, out
 
 
 def resolve_arch(model_cfg) -> str:
@@ -338,8 +315,8 @@ def _record_counts(data_cfg) -> list[tuple[int, int]]:
 class VLLMEngine:
     """Sampling with ``vllm.LLM``; weights reloaded in place between calls (see the module docstring)."""
 
-    def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", lora_cfg=None,
-                 base_model: str = "", tied_lm_head: bool = False):
+    def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", checkpoint: str = "",
+                 revision: str | None = None, tied_lm_head: bool = False):
         from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
 
         self.llm = llm
@@ -347,15 +324,16 @@ class VLLMEngine:
         self.tokenizer = processor.tokenizer
         self.arch = arch
         self.dtype = dtype
-        self.lora_cfg = lora_cfg
-        self.base_model = base_model
+        self.checkpoint = checkpoint  # where untouched tensors of a partial update come from
+        self.revision = revision
         self.tied_lm_head = tied_lm_head
         self.version = 0
         self.suppress_ids = suppressed_token_ids(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self._param_names: list[str] | None = None
-        self._lora_request = None
-        self._lora_dir: Path | None = None
+        self._checkpoint_names: list[str] | None = None
+        self._base: dict[str, Any] = {}  # checkpoint tensors read to complete partial updates
+        self._changed: set[tuple[str, object]] = set()  # (vLLM param, shard) ever reloaded
 
     @classmethod
     def from_config(cls, cfg, processor) -> VLLMEngine:
@@ -384,11 +362,16 @@ class VLLMEngine:
         llm = vllm.LLM(**kwargs)
         log.info("vLLM %s engine for %s started in %.1fs", vllm.__version__, cfg.model.name_or_path,
                  time.perf_counter() - t0)
+        if arch == "qwen2_5_vl" and vc.position_rule == "learner":
+            if not all(llm.collective_rpc("streamgrpo_use_learner_positions")):
+                ERRORS.labels(kind="engine").inc()
+                log.warning("vLLM %s: could not switch to the learner's m-RoPE position rule; video prompts may "
+                            "get slightly different behaviour log-probs", vllm.__version__)
         hf_cfg = llm.llm_engine.model_config.hf_config
         tied = bool(getattr(hf_cfg, "tie_word_embeddings", False) or getattr(
             getattr(hf_cfg, "text_config", None), "tie_word_embeddings", False))
-        return cls(llm, processor, arch=arch, dtype=cfg.model.dtype, lora_cfg=cfg.model.lora,
-                   base_model=cfg.model.name_or_path, tied_lm_head=tied)
+        return cls(llm, processor, arch=arch, dtype=cfg.model.dtype, checkpoint=cfg.model.name_or_path,
+                   revision=cfg.model.revision, tied_lm_head=tied)
 
     # ---- sampling
     def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
@@ -398,7 +381,7 @@ class VLLMEngine:
         prompts = [build_request(r) for r in requests]
         params = vllm.SamplingParams(**sampling_kwargs(sampling, suppress_ids=self.suppress_ids,
                                                        stop_ids=self.stop_ids))
-        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         return parse_outputs(outs, sampling.n, greedy=sampling.temperature == 0,
                              prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
                              request_ids=[r.request_id or str(i) for i, r in enumerate(requests)])
@@ -411,47 +394,63 @@ class VLLMEngine:
         return self._param_names
 
     def load_weights(self, version: int, tensors: dict[str, Any]) -> None:
-        """Reload the given weights in the running engine (all names checked first), reset its
-        caches, record ``version``. LoRA tensors (names with ``lora_``) become a LoRA request."""
+        """Reload the given weights in the running engine, reset its caches, record ``version``.
+
+        Every name is checked against the vLLM model first (an unknown name is a
+        :class:`~.vllm_worker.WeightNameError` naming it, and nothing is applied). A partial update
+        is completed to whole layers from the checkpoint (see the module docstring).
+        """
         if not tensors:
             raise _fail(f"weights v{version}: no tensors")
-        t0 = time.perf_counter()
-        if all("lora_" in n for n in tensors):
-            self._load_lora(version, tensors)
-        else:
-            import torch
-
-            names = check_names(tensors, self.arch, self.param_names(), tied_lm_head=self.tied_lm_head)
-            dtype = getattr(torch, self.dtype)
-            payload = [torch.as_tensor(tensors[n]).to(dtype).contiguous() for n in names]
-            self.llm.collective_rpc("streamgrpo_load_weights", args=(names, payload))
-            self.llm.reset_prefix_cache()
-            self.llm.reset_mm_cache()
-        self.version = int(version)
-        log.debug("applied weights v%d (%d tensors) in %.3fs", version, len(tensors), time.perf_counter() - t0)
-
-    def _load_lora(self, version: int, tensors: Mapping[str, Any]) -> None:
-        if self.lora_cfg is None:
-            raise _fail(f"weights v{version}: LoRA tensors received but model.lora is not configured")
         import torch
-        from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
 
-        config, named = peft_adapter(tensors, self.lora_cfg, self.base_model)
-        new_dir = Path(tempfile.mkdtemp(prefix=f"streamgrpo-lora-v{version}-"))
-        save_file({k: torch.as_tensor(v).contiguous() for k, v in named.items()}, str(new_dir / "adapter_model.safetensors"))
-        (new_dir / "adapter_config.json").write_text(json.dumps(config))
-        old, old_dir = self._lora_request, self._lora_dir
-        self._lora_request = LoRARequest(f"streamgrpo-v{version}", int(version) + 1, str(new_dir))
-        self._lora_dir = new_dir
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-        if old_dir is not None:
-            shutil.rmtree(old_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        names = check_names(tensors, self.arch, self.param_names(), tied_lm_head=self.tied_lm_head)
+        full = dict(tensors)
+        extra = self._completion(version, names)
+        full.update(extra)
+        dtype = getattr(torch, self.dtype)
+        packed = [(n, *pack_tensor(torch.as_tensor(full[n]).to(dtype))) for n in [*names, *extra]]
+        self.llm.collective_rpc("streamgrpo_load_weights", args=(packed,))
+        self._reset_caches()
+        self._changed.update(vllm_param_name(n, self.arch) for n in names)
+        self.version = int(version)
+        log.debug("applied weights v%d (%d tensors, %d completed from the checkpoint) in %.3fs", version,
+                  len(names), len(extra), time.perf_counter() - t0)
+
+    def _completion(self, version: int, names: list[str]) -> dict[str, Any]:
+        """Checkpoint tensors that make every layer touched by ``names`` whole (usually none)."""
+        if self._checkpoint_names is None:
+            if not self.checkpoint:
+                self._checkpoint_names = []
+            else:
+                from streamgrpo.models.lora import _base_names
+
+                self._checkpoint_names = sorted(_base_names(self.checkpoint))
+        missing = missing_for_reload(names, self._checkpoint_names, self.arch)
+        if not missing:
+            return {}
+        stale = [m for m in missing if vllm_param_name(m, self.arch) in self._changed]
+        if stale:
+            raise _fail(f"weights v{version}: {len(stale)} tensor(s) of the updated layers are missing and were "
+                        f"changed by an earlier version (e.g. {stale[0]!r}); send whole layers")
+        need = set(missing) - set(self._base)
+        if need:
+            from streamgrpo.models.lora import _read_tensors
+
+            self._base.update(_read_tensors(self.checkpoint, need))
+        return {m: self._base[m] for m in missing}
+
+    def _reset_caches(self) -> None:
+        """Forget everything computed with the old weights: KV prefix blocks, encoder outputs (the
+        scheduler's and the worker's), and the multimodal processor caches of the front end and
+        the engine core (else their cache hits name encoder outputs that are gone)."""
         self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_mm_cache()
 
     def param_sums(self, names: list[str]) -> list[float]:
-        """Sums of vLLM parameters by their vLLM names (tests: did an update land?)."""
+        """Sums of vLLM parameters by their vLLM names (CPU build: prepacked layers read 0)."""
         return self.llm.collective_rpc("streamgrpo_param_sums", args=(list(names),))[0]
 
     def close(self) -> None:
@@ -460,5 +459,3 @@ class VLLMEngine:
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)

@@ -110,16 +110,19 @@ def make_weight_applier(cfg, engine) -> Callable[[int, dict[str, torch.Tensor]],
 
         return apply_in_place
 
-    base: dict[str, torch.Tensor] = {}  # other engines (vLLM): base weights read from the checkpoint files
-    names: set[str] = set()
+    # other engines (vLLM): pristine base weights read from the checkpoint files, keyed by model names
+    from streamgrpo.checkpoint import runtime_name
+
+    base: dict[str, torch.Tensor] = {}
+    on_disk: dict[str, str] = {}  # model name -> checkpoint key
 
     def apply_merged(version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if not names:
-            names.update(_base_names(cfg.model.name_or_path))
-        needed = {lora_base_name(mod, names) for mod in lora_pairs(tensors)}
-        missing = needed - set(base)
-        if missing:
-            base.update(_read_tensors(cfg.model.name_or_path, missing))
+        if not on_disk:
+            on_disk.update({runtime_name(k): k for k in _base_names(cfg.model.name_or_path)})
+        needed = {lora_base_name(mod, on_disk) for mod in lora_pairs(tensors)} - set(base)
+        if needed:
+            found = _read_tensors(cfg.model.name_or_path, {on_disk[n] for n in needed})
+            base.update({runtime_name(k): t for k, t in found.items()})
         engine.load_weights(version, merge_lora_into(base, tensors, scale))
 
     return apply_merged

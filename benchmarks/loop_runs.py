@@ -1,0 +1,287 @@
+"""Runs of the real training loop for the end-to-end benchmarks (``bench_e2e``, ``bench_staleness``).
+
+* :func:`prepare_assets` builds the demo data set and the warm-started tiny Qwen2.5-VL once, under
+  ``benchmarks/.work/`` (gitignored); every run gets its own copy of that model.
+* :func:`run_up` runs ``streamgrpo up --config demo`` in a subprocess with a wall-clock cap
+  (SIGINT to ``up`` by PID when the cap is hit: it stops its children and still writes
+  ``summary.json``), then reads ``metrics.jsonl`` and the generator audit.
+* Pure functions over the rows of ``metrics.jsonl`` (``{"step", "time", "group_accuracy", "seconds",
+  "groups_trained", ...}``) and the generator audit events: throughput, time and steps to the target
+  accuracy, generate/train time per group, the ideal overlap bound.
+
+The TRL run of ``bench_e2e`` writes rows of the same shape, so the same functions score it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "benchmarks" / ".work"
+TARGET_ACCURACY = 0.9
+WINDOW_GROUPS = 50
+
+
+# ------------------------------------------------------------------------------- pure functions
+def group_accuracies(rows: Iterable[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """``(step, time, accuracy)`` of every trained group, in training order."""
+    out = []
+    for r in rows:
+        for a in r.get("group_accuracy") or []:
+            out.append((int(r["step"]), float(r["time"]), float(a)))
+    return out
+
+
+def target_reached(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURACY,
+                   window: int = WINDOW_GROUPS) -> tuple[int, float] | None:
+    """``(step, time)`` at which the moving mean accuracy of the last ``window`` trained groups first
+    reaches ``target``; None if it never does."""
+    accs = group_accuracies(rows)
+    total = 0.0
+    for i, (_, _, a) in enumerate(accs):
+        total += a
+        if i >= window:
+            total -= accs[i - window][2]
+        if i >= window - 1 and total / window >= target - 1e-12:
+            return accs[i][0], accs[i][1]
+    return None
+
+
+def final_accuracy(rows: Sequence[dict[str, Any]], window: int = WINDOW_GROUPS) -> float | None:
+    """Mean accuracy of the last ``window`` trained groups."""
+    accs = [a for _, _, a in group_accuracies(rows)][-window:]
+    return sum(accs) / len(accs) if accs else None
+
+
+def first_accuracy(rows: Sequence[dict[str, Any]], window: int = WINDOW_GROUPS) -> float | None:
+    """Mean accuracy of the first ``window`` trained groups (the warm start)."""
+    accs = [a for _, _, a in group_accuracies(rows)][:window]
+    return sum(accs) / len(accs) if accs else None
+
+
+def groups_per_step(row: dict[str, Any]) -> int:
+    return len(row.get("group_accuracy") or []) or int(row.get("groups", 0))
+
+
+def throughput(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Steady-state trained groups per second: groups trained after the first step over the time from
+    the end of the first step to the end of the last (start-up and the first step excluded)."""
+    if len(rows) < 2:
+        return None
+    dt = float(rows[-1]["time"]) - float(rows[0]["time"])
+    groups = sum(groups_per_step(r) for r in rows[1:])
+    return groups / dt if dt > 0 else None
+
+
+def time_to_target(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURACY,
+                   window: int = WINDOW_GROUPS) -> float | None:
+    """Seconds from the end of the first optimizer step to :func:`target_reached` (None if never)."""
+    hit = target_reached(rows, target, window)
+    if hit is None or not rows:
+        return None
+    return hit[1] - float(rows[0]["time"])
+
+
+def steps_to_target(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURACY,
+                    window: int = WINDOW_GROUPS) -> int | None:
+    hit = target_reached(rows, target, window)
+    return None if hit is None else hit[0]
+
+
+def train_seconds_per_group(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Median over steps of the learner's step time (``seconds``) divided by the step's groups."""
+    vals = [float(r["seconds"]) / groups_per_step(r) for r in rows[1:] if r.get("seconds") and groups_per_step(r)]
+    return statistics.median(vals) if vals else None
+
+
+def generate_seconds_per_group(events: Sequence[dict[str, Any]]) -> float | None:
+    """Median generator busy time per group from a generator audit.
+
+    Events in file order: ``produced`` (one per group, written after its put; ``t`` wall time,
+    ``put_s`` seconds the put took, backpressure included) and ``applied`` (weights applied). A
+    batch is a run of ``produced`` events with the same ``version``; its busy time is the time since
+    the event before it (the previous batch's last put, or the weight application) minus the puts'
+    time, i.e. prompt preparation + generation + scoring, without waiting on the queue or for
+    weights. Per group = batch busy time / groups in it.
+    """
+    per_group: list[float] = []
+    prev_t: float | None = None
+    batch: list[dict[str, Any]] = []
+
+    def close(start: float | None) -> None:
+        if start is None or not batch:
+            return
+        busy = float(batch[-1]["t"]) - start - sum(float(e.get("put_s") or 0.0) for e in batch)
+        if busy > 0:
+            per_group.append(busy / len(batch))
+
+    start: float | None = None
+    for e in events:
+        kind = e.get("event")
+        if kind == "produced":
+            if batch and e.get("version") != batch[-1].get("version"):
+                close(start)
+                batch, start = [], prev_t
+            if not batch:
+                start = prev_t
+            batch.append(e)
+        else:
+            close(start)
+            batch, start = [], None
+        prev_t = float(e["t"])
+    close(start)
+    return statistics.median(per_group) if per_group else None
+
+
+def overlap_bound(gen_s: float | None, train_s: float | None) -> float | None:
+    """Ideal speed-up of overlapping generation and training: (G + T) / max(G, T)."""
+    if not gen_s or not train_s:
+        return None
+    return (gen_s + train_s) / max(gen_s, train_s)
+
+
+def summarise_rows(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURACY,
+                   window: int = WINDOW_GROUPS) -> dict[str, Any]:
+    """The per-run numbers the benchmarks report."""
+    hit = target_reached(rows, target, window)
+    return {
+        "steps": int(rows[-1]["step"]) if rows else 0,
+        "groups_trained": sum(groups_per_step(r) for r in rows),
+        "groups_per_s": throughput(rows),
+        "first_accuracy": first_accuracy(rows, window),
+        "final_accuracy": final_accuracy(rows, window),
+        "time_to_target_s": None if hit is None else hit[1] - float(rows[0]["time"]),
+        "steps_to_target": None if hit is None else hit[0],
+        "train_s_per_group": train_seconds_per_group(rows),
+        "staleness_mean": (statistics.mean(float(r.get("staleness_mean") or 0.0) for r in rows) if rows else None),
+        "target": target, "window_groups": window,
+    }
+
+
+# --------------------------------------------------------------------------------------- files
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a stop
+    return out
+
+
+def bench_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)})
+    return env
+
+
+def data_paths(work: Path = WORK) -> dict[str, Path]:
+    return {"train": work / "data" / "train.jsonl", "train_image": work / "data" / "train_image.jsonl",
+            "model": work / "model"}
+
+
+def prepare_assets(work: Path = WORK) -> dict[str, Path]:
+    """Build the demo data set and the warm-started tiny model once (in a subprocess, one thread)."""
+    paths = data_paths(work)
+    if (paths["model"] / "config.json").exists() and paths["train"].exists() and paths["train_image"].exists():
+        return paths
+    work.mkdir(parents=True, exist_ok=True)
+    code = ("from streamgrpo.config import load_config; from streamgrpo.orchestrate import prepare_assets; "
+            f"prepare_assets(load_config('demo', ['model.name_or_path={paths['model']}', "
+            f"'data.train_path={paths['train']}']))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=bench_env(), cwd=ROOT)
+    return paths
+
+
+def copy_model(src: Path, run_dir: Path) -> Path:
+    dst = run_dir / "model"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@dataclass
+class LoopRun:
+    """One finished run: its rows, generator audit events, ``summary.json`` and how it ended."""
+
+    name: str
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    gen_events: list[dict[str, Any]]
+    summary: dict[str, Any]
+    wall_s: float
+    capped: bool
+    returncode: int | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def stop_by_pid(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
+    """SIGINT (``up`` stops its children and writes the summary), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0)):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence[str] = (), sync: bool = False,
+           generators: int = 1, cap_s: float = 600.0, threads: int = 1) -> LoopRun:
+    """``streamgrpo up --config demo`` on a fresh copy of ``model``, capped at ``cap_s`` seconds."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    model_copy = copy_model(model, run_dir)
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir),
+            "--generators", str(generators)]
+    if sync:
+        argv.append("--sync")
+    for s in [f"model.name_or_path={model_copy}", "model.tiny_if_missing=false", f"data.train_path={train}",
+              "data.make_demo_if_missing=false", "learner.save_steps=100000", *sets]:
+        argv += ["--set", s]
+    t0 = time.time()
+    capped = False
+    with open(run_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(threads), cwd=ROOT)
+        try:
+            proc.wait(cap_s)
+        except subprocess.TimeoutExpired:
+            capped = True
+            stop_by_pid(proc)
+        except BaseException:
+            stop_by_pid(proc)
+            raise
+    wall = time.time() - t0
+    summary = {}
+    if (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "audit" / "generator-0.jsonl")
+    run = LoopRun(name, run_dir, rows, events, summary, wall, capped, proc.returncode)
+    run.stats = summarise_rows(rows)
+    run.stats["gen_s_per_group"] = generate_seconds_per_group(events)
+    run.stats["wall_s"] = wall
+    run.stats["capped"] = capped
+    run.stats["groups_dropped"] = summary.get("groups_dropped")
+    if not rows:
+        tail = (run_dir / "up.log").read_text(errors="replace")[-2000:]
+        print(f"# {name}: no training steps recorded (exit {proc.returncode}); up.log ends:\n{tail}", flush=True)
+    return run

