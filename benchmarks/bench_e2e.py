@@ -32,7 +32,11 @@ Figures (value, baseline, ratio = value / baseline):
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_e2e.json`` with machine info.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_e2e.py [--steps 150] [--cap-s 480] [--skip trl]
+The default (250 steps = the demo's max_steps, 2,000 groups per run) takes about 25 minutes on 2
+cores; ``make bench`` runs ``--steps 100 --cap-s 300`` (throughput and early learning only: the
+demo needs ~180 steps to reach 0.9 here).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_e2e.py [--steps 250] [--cap-s 1200] [--skip trl]
 """
 
 from __future__ import annotations
@@ -129,8 +133,8 @@ def _s(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (x groups_per_step = groups)")
-    ap.add_argument("--cap-s", type=float, default=480.0, help="wall-clock cap per run (start-up included)")
+    ap.add_argument("--steps", type=int, default=250, help="optimizer steps per run (x groups_per_step = groups)")
+    ap.add_argument("--cap-s", type=float, default=1200.0, help="wall-clock cap per run (start-up included)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--skip", default="", help="comma-separated runs to skip: async,sync,trl")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")

@@ -15,8 +15,10 @@ moving mean reaches 0.9, mean staleness. Figures per k: ``staleness_k<k>_final_a
 over steps per k, one panel per loss, and final accuracy against k) goes to
 ``benchmarks/results/staleness.png``.
 
-``--quick`` (what ``make bench`` runs, to fit its time budget): k in {0, 4}, 100 steps, 360 s cap per
-run. The full study: k in {0, 1, 2, 4, 8}, 150 steps (10 runs; about an hour on 2 busy cores).
+``--quick`` (what ``make bench`` runs, to fit its time budget): k in {0, 4}, 100 steps, 240 s cap per
+run (4 runs, about 12 minutes on 2 cores). The full study: k in {0, 1, 2, 4, 8}, 150 steps (10 runs;
+about 45-60 minutes on 2 busy cores). The demo's accuracy needs ~180 steps to reach 0.9 here, so
+steps-to-0.9 needs ``--steps 250``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_staleness.py [--quick] [--ks 0,1,2,4,8] [--steps 150]
 """
@@ -43,7 +45,7 @@ from benchmarks.loop_runs import (  # noqa: E402
 )
 
 LOSSES = {"clipped": "behaviour", "naive": "current"}
-QUICK = {"ks": "0,4", "steps": 100, "cap_s": 360.0}
+QUICK = {"ks": "0,4", "steps": 100, "cap_s": 240.0}
 FULL = {"ks": "0,1,2,4,8", "steps": 150, "cap_s": 600.0}
 
 

@@ -242,7 +242,9 @@ def collect_groups(queue, processor, cfg: Config, state: LearnerState, stop, aud
                     _drop(queue, audit, drops, [Accepted(d.stream_id, g, None, staleness)], "mismatch")
                     continue
                 accepted.append(Accepted(d.stream_id, g, inputs, staleness))
-        flags = share(dist, [len(accepted) >= want, bool(stop)])
+        flags = share(dist, [len(accepted) >= want, bool(stop), state.version])
+        if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
+            raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 0].all():
             return accepted
         if flags[:, 1].any():

@@ -29,35 +29,26 @@ the optimizer) for the deepspeed backend.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
-import os
-import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from streamgrpo.config import Config
+from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
 
 log = logging.getLogger("streamgrpo.learner")
 
 RECENT_GROUP_IDS = 10_000
 """Trained group ids a checkpoint remembers (the Redis trained set is the de-duplication truth)."""
-
-DEFAULT_DEEPSPEED = {
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
-                          "reduce_scatter": True, "reduce_bucket_size": 200_000_000, "overlap_comm": False,
-                          "contiguous_gradients": True},
-}
-"""Used when ``learner.backend=deepspeed`` and no ``learner.deepspeed_config`` is given (ZeRO-2)."""
-
 
 @dataclass
 class LearnerState:
@@ -175,38 +166,6 @@ def weights_checksum(module: torch.nn.Module) -> list[float]:
     return [s, q]
 
 
-def deepspeed_config(cfg: Config) -> dict[str, Any]:
-    """The DeepSpeed JSON of ``learner.deepspeed_config`` (default: ZeRO-2), with what streamgrpo owns set.
-
-    streamgrpo builds AdamW and the lr schedule from ``learner.*`` and runs gradient accumulation
-    itself, so the file may not carry ``optimizer``/``scheduler`` blocks; ``bf16.enabled`` follows
-    ``learner.bf16`` and ``gradient_clipping`` follows ``learner.max_grad_norm``.
-    """
-    lc = cfg.learner
-    if lc.deepspeed_config:
-        path = Path(lc.deepspeed_config)
-        try:
-            ds = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
-    else:
-        ds = copy.deepcopy(DEFAULT_DEEPSPEED)
-    for block in ("optimizer", "scheduler"):
-        if block in ds:
-            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r} has a {block!r} block: streamgrpo "
-                             "builds AdamW and the lr schedule from learner.* (remove the block)")
-    ds.pop("train_batch_size", None)
-    ds.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-               "gradient_clipping": lc.max_grad_norm, "steps_per_print": ds.get("steps_per_print", 10**9),
-               "bf16": {**ds.get("bf16", {}), "enabled": bool(lc.bf16)}})
-    if lc.bf16 and ds.get("fp16", {}).get("enabled"):
-        raise ValueError("learner.bf16=true and the DeepSpeed config enables fp16: pick one")
-    zero = ds.setdefault("zero_optimization", {"stage": 0})
-    if int(zero.get("stage", 0)) < 2:
-        zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only
-    return ds
-
-
 def enable_activation_checkpointing(model) -> None:
     """``learner.gradient_checkpointing``: recompute each decoder layer in backward (non-reentrant)."""
     kwargs = {"use_reentrant": False}
@@ -214,26 +173,6 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def import_deepspeed():
-    """``import deepspeed`` without surprise compilation.
-
-    Extensions go under the virtual environment (``TORCH_EXTENSIONS_DIR``, unless set). On CPU,
-    DeepSpeed's shared-memory all-reduce op is switched off: its first use JIT-compiles C++ for
-    minutes, and the learner's CPU collectives are few and small (gloo does them). The optimizer
-    is a torch AdamW passed in, so no optimizer op is built either.
-    """
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    import deepspeed
-
-    if not torch.cuda.is_available():
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is not None:
-            deepspeed.ops.__compatible_ops__[builder.NAME] = False
-    return deepspeed
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -367,13 +306,14 @@ class Learner:
         loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
         self._zero_grad()
         for k, part in enumerate(micro):
-            groups = [GroupInputs.from_processor(a.inputs, [torch.as_tensor(c.token_ids, dtype=torch.long)
+            groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
             ref_lp = self._reference_logprobs(tb, temperature, suppress)
             with self._autocast():
                 logprobs, entropy = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
-            behaviour = pad_right([torch.as_tensor(c.logprobs) for a in part for c in a.group.completions], 0.0,
+            behaviour = pad_right([torch.from_numpy(np.array(c.logprobs, dtype=np.float32))
+                                   for a in part for c in a.group.completions], 0.0,
                                   length=logprobs.shape[1]).to(self.device)
             adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
             loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
@@ -561,6 +501,9 @@ class Learner:
                             meta.get("world_size"))
         else:
             if self.engine is not None or meta.get("backend", "torch") != self.cfg.learner.backend:
+                if self.zero_stage >= 3:
+                    raise RuntimeError(f"{ckpt} has no DeepSpeed state: a ZeRO-3 learner resumes only from its own "
+                                       "checkpoints (start from the weights with model.name_or_path instead)")
                 log.warning("%s was written by the %s backend: weights restored, optimizer state starts fresh",
                             ckpt, meta.get("backend", "torch"))
                 self._load_weights(read_model_tensors(ckpt))

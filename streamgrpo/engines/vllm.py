@@ -28,16 +28,17 @@ vLLM API used (0.32; names checked against the installed package):
 * Weights: ``LLM.collective_rpc("streamgrpo_load_weights", args=([(name, dtype, shape, bytes)],))``
   on the registered worker extension (:mod:`.vllm_worker`), which calls the model runner's
   ``reload_weights(weights_iterator=...)``; then ``LLM.reset_prefix_cache()``,
-  ``LLM.llm_engine.reset_encoder_cache()`` and ``LLM.reset_mm_cache()`` (without the last two the
+  ``LLM.llm_engine.reset_encoder_cache()`` and ``LLM.reset_mm_cache()``. Without the last two the
   scheduler and the multimodal processor caches name encoder outputs the worker dropped when it
-  reloaded: "Encoder cache miss"; with them the vision tower also re-encodes with the new weights). vLLM's RLHF
-  examples use the same shape (``worker_extension_cls`` + ``collective_rpc`` by method name,
-  examples/offline_inference/rlhf*.py); TRL's colocate mode instead reaches into
-  ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` in process and
-  calls ``llm.reset_prefix_cache()``, which does not see a multiprocess engine core and skips the
-  post-load processing the CPU build needs. vLLM's ``weight_transfer_config`` (NCCL/CUDA IPC from
-  the trainer's GPUs) is the GPU-only alternative for a colocated trainer; ours receives weights
-  over ZeroMQ on the host, so the host-tensor RPC is the path that works on CPU and GPU alike.
+  reloaded ("Encoder cache miss"); with them the vision tower also re-encodes with the new weights.
+  vLLM's RLHF examples have the same shape (``worker_extension_cls`` + ``collective_rpc`` by method
+  name, examples/offline_inference/rlhf_utils.py). TRL's colocate mode runs vLLM in process
+  (``distributed_executor_backend="external_launcher"``), calls
+  ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`` per parameter and
+  then ``llm.reset_prefix_cache()``; a plain ``load_weights`` skips the post-load processing (it had
+  no effect on the CPU build's prepacked weights) and needs the engine core in this process.
+  vLLM's ``weight_transfer_config`` (NCCL / CUDA IPC from a trainer's GPUs) is the GPU-only
+  alternative; our weights arrive over ZeroMQ on the host, so a host-tensor RPC works on CPU and GPU.
 * Positions (Qwen2.5-VL): transformers 5.x continues the text after a video at ``video start +
   max(h, w)``, vLLM (like the original Qwen code) at the video's largest position + 1; for videos
   whose temporal extent reaches their spatial extent the prompt positions after the video differ
@@ -316,7 +317,7 @@ class VLLMEngine:
     """Sampling with ``vllm.LLM``; weights reloaded in place between calls (see the module docstring)."""
 
     def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", checkpoint: str = "",
-                 revision: str | None = None, tied_lm_head: bool = False):
+                 tied_lm_head: bool = False):
         from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
 
         self.llm = llm
@@ -325,7 +326,6 @@ class VLLMEngine:
         self.arch = arch
         self.dtype = dtype
         self.checkpoint = checkpoint  # where untouched tensors of a partial update come from
-        self.revision = revision
         self.tied_lm_head = tied_lm_head
         self.version = 0
         self.suppress_ids = suppressed_token_ids(self.tokenizer)
@@ -371,7 +371,7 @@ class VLLMEngine:
         tied = bool(getattr(hf_cfg, "tie_word_embeddings", False) or getattr(
             getattr(hf_cfg, "text_config", None), "tie_word_embeddings", False))
         return cls(llm, processor, arch=arch, dtype=cfg.model.dtype, checkpoint=cfg.model.name_or_path,
-                   revision=cfg.model.revision, tied_lm_head=tied)
+                   tied_lm_head=tied)
 
     # ---- sampling
     def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:

@@ -67,7 +67,7 @@ def _gap(model, processor, group) -> float:
     from streamgrpo.models.logprobs import completion_logprobs
 
     inputs = processor_inputs(processor, group.prompt_text, group.visuals)
-    g = GroupInputs.from_processor(inputs, [torch.as_tensor(c.token_ids, dtype=torch.long) for c in group.completions])
+    g = GroupInputs.from_processor(inputs, [torch.tensor(c.token_ids.tolist(), dtype=torch.long) for c in group.completions])
     tb = build_batch([g], processor.tokenizer.pad_token_id, model)
     with torch.no_grad():
         lp, _ = completion_logprobs(model, tb, temperature=float(group.meta["temperature"]),

@@ -1,0 +1,74 @@
+"""DeepSpeed plumbing for the learner: the engine config streamgrpo derives from ``learner.*`` and an
+import that never JIT-compiles."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamgrpo.config import Config
+
+DEFAULT_DEEPSPEED = {
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
+                          "reduce_scatter": True, "reduce_bucket_size": 200_000_000, "overlap_comm": False,
+                          "contiguous_gradients": True},
+}
+"""Used when ``learner.backend=deepspeed`` and no ``learner.deepspeed_config`` is given (ZeRO-2)."""
+
+
+def deepspeed_config(cfg: Config) -> dict[str, Any]:
+    """The DeepSpeed JSON of ``learner.deepspeed_config`` (default: ZeRO-2), with what streamgrpo owns set.
+
+    streamgrpo builds AdamW and the lr schedule from ``learner.*`` and runs gradient accumulation
+    itself, so the file may not carry ``optimizer``/``scheduler`` blocks; ``bf16.enabled`` follows
+    ``learner.bf16`` and ``gradient_clipping`` follows ``learner.max_grad_norm``.
+    """
+    lc = cfg.learner
+    if lc.deepspeed_config:
+        path = Path(lc.deepspeed_config)
+        try:
+            ds = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
+    else:
+        ds = copy.deepcopy(DEFAULT_DEEPSPEED)
+    for block in ("optimizer", "scheduler"):
+        if block in ds:
+            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r} has a {block!r} block: streamgrpo "
+                             "builds AdamW and the lr schedule from learner.* (remove the block)")
+    ds.pop("train_batch_size", None)
+    ds.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "gradient_clipping": lc.max_grad_norm, "steps_per_print": ds.get("steps_per_print", 10**9),
+               "bf16": {**ds.get("bf16", {}), "enabled": bool(lc.bf16)}})
+    if lc.bf16 and ds.get("fp16", {}).get("enabled"):
+        raise ValueError("learner.bf16=true and the DeepSpeed config enables fp16: pick one")
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if int(zero.get("stage", 0)) < 2:
+        zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only
+    return ds
+
+
+def import_deepspeed():
+    """``import deepspeed`` without surprise compilation.
+
+    Extensions go under the virtual environment (``TORCH_EXTENSIONS_DIR``, unless set). On CPU,
+    DeepSpeed's shared-memory all-reduce op is switched off: its first use JIT-compiles C++ for
+    minutes, and the learner's CPU collectives are few and small (gloo does them). The optimizer
+    is a torch AdamW passed in, so no optimizer op is built either.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    return deepspeed

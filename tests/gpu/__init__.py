@@ -1,0 +1,1 @@
+"""GPU tests (marker ``gpu``): skipped without CUDA. A package, so its module names do not clash with tests/unit."""

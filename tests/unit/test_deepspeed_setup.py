@@ -1,0 +1,44 @@
+"""The DeepSpeed config streamgrpo derives from learner.* and the shipped deploy/deepspeed files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from streamgrpo.config import build_config
+from streamgrpo.deepspeed_setup import deepspeed_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shipped_files_get_what_streamgrpo_owns(stage):
+    cfg = build_config({"learner": {"backend": "deepspeed", "deepspeed_config": str(DEPLOY / f"zero{stage}.json"),
+                                    "bf16": False, "max_grad_norm": 0.5}})
+    ds = deepspeed_config(cfg)
+    assert ds["zero_optimization"]["stage"] == stage
+    assert ds["bf16"]["enabled"] is False and ds["gradient_clipping"] == 0.5  # learner.* wins over the file
+    assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 1
+    assert "optimizer" not in ds and "train_batch_size" not in ds
+    if stage == 1:
+        assert ds["zero_optimization"]["overlap_comm"] is False
+
+
+def test_default_is_zero2_and_bf16_follows_the_flag():
+    ds = deepspeed_config(build_config({"learner": {"backend": "deepspeed", "bf16": True}}))
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"] is True
+
+
+def test_optimizer_blocks_and_bad_files_are_clear_errors(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError, match="'optimizer' block"):
+        deepspeed_config(build_config({"learner": {"deepspeed_config": str(bad)}}))
+    with pytest.raises(ValueError, match="cannot read it as JSON"):
+        deepspeed_config(build_config({"learner": {"deepspeed_config": str(tmp_path / "missing.json")}}))
+    fp16 = tmp_path / "fp16.json"
+    fp16.write_text(json.dumps({"fp16": {"enabled": True}}))
+    with pytest.raises(ValueError, match="pick one"):
+        deepspeed_config(build_config({"learner": {"deepspeed_config": str(fp16), "bf16": True}}))

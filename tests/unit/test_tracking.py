@@ -1,0 +1,65 @@
+"""wandb tracking: seed-era keys, flattened scalars, the samples table, offline runs with no network."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from streamgrpo.tracking import SEED_KEYS, Tracker, flat_scalars, sample_rows, seed_scalars
+
+REC = {"step": 3, "version": 3, "time": 1.0, "reward": 0.6, "rewards": {"format": 0.9, "accuracy": 0.4},
+       "kl": 0.02, "adv_mean": 0.0, "policy_seq_log_prob": -12.5, "loss": 0.1, "entropy": None,
+       "groups_dropped": {"stale": 2}, "group_accuracy": [0.5, 0.25], "ranks": 2}
+
+
+def test_seed_keys_map_from_a_metrics_record():
+    s = seed_scalars(REC)
+    assert set(s) == set(SEED_KEYS)
+    assert s["grpo/format_reward"] == 0.9 and s["grpo/accuracy_reward"] == 0.4 and s["grpo/total_reward"] == 0.6
+    assert s["grpo/kl_div"] == 0.02 and s["grpo/policy_seq_log_prob"] == -12.5 and s["grpo/advantage"] == 0.0
+    assert "grpo/format_reward" not in seed_scalars({**REC, "rewards": {"accuracy": 1.0}})  # not configured: left out
+
+
+def test_flat_scalars_skip_non_numbers_and_nest_dicts():
+    f = flat_scalars(REC)
+    assert f["streamgrpo/rewards/accuracy"] == 0.4 and f["streamgrpo/groups_dropped/stale"] == 2.0
+    assert "streamgrpo/entropy" not in f and "streamgrpo/time" not in f and "streamgrpo/group_accuracy" not in f
+
+
+def test_sample_rows_are_capped():
+    comp = SimpleNamespace(text="<answer>A</answer>", reward=1.0, rewards={"accuracy": 1.0})
+    batch = [SimpleNamespace(group=SimpleNamespace(prompt_id=f"p{i}", answer="A", completions=[comp] * 8)) for i in range(6)]
+    rows = sample_rows(batch, step=5, limit=10)
+    assert len(rows) == 10 and rows[0] == {"step": 5, "prompt_id": "p0", "answer": "A", "completion": "<answer>A</answer>",
+                                           "reward": 1.0, "reward/accuracy": 1.0}
+
+
+def test_disabled_or_absent_is_a_no_op(tmp_path):
+    from streamgrpo.config import build_config
+
+    for cfg in (build_config({}), build_config({"metrics": {"wandb": {"mode": "disabled"}}})):
+        t = Tracker.from_config(cfg, tmp_path)
+        assert type(t) is Tracker
+        t.log_step(REC)
+        t.close()
+    assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypatch):
+    from streamgrpo.config import build_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = build_config({"run_dir": str(tmp_path), "metrics": {"wandb": {"project": "sg-test", "mode": "offline"}}})
+    tracker = Tracker.from_config(cfg, tmp_path)
+    tracker.log_step({**REC, "step": 1})
+    tracker.log_step({**REC, "step": 2}, samples=[{"step": 2, "prompt_id": "p", "completion": "hello-table-row"}])
+    tracker.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    data = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
+    for key in (*SEED_KEYS, "streamgrpo/loss", "samples"):
+        assert key.encode() in data, key
+    assert (tmp_path / "wandb-run-id").read_text().strip() in runs[0].name  # a resumed learner reuses the id
