@@ -60,6 +60,7 @@ def _perturbed(model_dir: Path, seed: int, scale: float):
 
 def _gap(model, processor, group) -> float:
     """Largest |behaviour - learner| log-prob over the group's tokens (the learner's computation)."""
+    import numpy as np
     import torch
 
     from streamgrpo.data.prompts import processor_inputs
@@ -72,7 +73,7 @@ def _gap(model, processor, group) -> float:
     with torch.no_grad():
         lp, _ = completion_logprobs(model, tb, temperature=float(group.meta["temperature"]),
                                     suppress_token_ids=vision_token_ids(processor))
-    return max(float((lp[i, : len(c.logprobs)] - torch.as_tensor(c.logprobs)).abs().max())
+    return max(float((lp[i, : len(c.logprobs)] - torch.from_numpy(np.array(c.logprobs))).abs().max())
                for i, c in enumerate(group.completions))
 
 
