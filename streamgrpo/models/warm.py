@@ -1,9 +1,11 @@
 """Format warm start for the tiny demo model (``streamgrpo model tiny --warm-format``).
 
-A short supervised pass on demo prompts whose targets are ``<answer>X</answer>`` with X drawn
-uniformly at random from the question's options: afterwards the model writes the answer format
-almost always but has learnt nothing about which option is right (sampled accuracy stays at chance),
-so any accuracy GRPO reaches later is GRPO's doing.
+A short supervised pass on demo prompts with targets ``<answer>X</answer><|im_end|>``: the format
+tokens get the usual cross-entropy, the option letter X a *soft* target (the mean log-prob of every
+option of the question; the letter fed in is drawn at random). Afterwards the model writes the
+answer format almost always but has learnt nothing about which option is right (sampled accuracy
+stays at chance), so any accuracy GRPO reaches later is GRPO's doing. Random hard letters instead
+taught the model to ignore the video, and GRPO then stalled (measured; see the README).
 """
 
 from __future__ import annotations
