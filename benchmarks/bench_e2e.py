@@ -95,6 +95,8 @@ def run_trl(run_dir: Path, model: Path, data: Path, steps: int, cap_s: float, th
         tail = (run_dir / "trl.log").read_text(errors="replace")[-2000:]
         print(f"# trl: no training steps recorded (exit {proc.returncode}); trl.log ends:\n{tail}", flush=True)
     stats = summarise_rows(rows)
+    # a TRL step generates and then trains: its time per group is both (not comparable with T)
+    stats["step_s_per_group"] = stats.pop("train_s_per_group")
     stats.update({"wall_s": time.time() - t0, "capped": capped, "returncode": proc.returncode,
                   "gen_s_per_group": None})
     return stats
