@@ -38,25 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, make_group, write_result  # noqa: E402
 from streamgrpo.transport.queue import RedisQueue  # noqa: E402
 from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version  # noqa: E402
-from streamgrpo.wire import Completion, ScoredGroup, Visual, decode, encode  # noqa: E402
-
-
-def make_group(mb: float, seed: int = 0) -> ScoredGroup:
-    rng = np.random.default_rng(seed)
-    frame = 112 * 112 * 3
-    t = max(1, round(mb * 1e6 / frame))
-    completions = [
-        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), rng.standard_normal(256).astype(np.float32),
-                   "<think>...</think> <answer>B</answer>", "stop", {"format": 1.0, "accuracy": 1.0}, 1.0)
-        for _ in range(8)
-    ]
-    visuals = [Visual("video", rng.integers(0, 256, (t, 112, 112, 3), dtype=np.uint8), 2.0, np.arange(t, dtype=np.int32))]
-    return ScoredGroup("bench", "gen-0", 0, "bench", np.arange(300, dtype=np.int32), visuals, "B", completions)
+from streamgrpo.wire import ScoredGroup, decode, encode  # noqa: E402
 
 
 def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple[int, float]:

@@ -33,22 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
-from streamgrpo.wire import Completion, ScoredGroup, Visual, decode, encode, encode_parts  # noqa: E402
-
-
-def make_group(mb: float, seed: int = 0) -> ScoredGroup:
-    """A group whose message is about ``mb`` MB (frames dominate)."""
-    rng = np.random.default_rng(seed)
-    frame = 112 * 112 * 3
-    t = max(1, round(mb * 1e6 / frame))
-    completions = [
-        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), rng.standard_normal(256).astype(np.float32),
-                   "<answer>(B) green</answer>", "stop", {"accuracy": 1.0}, 1.0)
-        for _ in range(8)
-    ]
-    visuals = [Visual("video", rng.integers(0, 256, (t, 112, 112, 3), dtype=np.uint8), 2.0, np.arange(t, dtype=np.int32))]
-    return ScoredGroup("bench", "gen-0", 0, "bench", np.arange(300, dtype=np.int32), visuals, "(B) green", completions)
+from benchmarks.common import emit, figure, machine_info, make_group, write_result  # noqa: E402
+from streamgrpo.wire import decode, encode, encode_parts  # noqa: E402
 
 
 def _best_time(fn, min_s: float) -> float:

@@ -251,3 +251,21 @@ def build_table(docs: Iterable[Mapping[str, Any]], style: str = "text") -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
 
     return "\n".join([line(TABLE_HEADER), line(["-" * w for w in widths])] + [line(r) for r in rows] + errors)
+
+
+def make_group(mb: float, seed: int = 0):
+    """A ScoredGroup whose message is about ``mb`` MB (frames dominate); for the wire/queue benches."""
+    import numpy as np
+
+    from streamgrpo.wire import Completion, ScoredGroup, Visual
+
+    rng = np.random.default_rng(seed)
+    frame = 112 * 112 * 3
+    t = max(1, round(mb * 1e6 / frame))
+    completions = [
+        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), rng.standard_normal(256).astype(np.float32),
+                   "<answer>(B) green</answer>", "stop", {"accuracy": 1.0}, 1.0)
+        for _ in range(8)
+    ]
+    visuals = [Visual("video", rng.integers(0, 256, (t, 112, 112, 3), dtype=np.uint8), 2.0, np.arange(t, dtype=np.int32))]
+    return ScoredGroup("bench", "gen-0", 0, "bench", np.arange(300, dtype=np.int32), visuals, "(B) green", completions)
