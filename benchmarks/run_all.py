@@ -5,13 +5,11 @@ Each script runs in its own process (``OMP_NUM_THREADS=1``), prints its
 this script then reads every ``benchmarks/results/*.json`` and prints the table (and writes it as
 Markdown to ``benchmarks/results/table.md``).
 
-Budget (``make bench``, the default; about 25-30 minutes on 2 cores): the microbenchmarks at
-reduced sizes/repeats; ``bench_e2e --steps 100`` (800 groups per run, each run capped at 300 s);
-``bench_staleness --quick`` (k in {0, 4}, both losses, 100 steps, each run capped at 240 s). At 100
-steps the demo is still on its ~0.65 accuracy plateau (on this machine the 50-group mean reached 0.9
-after ~180 steps), so the budget run measures throughput and early learning; time to 0.9 shows
-``-``. ``--full`` runs the scripts' own defaults (bench_e2e 250 steps per run, the staleness study
-over k in {0, 1, 2, 4, 8} at 150 steps): about 1.5-2 hours on 2 cores.
+Budget (``make bench``, the default; about 25 minutes on 2 cores, setup excluded): the
+microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_e2e`` at its default 100 steps (800
+groups per run; async, sync, TRL: ~10 minutes); ``bench_staleness`` at its default (k in {0, 1, 2,
+4, 8} x clipped/naive, 100 steps, two lockstep runs at a time: ~10 minutes). ``--full`` runs the
+microbenchmarks at their own defaults and the two loop benchmarks at 200 steps (about an hour).
 
     .venv/bin/python benchmarks/run_all.py [--full] [--only e2e,wire] [--skip staleness] [--table-only]
 """
@@ -37,8 +35,8 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "queue": ("bench_queue.py", ["--rounds", "3", "--seconds", "1.0"], [], 600),
     "weights": ("bench_weights.py", ["--mib", "64", "--repeats", "3"], [], 600),
     "learner": ("bench_learner.py", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
-    "e2e": ("bench_e2e.py", ["--steps", "100", "--cap-s", "300"], [], 1200),
-    "staleness": ("bench_staleness.py", ["--quick"], [], 1500),
+    "e2e": ("bench_e2e.py", [], ["--steps", "200", "--cap-s", "1200"], 1500),
+    "staleness": ("bench_staleness.py", [], ["--steps", "200"], 1200),
 }
 
 

@@ -256,6 +256,10 @@ class LearnerConfig(_Section):
     """Split a step's groups into micro-batches of at most this many tokens (gradient accumulation)."""
     learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
     """Peak AdamW learning rate."""
+    vision_lr: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Peak learning rate of the vision tower (``model.visual.*`` without the merger); null = learning_rate. Like qwen-vl-finetune's ``vision_tower_lr``."""
+    merger_lr: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Peak learning rate of the vision-language merger (``model.visual.merger``); null = learning_rate. Like qwen-vl-finetune's ``mm_projector_lr``."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     """AdamW weight decay."""
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -371,6 +375,17 @@ class Config(BaseModel):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    def advice(self) -> list[str]:
+        """Settings that are valid but work against each other: one line each, for a startup warning."""
+        out = []
+        if not self.rollout.sync and self.queue.max_pending <= self.learner.groups_per_step:
+            out.append(
+                f"queue.max_pending ({self.queue.max_pending}) <= learner.groups_per_step "
+                f"({self.learner.groups_per_step}): the groups of a step stay pending until it ends, so generators "
+                f"wait while the learner trains (no overlap); {2 * self.learner.groups_per_step} lets them "
+                "sample the next step's groups meanwhile (staleness ~1)")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -72,6 +72,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     setup_torch_threads()
     torch.manual_seed(cfg.seed)
     ckpt_root = run_dir / "checkpoints"
+    for line in cfg.advice() if main else []:
+        log.warning("config: %s", line)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)

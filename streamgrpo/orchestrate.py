@@ -221,6 +221,8 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
                                   rd / "logs" / f"generator-{k}.log", env))
         write_json(rd / "processes.json", {c.name: c.pid for c in children})
         print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+        for line in cfg.advice():
+            print(f"note: {line}", flush=True)
         learner = children[0]
         tty = sys.stdout.isatty()
         last_print = 0.0

@@ -40,7 +40,7 @@ DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_OPTIONS = "(A) left (B) right (C) up (D) down"
 BACKGROUND = 128
 DEMO_FPS = 4
-SQUARE = 14  # pixels at size=56 (a quarter of the side)
+SQUARE = 28  # pixels at size=56: half the side (at 14 px the tiny model needed ~2x the steps to tell red from green)
 KINDS = ("colour", "direction", "numeric", "multi_video")
 KIND_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 N_STARTS = 12

@@ -76,3 +76,30 @@ def test_everything_frozen_is_an_error(arch_groups, tmp_path):
 
     with pytest.raises(ValueError, match="no trainable parameters"):
         Learner(_cfg(arch_groups["qwen2_5_vl"][0], tmp_path, False, False, False))
+
+
+def test_per_module_learning_rates(tiny_model_dir, tmp_path):
+    """learner.vision_lr / merger_lr give the vision tower and the merger their own AdamW groups;
+    unset, one group at learning_rate; a peft-prefixed or unknown name falls back to learning_rate."""
+    from streamgrpo.config import load_config
+    from streamgrpo.models.loading import load_model
+    from streamgrpo.training import make_optimizer, param_groups
+
+    base = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",
+                               "learner.learning_rate=1e-4", "learner.vision_lr=3e-3", "learner.merger_lr=2e-3"])
+    model = load_model(cfg.model, "cpu", dtype="float32", trainable=True)
+    opt, sched = make_optimizer(model, cfg)
+    by_name = {g["name"]: g for g in opt.param_groups}
+    assert {n: g["lr"] for n, g in by_name.items()} == {"llm": 1e-4, "mlp": 2e-3, "vision": 3e-3}
+    ids = {n: {id(p) for p in g["params"]} for n, g in by_name.items()}
+    for name, p in model.named_parameters():
+        assert id(p) in ids[parameter_group(name)], name
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert sched.get_last_lr()[0] == pytest.approx(1e-4)
+    one, _ = make_optimizer(model, base)
+    assert len(one.param_groups) == 1 and one.param_groups[0]["lr"] == base.learner.learning_rate
+    p = torch.nn.Parameter(torch.zeros(1))
+    groups = param_groups([("base_model.model.model.visual.blocks.0.attn.qkv.lora_A.default.weight", p),
+                           ("some.adapter", p)], cfg.learner)
+    assert [(g["name"], g["lr"], len(g["params"])) for g in groups] == [("llm", 1e-4, 1), ("vision", 3e-3, 1)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streamgrpo.config import DataConfig
-from streamgrpo.data.demo import left_half_percent, make_demo, render, trajectory
+from streamgrpo.data.demo import SQUARE, left_half_percent, make_demo, render, trajectory
 from streamgrpo.data.records import DataError, ground_truth, load_records, parse_record, read_records
 from streamgrpo.metrics import ERRORS
 
@@ -190,7 +190,7 @@ def test_demo_clip_geometry():
     frames = render("green", "right", 0)
     assert frames.shape == (8, 56, 56, 3) and frames.dtype == np.uint8
     ys, xs = np.nonzero(frames[0, :, :, 1] == 180)
-    assert (ys.max() - ys.min() + 1, xs.max() - xs.min() + 1) == (14, 14) and xs.min() == 0
+    assert (ys.max() - ys.min() + 1, xs.max() - xs.min() + 1) == (SQUARE, SQUARE) == (28, 28) and xs.min() == 0
     assert np.nonzero(frames[-1, :, :, 1] == 180)[1].max() == 55  # moved across to the right edge
     assert [y for y, _x in trajectory("down", 5)] == sorted(y for y, _x in trajectory("down", 5))
     assert left_half_percent("right", 0) == 50.0 and left_half_percent("left", 0) == 50.0

@@ -1,0 +1,150 @@
+"""The demo's GRPO loop in one process, with an exact, forced policy lag: the staleness study's driver.
+
+Every optimizer step ``v`` trains on ``learner.groups_per_step`` groups sampled by policy version
+``max(0, v - k)`` (the learner's weights of ``k`` steps ago), so every group of the run is exactly
+``k`` steps stale (after the first ``k`` steps). The parts are the real ones a generator and the
+learner use: the demo records and mp4 clips, the chat prompt and processor, :class:`HFEngine` sampling
+with behaviour log-probs, :class:`RewardSet`, :class:`ScoredGroup`, and ``Learner.train_step`` with the
+configured loss. Only the Redis queue and the ZeroMQ weight broadcast are left out: the sampler gets
+``learner.policy_tensors()`` of version ``v - k`` directly, from a ring of the last ``k + 1`` versions.
+
+Why not the real ``streamgrpo up`` with ``rollout.weight_apply_delay=k``: there the lag is k plus
+whatever the queue holds (k+0.5 on average, varying with timing), and two processes share the two
+cores, so one run costs the whole machine. Here the lag is exact, the run is deterministic for a seed
+and one run uses one core, so two runs go side by side.
+
+Writes ``metrics.jsonl`` rows of the shape ``streamgrpo up`` writes (``step``, ``time``,
+``group_accuracy``, ``seconds``, ``groups_trained``, ``staleness_mean``), so
+:mod:`benchmarks.loop_runs` scores both the same way.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lockstep.py --run-dir D --model M --data train.jsonl \\
+        --lag 4 --steps 60 [--set loss.ratio_mode=current ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def lagged_version(step: int, lag: int) -> int:
+    """The policy version that samples the groups of optimizer step ``step`` (1-based) under ``lag``."""
+    return max(0, step - 1 - lag)
+
+
+def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: list[str], seed: int = 0) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from streamgrpo.config import load_config
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.prompts import build_prompt_text, processor_inputs
+    from streamgrpo.data.records import load_records
+    from streamgrpo.engines.base import PromptRequest, SamplingParams
+    from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.models.loading import load_model
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.training import Accepted, Learner
+    from streamgrpo.wire import Completion, ScoredGroup
+
+    torch.set_num_threads(1)
+    cfg = load_config("demo", [f"model.name_or_path={model}", "model.tiny_if_missing=false",
+                               f"data.train_path={data}", "data.make_demo_if_missing=false", f"seed={seed}",
+                               f"run_dir={run_dir}", *sets])
+    torch.manual_seed(seed)
+    learner = Learner(cfg)
+    processor = learner.processor
+    engine = HFEngine(load_model(cfg.model, "cpu"), processor)
+    vp = processor.video_processor
+    records = load_records(cfg.data.train_path, cfg.data)
+    if cfg.data.kinds:
+        records = [r for r in records if r.kind in cfg.data.kinds]
+    samples = iter_samples(records, cfg.data, shard=0, num_shards=1, seed=seed, epochs=None,
+                           factor=vp.patch_size * vp.merge_size, temporal_patch=vp.temporal_patch_size)
+    rewards = RewardSet(cfg)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    history: collections.deque = collections.deque(maxlen=lag + 1)  # (version, tensors) of the last lag+1 versions
+    history.append((0, {k: v.clone() for k, v in learner.policy_tensors().items()}))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = open(run_dir / "metrics.jsonl", "w")
+    gps, ppb = cfg.learner.groups_per_step, cfg.rollout.prompts_per_batch
+    t_start = time.time()
+    gen_total = train_total = 0.0
+    trained = 0
+    for step in range(1, steps + 1):
+        want = lagged_version(step, lag)
+        version, tensors = next((v, t) for v, t in history if v == want)
+        if engine.version != version or step == 1:
+            engine.load_weights(version, tensors)
+        t0 = time.perf_counter()
+        groups = []
+        while len(groups) < gps:
+            chunk = list(itertools.islice(samples, min(ppb, gps - len(groups))))
+            reqs = []
+            for record, visuals in chunk:
+                text = build_prompt_text(processor, record, cfg.data)
+                reqs.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
+            for (record, visuals), req, outs in zip(chunk, reqs, engine.generate(reqs, sampling)):
+                scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id,
+                                       fields={"question": record.question, "kind": record.kind})
+                groups.append(ScoredGroup(
+                    prompt_id=record.id, generator_id="lockstep", policy_version=version,
+                    model_id=str(model), prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32),
+                    visuals=visuals, answer=record.answer, prompt_text=req.prompt_text,
+                    meta={"kind": record.kind, "temperature": sampling.temperature},
+                    completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
+                                            float(scored.totals[i])) for i, c in enumerate(outs)]))
+        gen_s = time.perf_counter() - t0
+        batch = [Accepted(g.group_id, g, processor_inputs(processor, g.prompt_text, g.visuals), step - 1 - version)
+                 for g in groups]
+        t1 = time.perf_counter()
+        result = learner.train_step(batch)
+        train_s = time.perf_counter() - t1
+        gen_total, train_total, trained = gen_total + gen_s, train_total + train_s, trained + len(groups)
+        learner.state.step = step
+        history.append((step, {k: v.clone() for k, v in learner.policy_tensors().items()}))
+        acc = [float(np.mean([c.rewards.get("accuracy", c.reward) for c in g.completions])) for g in groups]
+        row = {"step": step, "time": time.time(), "group_accuracy": acc, "answers": [g.answer for g in groups], "seconds": train_s, "generate_s": gen_s,
+               "groups_trained": trained, "staleness_mean": float(step - 1 - version),
+               "loss": None if result is None else result["loss"], "kl": None if result is None else result.get("kl"),
+               "skipped": result is None}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        if step % 10 == 0 or step == steps:
+            recent = [a for line in open(run_dir / "metrics.jsonl") for a in json.loads(line)["group_accuracy"]][-40:]
+            print(f"[{run_dir.name}] step {step}/{steps} lag {step - 1 - version} accuracy(last 40 groups) "
+                  f"{sum(recent) / len(recent):.3f}  {time.time() - t_start:.0f}s", flush=True)
+    out.close()
+    summary = {"steps": steps, "lag": lag, "wall_s": time.time() - t_start, "generate_s": gen_total,
+               "train_s": train_total, "groups_trained": trained}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--lag", type=int, default=0, help="forced staleness k: groups of step v come from policy v-1-k")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override, e.g. learner.learning_rate=1e-3")
+    args = ap.parse_args(argv)
+    if args.lag < 0 or args.steps < 1:
+        ap.error("--lag must be >= 0 and --steps >= 1")
+    run(args.run_dir, args.model, args.data, lag=args.lag, steps=args.steps, sets=args.sets, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
