@@ -69,10 +69,14 @@ def run_sets(k: int, loss: str, steps: int, driver: str = "lockstep", extra: Seq
     return sets
 
 
-def lockstep_jobs(keys: list[tuple[int, str]], steps: int, parallel: int, cap_s: float,
+def run_key(k: int, loss: str, seed: int) -> str:
+    return f"k{k}_{loss}_s{seed}"
+
+
+def lockstep_jobs(keys: list[tuple[int, str, int]], steps: int, parallel: int, cap_s: float,
                   model: Path, train: Path, extra: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Run :mod:`benchmarks.lockstep` for every (k, loss), ``parallel`` processes at a time (one
-    torch thread each); returns ``{key: {"rows", "wall_s", "capped"}}``."""
+    """Run :mod:`benchmarks.lockstep` for every (k, loss, seed), ``parallel`` processes at a time (one
+    torch thread each); returns ``{run_key: {"rows", "wall_s", "capped"}}``."""
     import shutil
     import subprocess
     import time
@@ -82,19 +86,19 @@ def lockstep_jobs(keys: list[tuple[int, str]], steps: int, parallel: int, cap_s:
     done: dict[str, dict[str, Any]] = {}
     while todo or running:
         while todo and len(running) < parallel:
-            k, loss = todo.pop(0)
-            key = f"k{k}_{loss}"
+            k, loss, seed = todo.pop(0)
+            key = run_key(k, loss, seed)
             run_dir = WORK / f"staleness_{key}"
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
             argv = [sys.executable, str(ROOT / "benchmarks" / "lockstep.py"), "--run-dir", str(run_dir),
                     "--model", str(copy_model(model, run_dir)), "--data", str(train), "--lag", str(k),
-                    "--steps", str(steps)]
+                    "--steps", str(steps), "--seed", str(seed)]
             for s in run_sets(k, loss, steps, extra=extra):
                 argv += ["--set", s]
             log = open(run_dir / "lockstep.log", "wb")
-            print(f"# running {key}: lockstep, {steps} steps, lag {k}", flush=True)
+            print(f"# running {key}: lockstep, {steps} steps, lag {k}, seed {seed}", flush=True)
             running[key] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(1), cwd=ROOT),
                             time.time(), run_dir)
         time.sleep(0.5)
@@ -126,19 +130,58 @@ def moving_accuracy(rows: list[dict[str, Any]], window: int = WINDOW_GROUPS) -> 
     return steps, means
 
 
+def aggregate(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per (k, loss) over its seeds (pure): mean / min / max final accuracy, median steps to the target
+    over the seeds that reached it, how many did, mean staleness, groups per run, drops summed."""
+    import statistics
+
+    by: dict[str, list[dict[str, Any]]] = {}
+    for key, r in runs.items():
+        by.setdefault(key.rsplit("_s", 1)[0], []).append(r)
+    out = {}
+    for key, rs in by.items():
+        finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+        hits = [r["steps_to_target"] for r in rs if r.get("steps_to_target") is not None]
+        stale = [r["staleness_mean"] for r in rs if r.get("staleness_mean") is not None]
+        dropped: dict[str, int] = {}
+        for r in rs:
+            for reason, n in (r.get("groups_dropped") or {}).items():
+                dropped[reason] = dropped.get(reason, 0) + int(n)
+        out[key] = {"seeds": len(rs), "final_accuracy": statistics.mean(finals) if finals else None,
+                    "final_accuracy_min": min(finals) if finals else None,
+                    "final_accuracy_max": max(finals) if finals else None,
+                    "steps_to_target": statistics.median(hits) if hits else None, "reached": len(hits),
+                    "staleness_mean": statistics.mean(stale) if stale else None,
+                    "groups_trained": max((r.get("groups_trained") or 0) for r in rs), "groups_dropped": dropped}
+    return out
+
+
 def staleness_table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown table: k | loss | final accuracy | steps to 0.9 | mean staleness | groups | dropped."""
-    lines = ["| k | loss | final accuracy | steps to 0.9 | mean staleness | groups trained | dropped |",
-             "|---:|---|---:|---:|---:|---:|---|"]
+    """Markdown table, one row per (k, loss): final accuracy (mean over seeds, with the range when
+    there are several), steps to 0.9 (median of the seeds that got there) and how many did."""
+    lines = ["| k | loss | final accuracy | steps to 0.9 | reached 0.9 | mean staleness | groups per run | dropped |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
     for key in sorted(results, key=lambda s: (int(s.split("_")[0][1:]), s.split("_", 1)[1])):
         r = results[key]
         k, loss = key.split("_", 1)
-        fa = r.get("final_accuracy")
-        st = r.get("staleness_mean")
-        lines.append(f"| {k[1:]} | {loss} | {'-' if fa is None else f'{fa:.3f}'} | "
-                     f"{r.get('steps_to_target') or '-'} | {'-' if st is None else f'{st:.2f}'} | "
-                     f"{r.get('groups_trained', 0)} | {json.dumps(r.get('groups_dropped') or {})} |")
+        fa, lo, hi = r.get("final_accuracy"), r.get("final_accuracy_min"), r.get("final_accuracy_max")
+        acc = "-" if fa is None else f"{fa:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if r.get("seeds", 1) > 1 else "")
+        st, hit = r.get("staleness_mean"), r.get("steps_to_target")
+        lines.append(f"| {k[1:]} | {loss} | {acc} | {'-' if hit is None else f'{hit:g}'} | "
+                     f"{r.get('reached', 0 if hit is None else 1)}/{r.get('seeds', 1)} | "
+                     f"{'-' if st is None else f'{st:.2f}'} | {r.get('groups_trained', 0)} | "
+                     f"{json.dumps(r.get('groups_dropped') or {})} |")
     return "\n".join(lines)
+
+
+def mean_curve(curves: list[tuple[list[int], list[float]]]) -> tuple[list[int], list[float]]:
+    """Pointwise mean of moving-accuracy curves over the steps all of them have (pure)."""
+    curves = [c for c in curves if c[0]]
+    if not curves:
+        return [], []
+    common = sorted(set.intersection(*(set(steps) for steps, _ in curves)))
+    maps = [dict(zip(steps, means)) for steps, means in curves]
+    return common, [sum(m[s] for m in maps) / len(maps) for s in common]
 
 
 def plot(curves: dict[str, tuple[list[int], list[float]]], results: dict[str, dict[str, Any]], out: Path) -> Path:
@@ -148,6 +191,8 @@ def plot(curves: dict[str, tuple[list[int], list[float]]], results: dict[str, di
     import matplotlib.pyplot as plt
 
     ks = sorted({int(key.split("_")[0][1:]) for key in curves})
+    n_seeds = max((r.get("seeds", 1) for r in results.values()), default=1)
+    seeds_note = f", mean of {n_seeds} seeds" if n_seeds > 1 else ""
     cmap = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, loss in zip(axes[:2], LOSSES):
@@ -158,7 +203,7 @@ def plot(curves: dict[str, tuple[list[int], list[float]]], results: dict[str, di
         ax.axhline(TARGET_ACCURACY, color="grey", ls="--", lw=0.8)
         ax.set_title(f"{loss} loss (ratio_mode={LOSSES[loss]})")
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"accuracy, mean of last {WINDOW_GROUPS} groups")
+        ax.set_ylabel(f"accuracy, mean of last {WINDOW_GROUPS} groups{seeds_note}")
         ax.set_ylim(0, 1.02)
         ax.legend(loc="lower right")
     ax = axes[2]
@@ -166,7 +211,7 @@ def plot(curves: dict[str, tuple[list[int], list[float]]], results: dict[str, di
         xs = [k for k in ks if results.get(f"k{k}_{loss}", {}).get("final_accuracy") is not None]
         ax.plot(xs, [results[f"k{k}_{loss}"]["final_accuracy"] for k in xs], marker=marker, label=loss)
     ax.set_xlabel("forced staleness k (policy versions)")
-    ax.set_ylabel(f"final accuracy (last {WINDOW_GROUPS} groups)")
+    ax.set_ylabel(f"final accuracy (last {WINDOW_GROUPS} groups){seeds_note}")
     ax.set_ylim(0, 1.02)
     ax.legend()
     ax.set_title("final accuracy vs staleness")
@@ -186,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="lockstep runs at a time (one core each)")
     ap.add_argument("--cap-s", type=float, default=900.0, help="wall-clock cap per run")
     ap.add_argument("--losses", default="clipped,naive")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds: each (k, loss) runs once per seed")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     ap.add_argument("--plot", default=str(RESULTS_DIR / "staleness.png"))
     ap.add_argument("--out", default=None)
@@ -196,25 +242,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--losses: unknown {sorted(set(losses) - set(LOSSES))}; known: {list(LOSSES)}")
     if any(k < 0 for k in ks) or args.steps < 1 or args.parallel < 1:
         ap.error("--ks must be >= 0, --steps and --parallel >= 1")
+    seeds = [int(x) for x in args.seeds.split(",") if x != ""]
     paths = prepare_assets(WORK)
-    keys = [(k, loss) for k in ks for loss in losses]
-    results: dict[str, dict[str, Any]] = {}
-    curves: dict[str, tuple[list[int], list[float]]] = {}
+    keys = [(k, loss, seed) for seed in seeds for k in ks for loss in losses]
+    runs: dict[str, dict[str, Any]] = {}
+    run_curves: dict[str, tuple[list[int], list[float]]] = {}
     if args.driver == "lockstep":
         for key, r in lockstep_jobs(keys, args.steps, args.parallel, args.cap_s, paths["model"],
                                     paths["train"], args.set).items():
-            results[key] = {**summarise_rows(r["rows"]), "wall_s": r["wall_s"], "capped": r["capped"]}
-            curves[key] = moving_accuracy(r["rows"])
+            runs[key] = {**summarise_rows(r["rows"]), "wall_s": r["wall_s"], "capped": r["capped"]}
+            run_curves[key] = moving_accuracy(r["rows"])
     else:
-        for k, loss in keys:
-            key = f"k{k}_{loss}"
+        for k, loss, seed in keys:
+            key = run_key(k, loss, seed)
             print(f"# running {key}: up, {args.steps} steps, cap {args.cap_s:.0f}s", flush=True)
             run = run_up(key, WORK / f"staleness_{key}", model=paths["model"], train=paths["train"],
-                         sets=run_sets(k, loss, args.steps, "up", args.set), generators=1, cap_s=args.cap_s)
-            results[key] = run.stats
-            curves[key] = moving_accuracy(run.rows)
-    for key in sorted(results):
-        st = results[key]
+                         sets=[*run_sets(k, loss, args.steps, "up", args.set), f"seed={seed}"], generators=1,
+                         cap_s=args.cap_s)
+            runs[key] = run.stats
+            run_curves[key] = moving_accuracy(run.rows)
+    results = aggregate(runs)
+    curves = {key: mean_curve([c for rk, c in run_curves.items() if rk.rsplit("_s", 1)[0] == key]) for key in results}
+    for key in sorted(runs):
+        st = runs[key]
         fa, sm = st.get("final_accuracy"), st.get("staleness_mean")
         print(f"#   {key}: final accuracy {fa if fa is None else round(fa, 3)}, steps to 0.9 "
               f"{st.get('steps_to_target')}, staleness {sm if sm is None else round(sm, 2)}, "
@@ -226,14 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         figures.append(emit(figure(f"staleness_k{k}_final_accuracy", c.get("final_accuracy"),
                                    n.get("final_accuracy"), unit="acc", note="value: clipped IS loss, baseline: naive")))
         figures.append(emit(figure(f"staleness_k{k}_steps_to_0.9", c.get("steps_to_target"), n.get("steps_to_target"),
-                                   unit="steps", note="lower is better; - = not reached in the run")))
+                                   unit="steps", note="lower is better; median over the seeds that reached 0.9; - = none did")))
     table = staleness_table(results)
     print(table)
     png = plot(curves, results, Path(args.plot))
     print(f"# plot: {png}")
     write_result("bench_staleness", figures, machine_info(torch_threads_per_process=1),
-                 {**vars(args), "ks": ks},
-                 {"runs": results, "curves": {k: {"step": s, "accuracy": m} for k, (s, m) in curves.items()},
+                 {**vars(args), "ks": ks, "seeds": seeds},
+                 {"results": results, "runs": runs, "curves": {k: {"step": s, "accuracy": m} for k, (s, m) in curves.items()},
                   "table_markdown": table, "plot": str(png)}, args.out)
     return 0
 

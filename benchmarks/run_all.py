@@ -9,7 +9,8 @@ Budget (``make bench``, the default; about 25 minutes on 2 cores, setup excluded
 microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_e2e`` at its default 100 steps (800
 groups per run; async, sync, TRL: ~10 minutes); ``bench_staleness`` at its default (k in {0, 1, 2,
 4, 8} x clipped/naive, 100 steps, two lockstep runs at a time: ~10 minutes). ``--full`` runs the
-microbenchmarks at their own defaults and the two loop benchmarks at 200 steps (about an hour).
+microbenchmarks at their own defaults, ``bench_e2e`` at 200 steps and the staleness study over three
+seeds (about an hour).
 
     .venv/bin/python benchmarks/run_all.py [--full] [--only e2e,wire] [--skip staleness] [--table-only]
 """
@@ -36,7 +37,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "weights": ("bench_weights.py", ["--mib", "64", "--repeats", "3"], [], 600),
     "learner": ("bench_learner.py", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
     "e2e": ("bench_e2e.py", [], ["--steps", "200", "--cap-s", "1200"], 1500),
-    "staleness": ("bench_staleness.py", [], ["--steps", "200"], 1200),
+    "staleness": ("bench_staleness.py", [], ["--seeds", "0,1,2"], 1200),
 }
 
 

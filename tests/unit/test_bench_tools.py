@@ -230,6 +230,25 @@ def test_staleness_table_and_overrides():
     assert steps == [2, 3, 4, 5] and means == [1.0] * 4
 
 
+def test_staleness_seeds_aggregate():
+    from benchmarks.bench_staleness import aggregate, mean_curve, run_key, staleness_table
+
+    runs = {run_key(4, "clipped", 0): {"final_accuracy": 0.9, "steps_to_target": 60, "staleness_mean": 3.9,
+                                       "groups_trained": 800, "groups_dropped": {"stale": 1}},
+            run_key(4, "clipped", 1): {"final_accuracy": 0.7, "steps_to_target": None, "staleness_mean": 3.9,
+                                       "groups_trained": 800, "groups_dropped": {"stale": 2}},
+            run_key(4, "clipped", 2): {"final_accuracy": 0.8, "steps_to_target": 80, "staleness_mean": 3.9,
+                                       "groups_trained": 800, "groups_dropped": {}}}
+    agg = aggregate(runs)
+    assert list(agg) == ["k4_clipped"]
+    r = agg["k4_clipped"]
+    assert (r["seeds"], r["reached"], r["steps_to_target"], r["groups_dropped"]) == (3, 2, 70, {"stale": 3})
+    assert (r["final_accuracy"], r["final_accuracy_min"], r["final_accuracy_max"]) == pytest.approx((0.8, 0.7, 0.9))
+    assert staleness_table(agg).splitlines()[2] == "| 4 | clipped | 0.800 (0.70-0.90) | 70 | 2/3 | 3.90 | 800 | {\"stale\": 3} |"
+    assert mean_curve([([1, 2, 3], [0.2, 0.4, 0.6]), ([2, 3], [0.6, 1.0]), ([], [])]) == ([2, 3], pytest.approx([0.5, 0.8]))
+    assert mean_curve([]) == ([], [])
+
+
 def test_run_all_plan():
     from benchmarks.run_all import SCRIPTS, plan
 
