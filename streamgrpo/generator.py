@@ -32,7 +32,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.models.loading import load_model, load_processor, resolve_device
     from streamgrpo.rewards import RewardSet
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue import QueueStopped, RedisQueue
     from streamgrpo.transport.weights import WeightSubscriber
     from streamgrpo.wire import Completion, ScoredGroup
 
@@ -67,7 +67,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     if not records:
         raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
     rewards = RewardSet(cfg)
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
     weights = WeightSubscriber.from_config(cfg.weights, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None)
     sampling = SamplingParams.from_config(cfg.rollout)
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
@@ -156,6 +156,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                              "reward": float(np.mean(scored.totals)), "t": time.time(),
                              "put_s": round(time.perf_counter() - t_put, 4)})
             log.debug("%s: %d groups at v%d in %.2fs", name, len(chunk), version, gen_s)
+    except QueueStopped as exc:  # SIGTERM during a Redis outage: the group being put is given up
+        log.warning("%s: %s; stopping", name, exc)
     finally:
         log.info("%s: stopping after %d groups", name, produced)
         weights.close()

@@ -61,7 +61,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     from streamgrpo.checkpoint import latest_checkpoint
     from streamgrpo.models.card import model_card
     from streamgrpo.tracking import Tracker, sample_rows
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue import QueueStopped, RedisQueue
     from streamgrpo.transport.weights import WeightPublisher
 
     stop = stop if stop is not None else StopFlag()
@@ -89,7 +89,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     state = learner.state
 
     # --- queue, weights, metrics, wandb --------------------------------------------------------
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}")
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     publisher = WeightPublisher.from_config(cfg.weights) if main else None
     if publisher is not None:
         write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
@@ -164,6 +164,9 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
                 checkpoint()
                 saved_step = state.step
         finished = True
+    except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
+        log.warning("%s; stopping", exc)
+        finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
             late = merge_summaries(gather_json(dist, {"drops": dict(drops)}))["drops"]

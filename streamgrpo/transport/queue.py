@@ -61,6 +61,10 @@ class QueueError(RuntimeError):
     """The queue cannot do its job (authentication, permissions, an outage longer than allowed, closed)."""
 
 
+class QueueStopped(QueueError):
+    """A stop was requested (``stop`` flag set, e.g. by SIGTERM) while Redis was unreachable."""
+
+
 class QueueFull(QueueError):
     """``put(..., timeout_s=...)`` waited that long under backpressure."""
 
@@ -125,6 +129,7 @@ class RedisQueue(GroupQueue):
         max_outage_s: float | None = None,
         backoff_s: tuple[float, float] = (0.05, 5.0),
         socket_timeout_s: float = 60.0,
+        stop: Any = None,
     ) -> None:
         self.url = url
         self.safe_url = safe_url(url)
@@ -136,6 +141,7 @@ class RedisQueue(GroupQueue):
         self.dedupe_ttl_s = float(dedupe_ttl_s)
         self.max_outage_s = max_outage_s
         self.backoff_s = backoff_s
+        self.stop = stop  # truthy when the process should stop (a StopFlag): ends outage retries early
         self.stream = f"{namespace}:groups"
         self.dead = f"{namespace}:dead"
         self.trained = f"{namespace}:trained"
@@ -200,10 +206,13 @@ class RedisQueue(GroupQueue):
                     since = self._outage_since
                 if first:
                     metrics.ERRORS.labels(kind="queue").inc()
-                    log.warning("redis at %s unavailable during %s (%s); retrying with backoff up to %.0fs",
+                    log.warning("redis at %s unavailable during %s (%s); retrying with backoff up to %gs",
                                 self.safe_url, what, exc, self.backoff_s[1])
                 if self.max_outage_s is not None and now - since > self.max_outage_s:
                     raise QueueError(f"redis at {self.safe_url} unavailable for {now - since:.0f}s: {exc}") from None
+                if self.stop:
+                    raise QueueStopped(f"stop requested while redis at {self.safe_url} was unavailable "
+                                       f"({now - since:.1f}s) during {what}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, self.backoff_s[1])
                 continue

