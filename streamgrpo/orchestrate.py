@@ -214,6 +214,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     code = 0
     interrupted = False
     queue = None
+    previous = _interrupt_on_signals()
     try:
         children.append(Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env))
         for k in range(cfg.rollout.num_generators):
@@ -254,16 +255,22 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
                 print("\nall generators have exited; stopping the learner", flush=True)
                 break
             time.sleep(status_every_s)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         interrupted = True
-        print("\nCtrl-C: stopping every process ...", flush=True)
+        name = str(exc) or "SIGINT"
+        code = 128 + int(getattr(signal, name, signal.SIGINT))
+        print(f"\n{'Ctrl-C' if name == 'SIGINT' else name}: stopping every process ...", flush=True)
     finally:
+        for sig in previous:  # the stopping below is not interrupted (Child.stop escalates to SIGKILL itself)
+            signal.signal(sig, signal.SIG_IGN)
         for c in reversed(children):  # generators first, the learner last (it checkpoints)
             c.stop()
         if queue is not None:
             queue.close()
         if redis is not None:
             redis.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     finished = time.time()
     offset = _read_metrics(metrics_path, offset, rows)
     summary = summarise(rows, started, finished)
@@ -276,7 +283,22 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
                                                        "time_to_target_s", "wall_seconds")}), flush=True)
     for p in outputs:
         print(f"  {p}")
-    return 130 if interrupted else code
+    return code
+
+
+def _interrupt_on_signals() -> dict[int, Any]:
+    """SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt (its message: the signal's name) in
+    ``up``, so either stops every child by PID, also when ``up`` was started where SIGINT is ignored
+    (a background job of a script). Returns the previous handlers; {} off the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _try_queue(cfg: Config, env: dict[str, str]):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -219,22 +220,32 @@ def _trained_in_redis(q, ids) -> list[str]:
     return [i for i, f in zip(ids, flags) if f]
 
 
-def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path):
+def _ignore_sigint() -> None:  # what a shell does to a background job (`cmd &` in a script)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
+    """Ctrl-C, also when `up` inherited an ignored SIGINT, and SIGTERM (docker stop, kill) both stop
+    every child and the embedded Redis, with a checkpoint and a summary."""
     run = tmp_path / "ctrlc"
     cfg = _config(demo_assets, run, **{"learner.max_steps": 10000})
     up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
-                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_ignore_sigint)
     try:
         _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= 1, 600, "the first step", [up])
         pids = json.loads((run / "processes.json").read_text())
         redis_pid = json.loads((run / "redis.json").read_text())["pid"]
         assert all(_pid_alive(p) for p in pids.values())
-        up.send_signal(signal.SIGINT)
+        up.send_signal(sig)
         out, _ = up.communicate(timeout=120)
     finally:
         if up.poll() is None:
             up.kill()
-    assert up.returncode == 130, out[-2000:]
+            for pid in json.loads((run / "processes.json").read_text()).values():  # no orphans on failure
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert up.returncode == code, out[-2000:]
     alive = {name: pid for name, pid in {**pids, "redis": redis_pid}.items() if _pid_alive(pid)}
     assert not alive, f"still running after Ctrl-C: {alive}"
     summary = json.loads((run / "summary.json").read_text())
