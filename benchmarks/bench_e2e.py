@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,13 +54,12 @@ from benchmarks.common import emit, figure, machine_info, safe_ratio, write_resu
 from benchmarks.loop_runs import (  # noqa: E402
     BENCH_STEPS,
     WORK,
-    bench_env,
-    copy_model,
+    fresh_run_dir,
     overlap_bound,
     prepare_assets,
     read_jsonl,
+    run_capped,
     run_up,
-    stop_by_pid,
     summarise_rows,
 )
 
@@ -70,34 +68,19 @@ RUNS = ("async", "sync", "trl")
 
 def run_trl(run_dir: Path, model: Path, data: Path, steps: int, cap_s: float, threads: int) -> dict[str, Any]:
     """``benchmarks/trl_run.py`` in a subprocess, capped; returns its stats (rows scored like ours)."""
-    import shutil
-
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    model_copy = copy_model(model, run_dir)
+    model_copy = fresh_run_dir(run_dir, model)
     argv = [sys.executable, str(ROOT / "benchmarks" / "trl_run.py"), "--run-dir", str(run_dir), "--model",
             str(model_copy), "--data", str(data), "--steps", str(steps), "--threads", str(threads)]
     t0 = time.time()
-    capped = False
-    with open(run_dir / "trl.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(threads), cwd=ROOT)
-        try:
-            proc.wait(cap_s)
-        except subprocess.TimeoutExpired:
-            capped = True
-            stop_by_pid(proc, grace_s=10.0)
-        except BaseException:
-            stop_by_pid(proc, grace_s=10.0)
-            raise
+    returncode, capped = run_capped(argv, run_dir / "trl.log", cap_s, threads=threads, grace_s=10.0)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if not rows:
         tail = (run_dir / "trl.log").read_text(errors="replace")[-2000:]
-        print(f"# trl: no training steps recorded (exit {proc.returncode}); trl.log ends:\n{tail}", flush=True)
+        print(f"# trl: no training steps recorded (exit {returncode}); trl.log ends:\n{tail}", flush=True)
     stats = summarise_rows(rows)
     # a TRL step generates and then trains: its time per group is both (not comparable with T)
     stats["step_s_per_group"] = stats.pop("train_s_per_group")
-    stats.update({"wall_s": time.time() - t0, "capped": capped, "returncode": proc.returncode,
+    stats.update({"wall_s": time.time() - t0, "capped": capped, "returncode": returncode,
                   "gen_s_per_group": None})
     return stats
 

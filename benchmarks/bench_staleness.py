@@ -49,7 +49,7 @@ from benchmarks.loop_runs import (  # noqa: E402
     WINDOW_GROUPS,
     WORK,
     bench_env,
-    copy_model,
+    fresh_run_dir,
     group_accuracies,
     prepare_assets,
     read_jsonl,
@@ -77,7 +77,6 @@ def lockstep_jobs(keys: list[tuple[int, str, int]], steps: int, parallel: int, c
                   model: Path, train: Path, extra: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Run :mod:`benchmarks.lockstep` for every (k, loss, seed), ``parallel`` processes at a time (one
     torch thread each); returns ``{run_key: {"rows", "wall_s", "capped"}}``."""
-    import shutil
     import subprocess
     import time
 
@@ -89,11 +88,8 @@ def lockstep_jobs(keys: list[tuple[int, str, int]], steps: int, parallel: int, c
             k, loss, seed = todo.pop(0)
             key = run_key(k, loss, seed)
             run_dir = WORK / f"staleness_{key}"
-            if run_dir.exists():
-                shutil.rmtree(run_dir)
-            run_dir.mkdir(parents=True)
             argv = [sys.executable, str(ROOT / "benchmarks" / "lockstep.py"), "--run-dir", str(run_dir),
-                    "--model", str(copy_model(model, run_dir)), "--data", str(train), "--lag", str(k),
+                    "--model", str(fresh_run_dir(run_dir, model)), "--data", str(train), "--lag", str(k),
                     "--steps", str(steps), "--seed", str(seed)]
             for s in run_sets(k, loss, steps, extra=extra):
                 argv += ["--set", s]

@@ -246,13 +246,36 @@ def stop_by_pid(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
             continue
 
 
-def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence[str] = (), sync: bool = False,
-           generators: int = 1, cap_s: float = 600.0, threads: int = 1) -> LoopRun:
-    """``streamgrpo up --config demo`` on a fresh copy of ``model``, capped at ``cap_s`` seconds."""
+def fresh_run_dir(run_dir: Path, model: Path) -> Path:
+    """Empty ``run_dir`` (removed first if it exists) holding a fresh copy of ``model``; returns the copy."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    model_copy = copy_model(model, run_dir)
+    return copy_model(model, run_dir)
+
+
+def run_capped(argv: Sequence[str], log_path: Path, cap_s: float, *, threads: int = 1,
+               grace_s: float = 90.0) -> tuple[int | None, bool]:
+    """Run ``argv`` with its output in ``log_path``; after ``cap_s`` seconds stop it by PID
+    (:func:`stop_by_pid`). Returns ``(returncode, capped)``."""
+    capped = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=bench_env(threads), cwd=ROOT)
+        try:
+            proc.wait(cap_s)
+        except subprocess.TimeoutExpired:
+            capped = True
+            stop_by_pid(proc, grace_s)
+        except BaseException:
+            stop_by_pid(proc, grace_s)
+            raise
+    return proc.returncode, capped
+
+
+def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence[str] = (), sync: bool = False,
+           generators: int = 1, cap_s: float = 600.0, threads: int = 1) -> LoopRun:
+    """``streamgrpo up --config demo`` on a fresh copy of ``model``, capped at ``cap_s`` seconds."""
+    model_copy = fresh_run_dir(run_dir, model)
     argv = [sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir),
             "--generators", str(generators)]
     if sync:
@@ -261,24 +284,14 @@ def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence
               "data.make_demo_if_missing=false", "learner.save_steps=100000", *sets]:
         argv += ["--set", s]
     t0 = time.time()
-    capped = False
-    with open(run_dir / "up.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(threads), cwd=ROOT)
-        try:
-            proc.wait(cap_s)
-        except subprocess.TimeoutExpired:
-            capped = True
-            stop_by_pid(proc)
-        except BaseException:
-            stop_by_pid(proc)
-            raise
+    returncode, capped = run_capped(argv, run_dir / "up.log", cap_s, threads=threads)
     wall = time.time() - t0
     summary = {}
     if (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "audit" / "generator-0.jsonl")
-    run = LoopRun(name, run_dir, rows, events, summary, wall, capped, proc.returncode)
+    run = LoopRun(name, run_dir, rows, events, summary, wall, capped, returncode)
     run.stats = summarise_rows(rows)
     run.stats["gen_s_per_group"] = generate_seconds_per_group(events)
     run.stats["wall_s"] = wall
@@ -286,5 +299,5 @@ def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence
     run.stats["groups_dropped"] = summary.get("groups_dropped")
     if not rows:
         tail = (run_dir / "up.log").read_text(errors="replace")[-2000:]
-        print(f"# {name}: no training steps recorded (exit {proc.returncode}); up.log ends:\n{tail}", flush=True)
+        print(f"# {name}: no training steps recorded (exit {returncode}); up.log ends:\n{tail}", flush=True)
     return run
