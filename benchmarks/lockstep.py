@@ -51,10 +51,10 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     from streamgrpo.data.records import load_records
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.generator import score_group
     from streamgrpo.models.loading import load_model
     from streamgrpo.rewards import RewardSet
     from streamgrpo.training import Accepted, Learner
-    from streamgrpo.wire import Completion, ScoredGroup
 
     torch.set_num_threads(1)
     cfg = load_config("demo", [f"model.name_or_path={model}", "model.tiny_if_missing=false",
@@ -80,6 +80,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     t_start = time.time()
     gen_total = train_total = 0.0
     trained = 0
+    recent: collections.deque = collections.deque(maxlen=40)  # accuracies of the last 40 groups, for the progress line
     for step in range(1, steps + 1):
         want = lagged_version(step, lag)
         version, tensors = next((v, t) for v, t in history if v == want)
@@ -94,15 +95,9 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
                 text = build_prompt_text(processor, record, cfg.data)
                 reqs.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
             for (record, visuals), req, outs in zip(chunk, reqs, engine.generate(reqs, sampling)):
-                scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id,
-                                       fields={"question": record.question, "kind": record.kind})
-                groups.append(ScoredGroup(
-                    prompt_id=record.id, generator_id="lockstep", policy_version=version,
-                    model_id=str(model), prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32),
-                    visuals=visuals, answer=record.answer, prompt_text=req.prompt_text,
-                    meta={"kind": record.kind, "temperature": sampling.temperature},
-                    completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
-                                            float(scored.totals[i])) for i, c in enumerate(outs)]))
+                groups.append(score_group(record, visuals, req, outs, rewards, version=version,
+                                          generator_id="lockstep", model_id=str(model),
+                                          temperature=sampling.temperature))
         gen_s = time.perf_counter() - t0
         batch = [Accepted(g.group_id, g, processor_inputs(processor, g.prompt_text, g.visuals), step - 1 - version)
                  for g in groups]
@@ -113,14 +108,15 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
         learner.state.step = step
         history.append((step, {k: v.clone() for k, v in learner.policy_tensors().items()}))
         acc = [float(np.mean([c.rewards.get("accuracy", c.reward) for c in g.completions])) for g in groups]
-        row = {"step": step, "time": time.time(), "group_accuracy": acc, "answers": [g.answer for g in groups], "seconds": train_s, "generate_s": gen_s,
+        recent.extend(acc)
+        row = {"step": step, "time": time.time(), "group_accuracy": acc, "answers": [g.answer for g in groups],
+               "seconds": train_s, "generate_s": gen_s,
                "groups_trained": trained, "staleness_mean": float(step - 1 - version),
                "loss": None if result is None else result["loss"], "kl": None if result is None else result.get("kl"),
                "skipped": result is None}
         out.write(json.dumps(row) + "\n")
         out.flush()
         if step % 10 == 0 or step == steps:
-            recent = [a for line in open(run_dir / "metrics.jsonl") for a in json.loads(line)["group_accuracy"]][-40:]
             print(f"[{run_dir.name}] step {step}/{steps} lag {step - 1 - version} accuracy(last 40 groups) "
                   f"{sum(recent) / len(recent):.3f}  {time.time() - t_start:.0f}s", flush=True)
     out.close()

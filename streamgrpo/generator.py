@@ -34,8 +34,6 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
     from streamgrpo.transport.weights import WeightSubscriber
-    from streamgrpo.wire import Completion, ScoredGroup
-
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     stop = stop if stop is not None else StopFlag()
@@ -132,20 +130,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             outs = engine.generate(requests, sampling)
             gen_s = time.perf_counter() - t0
             for (record, visuals), req, group_out in zip(chunk, requests, outs):
-                texts = [c.text for c in group_out]
-                scored = rewards.score(texts, record.answer, prompt_id=record.id,
-                                       fields={"question": record.question, "kind": record.kind})
-                group = ScoredGroup(
-                    prompt_id=record.id, generator_id=name, policy_version=version, model_id=cfg.model.name_or_path,
-                    prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
-                    answer=record.answer, prompt_text=req.prompt_text,
-                    meta={"kind": record.kind, "temperature": sampling.temperature},
-                    completions=[
-                        Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
-                                   float(scored.totals[i]))
-                        for i, c in enumerate(group_out)
-                    ],
-                )
+                group = score_group(record, visuals, req, group_out, rewards, version=version, generator_id=name,
+                                    model_id=cfg.model.name_or_path, temperature=sampling.temperature)
                 t_put = time.perf_counter()
                 if not _put(queue, group, stop, name):
                     break
@@ -153,7 +139,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 M.GROUPS.labels(event="produced").inc()
                 M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group_out))
                 audit.write({"event": "produced", "group_id": group.group_id, "version": version,
-                             "reward": float(np.mean(scored.totals)), "t": time.time(),
+                             "reward": float(np.mean([c.reward for c in group.completions])), "t": time.time(),
                              "put_s": round(time.perf_counter() - t_put, 4)})
             log.debug("%s: %d groups at v%d in %.2fs", name, len(chunk), version, gen_s)
     except QueueStopped as exc:  # SIGTERM during a Redis outage: the group being put is given up
@@ -165,6 +151,22 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.close()
         server.close()
     return 0
+
+
+def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,
+                temperature: float):
+    """One prompt's sampled completions, scored by ``rewards`` (a RewardSet), as a ScoredGroup."""
+    from streamgrpo.wire import Completion, ScoredGroup
+
+    scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id,
+                           fields={"question": record.question, "kind": record.kind})
+    return ScoredGroup(
+        prompt_id=record.id, generator_id=generator_id, policy_version=version, model_id=model_id,
+        prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
+        answer=record.answer, prompt_text=req.prompt_text, meta={"kind": record.kind, "temperature": temperature},
+        completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
+                                float(scored.totals[i])) for i, c in enumerate(outs)],
+    )
 
 
 def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool:
