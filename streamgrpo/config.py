@@ -328,6 +328,12 @@ class WeightsConfig(_Section):
     """Directory made by `streamgrpo keys`: enables CURVE encryption and client authorisation."""
     sndhwm: int = Field(64, ge=1)
     """Minimum PUB high-water mark in messages; raised automatically to hold two versions (a subscriber that falls further behind repairs through the snapshot endpoint)."""
+    transport: Literal["tcp", "ipc"] = "tcp"
+    """How generators reach the weight sockets: tcp (any host), or ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well)."""
+    send_frozen: bool = False
+    """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
+    io_threads: int = Field(1, ge=1, le=64)
+    """ZeroMQ I/O threads of the learner's weight sockets (more help when many subscribers pull at once on a many-core host)."""
 
 
 # ------------------------------------------------------------------------------------- metrics

@@ -33,7 +33,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     from streamgrpo.models.loading import load_model, load_processor, resolve_device
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
-    from streamgrpo.transport.weights import WeightSubscriber
+    from streamgrpo.transport.weight_sync import subscriber_from_config
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     stop = stop if stop is not None else StopFlag()
@@ -66,7 +66,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
     rewards = RewardSet(cfg)
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
-    weights = WeightSubscriber.from_config(cfg.weights, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None)
+    weights = subscriber_from_config(cfg, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
+                                     pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
     sampling = SamplingParams.from_config(cfg.rollout)
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
     from streamgrpo.models.lora import make_weight_applier

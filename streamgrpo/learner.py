@@ -62,7 +62,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     from streamgrpo.models.card import model_card
     from streamgrpo.tracking import Tracker, sample_rows
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
-    from streamgrpo.transport.weights import WeightPublisher
+    from streamgrpo.transport.weight_sync import publisher_from_config
 
     stop = stop if stop is not None else StopFlag()
     dist = dist or init_distributed(cfg.learner.backend)
@@ -90,10 +90,10 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
 
     # --- queue, weights, metrics, wandb --------------------------------------------------------
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
-    publisher = WeightPublisher.from_config(cfg.weights) if main else None
+    publisher = publisher_from_config(cfg) if main else None
     if publisher is not None:
         write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
-    publish(learner, publisher, state.version)
+    learner.publish(publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
     server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
@@ -146,7 +146,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             audit.write(record)
             # 4. weights out, metrics, checkpoint
             if state.step % cfg.weights.sync_every == 0:
-                publish(learner, publisher, state.version)
+                learner.publish(publisher, state.version)
             last_metrics = step_record(state, merged, out, step_s, wait_s, learner.last_lr())
             export_prometheus(last_metrics, batch, out, main)
             if main:
@@ -192,13 +192,6 @@ def _rank_metrics_cfg(cfg: Config, dist: DistInfo) -> Config:
     if dist.rank == 0 or not cfg.metrics.port:
         return cfg
     return cfg.model_copy(update={"metrics": cfg.metrics.model_copy(update={"port": cfg.metrics.port + dist.rank})})
-
-
-def publish(learner: Learner, publisher, version: int) -> None:
-    """Every rank calls it (ZeRO-3 gathers partitions); rank 0 hands the tensors to ZeroMQ."""
-    tensors = learner.policy_tensors()
-    if publisher is not None and tensors is not None:
-        publisher.publish(version, tensors)
 
 
 def _fmt(x) -> str:

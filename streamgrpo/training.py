@@ -176,6 +176,19 @@ def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
     return parts
 
 
+def _buckets(named: list, budget: int):
+    """Consecutive slices of ``named`` holding about ``budget`` elements each (ZeRO-3 gathers)."""
+    bucket, size = [], 0
+    for n, p in named:
+        bucket.append((n, p))
+        size += int(getattr(p, "ds_numel", p.numel()))
+        if size >= budget:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def weights_checksum(module: torch.nn.Module) -> list[float]:
     """``[sum, sum of squares]`` of every parameter in float64: equal on ranks holding equal weights."""
     s = q = 0.0
@@ -407,17 +420,62 @@ class Learner:
         return float(self.scheduler.get_last_lr()[0])
 
     # ----------------------------------------------------------------------- weights out
-    def _named_for_generators(self) -> list[tuple[str, torch.nn.Parameter]]:
-        from streamgrpo.transport.weights import filter_lora
+    def _named_for_generators(self, *, trainable_only: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
+        from streamgrpo.models.lora import filter_lora
 
         named = list(self.module.named_parameters())
         if self.is_lora:
             keep = set(filter_lora(dict(named)))
             named = [(n, p) for n, p in named if n in keep]
+        elif trainable_only:  # frozen parameters never change: generators hold them from the same checkpoint
+            named = [(n, p) for n, p in named if p.requires_grad]
         return named
 
+    @property
+    def export_dtype(self) -> torch.dtype | None:
+        """The dtype floating weights travel in: the generators' ``model.dtype`` (never the fp32 master
+        copy); LoRA adapters keep their own (they are merged in float32 on the generator)."""
+        return None if self.is_lora else getattr(torch, self.cfg.model.dtype)
+
+    def publish(self, sync, version: int) -> None:
+        """Hand the policy to a :class:`~streamgrpo.transport.weight_sync.WeightSync` as ``version``.
+
+        Every rank calls it (under ZeRO-3 the partitions are gathered bucket by bucket, a collective);
+        only rank 0's ``sync`` is used (the others pass None). The live tensors go in as they are:
+        the channel casts them to :attr:`export_dtype` on their device and copies them out
+        asynchronously, so this returns long before the bytes are on the wire.
+        """
+        named = self._named_for_generators(trainable_only=not self.cfg.weights.send_frozen)
+        dtype = self.export_dtype
+        if self.zero_stage < 3:
+            if sync is not None and self.dist.is_main:
+                sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
+            return
+        from streamgrpo.transport.weights_codec import TensorSpec
+
+        deepspeed = import_deepspeed()
+        writer = None
+        if sync is not None and self.dist.is_main:
+            specs = [TensorSpec(n, tuple(p.ds_shape), dtype if dtype is not None and p.is_floating_point() else p.dtype)
+                     for n, p in named]
+            writer = sync.begin(version, specs, cuda=self.device.type == "cuda")
+        try:
+            for bucket in _buckets(named, budget=1 << 28):
+                with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                    if writer is not None:
+                        for n, p in bucket:
+                            writer.write(n, p.detach())
+                        writer.sync()  # the gathered copies are freed when the context ends
+            if writer is not None:
+                writer.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+
     def policy_tensors(self) -> dict[str, torch.Tensor] | None:
-        """What generators receive: every parameter, or in LoRA mode only the adapter tensors.
+        """CPU copies of the trained parameters as the learner holds them (fp32; LoRA: the adapters only),
+        for checkpoints and tests; generators get :meth:`publish`'s export instead.
 
         Under ZeRO-3 the partitions are gathered (a collective: every rank must call this);
         only rank 0 gets the tensors, the other ranks get None.
@@ -428,27 +486,12 @@ class Learner:
                 return None
             return {n: p.detach().to("cpu").contiguous() for n, p in named}
         deepspeed = import_deepspeed()
-
         out: dict[str, torch.Tensor] = {}
-        chunk: list[tuple[str, torch.nn.Parameter]] = []
-        budget = 1 << 28  # gather about 256M elements at a time
-
-        def flush() -> None:
-            with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+        for bucket in _buckets(named, budget=1 << 28):  # gather about 256M elements at a time
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
                 if self.dist.is_main:
-                    for n, p in chunk:
+                    for n, p in bucket:
                         out[n] = p.detach().to("cpu").clone()
-            chunk.clear()
-
-        size = 0
-        for n, p in named:
-            chunk.append((n, p))
-            size += int(getattr(p, "ds_numel", p.numel()))
-            if size >= budget:
-                flush()
-                size = 0
-        if chunk:
-            flush()
         return out if self.dist.is_main else None
 
     def replicas_agree(self) -> list[float]:

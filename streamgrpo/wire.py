@@ -33,6 +33,8 @@ from typing import Any, NoReturn
 import msgpack
 import numpy as np
 
+from streamgrpo.dtypes import BY_NAME, NUMPY_NAMES
+
 SCHEMA_VERSION = 1
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
@@ -42,14 +44,8 @@ _MAX_NDIM = 32
 _PAD = bytes(_ALIGN)
 _HEAD = struct.Struct("<4sIQ")  # magic, header length, body length
 
-# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart).
-_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
+# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart); one table: streamgrpo.dtypes
+_DTYPES: dict[str, np.dtype] = {name: BY_NAME[name].np for name in NUMPY_NAMES}
 _BF16 = "bfloat16"
 _NAME_OF = {dt: name for name, dt in _DTYPES.items()}  # dtype.name is slow; look dtypes up instead
 _NATIVE = {name: np.dtype(name) for name in _DTYPES}

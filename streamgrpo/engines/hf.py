@@ -135,7 +135,14 @@ class HFEngine:
             if tuple(params[name].shape) != tuple(t.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != model {tuple(params[name].shape)}")
         start = time.perf_counter()
-        for name, t in tensors.items():
-            params[name].copy_(t.to(params[name].device, params[name].dtype))
+        cuda = False
+        with torch.no_grad():
+            for name, t in tensors.items():
+                dst = params[name]
+                fast = dst.is_cuda and t.is_pinned()  # pinned receive buffer: asynchronous host-to-device copy
+                cuda = cuda or fast
+                dst.copy_(t, non_blocking=fast)  # copy_ casts (e.g. float32 sent to a bfloat16 model)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         self.version = int(version)
         log.debug("applied weights v%d (%d tensors) in %.3fs", version, len(tensors), time.perf_counter() - start)

@@ -19,11 +19,13 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from streamgrpo.models.apply import WeightsApplyError, apply_to_model
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +93,101 @@ def apply_lora(model: torch.nn.Module, lora_cfg):
 
 
 # --------------------------------------------------------------------------------- generator side
+# ------------------------------------------------------------------- LoRA merge maths (generators)
+LORA_MARK = "lora_"
+_LORA_RE = re.compile(r"^(?:base_model\.model\.)?(?P<mod>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+def filter_lora(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors (names containing ``lora_``): what travels in LoRA mode."""
+    return {k: v for k, v in named_tensors.items() if LORA_MARK in k}
+
+
+def lora_pairs(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Group peft adapter tensors by module path: ``{module: (A_rk, B_or)}``.
+
+    Accepts peft names with or without the ``base_model.model.`` prefix and the adapter name
+    (``...q_proj.lora_A.default.weight`` / ``...q_proj.lora_A.weight``). Anything else named
+    ``lora_`` (embedding adapters, DoRA magnitudes) is an error naming the tensor.
+    """
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    adapters: dict[str, str | None] = {}
+    for name, t in adapter_tensors.items():
+        m = _LORA_RE.match(name)
+        if m is None:
+            raise WeightsApplyError(f"weights: adapter tensor {name!r} is not a linear LoRA A/B weight (unsupported)")
+        mod = m["mod"]
+        if mod in adapters and adapters[mod] != m["adapter"]:
+            raise WeightsApplyError(f"weights: module {mod!r} has two adapters ({adapters[mod]!r}, {m['adapter']!r})")
+        adapters[mod] = m["adapter"]
+        halves.setdefault(mod, {})[m["ab"]] = t
+    out = {}
+    for mod, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise WeightsApplyError(f"weights: module {mod!r} has lora_{next(iter(ab))} but not its pair")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise WeightsApplyError(f"weights: module {mod!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not chain")
+        out[mod] = (a, b)
+    return out
+
+
+def lora_base_name(module: str, base_names) -> str:
+    """The weight a module's adapter merges into: ``<module>.weight`` or ``<module>.base_layer.weight``."""
+    for cand in (f"{module}.weight", f"{module}.base_layer.weight"):
+        if cand in base_names:
+            return cand
+    raise WeightsApplyError(f"weights: no base weight for adapted module {module!r} ({module}.weight)")
+
+
+def merge_lora_into(
+    base_tensors: Mapping[str, torch.Tensor], adapter_tensors: Mapping[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Merged weights ``W0 + scale * B @ A`` of every adapted module, keyed by base weight name.
+
+    ``scale`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA). ``base_tensors`` are
+    the *pristine* base weights (never a previously merged model, or updates accumulate); the
+    result is new tensors in the base dtype, ready for :func:`apply_to_model`.
+    """
+    out = {}
+    for mod, (a, b) in lora_pairs(adapter_tensors).items():
+        name = lora_base_name(mod, base_tensors)
+        w = base_tensors[name]
+        if tuple(w.shape) != (b.shape[0], a.shape[1]):
+            raise WeightsApplyError(f"weights: adapter of {mod!r} gives {(b.shape[0], a.shape[1])}, base {name!r} is {tuple(w.shape)}")
+        delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
+        out[name] = (w.to(torch.float32) + delta.to(w.device)).to(w.dtype)
+    return out
+
+
+class LoraApplier:
+    """Generator side of LoRA mode: keeps the pristine base weights of the adapted modules.
+
+    ``apply(adapter_tensors)`` merges each new adapter into the saved base (never into already
+    merged weights) and copies the result into the model in place. The first call clones just the
+    weights it adapts, so the extra memory is the adapted matrices only.
+    """
+
+    def __init__(self, model: torch.nn.Module, scale: float):
+        self.model = model
+        self.scale = float(scale)
+        self._base: dict[str, torch.Tensor] = {}
+
+    def apply(self, adapter_tensors: Mapping[str, torch.Tensor]) -> int:
+        state = self.model.state_dict()
+        for mod in lora_pairs(adapter_tensors):
+            name = lora_base_name(mod, state)
+            if name not in self._base:
+                self._base[name] = state[name].detach().clone()
+        merged = merge_lora_into(self._base, adapter_tensors, self.scale)
+        return apply_to_model(self.model, merged)
+
+
 def make_weight_applier(cfg, engine) -> Callable[[int, dict[str, torch.Tensor]], None]:
     """``apply(version, tensors)`` for a generator: ``engine.load_weights`` for full weights; in
     LoRA mode the received adapters are merged into the pristine base weights first."""
     if cfg.model.lora is None:
         return engine.load_weights
-    from streamgrpo.transport.weights import LoraApplier, merge_lora_into
-    from streamgrpo.transport.weights_apply import lora_base_name, lora_pairs
-
     scale = lora_scale(cfg.model.lora)
     model = getattr(engine, "model", None)
     if isinstance(model, torch.nn.Module):  # the HF engine: merge in place

@@ -1,49 +1,52 @@
-"""Weight broadcast over ZeroMQ (design.md §4): learner rank 0 publishes, generators subscribe.
+"""Weight broadcast over ZeroMQ: the :class:`~.weight_sync.WeightSync` backend (learner rank 0 publishes).
 
 Publisher (learner)::
 
     pub = WeightPublisher.from_config(cfg.weights)
-    pub.publish(version, dict(model.state_dict()))    # returns once the bytes are copied out
+    pub.publish(version, dict(model.named_parameters()), dtype=torch.bfloat16)
     pub.close()
 
-Subscriber (generator), applying at a safe point between generation batches::
+Subscriber (generator): :class:`~.weights_subscriber.WeightSubscriber`.
 
-    sub = WeightSubscriber.from_config(cfg.weights, client_key=f"client-{generator_id}")
-    got = sub.poll()                                  # (version, tensors) or None; never blocks by default
-    if got:
-        apply_to_model(model, got[1]); sub.mark_applied()
+How a version goes out. ``publish`` plans the payload (a safetensors image, see
+:mod:`.weights_codec`) and takes a reusable host buffer (pinned when the tensors live on CUDA).
+CUDA tensors are cast to the export dtype and copied device-to-host on a side stream, tensor by
+tensor, with a CUDA event every chunk; the caller's stream is then made to wait for that side
+stream, so ``publish`` returns without waiting for the copies, and the next optimizer step cannot
+overwrite a weight before its bytes are out. CPU tensors are copied at once. A background thread
+sends each chunk as soon as its event has fired, as ``[b"w", header, payload]`` on a PUB socket with
+zero-copy frames; chunk digests are computed by a small thread pool ahead of the sender (xxh3 drops
+the GIL). A version published while an older one still waits to start replaces it.
 
-How it works. ``publish`` copies every tensor once into a flat byte buffer (pinned when they live
-on CUDA) and hands it to a background thread, which sends it as chunks ``[b"w", header, payload]``
-on a PUB socket with zero-copy frames, hashing as it goes (the digest rides on the last chunk).
 The same thread owns a ROUTER socket that serves the latest complete version chunk by chunk on
 request (credit-based, so a slow client never blocks anyone), and sends a heartbeat
-``[b"h", {src, version}]`` after each version and every second. PUB never blocks: a subscriber
-whose queue is full loses messages. The PUB high-water mark is raised (once, by rebinding) to hold
-two whole versions, so a subscriber that keeps up never loses chunks while a stalled one pins at
-most about two version buffers. The subscriber's background thread drains the SUB socket, skips
-versions a newer one supersedes, assembles and verifies the newest
-(:class:`~streamgrpo.transport.weights_codec.Assembler`) and parks it for :meth:`poll`; when a
-version is lost (a gap, a bad digest, or a heartbeat announcing a version it never completed) or at
-start-up it fetches the latest version from the snapshot endpoint instead. So a version is applied
-whole or not at all, and a late, slow or restarted generator catches up without slowing the learner.
+``[b"h", {src, version}]`` after each version and every second. PUB never blocks: a subscriber whose
+queue is full loses messages and repairs through the snapshot endpoint. The PUB high-water mark is
+raised (once, by rebinding) to hold two whole versions.
+
+Endpoints: TCP on ``bind_host``; with ``ipc_dir`` the same sockets also listen on
+``ipc://<ipc_dir>/weights-{pub,snap}.sock`` for generators on this host (``weights.transport=ipc``).
 
 Security: with ``curve_keys_dir`` both sockets are CURVE servers and only client public keys in
 ``DIR/clients/*.key`` may connect (ZAP via pyzmq's ThreadAuthenticator); see :mod:`.keys`. Without
 keys anyone who can reach the ports can read the weights, so the default bind is 127.0.0.1.
 
-LoRA mode: publish ``filter_lora(named_tensors)``; the generator applies with
-:class:`~streamgrpo.transport.weights_apply.LoraApplier` (merges ``base + alpha/r * B @ A``).
+LoRA mode: publish ``filter_lora(named_tensors)`` (:mod:`streamgrpo.models.lora`); the generator
+merges ``base + alpha/r * B @ A`` into its pristine base weights.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgpack
 import torch
@@ -51,37 +54,28 @@ import zmq
 
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
 from streamgrpo.transport.keys import authorised_dir, server_keys
-from streamgrpo.transport.weights_apply import (
-    LoraApplier,
-    WeightsApplyError,
-    apply_to_model,
-    filter_lora,
-    merge_lora_into,
-)
+from streamgrpo.transport.weight_sync import VersionWriter, WeightSync
 from streamgrpo.transport.weights_codec import (
     BEAT_S,
     DEFAULT_ALGO,
     TOPIC,
     TOPIC_BEAT,
+    Layout,
+    TensorSpec,
     VersionMeta,
-    WeightsFormatError,
+    chunk_digest,
     chunk_span,
+    default_hash_threads,
     encode_header,
     encode_meta,
     endpoint,
+    ipc_endpoints,
     make_header,
     n_chunks_for,
-    new_hasher,
-    pack_into,
     plan_layout,
     report_error,
+    view_of,
 )
-from streamgrpo.transport.weights_subscriber import WeightSubscriber
-
-__all__ = [
-    "WeightPublisher", "WeightSubscriber", "apply_to_model", "filter_lora", "merge_lora_into", "LoraApplier",
-    "WeightsApplyError", "WeightsFormatError",
-]
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -94,23 +88,110 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
     return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
 
-# ------------------------------------------------------------------------------------ publisher
+# ------------------------------------------------------------------------------------ versions
 @dataclass
 class _Version:
     meta: VersionMeta
     meta_bytes: bytes
+    layout: Layout
     base: torch.Tensor  # the allocation (reused once zmq has let go of every frame)
     buf_N: torch.Tensor  # base[:nbytes]
-    digest: bytes | None = None
+    digests: list[bytes] = field(default_factory=list)
     trackers: list = field(default_factory=list)
-    filled: int = -1  # bytes of buf_N already copied in (publish() and the sender overlap)
-    failed: bool = False  # publish() raised while copying: never send it
+    marks: deque = field(default_factory=deque)  # (end byte, CUDA event or None), increasing
+    ready: int = 0  # bytes of buf_N known final (the sender's view)
+    committed: bool = False
+    failed: bool = False  # given up while being written: never send it
 
     def released(self) -> bool:
         return all(t.done for t in self.trackers)
 
 
-class WeightPublisher:
+class _Writer(VersionWriter):
+    """Fills a version's buffer in byte order (any write order; the final prefix is what may go out)."""
+
+    def __init__(self, pub: WeightPublisher, job: _Version, cuda: bool):
+        self.pub, self.job = pub, job
+        self._index = {e.name: i for i, e in enumerate(job.layout.data)}
+        self._done = [False] * len(job.layout.data)
+        self._next = 0  # first data entry not written yet
+        self._marked = len(job.layout.header)  # bytes covered by marks so far
+        self._stream = pub._side_stream() if cuda else None
+        self._async = False  # CUDA copies enqueued since the last mark
+        if pub._stream is not None:  # copies of an earlier version may still target a recycled buffer
+            pub._stream.synchronize()
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        job.buf_N[: len(job.layout.header)].copy_(torch.frombuffer(bytearray(job.layout.header), dtype=torch.uint8))
+        if not job.layout.data:
+            self._mark(job.meta.nbytes)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        i = self._index.get(name)
+        if i is None:  # an alias of a tied tensor, or a name the specs did not have
+            if any(e.name == name for e in self.job.layout.entries):
+                return
+            raise KeyError(f"weights: {name!r} is not in this version's tensor table")
+        e = self.job.layout.data[i]
+        if e.nbytes:
+            dst = view_of(self.job.buf_N, e)
+            src = tensor.detach()
+            if tuple(src.shape) != e.shape:
+                raise ValueError(f"weights: {name!r} has shape {tuple(src.shape)}, its spec says {e.shape}")
+            if src.is_cuda and self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    if src.dtype != dst.dtype:
+                        src = src.to(dst.dtype)  # cast on the GPU: half the bytes cross the bus
+                    dst.copy_(src, non_blocking=True)
+                self._async = True
+            else:
+                dst.copy_(src)
+        self._done[i] = True
+        data = self.job.layout.data
+        while self._next < len(data) and self._done[self._next]:
+            self._next += 1
+        end = data[self._next - 1].offset + data[self._next - 1].nbytes if self._next else self._marked
+        if end - self._marked >= self.pub.chunk_bytes or self._next == len(data):
+            self._mark(end)
+
+    def _mark(self, end: int) -> None:
+        event = None
+        if self._async:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._async = False
+        with self.pub._cv:
+            self.job.marks.append((end, event))
+            self.pub._cv.notify_all()
+        self._marked = end
+
+    def sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def commit(self) -> None:
+        missing = [e.name for e, done in zip(self.job.layout.data, self._done) if not done]
+        if missing:
+            raise ValueError(f"weights v{self.job.meta.version}: {len(missing)} tensors never written, e.g. {missing[:3]}")
+        if self._stream is not None:  # the caller's next kernels (optimizer step) wait for the copies
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        with self.pub._cv:
+            self.job.committed = True
+            self.pub._cv.notify_all()
+        POLICY_VERSION.labels(role="learner").set(self.job.meta.version)
+
+    def abort(self) -> None:
+        self.sync()
+        with self.pub._cv:
+            self.job.failed = True
+            if self.pub._pending is self.job:
+                self.pub._pending = None
+                self.pub._free_buffer(self.job.base)
+            self.pub._cv.notify_all()
+
+
+# ------------------------------------------------------------------------------------ publisher
+class WeightPublisher(WeightSync):
     """Learner side: PUB socket for new versions plus a ROUTER serving the latest complete one."""
 
     def __init__(
@@ -123,12 +204,15 @@ class WeightPublisher:
         sndhwm: int = 64,
         *,
         algo: str = DEFAULT_ALGO,
+        ipc_dir: str | os.PathLike | None = None,
+        hash_threads: int | None = None,
+        io_threads: int = 1,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.algo = algo
         self.src = secrets.randbits(62)  # publisher id: a restarted learner starts a new lineage
         self.bind_host = bind_host
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=max(1, io_threads))
         self._auth = None
         self._curve: tuple[bytes, bytes] | None = None
         if curve_keys_dir:
@@ -138,19 +222,29 @@ class WeightPublisher:
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".auth"))
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(authorised_dir(curve_keys_dir)))
+        self._ipc: tuple[str, str] | None = None
+        if ipc_dir is not None:
+            Path(ipc_dir).mkdir(parents=True, exist_ok=True)
+            self._ipc = ipc_endpoints(ipc_dir)
         self._hwm = sndhwm
         self._pub = self._socket(zmq.PUB, sndhwm)
         self._router = self._socket(zmq.ROUTER, 100_000)
         self.pub_port = _bind(self._pub, bind_host, pub_port)
         self.snapshot_port = _bind(self._router, bind_host, snapshot_port)
+        if self._ipc is not None:
+            self._pub.bind(self._ipc[0])
+            self._router.bind(self._ipc[1])
         self._last_beat = 0.0
         self._wake_addr = f"inproc://weights-pub-{self.src}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_addr)
         self._wake_push = self._ctx.socket(zmq.PUSH)
         self._wake_push.connect(self._wake_addr)
+        self._hash_threads = hash_threads or default_hash_threads()
+        self._hash_pool = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="weights-hash")
+        self._stream = None
 
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._pending: _Version | None = None
         self._sending = False
@@ -159,10 +253,13 @@ class WeightPublisher:
         self._free: list[torch.Tensor] = []
         self._closing = False
         self.versions_sent = 0
+        self.superseded = 0  # versions replaced before they started going out
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
         self._thread.start()
 
         where = f"PUB {endpoint(bind_host, self.pub_port)}, snapshot ROUTER {endpoint(bind_host, self.snapshot_port)}"
+        if self._ipc is not None:
+            where += f", also {self._ipc[0]} and {self._ipc[1]}"
         if curve_keys_dir:
             log.info("weights: %s, CURVE on, clients authorised from %s", where, authorised_dir(curve_keys_dir))
         elif bind_host in _LOOPBACK:
@@ -180,6 +277,11 @@ class WeightPublisher:
             sock.curve_publickey, sock.curve_secretkey = self._curve
         return sock
 
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
     def _raise_hwm(self, hwm: int) -> None:
         """Rebind PUB with a high-water mark that holds two versions (libzmq applies a new HWM only to
         new connections). Subscribers reconnect by themselves; what they miss meanwhile comes from
@@ -188,16 +290,17 @@ class WeightPublisher:
         self._pub = self._socket(zmq.PUB, hwm)
         if ":" in self.bind_host:
             self._pub.ipv6 = True
-        for _ in range(250):  # the old listener closes asynchronously
-            try:
-                self._pub.bind(endpoint(self.bind_host, self.pub_port))
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE:
-                    raise
-                time.sleep(0.02)
-        else:
-            raise RuntimeError(f"weights: could not rebind PUB port {self.pub_port}")
+        for ep in [endpoint(self.bind_host, self.pub_port)] + ([self._ipc[0]] if self._ipc else []):
+            for _ in range(250):  # the old listener closes asynchronously
+                try:
+                    self._pub.bind(ep)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE:
+                        raise
+                    time.sleep(0.02)
+            else:
+                raise RuntimeError(f"weights: could not rebind PUB endpoint {ep}")
         log.info("weights: PUB high-water mark raised from %d to %d messages (two versions)", self._hwm, hwm)
         self._hwm = hwm
 
@@ -211,50 +314,30 @@ class WeightPublisher:
     @classmethod
     def from_config(cls, cfg, **kw) -> WeightPublisher:
         """Build from a :class:`streamgrpo.config.WeightsConfig`."""
+        kw.setdefault("io_threads", cfg.io_threads)
         return cls(cfg.bind_host, cfg.pub_port, cfg.snapshot_port, cfg.chunk_mib, cfg.curve_keys_dir, cfg.sndhwm, **kw)
 
     # -- caller thread ---------------------------------------------------------------------
-    def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy the tensors out (one copy each) and queue them for sending; returns right after.
-
-        If the previous version is still queued (not yet started) it is replaced: subscribers only
-        ever want the newest. Raises ``TypeError``/``ValueError`` for unsupported input.
-        """
+    def begin(self, version: int, specs: Sequence[TensorSpec], *, cuda: bool = False) -> VersionWriter:
+        """Start ``version``; it is queued at once, so chunks go out while later tensors are still written."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")
         if self._closing:
             raise RuntimeError("weights: publish() after close()")
-        entries, nbytes = plan_layout(named_tensors)
-        cuda = any(t.is_cuda for t in named_tensors.values())
-        base = self._take_buffer(nbytes, pinned=cuda and torch.cuda.is_available())
-        meta = VersionMeta(version, self.src, nbytes, self.chunk_bytes, n_chunks_for(nbytes, self.chunk_bytes),
-                           time.time(), self.algo, entries)
-        job = _Version(meta, encode_meta(meta), base, base[:nbytes])
-        with self._cv:  # queue it first: the sender streams chunks out while later tensors are copied
+        layout = plan_layout(specs)
+        cuda = cuda and torch.cuda.is_available()
+        base = self._take_buffer(layout.nbytes, pinned=cuda)
+        meta = VersionMeta(version, self.src, layout.nbytes, self.chunk_bytes,
+                           n_chunks_for(layout.nbytes, self.chunk_bytes), time.time(), self.algo)
+        job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes])
+        with self._cv:
             replaced, self._pending = self._pending, job
-            if replaced is not None:
+            if replaced is not None:  # never started: subscribers only ever want the newest
+                replaced.failed = True
                 self._free_buffer(replaced.base)
+                self.superseded += 1
             self._wake_push.send(b"", zmq.NOBLOCK)
-        try:
-            pack_into(job.buf_N, named_tensors, entries, progress=self._progress(job))
-        except BaseException:
-            with self._cv:
-                job.failed = True
-                self._cv.notify_all()
-            raise
-        POLICY_VERSION.labels(role="learner").set(version)
-
-    def _progress(self, job: _Version):
-        next_chunk = [0]  # notify the sender only when a whole chunk more is ready
-
-        def progress(filled: int) -> None:
-            if filled >= min(next_chunk[0] + self.chunk_bytes, job.meta.nbytes):
-                with self._cv:
-                    job.filled = filled
-                    self._cv.notify_all()
-                next_chunk[0] = filled
-
-        return progress
+        return _Writer(self, job, cuda)
 
     @property
     def latest_version(self) -> int | None:
@@ -275,16 +358,12 @@ class WeightPublisher:
         with self._cv:
             self._closing = True
             self._wake_push.send(b"", zmq.NOBLOCK)
+            self._cv.notify_all()
         self._thread.join(timeout_s)
+        self._hash_pool.shutdown(wait=True)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.destroy(linger=int(min(timeout_s, 1.0) * 1000))
-
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- buffers -------------------------------------------------------------------------------
     def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -331,30 +410,54 @@ class WeightPublisher:
                     self._sending = False
                     self._cv.notify_all()
 
+    def _ready_upto(self, job: _Version, end: int, block: bool) -> bool:
+        """Advance ``job.ready`` over the marks whose copies are done (waiting for them if ``block``)
+        until it covers ``end``. False when the version was given up."""
+        while job.ready < end:
+            with self._cv:
+                if not job.marks:
+                    if not block:
+                        return False
+                    self._cv.wait_for(lambda: job.marks or job.failed or self._closing, 1.0)
+                    if job.failed or (self._closing and not job.marks):
+                        return False
+                    continue
+                mark_end, event = job.marks[0]
+            if event is not None:
+                if block:
+                    event.synchronize()
+                elif not event.query():
+                    return False
+            with self._cv:
+                job.marks.popleft()
+            job.ready = max(job.ready, mark_end)
+        return True
+
     def _send(self, job: _Version) -> None:
         meta, mv = job.meta, memoryview(job.buf_N.numpy())
         if 2 * meta.n_chunks + 16 > self._hwm:
             self._raise_hwm(2 * meta.n_chunks + 16)
-        hasher = new_hasher(meta.algo)
-        hasher.update(job.meta_bytes)
-        digest = None
+        ahead = 2 * self._hash_threads
+        futures: dict[int, object] = {}
+        next_hash = 0
         for seq in range(meta.n_chunks):
+            while next_hash < meta.n_chunks and next_hash < seq + ahead:
+                start, end = chunk_span(meta, next_hash)
+                if not self._ready_upto(job, end, block=next_hash <= seq):
+                    if job.failed or self._closing:
+                        return self._give_up(job)
+                    break
+                futures[next_hash] = self._hash_pool.submit(chunk_digest, meta.algo, mv[start:end],
+                                                            job.meta_bytes if next_hash == 0 else None)
+                next_hash += 1
             start, end = chunk_span(meta, seq)
-            if job.filled < end:
-                with self._cv:
-                    self._cv.wait_for(lambda e=end: job.filled >= e or job.failed)
-                    if job.failed:
-                        self._sending = False
-                        self._cv.notify_all()
-                        return
-            chunk = mv[start:end]
-            hasher.update(chunk)
-            if seq == meta.n_chunks - 1:
-                digest = hasher.digest()
+            digest = futures.pop(seq).result()
+            job.digests.append(digest)
             header = encode_header(make_header(meta, seq, job.meta_bytes, digest))
-            job.trackers.append(self._pub.send_multipart([TOPIC, header, chunk], copy=False, track=True))
+            job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out
-        job.digest = digest
+        with self._cv:  # the caller may still be inside commit(): wait for it (bytes are all final)
+            self._cv.wait_for(lambda: job.committed or job.failed)
         WEIGHT_BYTES.inc(meta.nbytes)
         with self._cv:
             if self._latest is not None:
@@ -364,6 +467,12 @@ class WeightPublisher:
             self.versions_sent += 1
             self._cv.notify_all()
         self._beat()
+
+    def _give_up(self, job: _Version) -> None:
+        with self._cv:
+            self._sending = False
+            self._retired.append(job)
+            self._cv.notify_all()
 
     def _answer_snapshots(self, limit: int = 256) -> None:
         for _ in range(limit):
@@ -387,9 +496,14 @@ class WeightPublisher:
                 self._router.send_multipart([ident, b"gone", msgpack.packb({"r": rid, "v": latest.meta.version})])
             else:
                 start, end = chunk_span(latest.meta, seq)
-                header = encode_header(make_header(latest.meta, seq, latest.meta_bytes, latest.digest, req=rid))
+                header = encode_header(make_header(latest.meta, seq, latest.meta_bytes, latest.digests[seq], req=rid))
                 chunk = memoryview(latest.buf_N.numpy())[start:end]
                 tracker = self._router.send_multipart([ident, TOPIC, header, chunk], copy=False, track=True)
                 with self._lock:
                     latest.trackers.append(tracker)
                 WEIGHT_BYTES.inc(end - start)
+
+
+from streamgrpo.transport.weights_subscriber import WeightSubscriber  # noqa: E402 - the other half, for one import
+
+__all__ = ["WeightPublisher", "WeightSubscriber"]

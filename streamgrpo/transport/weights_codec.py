@@ -1,30 +1,43 @@
-"""Pure logic of the weight channel (design.md §4): layout, chunk headers, digest, in-order assembly.
+"""Pure logic of the weight channel: payload layout, chunk headers, digests, in-order assembly.
 
-No sockets here. A *version* is one flat byte payload holding every tensor (raw little-endian
-bytes, bf16 as 2-byte words, each tensor at a 64-byte aligned offset) plus a *meta* record
-(msgpack: version, publisher id, sizes, publish time, digest algorithm and the tensor table
-name/dtype/shape/offset/nbytes). On the wire a version is ``n_chunks`` multipart messages
-``[b"w", header, payload_chunk]``; the header (msgpack) carries version, publisher id ``src``,
-``seq``, ``n_chunks``, the chunk's byte offset and size; chunk 0 also carries the meta bytes and
-the last chunk the digest of ``meta_bytes || payload`` (xxh3-128, or sha256 without xxhash), so the
-tensor table is covered by the digest and the publisher can hash while it sends.
+No sockets here. A *version* is one byte payload that is a **safetensors file image**::
 
-:class:`Assembler` rebuilds versions from an in-order chunk stream (PUB/SUB and DEALER/ROUTER over
-TCP keep order), so any gap means the version is lost: it is discarded, never half-built.
+    u64 header length | JSON header (padded with spaces) | tensor bytes
+
+The JSON header maps each tensor name to ``{"dtype": "BF16", "shape": [...], "data_offsets": [b, e]}``
+(the safetensors format, dtype codes from :mod:`streamgrpo.dtypes`); tensor bytes are ordered by
+element size (largest first) so every tensor is aligned to its element size, and the data starts at
+a multiple of 64 bytes. Tied tensors (the same memory under two names) travel once; the other names
+are listed in ``__metadata__["streamgrpo.aliases"]``. So a received version can be written to disk
+and opened with ``safetensors`` as it is.
+
+Beside the payload, a small *meta* record (msgpack: version, publisher id, sizes, publish time,
+digest algorithm) travels in chunk 0. On the wire a version is ``n_chunks`` multipart messages
+``[b"w", header, payload_chunk]``; every chunk header carries the digest of its own bytes (chunk 0's
+covers the meta record too), so both sides hash chunks in parallel, off the sending/receiving path.
+
+:class:`Assembler` rebuilds versions from an in-order chunk stream (PUB/SUB and DEALER/ROUTER keep
+order), so any gap means the version is lost: it is discarded, never half-built.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import torch
 
+from streamgrpo import dtypes
 from streamgrpo.metrics import ERRORS
 
 try:  # xxhash ships with `datasets`; sha256 is the (much slower) fallback.
@@ -34,37 +47,31 @@ except ImportError:  # pragma: no cover - exercised only without xxhash
 
 log = logging.getLogger("streamgrpo.transport.weights")
 
-FORMAT = 1
+FORMAT = 2
 TOPIC = b"w"  # version chunks: [TOPIC, header, payload]
 TOPIC_BEAT = b"h"  # heartbeat: [TOPIC_BEAT, msgpack {"s": src, "v": latest complete version}]
 BEAT_S = 1.0  # heartbeat period (also sent right after each version)
-ALIGN = 64
+ALIGN = 64  # the data section starts at a multiple of this
+ALIASES_KEY = "streamgrpo.aliases"
+_LEN = struct.Struct("<Q")
 ALGOS: dict[str, Callable] = {"sha256": hashlib.sha256}
 if xxhash is not None:
     ALGOS["xxh3_128"] = xxhash.xxh3_128
 DEFAULT_ALGO = "xxh3_128" if xxhash is not None else "sha256"
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
-
 
 class WeightsFormatError(ValueError):
     """A header, meta record or tensor table is malformed (the message says which field)."""
+
+
+def ipc_endpoints(ipc_dir: str | os.PathLike) -> tuple[str, str]:
+    """``(pub, snapshot)`` ipc:// endpoints in ``ipc_dir``."""
+    d = Path(ipc_dir)
+    return f"ipc://{d / 'weights-pub.sock'}", f"ipc://{d / 'weights-snap.sock'}"
+
+
+def default_hash_threads() -> int:
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
 def report_error(msg: str) -> None:
@@ -75,87 +82,189 @@ def report_error(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a version: where its raw bytes sit in the payload."""
+class TensorSpec:
+    """A tensor to be sent, known by its name, shape and dtype before its bytes exist (ZeRO-3)."""
 
     name: str
-    dtype: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    share: tuple | None = None  # same key = same bytes (tied weights): sent once
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a version: where its raw bytes sit in the payload (absolute offset)."""
+
+    name: str
+    dtype: str  # table name, e.g. "bfloat16"
     shape: tuple[int, ...]
     offset: int
     nbytes: int
 
 
-def _align(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
+@dataclass(frozen=True)
+class Layout:
+    """Where every tensor goes: ``entries`` in the caller's order, ``data`` the distinct ones in byte order."""
+
+    entries: list[TensorEntry]
+    data: list[TensorEntry]
+    header: bytes  # u64 length + JSON, padded: payload[:len(header)]
+    nbytes: int
 
 
-def plan_layout(named_tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    """Tensor table and payload size. Tensors that are the same memory (tied weights) share bytes.
+def specs_of(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    """Specs of live tensors; floating tensors become ``dtype`` when given (e.g. fp32 master -> bf16).
 
-    Raises ``TypeError`` naming the tensor for a dtype the wire does not carry.
+    Raises ``TypeError`` naming the tensor for a name that is not a string, a non-tensor, or a dtype
+    the payload cannot carry.
     """
-    entries: list[TensorEntry] = []
-    seen: dict[tuple, int] = {}
-    total = 0
-    for name, t in named_tensors.items():
+    out = []
+    for name, t in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"weights: tensor name {name!r} is not a string")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weights: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        dname = DTYPE_NAMES.get(t.dtype)
-        if dname is None:
-            raise TypeError(f"weights: tensor {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
-        nbytes = t.numel() * t.element_size()
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if nbytes else None
-        if key is not None and key in seen:
-            offset = seen[key]
-        else:
-            offset = total
-            total = _align(total + nbytes)
-            if key is not None:
-                seen[key] = offset
-        entries.append(TensorEntry(name, dname, tuple(int(s) for s in t.shape), offset, nbytes))
-    return entries, total
+        row = dtypes.of_torch(t.dtype)
+        if row is None or row.st is None:
+            carried = sorted(d.name for d in dtypes.TABLE if d.st is not None)
+            raise TypeError(f"weights: tensor {name!r} has dtype {t.dtype}, not one of {carried}")
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        share = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
+                 tuple(t.stride())) if t.numel() else None
+        out.append(TensorSpec(name, tuple(int(s) for s in t.shape), target, share))
+    return out
 
 
-def pack_into(
-    buf_N: torch.Tensor,
-    named_tensors: Mapping[str, torch.Tensor],
-    entries: list[TensorEntry],
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Copy every tensor's raw bytes into the uint8 buffer at its offset (one copy per tensor).
-
-    ``progress(n)`` is called as the payload's first ``n`` bytes become final (so a sender can
-    start on them while later tensors are still being copied); it ends with ``len(buf_N)``.
-    """
-    done: set[int] = set()
-    for e in entries:
-        if e.nbytes == 0 or e.offset in done:
+def plan_layout(specs: Sequence[TensorSpec]) -> Layout:
+    """The safetensors image of ``specs``: header bytes, tensor offsets, total size."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    distinct: list[TensorSpec] = []
+    for s in specs:
+        key = None if s.share is None else (s.share, s.dtype)
+        if key is not None and key in first:
+            aliases[s.name] = first[key]
             continue
-        done.add(e.offset)
-        t = named_tensors[e.name].detach()
-        src = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-        buf_N[e.offset : e.offset + e.nbytes].copy_(src)
+        if key is not None:
+            first[key] = s.name
+        distinct.append(s)
+    rows = {s.name: dtypes.of_torch(s.dtype) for s in distinct}
+    for name, row in rows.items():
+        if row is None or row.st is None:
+            raise TypeError(f"weights: tensor {name!r}: dtype not carried by safetensors")
+    order = sorted(range(len(distinct)), key=lambda i: -rows[distinct[i].name].itemsize)  # stable: keeps caller order
+    rel: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for i in order:
+        s = distinct[i]
+        n = math.prod(s.shape) * rows[s.name].itemsize
+        rel[s.name] = (pos, pos + n)
+        pos += n
+    table: dict = {"__metadata__": {"format": "pt"}}
+    if aliases:
+        table["__metadata__"][ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
+    for s in distinct:
+        table[s.name] = {"dtype": rows[s.name].st, "shape": list(s.shape), "data_offsets": list(rel[s.name])}
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + _LEN.size) % ALIGN)
+    header = _LEN.pack(len(text)) + text
+    base = len(header)
+    by_name = {s.name: TensorEntry(s.name, rows[s.name].name, s.shape, base + rel[s.name][0],
+                                   rel[s.name][1] - rel[s.name][0]) for s in distinct}
+    entries = [by_name[s.name] if s.name not in aliases else by_name[aliases[s.name]] for s in specs]
+    entries = [e if e.name == s.name else TensorEntry(s.name, e.dtype, e.shape, e.offset, e.nbytes)
+               for e, s in zip(entries, specs)]
+    data = [by_name[distinct[i].name] for i in order]
+    return Layout(entries, data, header, base + pos)
+
+
+def parse_layout(buf) -> list[TensorEntry]:
+    """Tensor table of a payload (bytes-like or uint8 tensor), validated: every tensor inside it, sizes
+    consistent, the data section covered without gaps or overlaps (as safetensors requires)."""
+    mv = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf).cast("B")
+    if len(mv) < _LEN.size:
+        raise WeightsFormatError(f"weights payload: {len(mv)} bytes, too short for a safetensors header")
+    (hlen,) = _LEN.unpack(mv[: _LEN.size])
+    if hlen > len(mv) - _LEN.size:
+        raise WeightsFormatError(f"weights payload: header of {hlen} bytes runs past the payload ({len(mv)} bytes)")
+    try:
+        table = json.loads(bytes(mv[_LEN.size : _LEN.size + hlen]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WeightsFormatError(f"weights payload: header is not JSON ({exc})") from None
+    if not isinstance(table, dict):
+        raise WeightsFormatError("weights payload: header is not a JSON object")
+    base = _LEN.size + hlen
+    meta = table.pop("__metadata__", {}) or {}
+    entries: dict[str, TensorEntry] = {}
+    for name, d in table.items():
+        where = f"weights payload tensor {name!r}"
+        if not isinstance(d, dict) or d.get("dtype") not in dtypes.BY_ST:
+            raise WeightsFormatError(f"{where}: bad entry or dtype {d.get('dtype') if isinstance(d, dict) else d!r}")
+        shape, span = d.get("shape"), d.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise WeightsFormatError(f"{where}: bad shape {shape!r}")
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+            raise WeightsFormatError(f"{where}: bad data_offsets {span!r}")
+        row = dtypes.BY_ST[d["dtype"]]
+        b, e = span
+        if e - b != math.prod(shape) * row.itemsize:
+            raise WeightsFormatError(f"{where}: {e - b} bytes do not match shape {shape} x {row.itemsize} bytes")
+        if b < 0 or base + e > len(mv):
+            raise WeightsFormatError(f"{where}: bytes [{b}, {e}) outside the payload's data section")
+        if (base + b) % row.itemsize:
+            raise WeightsFormatError(f"{where}: offset {base + b} is not aligned to {row.itemsize} bytes")
+        entries[name] = TensorEntry(name, row.name, tuple(shape), base + b, e - b)
+    pos = base
+    for e in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
+        if e.offset != pos:
+            raise WeightsFormatError(f"weights payload: tensor {e.name!r} at {e.offset}, expected {pos} (gap or overlap)")
+        pos += e.nbytes
+    if pos != len(mv):
+        raise WeightsFormatError(f"weights payload: tensors end at {pos}, payload has {len(mv)} bytes")
+    try:
+        aliases = json.loads(meta.get(ALIASES_KEY, "{}")) if isinstance(meta, dict) else None
+    except ValueError:
+        aliases = None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in entries for k, v in aliases.items()):
+        raise WeightsFormatError("weights payload: bad alias table (names must point at sent tensors)")
+    out = list(entries.values())
+    out += [TensorEntry(a, entries[t].dtype, entries[t].shape, entries[t].offset, entries[t].nbytes) for a, t in aliases.items()]
+    return out
+
+
+def view_of(buf_N: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """A tensor viewing ``e``'s bytes in the payload buffer (no copy)."""
+    raw = buf_N[e.offset : e.offset + e.nbytes]
+    t = raw.view(dtypes.torch_dtype(e.dtype)) if e.nbytes else torch.empty(0, dtype=dtypes.torch_dtype(e.dtype))
+    return t.reshape(e.shape)
+
+
+def unpack_tensors(buf_N: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Views (no copies) of the tensors of a payload buffer."""
+    return {e.name: view_of(buf_N, e) for e in entries}
+
+
+def pack_into(buf_N: torch.Tensor, tensors: Mapping[str, torch.Tensor], layout: Layout,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Write the header and every tensor (cast to its entry's dtype) into the uint8 buffer, in byte order.
+
+    ``progress(n)`` is called as the payload's first ``n`` bytes become final (a sender can start on
+    them while later tensors are still being copied); it ends with ``len(buf_N)``.
+    """
+    buf_N[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+    for e in layout.data:
+        if e.nbytes:
+            view_of(buf_N, e).copy_(tensors[e.name].detach())
         if progress is not None:
             progress(e.offset + e.nbytes)
     if progress is not None:
         progress(buf_N.numel())
 
 
-def unpack_tensors(buf_N: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
-    """Views (no copies) of the tensors of a payload buffer."""
-    out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        raw = buf_N[e.offset : e.offset + e.nbytes]
-        out[e.name] = raw.view(DTYPES[e.dtype]).reshape(e.shape)
-    return out
-
-
 # --------------------------------------------------------------------------------------- meta
 @dataclass(frozen=True)
 class VersionMeta:
-    """Everything about a version except its bytes; travels packed in chunk 0."""
+    """Everything about a version except its bytes (the tensor table is in the payload); chunk 0 carries it."""
 
     version: int
     src: int
@@ -164,7 +273,6 @@ class VersionMeta:
     n_chunks: int
     published_at: float
     algo: str
-    tensors: list[TensorEntry] = field(default_factory=list)
 
 
 def n_chunks_for(nbytes: int, chunk_bytes: int) -> int:
@@ -178,20 +286,9 @@ def chunk_span(meta: VersionMeta, seq: int) -> tuple[int, int]:
 
 
 def encode_meta(meta: VersionMeta) -> bytes:
-    return msgpack.packb(
-        {
-            "fmt": FORMAT,
-            "version": meta.version,
-            "src": meta.src,
-            "nbytes": meta.nbytes,
-            "chunk": meta.chunk_bytes,
-            "n": meta.n_chunks,
-            "ts": meta.published_at,
-            "algo": meta.algo,
-            "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in meta.tensors],
-        },
-        use_bin_type=True,
-    )
+    return msgpack.packb({"fmt": FORMAT, "version": meta.version, "src": meta.src, "nbytes": meta.nbytes,
+                          "chunk": meta.chunk_bytes, "n": meta.n_chunks, "ts": meta.published_at, "algo": meta.algo},
+                         use_bin_type=True)
 
 
 def _int(d: Mapping, key: str, where: str, lo: int = 0) -> int:
@@ -202,7 +299,7 @@ def _int(d: Mapping, key: str, where: str, lo: int = 0) -> int:
 
 
 def decode_meta(raw: bytes) -> VersionMeta:
-    """Parse and validate a meta record (every tensor inside the payload, sizes consistent)."""
+    """Parse and validate a meta record (sizes consistent, digest algorithm known)."""
     try:
         d = msgpack.unpackb(raw, raw=False)
     except Exception as exc:
@@ -217,28 +314,9 @@ def decode_meta(raw: bytes) -> VersionMeta:
     algo, ts = d.get("algo"), d.get("ts")
     if algo not in ALGOS:
         raise WeightsFormatError(f"weights meta v{version}: digest algorithm {algo!r} not one of {sorted(ALGOS)}")
-    if not isinstance(ts, (int, float)):
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise WeightsFormatError(f"weights meta v{version}: publish time {ts!r} is not a number")
-    table = d.get("tensors")
-    if not isinstance(table, list):
-        raise WeightsFormatError(f"weights meta v{version}: tensor table missing")
-    entries = []
-    for row in table:
-        if not (isinstance(row, list) and len(row) == 5):
-            raise WeightsFormatError(f"weights meta v{version}: bad tensor row {row!r}")
-        name, dtype, shape, offset, size = row
-        where = f"weights meta v{version} tensor {name!r}"
-        if not isinstance(name, str) or dtype not in DTYPES:
-            raise WeightsFormatError(f"{where}: bad name or dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise WeightsFormatError(f"{where}: bad shape {shape!r}")
-        itemsize = ITEMSIZE[dtype]
-        if not isinstance(offset, int) or not isinstance(size, int) or size != math.prod(shape) * itemsize:
-            raise WeightsFormatError(f"{where}: size {size!r} does not match shape {shape} x {itemsize} bytes")
-        if offset < 0 or offset % ALIGN or offset + size > nbytes:
-            raise WeightsFormatError(f"{where}: bytes [{offset}, {offset}+{size}) outside payload of {nbytes}")
-        entries.append(TensorEntry(name, dtype, tuple(shape), offset, size))
-    return VersionMeta(version, src, nbytes, chunk, n, float(ts), algo, entries)
+    return VersionMeta(version, src, nbytes, chunk, n, float(ts), algo)
 
 
 # ------------------------------------------------------------------------------------ headers
@@ -250,17 +328,15 @@ class ChunkHeader:
     n_chunks: int
     offset: int
     size: int
+    digest: bytes  # of this chunk's bytes (chunk 0: of meta bytes + its bytes)
     meta: bytes | None = None  # chunk 0 only
-    digest: bytes | None = None  # last chunk only
     req: int | None = None  # snapshot replies: the request id
 
 
 def encode_header(h: ChunkHeader) -> bytes:
-    d = {"v": h.version, "s": h.src, "q": h.seq, "n": h.n_chunks, "o": h.offset, "l": h.size}
+    d = {"v": h.version, "s": h.src, "q": h.seq, "n": h.n_chunks, "o": h.offset, "l": h.size, "d": h.digest}
     if h.meta is not None:
         d["m"] = h.meta
-    if h.digest is not None:
-        d["d"] = h.digest
     if h.req is not None:
         d["r"] = h.req
     return msgpack.packb(d, use_bin_type=True)
@@ -281,75 +357,70 @@ def decode_header(raw: bytes) -> ChunkHeader:
         raise WeightsFormatError(f"{where} v{v}: seq {q} >= n_chunks {n}")
     if (q == 0) != isinstance(meta, bytes):
         raise WeightsFormatError(f"{where} v{v} seq {q}: meta must travel with chunk 0 exactly")
-    if (q == n - 1) != isinstance(digest, bytes):
-        raise WeightsFormatError(f"{where} v{v} seq {q}: digest must travel with the last chunk exactly")
-    if req is not None and not isinstance(req, int):
+    if not isinstance(digest, bytes):
+        raise WeightsFormatError(f"{where} v{v} seq {q}: no chunk digest")
+    if req is not None and (not isinstance(req, int) or isinstance(req, bool)):
         raise WeightsFormatError(f"{where} v{v}: request id {req!r} is not an integer")
-    return ChunkHeader(v, s, q, n, o, size, meta, digest, req)
+    return ChunkHeader(v, s, q, n, o, size, digest, meta, req)
 
 
-def make_header(meta: VersionMeta, seq: int, meta_bytes: bytes, digest: bytes | None, req: int | None = None) -> ChunkHeader:
+def make_header(meta: VersionMeta, seq: int, meta_bytes: bytes, digest: bytes, req: int | None = None) -> ChunkHeader:
     start, end = chunk_span(meta, seq)
-    last = seq == meta.n_chunks - 1
-    return ChunkHeader(
-        meta.version, meta.src, seq, meta.n_chunks, start, end - start,
-        meta_bytes if seq == 0 else None, digest if last else None, req,
-    )
+    return ChunkHeader(meta.version, meta.src, seq, meta.n_chunks, start, end - start, digest,
+                       meta_bytes if seq == 0 else None, req)
 
 
-def new_hasher(algo: str):
-    return ALGOS[algo]()
-
-
-def payload_digest(meta_bytes: bytes, payload, algo: str = DEFAULT_ALGO) -> bytes:
-    h = new_hasher(algo)
-    h.update(meta_bytes)
-    h.update(payload)
+def chunk_digest(algo: str, chunk, meta_bytes: bytes | None = None) -> bytes:
+    """Digest of one chunk (xxh3 releases the GIL: chunks hash in parallel threads)."""
+    h = ALGOS[algo]()
+    if meta_bytes is not None:
+        h.update(meta_bytes)
+    h.update(chunk)
     return h.digest()
 
 
-def build_version(
-    version: int, named_tensors: Mapping[str, torch.Tensor], chunk_bytes: int, src: int = 0,
-    published_at: float = 0.0, algo: str = DEFAULT_ALGO,
-) -> tuple[VersionMeta, bytes, torch.Tensor]:
+def build_version(version: int, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, src: int = 0,
+                  published_at: float = 0.0, algo: str = DEFAULT_ALGO,
+                  dtype: torch.dtype | None = None) -> tuple[VersionMeta, bytes, torch.Tensor]:
     """(meta, meta_bytes, payload) of a version, in one go (the publisher does the same in steps)."""
-    entries, nbytes = plan_layout(named_tensors)
-    buf_N = torch.empty(nbytes, dtype=torch.uint8)
-    pack_into(buf_N, named_tensors, entries)
-    meta = VersionMeta(version, src, nbytes, chunk_bytes, n_chunks_for(nbytes, chunk_bytes), published_at, algo, entries)
+    layout = plan_layout(specs_of(tensors, dtype))
+    buf_N = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_into(buf_N, tensors, layout)
+    meta = VersionMeta(version, src, layout.nbytes, chunk_bytes, n_chunks_for(layout.nbytes, chunk_bytes),
+                       published_at, algo)
     return meta, encode_meta(meta), buf_N
 
 
 def iter_chunks(meta: VersionMeta, meta_bytes: bytes, buf_N: torch.Tensor, req: int | None = None):
-    """Yield ``(header, payload)`` per chunk, hashing as it goes (the digest rides on the last one)."""
+    """Yield ``(header, payload)`` per chunk, each with its digest."""
     mv = memoryview(buf_N.numpy())
-    hasher = new_hasher(meta.algo)
-    hasher.update(meta_bytes)
     for seq in range(meta.n_chunks):
         start, end = chunk_span(meta, seq)
-        hasher.update(mv[start:end])
-        digest = hasher.digest() if seq == meta.n_chunks - 1 else None
-        yield make_header(meta, seq, meta_bytes, digest, req), mv[start:end]
+        chunk = mv[start:end]
+        digest = chunk_digest(meta.algo, chunk, meta_bytes if seq == 0 else None)
+        yield make_header(meta, seq, meta_bytes, digest, req), chunk
 
 
 # ---------------------------------------------------------------------------------- assembly
 @dataclass
 class Completed:
-    """A whole, digest-verified version: its meta and its payload buffer (uint8 tensor)."""
+    """A whole, digest-verified version: its meta, tensor table and payload buffer (uint8 tensor)."""
 
     meta: VersionMeta
     buf_N: torch.Tensor
+    entries: list[TensorEntry] = field(default_factory=list)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return unpack_tensors(self.buf_N, self.meta.tensors)
+        return unpack_tensors(self.buf_N, self.entries)
 
 
 @dataclass
 class _Partial:
     meta: VersionMeta
+    meta_bytes: bytes
     buf_N: torch.Tensor
-    hasher: object
     next_seq: int = 0
+    checks: list = field(default_factory=list)  # per chunk: Future or bool (digest matched)
 
     def __post_init__(self) -> None:
         self.array_N = self.buf_N.numpy()
@@ -375,18 +446,29 @@ def endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def _copy_and_check(dst: np.ndarray, payload, algo: str, digest: bytes, meta_bytes: bytes | None) -> bool:
+    src = np.frombuffer(payload, dtype=np.uint8)
+    np.copyto(dst, src)  # numpy drops the GIL for the copy, xxh3 for the hash
+    return chunk_digest(algo, src, meta_bytes) == digest
+
+
 class Assembler:
     """Rebuilds versions from an in-order chunk stream. ``feed`` returns ``(completed, dropped)``.
 
     ``dropped`` is a one-line reason when a version was discarded (gap, bad size, digest mismatch,
-    malformed meta, superseded while incomplete); each version is reported at most once, and the
-    rest of a broken version's chunks are ignored silently. ``alloc(nbytes)`` gives the buffer of
-    a new version (a CPU uint8 tensor); ``release(buf)`` takes back the buffer of a dropped one.
+    malformed meta or tensor table, superseded while incomplete); each version is reported at most
+    once, and the rest of a broken version's chunks are ignored silently. ``alloc(nbytes)`` gives
+    the buffer of a new version (a CPU uint8 tensor); ``release(buf)`` takes back the buffer of a
+    dropped one. With an ``executor`` each chunk is copied and hashed in a worker thread (the chunk's
+    frame must stay valid until then: pyzmq frames do), and digests are checked when the last chunk
+    is in.
     """
 
-    def __init__(self, alloc: Callable[[int], torch.Tensor], release: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self, alloc: Callable[[int], torch.Tensor], release: Callable[[torch.Tensor], None] | None = None,
+                 executor: Executor | None = None):
         self._alloc = alloc
         self._release = release or (lambda buf: None)
+        self._executor = executor
         self._cur: _Partial | None = None
         self._broken: tuple[int, int] | None = None
 
@@ -398,13 +480,17 @@ class Assembler:
     def reset(self) -> None:
         """Forget the version being built without reporting it (its buffer is released)."""
         if self._cur is not None:
+            self._settle(self._cur)
             self._release(self._cur.buf_N)
         self._cur = None
 
+    @staticmethod
+    def _settle(cur: _Partial) -> list[bool]:
+        """Wait for the chunk copies in flight (a buffer is never released while a worker writes to it)."""
+        return [c.result() if isinstance(c, Future) else c for c in cur.checks]
+
     def _fail(self, key: tuple[int, int], reason: str) -> str:
-        if self._cur is not None:
-            self._release(self._cur.buf_N)
-        self._cur = None
+        self.reset()
         self._broken = key
         return f"weights version {key[1]}: {reason}"
 
@@ -423,9 +509,7 @@ class Assembler:
                 return None, _join(note, self._fail(key, f"malformed meta ({exc})"))
             if key_of(meta) != key or meta.n_chunks != h.n_chunks:
                 return None, _join(note, self._fail(key, "chunk 0 header disagrees with its meta record"))
-            hasher = new_hasher(meta.algo)
-            hasher.update(h.meta)
-            self._cur = _Partial(meta, self._alloc(meta.nbytes), hasher)
+            self._cur = _Partial(meta, h.meta, self._alloc(meta.nbytes))
         elif self._broken == key:
             return None, None
         elif self._cur is None or key_of(self._cur.meta) != key:
@@ -445,16 +529,21 @@ class Assembler:
             return None, self._fail(
                 key_of(h), f"chunk {h.seq} has {len(mv)} bytes at offset {h.offset}, expected {end - start} at {start}"
             )
-        if len(mv):
-            np.copyto(cur.array_N[start:end], np.frombuffer(mv, dtype=np.uint8))
-            cur.hasher.update(mv)
+        args = (cur.array_N[start:end], mv, meta.algo, h.digest, cur.meta_bytes if h.seq == 0 else None)
+        cur.checks.append(self._executor.submit(_copy_and_check, *args) if self._executor else _copy_and_check(*args))
         cur.next_seq += 1
         if cur.next_seq < meta.n_chunks:
             return None, None
-        if cur.hasher.digest() != h.digest:
-            return None, self._fail(key_of(h), f"digest mismatch ({meta.algo}): payload corrupt or tampered, discarded")
+        bad = [i for i, ok in enumerate(self._settle(cur)) if not ok]
+        if bad:
+            return None, self._fail(key_of(h), f"digest mismatch ({meta.algo}) in chunk {bad[0]}: payload corrupt or "
+                                               "tampered, discarded")
+        try:
+            entries = parse_layout(cur.buf_N)
+        except WeightsFormatError as exc:
+            return None, self._fail(key_of(h), f"malformed tensor table ({exc})")
         self._cur = None
-        return Completed(meta, cur.buf_N), None
+        return Completed(meta, cur.buf_N, entries), None
 
 
 def _join(a: str | None, b: str | None) -> str | None:

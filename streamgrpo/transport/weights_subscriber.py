@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgpack
@@ -14,6 +16,7 @@ import zmq
 
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_SYNC_SECONDS
 from streamgrpo.transport.keys import client_keys, server_keys
+from streamgrpo.transport.weight_sync import WeightSyncClient
 from streamgrpo.transport.weights_codec import (
     TOPIC,
     TOPIC_BEAT,
@@ -22,7 +25,9 @@ from streamgrpo.transport.weights_codec import (
     VersionMeta,
     WeightsFormatError,
     decode_header,
+    default_hash_threads,
     endpoint,
+    ipc_endpoints,
     key_of,
     newer,
     report_error,
@@ -43,13 +48,16 @@ class _Fetch:
     outstanding: int = 1
 
 
-class WeightSubscriber:
+class WeightSubscriber(WeightSyncClient):
     """Generator side: a background thread receives, verifies and parks the newest version.
 
     ``poll()`` hands out only complete, digest-verified versions newer than the last one it
     returned. Lost or corrupt versions are counted in ``streamgrpo_errors_total{kind="weights"}``
     and repaired from the snapshot endpoint, which is also asked at start-up (late joiners).
     ``pin_memory=True`` receives into pinned buffers (fast, asynchronous copies to a CUDA model).
+    Chunks are copied into preallocated receive buffers and hashed by ``copy_threads`` worker
+    threads, off the receiving thread. ``ipc_dir`` connects to the publisher's ``ipc://`` sockets
+    there instead of TCP (generators on the learner's host).
     """
 
     def __init__(
@@ -65,7 +73,10 @@ class WeightSubscriber:
         repair_delay_s: float = 0.2,
         retry_s: float = 0.5,
         snapshot_timeout_s: float = 10.0,
+        copy_threads: int | None = None,
+        ipc_dir: str | os.PathLike | None = None,
     ):
+
         self.pin_memory = pin_memory
         self.credit = max(1, snapshot_credit)
         self.repair_delay_s, self.retry_s, self.snapshot_timeout_s = repair_delay_s, retry_s, snapshot_timeout_s
@@ -86,8 +97,13 @@ class WeightSubscriber:
                 s.curve_secretkey = secret
         self._sub.subscribe(TOPIC)
         self._sub.subscribe(TOPIC_BEAT)
-        self._sub.connect(endpoint(connect_host, pub_port))
-        self._dealer.connect(endpoint(connect_host, snapshot_port))
+        if ipc_dir is not None:
+            pub_ep, snap_ep = ipc_endpoints(ipc_dir)
+        else:
+            pub_ep, snap_ep = endpoint(connect_host, pub_port), endpoint(connect_host, snapshot_port)
+        self._sub.connect(pub_ep)
+        self._dealer.connect(snap_ep)
+        self._pool = ThreadPoolExecutor(copy_threads or default_hash_threads(), thread_name_prefix="weights-recv")
         self._wake_addr = f"inproc://weights-sub-{secrets.randbits(62)}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_addr)
@@ -101,7 +117,7 @@ class WeightSubscriber:
         self._closing = False
         self._spares: list[torch.Tensor] = []  # receive buffers ready for reuse (at most 2)
         self._returned: torch.Tensor | None = None  # buffer of the version poll() last returned
-        self._pub_asm = Assembler(self._alloc, self._release)
+        self._pub_asm = Assembler(self._alloc, self._release, self._pool)
         self._fetch: _Fetch | None = None
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
@@ -112,7 +128,8 @@ class WeightSubscriber:
 
     @classmethod
     def from_config(cls, cfg, client_key: str | None = None, **kw) -> WeightSubscriber:
-        """Build from a :class:`streamgrpo.config.WeightsConfig` (``client_key``: e.g. ``client-3``)."""
+        """Build from a :class:`streamgrpo.config.WeightsConfig` (``client_key``: e.g. ``client-3``;
+        ``ipc_dir``: connect over ipc:// there)."""
         return cls(cfg.connect_host, cfg.pub_port, cfg.snapshot_port, cfg.curve_keys_dir, client_key, **kw)
 
     # -- caller thread ---------------------------------------------------------------------
@@ -121,7 +138,7 @@ class WeightSubscriber:
 
         The tensors are CPU views into one receive buffer; they stay valid until
         :meth:`mark_applied` hands that buffer back (``release=True``), so copy them (e.g. with
-        :func:`~streamgrpo.transport.weights_apply.apply_to_model`) before calling it.
+        :func:`~streamgrpo.models.apply.apply_to_model`) before calling it.
         """
         with self._cv:
             self._cv.wait_for(lambda: self._ready is not None or self._closing, max(0.0, timeout_s))
@@ -178,6 +195,7 @@ class WeightSubscriber:
             self._wake_push.send(b"", zmq.NOBLOCK)
             self._cv.notify_all()
         self._thread.join(5.0)
+        self._pool.shutdown(wait=True)
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> WeightSubscriber:
@@ -313,7 +331,7 @@ class WeightSubscriber:
             self._fetch_due = now + self.retry_s
         if self._fetch is None and self._fetch_due is not None and now >= self._fetch_due:
             self._rid += 1
-            f = _Fetch(self._rid, Assembler(self._alloc, self._release), now)
+            f = _Fetch(self._rid, Assembler(self._alloc, self._release, self._pool), now)
             if self._request(f, -1, 0):
                 self._fetch, self._fetch_due = f, None
                 self.stats["snapshot_requests"] += 1

@@ -73,7 +73,7 @@ def test_generators_receive_adapters_and_merge_them(trained, tiny_model_dir):
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.models.loading import load_model
     from streamgrpo.models.lora import make_weight_applier
-    from streamgrpo.transport.weights import apply_to_model
+    from streamgrpo.models.apply import apply_to_model
 
     learner, cfg = trained["learner"], trained["cfg"]
     sent = learner.policy_tensors()

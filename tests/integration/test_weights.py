@@ -25,13 +25,9 @@ import zmq
 from prometheus_client import REGISTRY
 
 from streamgrpo.config import WeightsConfig
-from streamgrpo.transport.weights import (
-    LoraApplier,
-    WeightPublisher,
-    WeightSubscriber,
-    apply_to_model,
-    filter_lora,
-)
+from streamgrpo.models.apply import apply_to_model
+from streamgrpo.models.lora import LoraApplier, filter_lora
+from streamgrpo.transport.weights import WeightPublisher, WeightSubscriber
 from streamgrpo.transport.weights_codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,7 +286,8 @@ def test_stalled_subscriber_does_not_slow_the_publisher_and_recovers_from_the_sn
     versions = {v: {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(v)).to(torch.bfloat16)}
                 for v in range(1, last + 1)}  # 8 MiB each, in 64 KiB chunks
     with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 16, sndhwm=16) as pub:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1")
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(pub.pub_port), str(pub.snapshot_port), str(last)],
                                  stdout=subprocess.PIPE, text=True, env=env)
         try:

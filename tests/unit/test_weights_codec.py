@@ -1,23 +1,23 @@
-"""Pure logic of the weight channel: layout, headers, digest, assembly, applying, LoRA merge, keys."""
+"""Pure logic of the weight channel: safetensors layout, headers, chunk digests, assembly, applying, LoRA merge, keys."""
 
 from __future__ import annotations
 
 import os
 import stat
 
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
 import msgpack
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamgrpo.transport.weights_apply import (
-    LoraApplier,
-    WeightsApplyError,
-    apply_to_model,
-    filter_lora,
-    merge_lora_into,
-)
+from streamgrpo.models.apply import WeightsApplyError, apply_to_model
+from streamgrpo.models.lora import LoraApplier, filter_lora, merge_lora_into
 from streamgrpo.transport.weights_codec import (
     ALIGN,
     Assembler,
@@ -31,8 +31,10 @@ from streamgrpo.transport.weights_codec import (
     iter_chunks,
     key_of,
     newer,
+    parse_layout,
     plan_layout,
     select_chunks,
+    specs_of,
     unpack_tensors,
 )
 
@@ -64,8 +66,9 @@ def _chunks(version, tensors, chunk_bytes=64, src=7):
     return [(h, bytes(p)) for h, p in iter_chunks(meta, meta_bytes, buf)]
 
 
-def _assembler(released=None):
-    return Assembler(lambda n: torch.empty(n, dtype=torch.uint8), (released.append if released is not None else None))
+def _assembler(released=None, executor=None):
+    return Assembler(lambda n: torch.empty(n, dtype=torch.uint8), (released.append if released is not None else None),
+                     executor)
 
 
 def _feed_all(asm, chunks):
@@ -76,21 +79,59 @@ def _feed_all(asm, chunks):
 
 
 # ------------------------------------------------------------------------------------ layout
-def test_layout_aligns_offsets_and_shares_tied_weights():
+def test_layout_is_a_safetensors_image_aligned_with_tied_weights_once():
     w = torch.randn(10, 3)
     tensors = {"embed.weight": w, "odd": torch.zeros(5, dtype=torch.int8), "lm_head.weight": w, "x": torch.ones(2)}
-    entries, total = plan_layout(tensors)
-    by = {e.name: e for e in entries}
-    assert all(e.offset % ALIGN == 0 for e in entries)
+    layout = plan_layout(specs_of(tensors))
+    by = {e.name: e for e in layout.entries}
+    header = len(layout.header)
+    assert header % ALIGN == 0  # the data section starts 64-byte aligned
+    assert all(e.offset % torch.empty((), dtype=v.dtype).element_size() == 0 for e, v in zip(layout.entries, tensors.values()))
     assert by["embed.weight"].offset == by["lm_head.weight"].offset  # tied: bytes travel once
-    assert total == 128 + 64 + 64  # 120 B, 5 B and 8 B, each padded to a multiple of 64
-    out = unpack_tensors(build_version(1, tensors, 64)[2], entries)
+    assert layout.nbytes == header + 120 + 8 + 5  # largest items first, no padding between tensors
+    buf = build_version(1, tensors, 64)[2]
+    out = unpack_tensors(buf, parse_layout(buf))
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
+    opened = safetensors.torch.load(bytes(buf.numpy()))  # the payload is a safetensors file as it is
+    assert sorted(opened) == ["embed.weight", "odd", "x"] and torch.equal(opened["embed.weight"], w)
+
+
+def test_export_dtype_casts_floating_tensors_only():
+    tensors = {"w": torch.randn(4, 4), "steps": torch.arange(3), "h": torch.randn(2).half()}
+    buf = build_version(1, tensors, 64, dtype=torch.bfloat16)[2]
+    out = unpack_tensors(buf, parse_layout(buf))
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], tensors["w"].to(torch.bfloat16))
+    assert out["h"].dtype == torch.bfloat16 and out["steps"].dtype == torch.int64
+    assert len(buf) < len(build_version(1, tensors, 64)[2])  # half the bytes of the fp32 master copy
 
 
 def test_layout_rejects_unsupported_dtype_naming_the_tensor():
-    with pytest.raises(TypeError, match="'z'.*complex64"):
-        plan_layout({"a": torch.ones(2), "z": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(TypeError, match="'z'.*complex128"):
+        specs_of({"a": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)})
+
+
+def _payload(table: dict, data: bytes) -> bytes:
+    text = json.dumps(table).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize("table,data,msg", [
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "do not match shape"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}}, bytes(8), "outside"),
+    ({"a": {"dtype": "Q9", "shape": [3], "data_offsets": [0, 12]}}, bytes(12), "dtype"),
+    ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+      "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}}, bytes(6), "gap or overlap"),
+    ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, bytes(5), "payload has"),
+    ({"__metadata__": {"streamgrpo.aliases": '{"b": "zz"}'}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+     bytes(1), "alias"),
+])
+def test_tensor_table_validation_names_the_problem(table, data, msg):
+    with pytest.raises(WeightsFormatError, match=msg):
+        parse_layout(_payload(table, data))
+    with pytest.raises(WeightsFormatError, match="not JSON"):
+        parse_layout(struct.pack("<Q", 3) + b"{x}")
+    with pytest.raises(WeightsFormatError, match="runs past"):
+        parse_layout(struct.pack("<Q", 99) + b"{}")
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.int8,
@@ -121,13 +162,11 @@ def test_meta_round_trip_and_validation():
     assert decode_meta(meta_bytes) == meta == decode_meta(encode_meta(meta))
     d = msgpack.unpackb(meta_bytes)
     bad = [
-        ({"tensors": [["a", "float32", [3, 3], 0, 40]]}, "does not match shape"),
-        ({"tensors": [["a", "float32", [30, 3], 0, 360]]}, "outside payload"),
-        ({"tensors": [["a", "complex", [3], 0, 12]]}, "dtype"),
         ({"algo": "md5"}, "digest algorithm"),
         ({"n": 99}, "n_chunks"),
         ({"version": -1}, "'version'"),
-        ({"fmt": 2}, "format"),
+        ({"ts": "noon"}, "publish time"),
+        ({"fmt": 1}, "format"),
     ]
     for patch, msg in bad:
         with pytest.raises(WeightsFormatError, match=msg):
@@ -137,13 +176,13 @@ def test_meta_round_trip_and_validation():
 
 
 def test_header_round_trip_and_validation():
-    h = ChunkHeader(3, 4, 0, 2, 0, 10, meta=b"m", digest=None, req=8)
+    h = ChunkHeader(3, 4, 0, 2, 0, 10, digest=b"d", meta=b"m", req=8)
     assert decode_header(encode_header(h)) == h
     for d, msg in [
         ({"v": 1, "s": 0, "q": 2, "n": 2, "o": 0, "l": 1, "d": b"x"}, "seq 2 >= n_chunks"),
-        ({"v": 1, "s": 0, "q": 0, "n": 2, "o": 0, "l": 1}, "meta must travel with chunk 0"),
-        ({"v": 1, "s": 0, "q": 1, "n": 2, "o": 0, "l": 1}, "digest must travel with the last chunk"),
-        ({"v": "1", "s": 0, "q": 0, "n": 1, "o": 0, "l": 1}, "'v'"),
+        ({"v": 1, "s": 0, "q": 0, "n": 2, "o": 0, "l": 1, "d": b"x"}, "meta must travel with chunk 0"),
+        ({"v": 1, "s": 0, "q": 1, "n": 2, "o": 0, "l": 1}, "no chunk digest"),
+        ({"v": "1", "s": 0, "q": 0, "n": 1, "o": 0, "l": 1, "d": b"x", "m": b""}, "'v'"),
     ]:
         with pytest.raises(WeightsFormatError, match=msg):
             decode_header(msgpack.packb(d))
@@ -157,9 +196,11 @@ def test_newer_orders_by_version_and_treats_a_new_publisher_as_newer():
 
 
 # ----------------------------------------------------------------------------------- assembly
-def test_assembler_rebuilds_a_version_and_a_later_one():
+@pytest.mark.parametrize("threads", [0, 3], ids=["inline", "worker_threads"])
+def test_assembler_rebuilds_a_version_and_a_later_one(threads):
     t = _sample_tensors()
-    asm = _assembler()
+    pool = ThreadPoolExecutor(threads) if threads else None
+    asm = _assembler(executor=pool)
     chunks = _chunks(1, t) + _chunks(2, {"x": torch.arange(100)})
     assert len(chunks) > 10
     done, drops = _feed_all(asm, chunks)
@@ -174,21 +215,36 @@ def test_empty_version_round_trips():
     assert drops == [] and done[0].meta.version == 4 and done[0].tensors() == {}
 
 
-def test_flipped_payload_byte_is_rejected_once():
+@pytest.mark.parametrize("threads", [0, 2], ids=["inline", "worker_threads"])
+@pytest.mark.parametrize("where", [0, 3], ids=["tensor_table", "tensor_bytes"])
+def test_flipped_payload_byte_is_rejected_once(where, threads):
     chunks = _chunks(1, _sample_tensors())
-    h, p = chunks[3]
-    chunks[3] = (h, p[:5] + bytes([p[5] ^ 0x01]) + p[6:])
+    h, p = chunks[where]
+    chunks[where] = (h, p[:9] + bytes([p[9] ^ 0x01]) + p[10:])
     released = []
-    done, drops = _feed_all(_assembler(released), chunks)
-    assert done == [] and len(drops) == 1 and "digest mismatch" in drops[0] and len(released) == 1
+    pool = ThreadPoolExecutor(threads) if threads else None
+    done, drops = _feed_all(_assembler(released, pool), chunks)
+    assert done == [] and len(drops) == 1 and f"digest mismatch (xxh3_128) in chunk {where}" in drops[0]
+    assert len(released) == 1
+
+
+def test_well_hashed_but_malformed_tensor_table_is_rejected():
+    from streamgrpo.transport.weights_codec import VersionMeta, iter_chunks as chunks_of
+
+    payload = _payload({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
+    meta = VersionMeta(1, 7, len(payload), 16, -(-len(payload) // 16), 0.0, "xxh3_128")
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    chunks = [(h, bytes(c)) for h, c in chunks_of(meta, encode_meta(meta), buf)]
+    done, drops = _feed_all(_assembler(), chunks)
+    assert done == [] and "malformed tensor table" in drops[0] and "do not match shape" in drops[0]
 
 
 def test_flipped_meta_byte_is_rejected():
     chunks = _chunks(1, {"a": torch.ones(40)})
     h, p = chunks[0]
-    meta = bytearray(h.meta)
-    meta[meta.index(b"\xa1a") + 1] = ord("b")  # rename the tensor: still valid msgpack, digest must catch it
-    chunks[0] = (ChunkHeader(h.version, h.src, h.seq, h.n_chunks, h.offset, h.size, bytes(meta), h.digest), p)
+    meta = msgpack.unpackb(h.meta)
+    meta["ts"] = 999.0  # still a valid meta record: the chunk-0 digest covers it
+    chunks[0] = (ChunkHeader(h.version, h.src, h.seq, h.n_chunks, h.offset, h.size, h.digest, msgpack.packb(meta)), p)
     done, drops = _feed_all(_assembler(), chunks)
     assert done == [] and len(drops) == 1 and "digest mismatch" in drops[0]
 
@@ -217,7 +273,7 @@ def test_chunk_of_wrong_size_is_rejected():
 
 
 def test_select_chunks_skips_superseded_versions():
-    v = {n: [h for h, _ in _chunks(n, {"a": torch.ones(40)}, chunk_bytes=48)] for n in (1, 2, 3)}
+    v = {n: [h for h, _ in _chunks(n, {"a": torch.ones(40)}, chunk_bytes=72)] for n in (1, 2, 3)}
     assert len(v[1]) == 4
     # complete v1, complete v2, partial v3: keep from v2 (newest complete) on
     batch = v[1] + v[2] + v[3][:2]

@@ -1,0 +1,136 @@
+"""The weight-sync interface: how new policy versions get from the learner to the generators.
+
+Two small abstract classes, one per side, and one implementation per backend (today: ZeroMQ over
+TCP or, for generators on the learner's host, ``ipc://``; see :mod:`.weights`). The learner and the
+generator loops see only these methods::
+
+    sync = publisher_from_config(cfg)                # learner rank 0
+    sync.publish(version, named_tensors, dtype=torch.bfloat16)   # returns once the bytes are safe to overwrite
+    ...
+    client = subscriber_from_config(cfg, client_key) # each generator
+    got = client.request_snapshot(10.0)              # late joiner: the latest version now
+    got = client.poll()                              # (version, tensors) or None, between batches
+    if got: engine.load_weights(*got); client.mark_applied()
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from streamgrpo.transport.weights_codec import TensorSpec
+
+
+class VersionWriter(ABC):
+    """One version being written (ZeRO-3 writes it bucket by bucket, as partitions are gathered)."""
+
+    @abstractmethod
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one tensor in (cast to its spec's dtype); a CUDA tensor is copied asynchronously."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Wait until every tensor written so far has been copied (then its memory may be freed)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Every tensor is written: the version may go out whole. The tensors may be modified afterwards."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give the version up (it is never sent)."""
+
+
+class WeightSync(ABC):
+    """Learner side: publish versions; serve the latest one to late joiners."""
+
+    @abstractmethod
+    def begin(self, version: int, specs: Sequence[TensorSpec], *, cuda: bool = False) -> VersionWriter:
+        """Start a version whose tensors are described by ``specs``."""
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> None:
+        """Send ``tensors`` as ``version`` (floating ones cast to ``dtype`` when given). Returns once the
+        tensors may be overwritten; the sending goes on in the background, and a newer version
+        replaces one not yet started."""
+        from streamgrpo.transport.weights_codec import specs_of
+
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")
+        specs = specs_of(tensors, dtype)
+        writer = self.begin(version, specs, cuda=any(t.is_cuda for t in tensors.values()))
+        try:
+            for s in specs:
+                writer.write(s.name, tensors[s.name])
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    @property
+    @abstractmethod
+    def latest_version(self) -> int | None:
+        """The newest version fully handed over (the one late joiners get)."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every published version has been handed over; False on timeout."""
+
+    @abstractmethod
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WeightSyncClient(ABC):
+    """Generator side: the newest complete, verified version, whole or not at all."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest verified version not returned yet, waiting up to ``timeout_s``; else None."""
+
+    @abstractmethod
+    def request_snapshot(self, timeout_s: float = 10.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Ask for the latest version now and wait for it (late joiners, restarts)."""
+
+    @abstractmethod
+    def mark_applied(self, release: bool = True) -> float | None:
+        """The last returned version is in use; returns publish-to-applied seconds."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int | None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ipc_dir_of(cfg) -> Path | None:
+    """Where ``weights.transport=ipc`` puts its sockets: ``<run_dir>/ipc`` (None for tcp)."""
+    return Path(cfg.run_dir) / "ipc" if cfg.weights.transport == "ipc" else None
+
+
+def publisher_from_config(cfg, **kw) -> WeightSync:
+    """The learner's weight channel for a :class:`streamgrpo.config.Config`."""
+    from streamgrpo.transport.weights import WeightPublisher
+
+    return WeightPublisher.from_config(cfg.weights, ipc_dir=ipc_dir_of(cfg), **kw)
+
+
+def subscriber_from_config(cfg, client_key: str | None = None, **kw) -> WeightSyncClient:
+    """A generator's weight channel for a :class:`streamgrpo.config.Config`."""
+    from streamgrpo.transport.weights_subscriber import WeightSubscriber
+
+    return WeightSubscriber.from_config(cfg.weights, client_key=client_key, ipc_dir=ipc_dir_of(cfg), **kw)
