@@ -102,12 +102,12 @@ def cmd_data_demo(args) -> int:
 def cmd_model_tiny(args) -> int:
     from streamgrpo.models.tiny import build_tiny
 
-    out = build_tiny(args.out, arch=args.arch, seed=args.seed)
+    out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size)
     if args.warm_format:
         from streamgrpo.models.warm import warm_format
 
         warm_format(out, seed=args.seed, steps=args.warm_steps)
-    print(f"tiny {args.arch} model written to {out}")
+    print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0
 
 
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["tiny", "3b", "7b"], default="tiny",
+                   help="tiny (tests, demo) or Qwen2.5-VL's real 3B/7B layer sizes with random weights (GPU measurements)")
     p.add_argument("--warm-format", action="store_true", help="teach the answer format (not the answers) on demo prompts")
     p.add_argument("--warm-steps", type=int, default=60)
     p.set_defaults(func=cmd_model_tiny)

@@ -16,6 +16,19 @@ import json
 from pathlib import Path
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
+SIZES = ("tiny", "3b", "7b")
+# Qwen2.5-VL-3B/7B-Instruct's published configs (layer sizes only; random weights, our tokenizer's
+# special-token ids): for GPU measurements at real size without downloading anything.
+REAL_SIZES = {
+    "3b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2),
+               vision=dict(out_hidden_size=2048), tie=True),
+    "7b": dict(text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4),
+               vision=dict(out_hidden_size=3584), tie=False),
+}
+_REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+                    fullatt_block_indexes=[7, 15, 23, 31])
 
 # Special tokens of the Qwen chat/vision format, in Qwen's own order, then the reasoning tags.
 SPECIAL_TOKENS = [
@@ -124,7 +137,7 @@ def _train_tokenizer(vocab_size: int = 640):
     return hf_tok
 
 
-def _model_config(arch: str, tokenizer):
+def _model_config(arch: str, tokenizer, size: str = "tiny"):
     vocab = len(tokenizer)
     vocab_padded = ((vocab + 63) // 64) * 64
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -147,6 +160,8 @@ def _model_config(arch: str, tokenizer):
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
+    if size != "tiny" and arch != "qwen2_5_vl":
+        raise ValueError(f"size {size!r} is available for qwen2_5_vl only")
     if arch == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
@@ -155,6 +170,12 @@ def _model_config(arch: str, tokenizer):
             depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14, spatial_merge_size=2,
             temporal_patch_size=2, window_size=56, out_hidden_size=128, fullatt_block_indexes=[1], tokens_per_second=2,
         )
+        if size != "tiny":
+            real = REAL_SIZES[size]
+            text.update(real["text"], max_position_embeddings=128000)
+            text["rope_parameters"]["mrope_section"] = [16, 24, 24]
+            vision.update(_REAL_VISION, **real["vision"])
+            common["tie_word_embeddings"] = real["tie"]
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
@@ -196,21 +217,30 @@ def _processor(arch: str, tokenizer):
                             chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0) -> Path:
-    """Write a tiny random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path."""
+def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path.
+
+    ``size="tiny"`` (~0.6M parameters, float32, deterministic per seed) for tests and the demo;
+    ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes in bfloat16, initialised on CUDA when there is one
+    (GPU measurements at real size)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
-    config = _model_config(arch, tokenizer)
+    config = _model_config(arch, tokenizer, size)
     state = torch.random.get_rng_state()
+    device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
     try:
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        with torch.device(device):
+            model = AutoModelForImageTextToText.from_config(
+                config, dtype=torch.float32 if size == "tiny" else torch.bfloat16)
     finally:
         torch.random.set_rng_state(state)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
