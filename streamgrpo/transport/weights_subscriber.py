@@ -121,6 +121,7 @@ class WeightSubscriber(WeightSyncClient):
         self._fetch: _Fetch | None = None
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
+        self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
         self._rid = 0
         self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0, "beats": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
@@ -285,6 +286,10 @@ class WeightSubscriber(WeightSyncClient):
                 self._dropped(f"weights: malformed message ({exc})", repair=True)
                 continue
             WEIGHT_BYTES.inc(len(frames[2]))
+            if h.seq == 0:
+                self._joined = True
+            elif not self._joined:
+                continue  # subscribed in the middle of a version: its tail is no loss (the snapshot covers it)
             if newer(h, self._have):  # older or already-held versions cost nothing
                 batch.append((h, frames[2]))
         if batch:
