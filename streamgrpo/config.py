@@ -332,6 +332,8 @@ class WeightsConfig(_Section):
     """How generators reach the weight sockets: tcp (any host), or ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well)."""
     send_frozen: bool = False
     """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
+    host_buffers: int = Field(3, ge=2, le=16)
+    """Pinned host buffers of the learner's CUDA export (one version each, pinned once at the first publish): the latest version, the one going out, one spare."""
     io_threads: int = Field(1, ge=1, le=64)
     """ZeroMQ I/O threads of the learner's weight sockets (more help when many subscribers pull at once on a many-core host)."""
 

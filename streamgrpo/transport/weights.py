@@ -207,6 +207,7 @@ class WeightPublisher(WeightSync):
         ipc_dir: str | os.PathLike | None = None,
         hash_threads: int | None = None,
         io_threads: int = 1,
+        host_buffers: int = 3,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.algo = algo
@@ -254,6 +255,9 @@ class WeightPublisher(WeightSync):
         self._closing = False
         self.versions_sent = 0
         self.superseded = 0  # versions replaced before they started going out
+        self.host_buffers = max(2, host_buffers)
+        self._pinned = 0
+        self.reclaimed = 0  # pinned buffers taken back from a lagging subscriber's queue
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
         self._thread.start()
 
@@ -315,6 +319,7 @@ class WeightPublisher(WeightSync):
     def from_config(cls, cfg, **kw) -> WeightPublisher:
         """Build from a :class:`streamgrpo.config.WeightsConfig`."""
         kw.setdefault("io_threads", cfg.io_threads)
+        kw.setdefault("host_buffers", cfg.host_buffers)
         return cls(cfg.bind_host, cfg.pub_port, cfg.snapshot_port, cfg.chunk_mib, cfg.curve_keys_dir, cfg.sndhwm, **kw)
 
     # -- caller thread ---------------------------------------------------------------------
@@ -367,18 +372,43 @@ class WeightPublisher(WeightSync):
 
     # -- buffers -------------------------------------------------------------------------------
     def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A host buffer for a new version. Pinned buffers are few and reused: pinning several GB costs
+        seconds, so at most ``host_buffers`` exist (all made at the first version, before training
+        starts). When none is free, the oldest retired version's buffer is taken back even though a
+        lagging subscriber's queue may still point into it: that subscriber then fails the chunk
+        digest and repairs from the snapshot, and the learner never waits."""
+        fits = lambda b: nbytes <= b.numel() <= 2 * nbytes + (1 << 16) and b.is_pinned() == pinned  # noqa: E731
         with self._lock:
             still = []
             for v in self._retired:
                 (self._free.append(v.base) if v.released() else still.append(v))
             self._retired = still
             for i, b in enumerate(self._free):
-                if nbytes <= b.numel() <= 2 * nbytes + (1 << 16) and b.is_pinned() == pinned:
+                if fits(b):
                     return self._free.pop(i)
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            if pinned and self._pinned >= self.host_buffers:
+                for i, v in enumerate(self._retired):
+                    if fits(v.base):
+                        self.reclaimed += 1
+                        return self._retired.pop(i).base
+            if pinned:
+                self._pinned += 1
+                spares = self.host_buffers - self._pinned if self._pinned == 1 else 0
+        base = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        if pinned and spares > 0:  # the first version: pin the others now, not in the middle of training
+            t0 = time.perf_counter()
+            made = [torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True) for _ in range(spares)]
+            with self._lock:
+                self._pinned += len(made)
+                self._free.extend(made)
+            log.info("weights: %d pinned host buffers of %.2f GB ready (%.1fs)", spares + 1, nbytes / 1e9,
+                     time.perf_counter() - t0)
+        return base
 
     def _free_buffer(self, base: torch.Tensor) -> None:  # lock held
-        self._free = [base, *self._free][:2]
+        pinned = [b for b in [base, *self._free] if b.is_pinned()]
+        pageable = [b for b in [base, *self._free] if not b.is_pinned()][:2]
+        self._free = pinned + pageable
 
     # -- background thread ---------------------------------------------------------------------
     def _serve(self) -> None:
