@@ -7,9 +7,10 @@ synthetic groups: ``--groups`` per step of G=8 completions x ``--completion-len`
 ``--frames``-frame 448x448 video prompt (2048 video tokens at 16 frames). Then:
 
 * ``step_s``: a training step alone (median of ``--steps``).
-* ``cycle_stall_s``: learner-visible cost of publishing a version every step: (median time of a
-  step followed by ``learner.publish``) - ``step_s``; the next step's kernels wait for the
-  device->host copies. Goal: <= 0.3 of ``step_s``.
+* ``cycle_stall_s``: learner-visible cost of publishing a version: median of (``learner.publish`` +
+  the step that runs behind its device->host copies) - median of a plain step, in interleaved pairs
+  (so drifting step times hit both). Goal: <= 0.3 of ``step_s``. The loop before it publishes after
+  every step, which is what the latency below is measured on.
 * ``publish_call_s``: how long ``learner.publish`` blocks the Python thread.
 * ``export_gpu_s``: ``learner.publish`` followed by a CUDA synchronise: the whole cast + device->host
   copy of a version (an upper bound of the stall).
@@ -167,7 +168,7 @@ def run(a) -> dict:
     pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib=a.chunk_mib, ipc_dir=tmp, io_threads=a.io_threads)
     transports = [t for t in a.transports.split(",") if t]
     n_cycles = a.steps
-    per_transport = 2 + n_cycles  # a warm-up version, one export-only version, then one per cycle
+    per_transport = 2 + 2 * n_cycles  # a warm-up version, one export-only version, one per step, one per pair
     res["transports"] = {}
     version = learner.state.version
     for transport in transports:
@@ -195,13 +196,30 @@ def run(a) -> dict:
             calls.append(time.perf_counter() - t1)
         step()
         sync()
-        stall = (time.perf_counter() - t0 - (n_cycles + 1) * step_s) / n_cycles
-        while applied[-1]["version"] < last:  # versions overtaken in flight are skipped by the subscriber
+        stall_loop = (time.perf_counter() - t0 - (n_cycles + 1) * step_s) / n_cycles
+        while applied[-1]["version"] < last - n_cycles:  # versions overtaken in flight are skipped by the subscriber
+            applied.append(_read(child, "applied"))
+        # the stall, paired: a plain step, then (publish + the step behind its copies), medians of each
+        plain, behind = [], []
+        for k in range(n_cycles):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            learner.publish(pub, last - n_cycles + 1 + k)
+            step()
+            sync()
+            behind.append(time.perf_counter() - t0)
+        stall = statistics.median(behind) - statistics.median(plain)
+        while applied[-1]["version"] < last:
             applied.append(_read(child, "applied"))
         child.wait(60)
         lat = [m["applied"] - m["published_at"] for m in applied]
         res["transports"][transport] = {
-            "stall_s": stall, "publish_call_s": calls, "export_gpu_s": export_s, "applied_latency_s": lat,
+            "stall_s": stall, "stall_every_step_s": stall_loop, "plain_step_s": plain, "publish_and_step_s": behind,
+            "publish_call_s": calls, "export_gpu_s": export_s, "applied_latency_s": lat,
             "apply_s": [m["applied"] - m["received"] for m in applied], "first": first, "stats": applied[-1]["stats"],
         }
         version = last
@@ -246,7 +264,8 @@ def main() -> int:
     for transport, r in res["transports"].items():
         stall = max(0.0, r["stall_s"])
         figures.append(emit(figure(f"cycle_stall_{transport}_s", stall, step_s, unit="s",
-                                   note="a step + publish minus a step; baseline: the step. Goal: ratio <= 0.3")))
+                                   note="publish + step minus a plain step (paired medians); baseline: the step. "
+                                        "Goal: ratio <= 0.3")))
         figures.append(emit(figure(f"publish_call_{transport}_s", statistics.median(r["publish_call_s"]), step_s,
                                    unit="s", note="Python-thread block of learner.publish; baseline: the step")))
         figures.append(emit(figure(f"export_gpu_{transport}_s", r["export_gpu_s"], res["export_fp32_pageable_s"],
