@@ -367,8 +367,9 @@ def main() -> None:
                 figures.append(emit(figure(f"apply_pause_{name}_s", pause, ours_s, unit="s",
                                            note="baseline: the transfer time of a version")))
                 results["runs"][name] = {
-                    "mib": mib, "subs": n, "transport": mode, "weights_GBps": gbps, "raw_GBps": raw_gbps, "ratio": ratio,
-                    "applied_s": applied, "apply_pause_s": pause, "transfer_s": ours_s, "publish_call_s": call, **res,
+                    **res, "ratios": res["ratio"], "mib": mib, "subs": n, "transport": mode, "weights_GBps": gbps,
+                    "raw_GBps": raw_gbps, "ratio": ratio, "applied_s": applied, "apply_pause_s": pause,
+                    "transfer_s": ours_s, "publish_call_s": call,
                 }
     costs = cpu_costs(min(sizes))
     results["cpu_costs"] = costs

@@ -249,6 +249,7 @@ class WeightPublisher(WeightSync):
         self._cv = threading.Condition(self._lock)
         self._pending: _Version | None = None
         self._sending = False
+        self._current: _Version | None = None  # the version the sender works on
         self._latest: _Version | None = None
         self._retired: list[_Version] = []
         self._free: list[torch.Tensor] = []
@@ -350,6 +351,13 @@ class WeightPublisher(WeightSync):
         latest = self._latest
         return latest.meta.version if latest is not None else None
 
+    @property
+    def in_flight(self) -> int | None:
+        """The version the sender thread is sending now (waiting for its bytes included), if any."""
+        with self._cv:
+            cur = self._current
+            return cur.meta.version if cur is not None and self._sending else None
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every published version has been handed to ZeroMQ; False on timeout."""
         with self._cv:
@@ -424,6 +432,7 @@ class WeightPublisher(WeightSync):
                 with self._cv:
                     job, self._pending = self._pending, None
                     self._sending = job is not None
+                    self._current = job
                     if job is None and self._closing:
                         return
                 if job is not None:

@@ -71,9 +71,9 @@ def test_only_adapters_train_and_the_reference_is_the_base(trained):
 
 def test_generators_receive_adapters_and_merge_them(trained, tiny_model_dir):
     from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.models.apply import apply_to_model
     from streamgrpo.models.loading import load_model
     from streamgrpo.models.lora import make_weight_applier
-    from streamgrpo.models.apply import apply_to_model
 
     learner, cfg = trained["learner"], trained["cfg"]
     sent = learner.policy_tensors()

@@ -7,6 +7,8 @@ Real ZeroMQ sockets on loopback; every assertion is about order or content, none
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -17,8 +19,6 @@ WAIT_S = 30.0
 
 
 def _wait_version(sub, version: int, timeout: float = WAIT_S):
-    import time
-
     end = time.monotonic() + timeout
     seen = []
     while time.monotonic() < end:
@@ -30,71 +30,81 @@ def _wait_version(sub, version: int, timeout: float = WAIT_S):
     raise AssertionError(f"subscriber never got version {version} (saw {seen}, stats {sub.stats})")
 
 
+def _until(pred, what: str, timeout: float = WAIT_S) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": torch.randn(64, 64, generator=g) for i in range(8)}  # 8 x 16 KiB in 4 KiB chunks
 
 
-def test_publish_is_in_flight_while_the_caller_works_on_and_sends_the_bytes_of_its_time(weight_subscriber_factory):
+@pytest.fixture
+def channel(weight_subscriber_factory):
+    """A publisher (4 KiB chunks) and a subscriber that already holds version 1."""
+    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=4 / 1024) as pub:
+        sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
+        pub.publish(1, _tensors(1))
+        _wait_version(sub, 1)
+        yield pub, sub
+
+
+def test_publish_is_in_flight_while_the_caller_goes_on_and_what_went_out_is_what_was_written(channel):
     """begin/write/commit: chunks of the written half go out before the rest is written; tensors changed
     after their write (an optimizer step) do not change what is sent."""
-    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=4 / 1024) as pub:
-        sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
-        pub.publish(1, _tensors(0))
-        _wait_version(sub, 1)
-        t = _tensors(2)
-        expected = {k: v.clone() for k, v in t.items()}
-        writer = pub.begin(2, specs_of(t))
-        names = list(t)
+    pub, sub = channel
+    t = _tensors(2)
+    expected = {k: v.clone() for k, v in t.items()}
+    writer = pub.begin(2, specs_of(t))
+    names = list(t)
+    for name in names[:4]:
+        writer.write(name, t[name])
+    _until(lambda: pub.in_flight == 2, "the sender to take version 2")
+    assert not pub.flush(0.2)  # version 2 is in flight: the sender waits for the rest ...
+    assert pub.latest_version == 1 and sub.poll(0.2) is None  # ... and nobody has it yet
+    with torch.no_grad():
         for name in names[:4]:
-            writer.write(name, t[name])
-        assert not pub.flush(0.2)  # version 2 is in flight: the sender waits for the rest ...
-        assert pub.latest_version == 1 and sub.poll(0.2) is None  # ... and nobody has it yet
-        with torch.no_grad():
-            for name in names[:4]:
-                t[name].add_(1.0)  # "the next optimizer step" while the publish is in flight
-        for name in names[4:]:
-            writer.write(name, t[name])
-        writer.commit()
-        (version, got), _ = _wait_version(sub, 2)
-        assert version == 2 and all(torch.equal(got[k], expected[k]) for k in t)
-        assert pub.flush(WAIT_S) and pub.latest_version == 2
+            t[name].add_(1.0)  # "the next optimizer step" while the publish is in flight
+    for name in names[4:]:
+        writer.write(name, t[name])
+    writer.commit()
+    (version, got), _ = _wait_version(sub, 2)
+    assert version == 2 and all(torch.equal(got[k], expected[k]) for k in t)
+    assert pub.flush(WAIT_S) and pub.latest_version == 2
 
 
-def test_a_newer_version_replaces_one_that_has_not_started(weight_subscriber_factory):
-    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=4 / 1024) as pub:
-        sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
-        pub.publish(1, _tensors(1))
-        _wait_version(sub, 1)
-        a = _tensors(10)
-        writer = pub.begin(10, specs_of(a))  # the sender takes version 10 and waits for its bytes
-        writer.write("w0", a["w0"])
-        assert not pub.flush(0.2)
-        pub.publish(11, _tensors(11))  # queued behind 10 ...
-        pub.publish(12, _tensors(12))  # ... and replaced before it started: never sent
-        assert pub.superseded == 1
-        for name in list(a)[1:]:
-            writer.write(name, a[name])
-        writer.commit()
-        (version, got), seen = _wait_version(sub, 12)
-        assert version == 12 and all(torch.equal(got[k], v) for k, v in _tensors(12).items())
-        assert 11 not in seen and pub.versions_sent == 3  # 1, 10, 12
+def test_a_newer_version_replaces_one_that_has_not_started(channel):
+    pub, sub = channel
+    a = _tensors(10)
+    writer = pub.begin(10, specs_of(a))  # the sender takes version 10 and waits for its bytes
+    writer.write("w0", a["w0"])
+    _until(lambda: pub.in_flight == 10, "the sender to take version 10")
+    pub.publish(11, _tensors(11))  # queued behind 10 ...
+    pub.publish(12, _tensors(12))  # ... and replaced before it started: never sent
+    assert pub.superseded == 1
+    for name in list(a)[1:]:
+        writer.write(name, a[name])
+    writer.commit()
+    (version, got), seen = _wait_version(sub, 12)
+    assert version == 12 and all(torch.equal(got[k], v) for k, v in _tensors(12).items())
+    assert 11 not in seen and pub.versions_sent == 3  # 1, 10, 12
 
 
-def test_an_aborted_version_is_never_applied(weight_subscriber_factory):
-    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=4 / 1024) as pub:
-        sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
-        pub.publish(1, _tensors(1))
-        _wait_version(sub, 1)
-        t = _tensors(2)
-        writer = pub.begin(2, specs_of(t))
-        writer.write("w0", t["w0"])
-        writer.abort()
-        with pytest.raises(TypeError, match="'bad'"):
-            pub.publish(3, {**_tensors(3), "bad": [1, 2]})  # a caller error never reaches the wire
-        pub.publish(4, _tensors(4))
-        (version, got), seen = _wait_version(sub, 4)
-        assert seen == [4] and pub.latest_version == 4
+def test_an_aborted_version_is_never_applied(channel):
+    pub, sub = channel
+    t = _tensors(2)
+    writer = pub.begin(2, specs_of(t))
+    writer.write("w0", t["w0"])
+    writer.abort()
+    with pytest.raises(TypeError, match="'bad'"):
+        pub.publish(3, {**_tensors(3), "bad": [1, 2]})  # a caller error never reaches the wire
+    pub.publish(4, _tensors(4))
+    (version, got), seen = _wait_version(sub, 4)
+    assert seen == [4] and pub.latest_version == 4
 
 
 def test_ipc_transport_delivers_to_a_same_host_generator(tmp_path, weight_subscriber_factory):

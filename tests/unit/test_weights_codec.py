@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
-
-import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -229,7 +228,8 @@ def test_flipped_payload_byte_is_rejected_once(where, threads):
 
 
 def test_well_hashed_but_malformed_tensor_table_is_rejected():
-    from streamgrpo.transport.weights_codec import VersionMeta, iter_chunks as chunks_of
+    from streamgrpo.transport.weights_codec import VersionMeta
+    from streamgrpo.transport.weights_codec import iter_chunks as chunks_of
 
     payload = _payload({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
     meta = VersionMeta(1, 7, len(payload), 16, -(-len(payload) // 16), 0.0, "xxh3_128")
