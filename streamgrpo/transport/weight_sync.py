@@ -61,8 +61,8 @@ class WeightSync(ABC):
             raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")
         specs = specs_of(tensors, dtype)
         writer = self.begin(version, specs, cuda=any(t.is_cuda for t in tensors.values()))
-        try:
-            for s in specs:
+        try:  # in the payload's byte order (largest elements first), so chunks go out as they are written
+            for s in sorted(specs, key=lambda s: -s.dtype.itemsize):
                 writer.write(s.name, tensors[s.name])
             writer.commit()
         except BaseException:

@@ -496,7 +496,9 @@ class WeightPublisher(WeightSync):
             job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out
         with self._cv:  # the caller may still be inside commit(): wait for it (bytes are all final)
-            self._cv.wait_for(lambda: job.committed or job.failed)
+            self._cv.wait_for(lambda: job.committed or job.failed or self._closing)
+        if not job.committed:  # aborted after its last byte: subscribers got it whole, but it is not a version
+            return self._give_up(job)
         WEIGHT_BYTES.inc(meta.nbytes)
         with self._cv:
             if self._latest is not None:
