@@ -455,11 +455,11 @@ class Learner:
 
         deepspeed = import_deepspeed()
         writer = None
-        if sync is not None and self.dist.is_main:
-            specs = [TensorSpec(n, tuple(p.ds_shape), dtype if dtype is not None and p.is_floating_point() else p.dtype)
-                     for n, p in named]
-            writer = sync.begin(version, specs, cuda=self.device.type == "cuda")
-        try:
+        try:  # rank 0 failing anywhere gives the version up (the other ranks then fail or time out in the gather)
+            if sync is not None and self.dist.is_main:
+                specs = [TensorSpec(n, tuple(p.ds_shape), dtype if dtype is not None and p.is_floating_point()
+                                    else p.dtype) for n, p in named]
+                writer = sync.begin(version, specs, cuda=self.device.type == "cuda")
             for bucket in _buckets(named, budget=1 << 28):
                 with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
                     if writer is not None:

@@ -40,13 +40,14 @@ def apply_to_model(
         missing = sorted(set(targets) - set(tensors))
         if missing:
             raise WeightsApplyError(f"weights: {len(missing)} model tensors missing from the version, e.g. {missing[:3]}")
-    cuda = False
+    devices = set()
     with torch.no_grad():
         for name, src in tensors.items():
             dst = targets[name]
             non_blocking = dst.is_cuda and src.is_pinned()
-            cuda = cuda or non_blocking
+            if non_blocking:
+                devices.add(dst.device)
             dst.copy_(src, non_blocking=non_blocking)
-    if cuda:
-        torch.cuda.synchronize()
+    for device in devices:  # the source buffer may be reused once this returns
+        torch.cuda.synchronize(device)
     return len(tensors)

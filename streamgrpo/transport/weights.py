@@ -139,6 +139,10 @@ class _Writer(VersionWriter):
             if tuple(src.shape) != e.shape:
                 raise ValueError(f"weights: {name!r} has shape {tuple(src.shape)}, its spec says {e.shape}")
             if src.is_cuda and self._stream is not None:
+                if src.device != self._stream.device:
+                    raise ValueError(f"weights: {name!r} is on {src.device}, this version's copies run on "
+                                     f"{self._stream.device} (publish from one device)")
+                self._stream.wait_stream(torch.cuda.current_stream(src.device))  # e.g. a ZeRO-3 all-gather
                 with torch.cuda.stream(self._stream):
                     if src.dtype != dst.dtype:
                         src = src.to(dst.dtype)  # cast on the GPU: half the bytes cross the bus
@@ -332,16 +336,18 @@ class WeightPublisher(WeightSync):
             raise RuntimeError("weights: publish() after close()")
         layout = plan_layout(specs)
         cuda = cuda and torch.cuda.is_available()
+        with self._cv:  # a queued version that has not started is replaced: subscribers only want the newest
+            replaced, self._pending = self._pending, None
+            if replaced is not None:  # (its buffer serves the new version: the pool never grows for it)
+                replaced.failed = True
+                self._free_buffer(replaced.base)
+                self.superseded += 1
         base = self._take_buffer(layout.nbytes, pinned=cuda)
         meta = VersionMeta(version, self.src, layout.nbytes, self.chunk_bytes,
                            n_chunks_for(layout.nbytes, self.chunk_bytes), time.time(), self.algo)
         job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes])
         with self._cv:
-            replaced, self._pending = self._pending, job
-            if replaced is not None:  # never started: subscribers only ever want the newest
-                replaced.failed = True
-                self._free_buffer(replaced.base)
-                self.superseded += 1
+            self._pending = job
             self._wake_push.send(b"", zmq.NOBLOCK)
         return _Writer(self, job, cuda)
 
@@ -446,6 +452,8 @@ class WeightPublisher(WeightSync):
                 ERRORS.labels(kind="weights").inc()
                 log.exception("weights publisher: unexpected error (continuing)")
                 with self._cv:
+                    if self._sending and self._current is not None and self._current is not self._latest:
+                        self._retired.append(self._current)  # its buffer goes back to the pool
                     self._sending = False
                     self._cv.notify_all()
 

@@ -178,9 +178,23 @@ def plan_layout(specs: Sequence[TensorSpec]) -> Layout:
     return Layout(entries, data, header, base + pos)
 
 
+_MAX_DIM = 1 << 48
+_MAX_NDIM = 32
+
+
 def parse_layout(buf) -> list[TensorEntry]:
     """Tensor table of a payload (bytes-like or uint8 tensor), validated: every tensor inside it, sizes
-    consistent, the data section covered without gaps or overlaps (as safetensors requires)."""
+    consistent, the data section covered without gaps or overlaps (as safetensors requires). Anything
+    malformed raises :class:`WeightsFormatError` and nothing else."""
+    try:
+        return _parse_layout(buf)
+    except WeightsFormatError:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise WeightsFormatError(f"weights payload: malformed tensor table ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_layout(buf) -> list[TensorEntry]:
     mv = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf).cast("B")
     if len(mv) < _LEN.size:
         raise WeightsFormatError(f"weights payload: {len(mv)} bytes, too short for a safetensors header")
@@ -198,10 +212,11 @@ def parse_layout(buf) -> list[TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     for name, d in table.items():
         where = f"weights payload tensor {name!r}"
-        if not isinstance(d, dict) or d.get("dtype") not in dtypes.BY_ST:
+        if not isinstance(d, dict) or not isinstance(d.get("dtype"), str) or d["dtype"] not in dtypes.BY_ST:
             raise WeightsFormatError(f"{where}: bad entry or dtype {d.get('dtype') if isinstance(d, dict) else d!r}")
         shape, span = d.get("shape"), d.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_DIM for s in shape):
             raise WeightsFormatError(f"{where}: bad shape {shape!r}")
         if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
             raise WeightsFormatError(f"{where}: bad data_offsets {span!r}")
@@ -221,11 +236,13 @@ def parse_layout(buf) -> list[TensorEntry]:
         pos += e.nbytes
     if pos != len(mv):
         raise WeightsFormatError(f"weights payload: tensors end at {pos}, payload has {len(mv)} bytes")
+    raw_aliases = meta.get(ALIASES_KEY, "{}") if isinstance(meta, dict) else None
     try:
-        aliases = json.loads(meta.get(ALIASES_KEY, "{}")) if isinstance(meta, dict) else None
+        aliases = json.loads(raw_aliases) if isinstance(raw_aliases, str) else None
     except ValueError:
         aliases = None
-    if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in entries for k, v in aliases.items()):
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) and v in entries
+                                                for k, v in aliases.items()):
         raise WeightsFormatError("weights payload: bad alias table (names must point at sent tensors)")
     out = list(entries.values())
     out += [TensorEntry(a, entries[t].dtype, entries[t].shape, entries[t].offset, entries[t].nbytes) for a, t in aliases.items()]
@@ -509,7 +526,11 @@ class Assembler:
                 return None, _join(note, self._fail(key, f"malformed meta ({exc})"))
             if key_of(meta) != key or meta.n_chunks != h.n_chunks:
                 return None, _join(note, self._fail(key, "chunk 0 header disagrees with its meta record"))
-            self._cur = _Partial(meta, h.meta, self._alloc(meta.nbytes))
+            try:
+                buf = self._alloc(meta.nbytes)
+            except (RuntimeError, MemoryError, ValueError) as exc:  # e.g. a meta record asking for absurd sizes
+                return None, _join(note, self._fail(key, f"cannot allocate {meta.nbytes} bytes ({exc})"))
+            self._cur = _Partial(meta, h.meta, buf)
         elif self._broken == key:
             return None, None
         elif self._cur is None or key_of(self._cur.meta) != key:

@@ -417,3 +417,25 @@ def test_generate_keys_layout_modes_and_reuse(tmp_path):
         client_keys(kf.keys_dir, "client-9")
     with pytest.raises(FileNotFoundError, match="streamgrpo keys"):
         server_keys(tmp_path / "none", secret=True)
+
+
+@pytest.mark.parametrize("table", [
+    {"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+    {"a": {"dtype": "U8", "shape": [0, 2**70], "data_offsets": [0, 0]}},
+    {"__metadata__": {"streamgrpo.aliases": ["x"]}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+    {"__metadata__": {"streamgrpo.aliases": '{"b": ["a"]}'}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+])
+def test_hostile_tensor_tables_raise_format_errors_only(table):
+    with pytest.raises(WeightsFormatError):
+        parse_layout(_payload(table, bytes(1 if "__metadata__" in table else 0)))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(WeightsFormatError):
+        parse_layout(struct.pack("<Q", len(deep)) + deep)
+
+
+def test_version_too_big_to_allocate_is_dropped_with_a_reason():
+    def refuse(n):
+        raise RuntimeError("out of memory")
+
+    done, drops = _feed_all(Assembler(refuse), _chunks(1, {"a": torch.ones(4)}))
+    assert done == [] and "cannot allocate" in drops[0] and len(drops) == 1
