@@ -275,7 +275,8 @@ def cpu_costs(mib: int) -> dict:
     """Single-thread costs of the work our path adds per version (context for the ratio on small machines)."""
     import torch
 
-    from streamgrpo.transport.weights_codec import chunk_digest, pack_into, plan_layout, specs_of
+    from streamgrpo.transport.weights_codec import chunk_digest
+    from streamgrpo.transport.weights_layout import pack_into, plan_layout, specs_of
 
     tensors, _ = _tensors(mib)
     layout = plan_layout(specs_of(tensors))

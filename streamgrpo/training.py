@@ -451,7 +451,7 @@ class Learner:
             if sync is not None and self.dist.is_main:
                 sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
             return
-        from streamgrpo.transport.weights_codec import TensorSpec
+        from streamgrpo.transport.weights_layout import TensorSpec
 
         deepspeed = import_deepspeed()
         writer = None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from streamgrpo.transport.weights_codec import TensorSpec
+from streamgrpo.transport.weights_layout import TensorSpec
 
 
 class VersionWriter(ABC):
@@ -55,7 +55,7 @@ class WeightSync(ABC):
         """Send ``tensors`` as ``version`` (floating ones cast to ``dtype`` when given). Returns once the
         tensors may be overwritten; the sending goes on in the background, and a newer version
         replaces one not yet started."""
-        from streamgrpo.transport.weights_codec import specs_of
+        from streamgrpo.transport.weights_layout import specs_of
 
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")

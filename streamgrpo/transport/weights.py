@@ -60,8 +60,6 @@ from streamgrpo.transport.weights_codec import (
     DEFAULT_ALGO,
     TOPIC,
     TOPIC_BEAT,
-    Layout,
-    TensorSpec,
     VersionMeta,
     chunk_digest,
     chunk_span,
@@ -72,10 +70,9 @@ from streamgrpo.transport.weights_codec import (
     ipc_endpoints,
     make_header,
     n_chunks_for,
-    plan_layout,
     report_error,
-    view_of,
 )
+from streamgrpo.transport.weights_layout import Layout, TensorSpec, plan_layout, view_of
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -113,6 +110,7 @@ class _Writer(VersionWriter):
     def __init__(self, pub: WeightPublisher, job: _Version, cuda: bool):
         self.pub, self.job = pub, job
         self._index = {e.name: i for i, e in enumerate(job.layout.data)}
+        self._aliases = {e.name for e in job.layout.entries} - set(self._index)  # tied names: bytes already there
         self._done = [False] * len(job.layout.data)
         self._next = 0  # first data entry not written yet
         self._marked = len(job.layout.header)  # bytes covered by marks so far
@@ -128,8 +126,8 @@ class _Writer(VersionWriter):
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         i = self._index.get(name)
-        if i is None:  # an alias of a tied tensor, or a name the specs did not have
-            if any(e.name == name for e in self.job.layout.entries):
+        if i is None:
+            if name in self._aliases:
                 return
             raise KeyError(f"weights: {name!r} is not in this version's tensor table")
         e = self.job.layout.data[i]
@@ -400,16 +398,17 @@ class WeightPublisher(WeightSync):
             for i, b in enumerate(self._free):
                 if fits(b):
                     return self._free.pop(i)
+            spares = 0
             if pinned and self._pinned >= self.host_buffers:
                 for i, v in enumerate(self._retired):
                     if fits(v.base):
                         self.reclaimed += 1
                         return self._retired.pop(i).base
             if pinned:
+                spares = self.host_buffers - 1 if self._pinned == 0 else 0
                 self._pinned += 1
-                spares = self.host_buffers - self._pinned if self._pinned == 1 else 0
         base = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-        if pinned and spares > 0:  # the first version: pin the others now, not in the middle of training
+        if spares:  # the first version: pin the others now, not in the middle of training
             t0 = time.perf_counter()
             made = [torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True) for _ in range(spares)]
             with self._lock:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from streamgrpo.transport.weights import WeightPublisher
-from streamgrpo.transport.weights_codec import specs_of
+from streamgrpo.transport.weights_layout import specs_of
 
 WAIT_S = 30.0
 

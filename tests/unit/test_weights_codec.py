@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from streamgrpo.models.apply import WeightsApplyError, apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora, merge_lora_into
 from streamgrpo.transport.weights_codec import (
-    ALIGN,
     Assembler,
     ChunkHeader,
     WeightsFormatError,
@@ -30,12 +29,9 @@ from streamgrpo.transport.weights_codec import (
     iter_chunks,
     key_of,
     newer,
-    parse_layout,
-    plan_layout,
     select_chunks,
-    specs_of,
-    unpack_tensors,
 )
+from streamgrpo.transport.weights_layout import ALIGN, parse_layout, plan_layout, specs_of, unpack_tensors
 
 
 def _bits(t: torch.Tensor) -> bytes:
