@@ -43,7 +43,8 @@ def cmd_up(args) -> int:
     cfg = _load(args)
     from streamgrpo.orchestrate import run_up
 
-    return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config)
+    return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config,
+                  resume=args.resume)
 
 
 def cmd_learner(args) -> int:
@@ -51,7 +52,9 @@ def cmd_learner(args) -> int:
     from streamgrpo.learner import run_learner
 
     if args.resume:
-        cfg.learner.resume = True
+        cfg.learner.resume, cfg.learner.fresh = True, False
+    if args.fresh:
+        cfg.learner.resume, cfg.learner.fresh = False, True
     if args.run_dir:
         cfg.run_dir = args.run_dir
     return run_learner(cfg)
@@ -142,11 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generators", type=int, default=None, help="number of generator processes (default: rollout.num_generators)")
     p.add_argument("--run-dir", default=None, help="run directory (default: run_dir from the config)")
     p.add_argument("--sync", action="store_true", help="on-policy mode: generate for version v only once v is applied")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in the run directory (default: a new run; the previous one moves to previous/)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
+    start.add_argument("--fresh", action="store_true",
+                       help="start at step 0 although the run directory has checkpoints (they move to previous/)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_learner)
 

@@ -288,6 +288,8 @@ class LearnerConfig(_Section):
     """Keep at most this many checkpoints (oldest deleted first)."""
     resume: bool = False
     """Continue from the newest checkpoint in the run directory."""
+    fresh: bool = False
+    """Start at step 0 although the run directory has checkpoints: they, metrics.jsonl and the learner's audit log are moved to <run_dir>/previous/<time>/ first. Without resume or fresh, a learner refuses to start over existing checkpoints."""
     replica_check_every: int = Field(0, ge=0)
     """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
 
@@ -308,6 +310,8 @@ class QueueConfig(_Section):
     """How long trained group ids are remembered in Redis for de-duplication."""
     max_outage_s: Optional[float] = Field(None, gt=0.0)
     """Give up with an error after Redis has been unreachable this long; null retries (with backoff) forever."""
+    max_failures: int = Field(3, ge=1, le=1000)
+    """A group whose training raised this many times (counted in Redis, across learner restarts) is dead-lettered with the last error."""
 
 
 # ------------------------------------------------------------------------------------- weights
@@ -389,12 +393,11 @@ class Config(BaseModel):
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
         out = []
-        if not self.rollout.sync and self.queue.max_pending <= self.learner.groups_per_step:
+        held = self.learner.save_steps * self.learner.groups_per_step
+        if held > 10_000:
             out.append(
-                f"queue.max_pending ({self.queue.max_pending}) <= learner.groups_per_step "
-                f"({self.learner.groups_per_step}): the groups of a step stay pending until it ends, so generators "
-                f"wait while the learner trains (no overlap); {2 * self.learner.groups_per_step} lets them "
-                "sample the next step's groups meanwhile (staleness ~1)")
+                f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages "
+                "until the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it")
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -134,7 +134,10 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 group = score_group(record, visuals, req, group_out, rewards, version=version, generator_id=name,
                                     model_id=cfg.model.name_or_path, temperature=sampling.temperature)
                 t_put = time.perf_counter()
-                if not _put(queue, group, stop, name):
+                sent = _put(queue, group, stop, name)
+                if sent is None:
+                    continue  # refused by the wire contract (logged and counted)
+                if not sent:
                     break
                 produced += 1
                 M.GROUPS.labels(event="produced").inc()
@@ -170,16 +173,22 @@ def score_group(record, visuals, req, outs, rewards, *, version: int, generator_
     )
 
 
-def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool:
+def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool | None:
     """Put under backpressure, waking every second to notice SIGTERM; after a stop request the
-    group gets ``grace_s`` more seconds to find room, then it is given up (logged)."""
+    group gets ``grace_s`` more seconds to find room, then it is given up (logged). A group the wire
+    contract refuses is logged, counted (``groups_dropped{reason=invalid}``) and skipped (None)."""
     from streamgrpo.transport.queue import QueueFull
+    from streamgrpo.wire import WireError
 
     stopped_at = None
     while True:
         try:
             queue.put(group, timeout_s=1.0)
             return True
+        except WireError as exc:  # a group the wire contract refuses (e.g. a non-finite log-prob): skip it
+            M.GROUPS_DROPPED.labels(reason="invalid").inc()
+            log.error("%s: group %s (%s) not sent: %s", name, group.group_id, group.prompt_id, exc)
+            return None
         except QueueFull:
             if stop:
                 stopped_at = stopped_at or time.monotonic()

@@ -5,17 +5,31 @@ rank is consumer ``learner-<rank>`` of the same Redis consumer group, so groups 
 ranks with no coordinator. One top-down loop per optimizer step:
 
 1. every rank takes its share (``groups_per_step / world_size``) of groups from the queue, dropping
-   stale ones (``loss.max_staleness``) and ones whose re-processed prompt ids differ from the message
-   (``mismatch``); the ranks poll in lockstep rounds and go on once every rank has its share (or all
-   stop together when any rank is asked to stop);
+   stale ones (``loss.max_staleness`` versions behind, or ahead: made by weights a resumed learner
+   rolled back), ones whose token ids the model cannot embed (dead-lettered), ones it trained before
+   (``duplicate``) and ones whose re-processed prompt ids differ from the message (``mismatch``);
+   the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
 2. :meth:`~streamgrpo.training.Learner.train_step`: advantages, log-probs (+ reference), the
-   clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.training`);
-3. bump the policy version (identical on every rank by construction); every rank marks its own
-   groups trained and acks them;
+   clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.training`). If it
+   raises or its loss is not finite, a one-rank learner probes each group alone (forward and
+   backward, nothing applied): groups that fail alone are dead-lettered (``poison``), the others
+   train in a later step. Otherwise the failure is counted per group in Redis and re-raised; a
+   group that failed ``queue.max_failures`` times is dead-lettered when next read;
+3. bump the policy version (identical on every rank by construction);
 4. rank 0 publishes weights every ``weights.sync_every`` steps (ZeRO-3 partitions are gathered
    first), writes the ``metrics.jsonl`` line (numbers of all ranks merged), sets the Prometheus
-   gauges and logs to wandb; a checkpoint every ``learner.save_steps`` and at the end/SIGTERM
-   (every rank takes part).
+   gauges and logs to wandb;
+5. every ``learner.save_steps`` steps and at the end/SIGTERM: a checkpoint (every rank takes part),
+   then each rank *commits* the groups it trained since the last one (marked trained, acked and
+   deleted in Redis, atomically).
+
+Exactly once. A group's effect becomes durable with the checkpoint that holds it, and only then is
+it committed in Redis: until then its entry stays pending and held. After a crash the learner
+resumes from the newest checkpoint, first commits what that checkpoint recorded as committing (it
+may have crashed in between), trims ``metrics.jsonl`` and its audit log back to the checkpoint's
+step, and re-reads its pending entries: the groups trained after the checkpoint are trained again,
+those in it never are. Cost: Redis keeps the messages of up to ``save_steps x groups_per_step``
+trained groups until the next checkpoint.
 
 Each rank serves ``/metrics`` (rank r on ``metrics.port + r``, or a free port when it is 0; ports in
 ``<run_dir>/ports/learner.json`` and ``learner-rank<r>.json``): counters (groups, tokens, drops,
@@ -35,12 +49,15 @@ import numpy as np
 import torch
 
 from streamgrpo import metrics as M
-from streamgrpo.config import Config
-from streamgrpo.distributed import DistInfo, gather_json, init_distributed, share
+from streamgrpo.config import Config, ConfigError
+from streamgrpo.distributed import DistInfo, barrier, broadcast_json, gather_json, init_distributed, share
 from streamgrpo.runtime import (
+    LEARNER_OUTPUTS,
     JsonlWriter,
     StopFlag,
+    archive_previous,
     queue_url,
+    rewind_jsonl,
     setup_torch_threads,
     start_metrics,
     write_json,
@@ -58,10 +75,9 @@ log = logging.getLogger("streamgrpo.learner")
 
 
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
-    from streamgrpo.checkpoint import latest_checkpoint
     from streamgrpo.models.card import model_card
     from streamgrpo.tracking import Tracker, sample_rows
-    from streamgrpo.transport.queue import QueueStopped, RedisQueue
+    from streamgrpo.transport.queue import QueueError, QueueStopped, RedisQueue
     from streamgrpo.transport.weight_sync import publisher_from_config
 
     stop = stop if stop is not None else StopFlag()
@@ -74,22 +90,27 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     ckpt_root = run_dir / "checkpoints"
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
+    found = start_point(cfg, run_dir, dist)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
-    if cfg.learner.resume:
-        from streamgrpo.distributed import broadcast_json
-
-        found = broadcast_json(dist, str(latest_checkpoint(ckpt_root) or ""))  # rank 0 decides for everyone
-        if not found:
-            log.info("resume: no checkpoint under %s, starting fresh", ckpt_root)
-        else:
-            learner.load(found)
-            log.info("resumed from %s at step %d (policy v%d)", found, learner.state.step, learner.state.version)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
+    if found:
+        learner.load(found)
+        log.info("resumed from %s at step %d (policy v%d)", found, learner.state.step, learner.state.version)
+        rewound = rewind_jsonl(audit_path, learner.state.step)
+        if main:
+            rewound += rewind_jsonl(run_dir / "metrics.jsonl", learner.state.step)
+            if learner.state.committing:  # roll the checkpoint's commit forward (it may not have happened)
+                queue.commit(learner.state.committing)
+        if rewound:
+            log.info("dropped %d log line(s) written after step %d (their training is re-done)", rewound,
+                     learner.state.step)
+        barrier(dist)  # no rank reads its pending entries before the roll-forward
     state = learner.state
 
-    # --- queue, weights, metrics, wandb --------------------------------------------------------
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    # --- weights, metrics, wandb ---------------------------------------------------------------
     publisher = publisher_from_config(cfg) if main else None
     if publisher is not None:
         write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
@@ -97,12 +118,20 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     M.POLICY_VERSION.labels(role="learner").set(state.version)
     server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
-    audit = JsonlWriter(run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl"))
+    audit = JsonlWriter(audit_path)
+    if found:
+        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
-    drops: Counter = Counter()  # this rank's drops since the last step (merged into state at each step)
+    gate = Gate(queue, cfg, state, audit, learner.processor, learner.vocab_size)
+    uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
+    carry: list[Accepted] = []  # groups kept from a step that failed on another group
 
-    def checkpoint() -> None:
+    def checkpoint_and_commit() -> None:
+        state.committing = [tuple(e) for part in gather_json(dist, uncommitted) for e in part]
         learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
+        queue.commit(uncommitted)  # the checkpoint is on disk: these groups' training is durable
+        uncommitted.clear()
+        state.committing = []
 
     last_metrics: dict[str, Any] = {}
     saved_step = state.step
@@ -115,36 +144,34 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         while state.step < cfg.learner.max_steps:
             # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
-            batch = collect_groups(queue, learner.processor, cfg, state, stop, audit, dist, want, drops)
+            batch = collect_groups(queue, gate, stop, dist, want, carry)
             wait_s = time.perf_counter() - t_wait
+            carry = []
             if batch is None:
                 break  # stopping
             # 2. one optimizer step over all ranks' groups
             t0 = time.perf_counter()
-            out = learner.train_step(batch)
+            out, carry = guarded_step(learner, queue, gate, batch, dist)
             step_s = time.perf_counter() - t0
-            ids = [a.group.group_id for a in batch]
-            if out is None:  # non-finite loss or gradient on some rank: nothing applied anywhere
-                M.ERRORS.labels(kind="loss").inc()
-                _drop(queue, audit, drops, batch, "nan_loss")
+            if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
-            # 3. bump the version (every rank alike), mark this rank's groups trained, ack them
-            merged = merge_summaries(gather_json(dist, local_summary(batch, out, drops)))
-            drops.clear()
+            # 3. bump the version (every rank alike); this rank's groups wait for the next checkpoint
+            merged = merge_summaries(gather_json(dist, local_summary(batch, out, gate.drops)))
+            gate.drops.clear()
             state.step += 1
             state.version += 1
             state.groups_trained += merged["groups"]
             state.tokens_trained += merged["tokens"]
             state.dropped.update(merged["drops"])
-            state.recent_group_ids.extend(merged["group_ids"])
-            queue.mark_trained(ids)
-            queue.ack([a.stream_id for a in batch])
+            state.remember(merged["group_ids"])
+            ids = [a.group.group_id for a in batch]
+            uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
             record = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
             every = cfg.learner.replica_check_every
             if every and state.step % every == 0:
                 record["weights_checksum"] = learner.replicas_agree()
             audit.write(record)
-            # 4. weights out, metrics, checkpoint
+            # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
                 learner.publish(publisher, state.version)
             last_metrics = step_record(state, merged, out, step_s, wait_s, learner.last_lr())
@@ -160,8 +187,9 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
                         last_metrics["loss"], last_metrics["kl"], last_metrics["clip_frac"],
                         last_metrics["staleness_mean"], step_s, wait_s,
                     )
+            # 5. checkpoint, then commit what it holds
             if state.step % cfg.learner.save_steps == 0:
-                checkpoint()
+                checkpoint_and_commit()
                 saved_step = state.step
         finished = True
     except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
@@ -169,13 +197,16 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            late = merge_summaries(gather_json(dist, {"drops": dict(drops)}))["drops"]
+            late = merge_summaries(gather_json(dist, {"drops": dict(gate.drops)}))["drops"]
             state.dropped.update(late)
             if state.step > saved_step:
-                checkpoint()
+                try:
+                    checkpoint_and_commit()
+                except QueueError as exc:  # checkpoint written; the next start commits what it recorded
+                    log.warning("checkpoint written, commit deferred to the next start: %s", exc)
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
-                                                        if k != "recent_group_ids"})
+                                                        if k not in ("recent_group_ids", "committing")})
         tracker.close()
         if publisher is not None:
             publisher.close()
@@ -185,6 +216,35 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         audit.close()
         server.close()
     return 0
+
+
+def start_point(cfg: Config, run_dir: Path, dist: DistInfo) -> Path | None:
+    """The checkpoint to resume from (None: start at step 0), agreed by every rank.
+
+    A run directory with checkpoints is resumed with ``learner.resume`` (``--resume``) or set aside
+    with ``learner.fresh`` (``--fresh``: checkpoints, metrics.jsonl and the learner's audit logs move
+    to ``<run_dir>/previous/<time>/``); with neither, the learner refuses (ConfigError) rather than
+    start at v0 next to them.
+    """
+    from streamgrpo.checkpoint import latest_checkpoint
+
+    lc, root = cfg.learner, run_dir / "checkpoints"
+    if lc.resume and lc.fresh:
+        raise ConfigError("learner.resume and learner.fresh are both set: pick one")
+    newest = broadcast_json(dist, str(latest_checkpoint(root) or ""))  # rank 0 decides for everyone
+    if lc.resume:
+        if not newest:
+            log.info("resume: no checkpoint under %s, starting fresh", root)
+        return Path(newest) if newest else None
+    if newest and not lc.fresh:
+        raise ConfigError(f"{run_dir} already has checkpoints (newest {Path(newest).name}): pass --resume "
+                          "(learner.resume=true) to continue from it, or --fresh (learner.fresh=true) to start "
+                          "over (they move to previous/)")
+    if newest and dist.is_main:
+        dest = archive_previous(run_dir, LEARNER_OUTPUTS)
+        log.warning("--fresh: the previous run's checkpoints and logs moved to %s", dest)
+    barrier(dist)
+    return None
 
 
 def _rank_metrics_cfg(cfg: Config, dist: DistInfo) -> Config:
@@ -198,55 +258,157 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _drop(queue, audit, drops: Counter, accepted: list[Accepted], reason: str) -> None:
-    for a in accepted:
+def token_problem(group, vocab_size: int) -> str | None:
+    """Why the model cannot train on ``group``'s completion tokens (an id it cannot embed), or None."""
+    for i, c in enumerate(group.completions):
+        ids = np.asarray(c.token_ids)
+        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
+            return f"completions[{i}].token_ids: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+class Gate:
+    """What a rank lets into a step: staleness, vocabulary, de-duplication, prompt re-processing.
+
+    Refused groups are released (stale, mismatch, duplicate) or dead-lettered (invalid, poison),
+    counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
+    written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
+    """
+
+    def __init__(self, queue, cfg: Config, state: LearnerState, audit, processor, vocab_size: int):
+        self.queue, self.cfg, self.state, self.audit = queue, cfg, state, audit
+        self.processor, self.vocab_size = processor, vocab_size
+        self.drops: Counter = Counter()  # this rank's drops since the last step
+        self._stale: list[int] = []  # policy versions of stale groups not logged yet
+        self._stale_logged = 0.0
+
+    def admit(self, d) -> Accepted | None:
+        from streamgrpo.data.prompts import processor_inputs
+
+        g, state = d.group, self.state
+        M.GROUPS.labels(event="consumed").inc()
+        staleness = state.version - int(g.policy_version)
+        if abs(staleness) > self.cfg.loss.max_staleness:
+            # ahead of the learner: made by weights of a run that was rolled back (resumed) past them
+            self.drop(d.stream_id, g.group_id, "stale" if staleness > 0 else "rolled_back")
+            self._note_stale(int(g.policy_version))
+            return None
+        if state.trained_recently(g.group_id):  # in this learner's checkpoint although Redis forgot it
+            self.drop(d.stream_id, g.group_id, "duplicate")
+            return None
+        problem = token_problem(g, self.vocab_size)
+        if problem:
+            self.dead_letter(d.stream_id, g, f"group {g.group_id}: {problem}", "invalid")
+            return None
+        try:
+            inputs = processor_inputs(self.processor, g.prompt_text, g.visuals)
+            same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
+        except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
+            log.warning("group %s (entry %s): cannot re-process its prompt: %s", g.group_id, d.stream_id, exc)
+            same = False
+        if not same:
+            self.drop(d.stream_id, g.group_id, "mismatch")
+            return None
+        return Accepted(d.stream_id, g, inputs, staleness)
+
+    def drop(self, stream_id: str, group_id: str, reason: str) -> None:
         M.GROUPS_DROPPED.labels(reason=reason).inc()
-        drops[reason] += 1
-        audit.write({"event": "dropped", "reason": reason, "group_id": a.group.group_id})
-    queue.ack([a.stream_id for a in accepted])
+        self.drops[reason] += 1
+        self.audit.write({"event": "dropped", "reason": reason, "group_id": group_id})
+        self.queue.ack([stream_id])
+
+    def dead_letter(self, stream_id: str, group, reason: str, label: str) -> None:
+        self.drops[label] += 1
+        self.audit.write({"event": "dropped", "reason": label, "group_id": group.group_id, "why": reason})
+        self.queue.dead_letter(stream_id, group, reason, label=label)
+
+    def _note_stale(self, version: int) -> None:
+        self._stale.append(version)
+        now = time.monotonic()
+        if now - self._stale_logged >= 10.0:
+            log.warning("dropped %d stale group(s) (policy v%d..v%d; learner at v%d, max_staleness %d): "
+                        "generators are not keeping up with the weights", len(self._stale), min(self._stale),
+                        max(self._stale), self.state.version, self.cfg.loss.max_staleness)
+            self._stale, self._stale_logged = [], now
 
 
-def collect_groups(queue, processor, cfg: Config, state: LearnerState, stop, audit, dist: DistInfo, want: int,
-                   drops: Counter) -> list[Accepted] | None:
+def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted]) -> list[Accepted] | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
 
-    Ranks poll in rounds of at most ``learner.get_timeout_s`` and agree after each round (one
-    small all-reduce), so no rank waits in a collective for longer than a round.
+    ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
+    poll in rounds of at most ``learner.get_timeout_s`` and agree after each round (one small
+    all-reduce), so no rank waits in a collective for longer than a round.
     """
-    from streamgrpo.data.prompts import processor_inputs
-
-    accepted: list[Accepted] = []
+    accepted: list[Accepted] = list(carry)
+    state = gate.state
     while True:
         if len(accepted) < want and not stop:
             t0 = time.perf_counter()
-            deliveries = queue.get(want - len(accepted), timeout_s=cfg.learner.get_timeout_s)
+            deliveries = queue.get(want - len(accepted), timeout_s=gate.cfg.learner.get_timeout_s)
             if not deliveries:
                 M.IDLE_SECONDS.labels(role="learner").inc(time.perf_counter() - t0)
             for d in deliveries:
-                g = d.group
-                M.GROUPS.labels(event="consumed").inc()
-                staleness = state.version - int(g.policy_version)
-                if staleness > cfg.loss.max_staleness or staleness < 0:
-                    # negative: made by weights from a run that was rolled back (learner resumed) -- unusable
-                    _drop(queue, audit, drops, [Accepted(d.stream_id, g, None, staleness)], "stale")
-                    continue
-                try:
-                    inputs = processor_inputs(processor, g.prompt_text, g.visuals)
-                    same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
-                except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
-                    log.warning("group %s: cannot re-process its prompt: %s", g.group_id, exc)
-                    same = False
-                if not same:
-                    _drop(queue, audit, drops, [Accepted(d.stream_id, g, None, staleness)], "mismatch")
-                    continue
-                accepted.append(Accepted(d.stream_id, g, inputs, staleness))
+                a = gate.admit(d)
+                if a is not None:
+                    accepted.append(a)
         flags = share(dist, [len(accepted) >= want, bool(stop), state.version])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 0].all():
             return accepted
         if flags[:, 1].any():
-            return None  # un-acked groups stay pending: re-read by this consumer after a restart
+            return None  # held groups stay pending: re-read by this consumer after a restart
+
+
+def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
+                 dist: DistInfo) -> tuple[dict[str, Any] | None, list[Accepted]]:
+    """``learner.train_step(batch)`` that one bad group cannot stop: returns ``(out, carry)``.
+
+    ``out`` is None when nothing was applied; ``carry`` are groups to train in the next step. On an
+    exception or a non-finite loss a one-rank torch learner probes each group alone (forward +
+    backward, nothing applied): the groups that fail alone are dead-lettered (``poison``) and the
+    rest carried over. When no single group explains the failure (or with several ranks, where one
+    rank cannot probe alone), an exception is counted per group in Redis and re-raised (a restarted
+    learner dead-letters a group at ``queue.max_failures``), and a non-finite loss drops the step's
+    groups as ``nan_loss``.
+    """
+    try:
+        out = learner.train_step(batch)
+        error = None if out is not None else "non-finite loss or gradient"
+    except Exception as exc:  # noqa: BLE001 - isolated below, re-raised when no group explains it
+        out, error, raised = None, f"{type(exc).__name__}: {exc}", exc
+    else:
+        raised = None
+    if out is not None:
+        return out, []
+    M.ERRORS.labels(kind="train").inc()
+    where = ", ".join(f"{a.group.group_id} (entry {a.stream_id})" for a in batch)
+    log.error("training step failed (%s) on groups %s", error, where)
+    bad: list[tuple[Accepted, str]] = []
+    if dist.world_size == 1 and not learner.deepspeed:
+        learner.discard_gradients()
+        for a in batch:
+            try:
+                probe = learner.train_step([a], dry_run=True)
+                why = None if probe and probe.get("finite") else "non-finite loss"
+            except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
+                why = f"{type(exc).__name__}: {exc}"
+            if why:
+                bad.append((a, why))
+        learner.discard_gradients()
+    if bad and len(bad) < len(batch):
+        for a, why in bad:
+            gate.dead_letter(a.stream_id, a.group, f"group {a.group.group_id}: training on it alone failed: {why}",
+                             "poison")
+        poisoned = {id(a) for a, _ in bad}
+        return None, [a for a in batch if id(a) not in poisoned]
+    if raised is not None:
+        queue.record_failure([a.group.group_id for a in batch], error)
+        raise raised
+    for a in batch:
+        gate.drop(a.stream_id, a.group.group_id, "nan_loss")
+    return None, []
 
 
 # ------------------------------------------------------------------------------ step numbers

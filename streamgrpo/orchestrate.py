@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config
-from streamgrpo.runtime import write_json
+from streamgrpo.runtime import LEARNER_OUTPUTS, archive_previous, write_json
 
 log = logging.getLogger("streamgrpo.up")
 
@@ -170,7 +170,9 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
 
 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
-           config_source: str | None = None, status_every_s: float = 1.0) -> int:
+           config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False) -> int:
+    if resume:
+        cfg.learner.resume, cfg.learner.fresh = True, False
     if run_dir:
         cfg.run_dir = run_dir
     if generators is not None:
@@ -183,6 +185,11 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     (rd / "logs").mkdir(exist_ok=True)
     prepare_assets(cfg)
 
+    if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
+        mine = [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
+        moved = archive_previous(rd, mine)
+        if moved is not None:
+            print(f"the previous run in {rd} moved to {moved} (--resume continues a run instead)", flush=True)
     redis = None
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -204,8 +211,6 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     config_path.write_text(cfg.to_yaml())
 
     metrics_path = rd / "metrics.jsonl"
-    if metrics_path.exists() and not cfg.learner.resume:
-        metrics_path.rename(rd / f"metrics.{int(time.time())}.jsonl")
     base = [sys.executable, "-m", "streamgrpo"]
     children: list[Child] = []
     started = time.time()

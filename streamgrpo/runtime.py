@@ -66,6 +66,53 @@ class JsonlWriter:
         self._fh.close()
 
 
+def rewind_jsonl(path: str | Path, step: int) -> int:
+    """Drop the lines of ``path`` whose ``step`` is after ``step`` (and a torn last line), in place
+    and atomically; lines without a step stay. Returns how many lines were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or (isinstance(row.get("step"), int) and row["step"] > step):
+            dropped += 1
+            continue
+        keep.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+LEARNER_OUTPUTS = ["checkpoints", "metrics.jsonl", "learner_state.json", "audit/learner*.jsonl"]
+"""What a learner writes into its run directory (``--fresh`` moves them aside)."""
+
+
+def archive_previous(run_dir: str | Path, names: list[str]) -> Path | None:
+    """Move what exists of ``names`` (files or folders in ``run_dir``; globs allowed) to
+    ``<run_dir>/previous/<time>/``, so a new run starts clean and nothing is lost. Returns the folder."""
+    run_dir = Path(run_dir)
+    found = [p for name in names for p in sorted(run_dir.glob(name)) if p.exists()]
+    if not found:
+        return None
+    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest.mkdir(parents=True)
+    for p in found:
+        target = dest / p.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p, target)
+    return dest
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()

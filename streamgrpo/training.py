@@ -32,9 +32,6 @@ import contextlib
 import json
 import logging
 import math
-import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,45 +41,9 @@ import torch
 from streamgrpo.config import Config
 from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
+from streamgrpo.learner_state import Accepted, LearnerState
 
 log = logging.getLogger("streamgrpo.learner")
-
-RECENT_GROUP_IDS = 10_000
-"""Trained group ids a checkpoint remembers (the Redis trained set is the de-duplication truth)."""
-
-@dataclass
-class LearnerState:
-    """Everything besides weights and optimizer that a checkpoint must restore (identical on every rank)."""
-
-    step: int = 0
-    version: int = 0
-    groups_trained: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    tokens_trained: int = 0
-    recent_group_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUP_IDS))
-    started_at: float = field(default_factory=time.time)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version, "groups_trained": self.groups_trained,
-                "dropped": dict(self.dropped), "tokens_trained": self.tokens_trained,
-                "recent_group_ids": list(self.recent_group_ids)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> LearnerState:
-        return cls(step=d["step"], version=d["version"], groups_trained=d.get("groups_trained", 0),
-                   dropped=Counter(d.get("dropped", {})), tokens_trained=d.get("tokens_trained", 0),
-                   recent_group_ids=deque(d.get("recent_group_ids", []), maxlen=RECENT_GROUP_IDS))
-
-
-@dataclass
-class Accepted:
-    """A group that passed the checks, with its re-processed prompt inputs."""
-
-    stream_id: str
-    group: Any  # ScoredGroup
-    inputs: Any  # processor outputs for the prompt
-    staleness: int
-
 
 # ------------------------------------------------------------------------------ pure helpers
 def lr_lambda(lc):
@@ -261,6 +222,7 @@ class Learner:
             model = load_model(cfg.model, device, dtype="float32", trainable=True)
             if lc.gradient_checkpointing:
                 enable_activation_checkpointing(model)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids the model can embed
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())
         if self.dist.is_main and lora is not None:  # full-weight training: apply_freezing logged the counts
@@ -308,8 +270,11 @@ class Learner:
             return lp
 
     # ----------------------------------------------------------------------------- the step
-    def train_step(self, batch: list[Accepted]) -> dict[str, Any] | None:
+    def train_step(self, batch: list[Accepted], *, dry_run: bool = False) -> dict[str, Any] | None:
         """One optimizer step on this rank's share of the groups (every rank calls it together).
+
+        ``dry_run``: forward and backward only, gradients discarded, nothing applied (the learner
+        probes suspect groups one at a time this way); returns ``{"finite": bool}``.
 
         Returns this rank's numbers: ``loss`` (its share: the ranks' values sum to the step's loss), ``grad_norm``
         (global), ``tokens`` (its completion tokens) and ``tokens_global``, ``zero_variance``,
@@ -356,10 +321,11 @@ class Learner:
             loss = loss * self.dist.world_size if dapo else loss * (len(part) / len(batch))
             if not torch.isfinite(loss):
                 finite = False
-                log.warning("non-finite loss (%s) in micro-batch %d", loss.item(), k)
+                if not dry_run:
+                    log.warning("non-finite loss (%s) in micro-batch %d", loss.item(), k)
                 if not self.deepspeed:
                     self._zero_grad()
-                    return None
+                    return {"finite": False} if dry_run else None
             self._backward(loss, last=k == len(micro) - 1)
             loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
             with torch.no_grad():
@@ -376,6 +342,9 @@ class Learner:
                     sums[key] = min(sums.get(key, math.inf), float(v))
                 else:
                     sums[key] = sums.get(key, 0.0) + float(v) * w
+        if dry_run:
+            self._zero_grad()
+            return {"finite": finite}
         grad_norm, applied = self._optimizer_step()
         if not applied or not finite:
             log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
@@ -384,6 +353,10 @@ class Learner:
         return {"loss": loss_total, "grad_norm": grad_norm, "tokens": local_tokens, "tokens_global": global_tokens,
                 "zero_variance": int(zero_var.sum()), "adv": torch.cat(advs), "micro_batches": n_micro,
                 "seq_logprob_sum": seq_lp, "rows": rows, **weighted}
+
+    def discard_gradients(self) -> None:
+        """Forget any gradients of a failed or probing step (nothing is applied)."""
+        self._zero_grad()
 
     def _zero_grad(self) -> None:
         if self.engine is not None:

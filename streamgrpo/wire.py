@@ -300,6 +300,11 @@ def validate(group: ScoredGroup) -> None:
         _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
         if len(c.logprobs) != len(c.token_ids):
             _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
+        if c.token_ids.size and int(c.token_ids.min()) < 0:
+            _fail(f"{p}.token_ids", f"negative token id {int(c.token_ids.min())}")
+        if not np.isfinite(c.logprobs).all():
+            bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
+            _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
         _check_str(c.text, f"{p}.text")
         _check_str(c.finish_reason, f"{p}.finish_reason")
         if not isinstance(c.rewards, dict):

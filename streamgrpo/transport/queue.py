@@ -1,19 +1,29 @@
-"""The replay queue between generators and the learner: ScoredGroups on a Redis stream (design.md §1-2).
+"""The replay queue between generators and the learner: ScoredGroups on a Redis stream.
 
 Keys (``ns`` = ``queue.namespace``):
 
 * ``<ns>:groups`` -- the stream. Entry fields: ``g`` (group id, read without decoding) and ``d``
   (the :mod:`streamgrpo.wire` message). Consumer group ``learner``; one consumer per learner rank.
-* ``<ns>:dead`` -- dead letters: undecodable entries with the reason, the original stream id and
-  (when small) the raw bytes. Capped at about 10 000 entries.
-* ``<ns>:trained`` -- de-duplication memory (see :meth:`RedisQueue.mark_trained`).
+* ``<ns>:dead`` -- dead letters: undecodable, invalid or untrainable entries with the reason, the
+  original stream id, the group id and (when small) the raw bytes. Capped at about 10 000 entries.
+* ``<ns>:held`` -- group id -> stream id of every entry a learner has accepted and not yet
+  committed: the claim that makes a second entry with the same group id a duplicate.
+* ``<ns>:trained`` -- group ids whose training is committed (in a checkpoint), with the time.
+* ``<ns>:failures`` -- group id -> how many training attempts failed (and ``<gid>:err``, the last error).
 
-Delivery is at least once. An entry is acknowledged *and deleted* in one atomic step, so the
-stream only ever holds entries that are undelivered or delivered-but-unacknowledged: its length is
-the queue depth that backpressure and ``streamgrpo_queue_depth`` use, on Redis 6.2 and 7.x alike.
-A consumer that restarts under the same name first re-reads its own unacknowledged entries; the
-entries of a consumer that stays silent for ``claim_idle_s`` are claimed by another (XAUTOCLAIM);
-a live consumer refreshes its in-flight entries so they are not claimed from under it.
+Delivery is at least once; training is exactly once (with the learner's help). A learner accepts
+an entry (it becomes *held*), trains it, and commits it (:meth:`RedisQueue.commit`) only after
+the checkpoint holding its effect is on disk: commit marks the group trained, acknowledges and deletes
+the entry in one atomic step. Until then the entry stays pending, so a learner that crashes re-reads
+it after a restart (same consumer name) and trains it again from the checkpoint, and a group id that
+is trained or held by another live entry is never accepted twice, however it arrives (re-delivery,
+claim, a producer's retried XADD, or a fresh XADD of an old group id). Entries that will not be
+trained are released (:meth:`RedisQueue.ack`) or dead-lettered. Backpressure and
+``streamgrpo_queue_depth`` count the entries not held by a learner (stream length minus holds), so
+groups a learner has trained but not committed do not block the producers. A consumer that
+restarts under the same name first re-reads its own pending entries; the entries of a consumer that
+stays silent for ``claim_idle_s`` are claimed by another (XAUTOCLAIM); a live consumer refreshes its
+in-flight entries so they are not claimed from under it.
 
 What each side counts in :mod:`streamgrpo.metrics`: the queue counts what only it can see --
 ``groups_dropped{reason=malformed|duplicate}``, ``errors{kind=wire|queue}``, ``queue_depth``,
@@ -36,7 +46,10 @@ from redis.retry import Retry
 
 from streamgrpo import metrics
 from streamgrpo.transport.resp import (
-    ACK_DELETE_LUA,
+    COMMIT_LUA,
+    FAIL_LUA,
+    HOLD_LUA,
+    RELEASE_LUA,
     coalesce,
     parse_autoclaim,
     parse_entries,
@@ -54,7 +67,6 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learner"
 DEAD_MAXLEN = 10_000
 DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
-TRAINED_CACHE = 100_000  # group ids a consumer remembers locally as trained (the Redis set is the truth)
 
 
 class QueueError(RuntimeError):
@@ -93,7 +105,7 @@ class GroupQueue(abc.ABC):
     @abc.abstractmethod
     def ack(self, stream_ids: list[str]) -> int: ...
     @abc.abstractmethod
-    def mark_trained(self, group_ids: list[str]) -> None: ...
+    def commit(self, entries: list[tuple[str, str]]) -> int: ...
     @abc.abstractmethod
     def depth(self) -> int: ...
     @abc.abstractmethod
@@ -113,7 +125,7 @@ class RedisQueue(GroupQueue):
     (``rediss://...?ssl_ca_certs=/path/ca.pem``) or a unix socket (``unix:///path/redis.sock``).
     Connection loss is retried with capped exponential backoff (one log line per outage) for up to
     ``max_outage_s`` (None: forever); a wrong password raises :class:`QueueError` at once. An ACL user
-    needs ``+@stream +@sortedset +@scripting +@transaction +ping +expire +client`` on ``<namespace>:*``.
+    needs ``+@stream +@sortedset +@hash +@scripting +@transaction +ping +expire +client`` on ``<namespace>:*``.
     """
 
     def __init__(
@@ -126,6 +138,7 @@ class RedisQueue(GroupQueue):
         claim_idle_s: float = 120.0,
         max_message_bytes: int = DEFAULT_MAX_BYTES,
         dedupe_ttl_s: float = 7 * 24 * 3600,
+        max_failures: int = 3,
         max_outage_s: float | None = None,
         backoff_s: tuple[float, float] = (0.05, 5.0),
         socket_timeout_s: float = 60.0,
@@ -145,6 +158,9 @@ class RedisQueue(GroupQueue):
         self.stream = f"{namespace}:groups"
         self.dead = f"{namespace}:dead"
         self.trained = f"{namespace}:trained"
+        self.held = f"{namespace}:held"
+        self.failures = f"{namespace}:failures"
+        self.max_failures = int(max_failures)
         self._block_s = max(0.05, min(2.0, socket_timeout_s / 4))
         self._closed = False
         self._lock = threading.Lock()
@@ -156,7 +172,6 @@ class RedisQueue(GroupQueue):
         self._last_depth: int | None = None  # producer: depth seen by the last put (skips a round trip)
         self._full_since: float | None = None  # producer: start of the current backpressure spell
         self._full_logged = 0.0
-        self._trained_here: dict[str, None] = {}  # group ids this object marked trained (bounded, ordered)
         try:
             tcp = {} if url.startswith("unix:") else {"socket_connect_timeout": 5.0, "socket_keepalive": True}
             self._r = redis.Redis.from_url(
@@ -167,7 +182,10 @@ class RedisQueue(GroupQueue):
             raise QueueError(f"bad redis url {self.safe_url}: {exc}") from None
         for cmd in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):  # parse replies ourselves (deleted entries keep ids)
             self._r.set_response_callback(cmd, lambda r, **_: r)
-        self._ack_script = self._r.register_script(ACK_DELETE_LUA)
+        self._hold_script = self._r.register_script(HOLD_LUA)
+        self._release_script = self._r.register_script(RELEASE_LUA)
+        self._commit_script = self._r.register_script(COMMIT_LUA)
+        self._fail_script = self._r.register_script(FAIL_LUA)
         self._ensure_group()
 
     @classmethod
@@ -179,7 +197,7 @@ class RedisQueue(GroupQueue):
         return cls(
             url, namespace=cfg.namespace, consumer=consumer, max_pending=cfg.max_pending,
             claim_idle_s=cfg.claim_idle_s, max_message_bytes=int(cfg.max_message_mib * (1 << 20)),
-            dedupe_ttl_s=cfg.dedupe_ttl_s, **{"max_outage_s": cfg.max_outage_s, **kw},
+            dedupe_ttl_s=cfg.dedupe_ttl_s, max_failures=cfg.max_failures, **{"max_outage_s": cfg.max_outage_s, **kw},
         )
 
     # ------------------------------------------------------------------------ redis calls
@@ -255,8 +273,17 @@ class RedisQueue(GroupQueue):
 
     # ------------------------------------------------------------------------ producer
     def depth(self) -> int:
-        """Groups in the stream that are undelivered or unacknowledged (also sets ``streamgrpo_queue_depth``)."""
-        n = int(self._call("XLEN", self._r.xlen, self.stream))
+        """Groups in the stream not held by a learner: undelivered, or delivered and not yet accepted
+        (one round trip; also sets ``streamgrpo_queue_depth``)."""
+
+        def both() -> list[int]:
+            p = self._r.pipeline(transaction=False)
+            p.xlen(self.stream)
+            p.hlen(self.held)
+            return p.execute()
+
+        length, held = self._call("XLEN", both)
+        n = max(0, int(length) - int(held))
         metrics.QUEUE_DEPTH.set(n)
         self._last_depth = n
         return n
@@ -268,7 +295,7 @@ class RedisQueue(GroupQueue):
         ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. One round
         trip (XADD) while the depth last read plus the puts since stays below the bound; the bound
         is soft by at most the number of producers racing for the last slots. If the reply to an
-        XADD is lost the retry is flagged ``r`` so consumers check it against the trained set.
+        XADD is lost, the retry may add a second entry: consumers drop it as a duplicate.
         """
         return self.put_many([group], timeout_s=timeout_s)[0]
 
@@ -290,15 +317,11 @@ class RedisQueue(GroupQueue):
         # Depth is re-read only when the estimate (last depth read + our puts since) nears the bound.
         if self._last_depth is None or self._last_depth + need > self.max_pending:
             self._wait_for_room(timeout_s, need)
-        attempts = 0
 
         def add() -> list[bytes]:
-            nonlocal attempts
-            attempts += 1
-            retry = [(b"r", [b"1"])] if attempts > 1 else []  # an earlier attempt may have landed: possible duplicates
             chunks = []
             for g, parts in zip(groups, messages):
-                chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts), *retry])
+                chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts)])
             return self._send_raw(chunks, len(messages))
 
         sids = self._call("XADD", add)
@@ -407,27 +430,23 @@ class RedisQueue(GroupQueue):
         return self._accept(entries, claimed=True)
 
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes] | None]], *, claimed: bool) -> list[Delivery]:
-        """Decode, dead-letter and de-duplicate a batch of entries; returns the deliveries."""
+        """Decode, dead-letter and hold a batch of entries; returns the deliveries.
+
+        Entries that fail to decode are dead-lettered; then one atomic script holds the rest for
+        this consumer, refusing group ids that are trained, held by another live entry (counted as
+        ``groups_dropped{reason=duplicate}``), or whose training failed ``max_failures`` times
+        (dead-lettered with the last error).
+        """
         if not entries:
             return []
         gone = [sid for sid, f in entries if f is None]  # deleted while pending: just clear the pending entry
         if gone:
             self._call("XACK", self._r.xack, self.stream, CONSUMER_GROUP, *gone)
-        live = [(sid, f) for sid, f in entries if f is not None]
-        gids = [to_str(f.get(b"g", b"")) for _, f in live]
-        # Possible re-deliveries are checked against the shared trained set (one round trip); fresh
-        # entries only against what this consumer holds or trained itself.
-        suspect = [i for i, (_, f) in enumerate(live) if claimed or b"r" in f]
-        trained = [gid in self._trained_here for gid in gids]
-        for i, done in zip(suspect, self.is_trained([gids[i] for i in suspect])):
-            trained[i] = trained[i] or done
-        out, dup = [], []
-        with self._lock:
-            inflight_gids = {g for g, _ in self._inflight.values()}
-        for (sid, fields), gid, done in zip(live, gids, trained):
-            if done or (gid and gid in inflight_gids):
-                dup.append(sid)
+        decoded: list[tuple[str, ScoredGroup, int]] = []
+        for sid, fields in entries:
+            if fields is None:
                 continue
+            gid = to_str(fields.get(b"g", b""))
             data = fields.get(b"d")
             try:
                 if data is None:
@@ -436,27 +455,43 @@ class RedisQueue(GroupQueue):
                 if gid and group.group_id != gid:
                     raise WireError(f"group_id: entry says {gid!r}, message says {group.group_id!r}")
             except WireError as exc:
-                self._dead_letter(sid, fields, str(exc))
+                self._dead_letter(sid, gid, str(exc), data or b"")
                 continue
-            inflight_gids.add(group.group_id)
-            out.append(Delivery(sid, group, len(data), claimed))
+            decoded.append((sid, group, len(data)))
+        if not decoded:
+            return []
+        args: list[Any] = [time.time() - self.dedupe_ttl_s, self.max_failures]
+        for sid, group, _ in decoded:
+            args += [group.group_id, sid]
+        codes = self._call("hold", self._hold_script, keys=self._keys(), args=args)
+        out, dup = [], []
+        for (sid, group, size), code in zip(decoded, codes):
+            code = int(code)
+            if code == 0:
+                out.append(Delivery(sid, group, size, claimed))
+            elif code == 3:
+                why = self._call("HGET", self._r.hget, self.failures, f"{group.group_id}:err")
+                self.dead_letter(sid, group, f"training failed {self.max_failures} times; last error: "
+                                             f"{to_str(why) if why else '?'}", label="poison")
+            else:
+                dup.append((sid, group.group_id if code == 1 else ""))
         if dup:
             metrics.GROUPS_DROPPED.labels(reason="duplicate").inc(len(dup))
-            log.info("skipped %d duplicate group(s) (already trained or in flight)", len(dup))
-            self._ack_delete(dup)
+            log.info("skipped %d duplicate group(s) (already trained, or held by another entry)", len(dup))
+            self._release(dup)
         now = time.monotonic()
         with self._lock:
             for d in out:
                 self._inflight[d.stream_id] = (d.group.group_id, now)
         return out
 
-    def _dead_letter(self, sid: str, fields: dict[bytes, bytes], reason: str) -> None:
-        metrics.GROUPS_DROPPED.labels(reason="malformed").inc()
-        metrics.ERRORS.labels(kind="wire").inc()
-        data = fields.get(b"d") or b""
-        log.warning("dead-lettering %s entry %s: %s", self.stream, sid, reason)
+    def _dead_letter(self, sid: str, gid: str, reason: str, data: bytes, label: str = "malformed") -> None:
+        metrics.GROUPS_DROPPED.labels(reason=label).inc()
+        if label == "malformed":
+            metrics.ERRORS.labels(kind="wire").inc()
+        log.warning("dead-lettering %s entry %s (group %s): %s", self.stream, sid, gid or "?", reason)
         letter = {
-            b"stream_id": sid, b"reason": reason, b"group_id": fields.get(b"g", b""), b"consumer": self.consumer,
+            b"stream_id": sid, b"reason": reason, b"group_id": gid, b"consumer": self.consumer,
             b"time": repr(time.time()), b"size": str(len(data)),
         }
         if len(data) <= DEAD_KEEP_BYTES:
@@ -465,11 +500,25 @@ class RedisQueue(GroupQueue):
         def tx() -> None:
             p = self._r.pipeline(transaction=True)
             p.xadd(self.dead, letter, maxlen=DEAD_MAXLEN, approximate=True)
-            p.xack(self.stream, CONSUMER_GROUP, sid)
-            p.xdel(self.stream, sid)
+            self._release_script(keys=self._keys(), args=[CONSUMER_GROUP, sid, gid], client=p)
             p.execute()
 
         self._call("dead-letter", tx)
+        with self._lock:
+            self._inflight.pop(sid, None)
+
+    def dead_letter(self, stream_id: str, group: ScoredGroup, reason: str, label: str = "invalid") -> None:
+        """Move a decoded entry that cannot be trained (invalid for this model: ``label="invalid"``;
+        its training raised: ``"poison"``) to the dead letters with ``reason``, keeping its message;
+        counted as ``groups_dropped{reason=<label>}``."""
+        try:
+            data = b"".join(bytes(memoryview(p).cast("B")) for p in encode_parts(group, max_bytes=self.max_message_bytes))
+        except WireError:
+            data = b""
+        self._dead_letter(to_str(stream_id), group.group_id, reason, data, label)
+
+    def _keys(self) -> list[str]:
+        return [self.stream, self.trained, self.held, self.failures]
 
     def _refresh_inflight(self) -> None:
         """Reset the idle time of our slow in-flight entries so other consumers do not claim them."""
@@ -485,70 +534,70 @@ class RedisQueue(GroupQueue):
                 if sid in self._inflight:
                     self._inflight[sid] = (self._inflight[sid][0], now)
 
-    def _ack_delete(self, stream_ids: list[str]) -> int:
-        """XACK + XDEL atomically, in one round trip (a Lua script; redis-py reloads it after a restart)."""
+    def _release(self, entries: list[tuple[str, str]]) -> int:
+        """Acknowledge and delete ``(stream id, group id)`` entries and drop their holds, atomically."""
         acked = 0
-        for i in range(0, len(stream_ids), 1000):  # Lua's unpack() has a stack limit
-            chunk = stream_ids[i:i + 1000]
-            acked += int(self._call("XACK", self._ack_script, keys=[self.stream], args=[CONSUMER_GROUP, *chunk]))
+        for i in range(0, len(entries), 1000):  # bounded script arguments
+            args: list[Any] = [CONSUMER_GROUP]
+            for sid, gid in entries[i:i + 1000]:
+                args += [sid, gid]
+            acked += int(self._call("XACK", self._release_script, keys=self._keys(), args=args))
         return acked
 
     def ack(self, stream_ids: list[str]) -> int:
-        """Acknowledge (and delete) entries after the optimizer step that used them; returns how many were pending.
-
-        Safe to repeat. Call :meth:`mark_trained` first: a crash between the two then re-delivers
-        entries that are skipped as duplicates, never trains them twice.
-        """
+        """Release entries that will not be trained (dropped; or any consumer that needs no
+        exactly-once commit): acknowledge, delete and un-hold them; returns how many were pending.
+        Safe to repeat."""
         stream_ids = [to_str(s) for s in stream_ids]
         if not stream_ids:
             return 0
-        n = self._ack_delete(stream_ids)
         with self._lock:
-            for sid in stream_ids:
-                self._inflight.pop(sid, None)
-        return n
+            entries = [(sid, self._inflight.pop(sid, ("", 0.0))[0]) for sid in stream_ids]
+        return self._release(entries)
 
-    # ------------------------------------------------------------------------ dedupe
-    def mark_trained(self, group_ids: list[str]) -> None:
-        """Remember that these groups were trained, so a re-delivery is skipped (``reason="duplicate"``).
+    def commit(self, entries: list[tuple[str, str]]) -> int:
+        """The training of these ``(stream id, group id)`` entries is durable (in a checkpoint): mark
+        the groups trained, acknowledge and delete the entries, drop their holds -- atomically.
 
-        Where the memory lives: a sorted set ``<ns>:trained`` in the same Redis (member = group id,
-        score = time trained), trimmed to ``dedupe_ttl_s`` and expiring when idle that long. Chosen
-        over the learner checkpoint because it is shared by every learner rank, written in the same
-        place and with the same AOF durability as the acks it guards (mark, then ack), and needs no
-        checkpoint to be loaded before the first read. Cost: one set entry (~100 B) per group for
-        the TTL. The set is consulted for entries that can be re-deliveries (re-read after a
-        restart, claimed from another consumer, or re-sent by a producer whose XADD reply was
-        lost); first deliveries are checked against this object's own memory of trained ids
-        only, which saves a round trip per read. What it cannot know: groups trained after the
-        last checkpoint of a learner that crashed are not re-trained after resuming from that
-        checkpoint (the learner can defer mark_trained/ack to its checkpoint if it wants that).
+        Idempotent, and any consumer may commit any entry (a resumed learner rolls forward the
+        commit its checkpoint records). The trained set is a sorted set ``<ns>:trained`` (member =
+        group id, score = time), trimmed to ``dedupe_ttl_s`` and expiring when idle that long: one
+        entry (~100 B) per group. Returns how many entries were still pending.
         """
+        entries = [(to_str(s), g) for s, g in entries if g]
+        if not entries:
+            return 0
+        acked, now = 0, time.time()
+        for i in range(0, len(entries), 1000):
+            args: list[Any] = [CONSUMER_GROUP, now, now - self.dedupe_ttl_s, max(1, int(self.dedupe_ttl_s))]
+            for sid, gid in entries[i:i + 1000]:
+                args += [sid, gid]
+            acked += int(self._call("commit", self._commit_script, keys=self._keys(), args=args))
+        with self._lock:
+            for sid, _ in entries:
+                self._inflight.pop(sid, None)
+        return acked
+
+    def record_failure(self, group_ids: list[str], error: str) -> list[int]:
+        """Count one failed training attempt per group (kept in Redis across restarts); returns the
+        counts. A group that reaches ``max_failures`` is dead-lettered the next time it is read."""
         gids = [g for g in group_ids if g]
         if not gids:
-            return
-        now = time.time()
-        for gid in gids:
-            self._trained_here[gid] = None
-        while len(self._trained_here) > TRAINED_CACHE:
-            del self._trained_here[next(iter(self._trained_here))]
-
-        def tx() -> None:
-            p = self._r.pipeline(transaction=True)
-            p.zadd(self.trained, dict.fromkeys(gids, now))
-            p.zremrangebyscore(self.trained, "-inf", now - self.dedupe_ttl_s)
-            p.expire(self.trained, max(1, int(self.dedupe_ttl_s)))
-            p.execute()
-
-        self._call("mark_trained", tx)
+            return []
+        out = self._call("record_failure", self._fail_script, keys=[self.failures], args=[error[:2000], *gids])
+        return [int(x) for x in out]
 
     def is_trained(self, group_ids: list[str]) -> list[bool]:
-        """Whether each group id was marked trained within ``dedupe_ttl_s``."""
+        """Whether each group id was committed as trained within ``dedupe_ttl_s``."""
         if not group_ids:
             return []
         scores = self._call("ZMSCORE", self._r.zmscore, self.trained, list(group_ids))
         horizon = time.time() - self.dedupe_ttl_s
         return [s is not None and s >= horizon for s in scores]
+
+    def held_count(self) -> int:
+        """Entries accepted by a learner and not yet committed or released (all consumers)."""
+        return int(self._call("HLEN", self._r.hlen, self.held))
 
     # ------------------------------------------------------------------------ inspection
     @property

@@ -11,11 +11,79 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
-# Acknowledge and delete in one atomic step, so the stream length stays "undelivered + unacked".
-ACK_DELETE_LUA = """
-local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+# The queue's bookkeeping runs as Lua scripts, so every decision about an entry is atomic on the
+# server. Keys: stream, trained (zset gid -> time trained), held (hash gid -> stream id of the entry a
+# learner accepted and has not committed), failures (hash gid -> training failures, gid:err -> last error).
+
+# HOLD: a consumer claims each decoded entry for training. Per (gid, sid) pair, in order:
+#   1 = already trained (within the horizon), 2 = another live entry holds this group id (a duplicate),
+#   3 = its training failed max_failures times, 0 = held now (or already held by this very entry).
+# A holder whose stream entry is gone (deleted by hand) does not block a new entry.
+HOLD_LUA = """
+local horizon, max_fail = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+for i = 3, #ARGV, 2 do
+  local gid, sid = ARGV[i], ARGV[i + 1]
+  local score = redis.call('ZSCORE', KEYS[2], gid)
+  local holder = redis.call('HGET', KEYS[3], gid)
+  if score and tonumber(score) >= horizon then
+    out[#out + 1] = 1
+  elseif holder and holder ~= sid and #redis.call('XRANGE', KEYS[1], holder, holder) > 0 then
+    out[#out + 1] = 2
+  elseif max_fail > 0 and tonumber(redis.call('HGET', KEYS[4], gid) or '0') >= max_fail then
+    out[#out + 1] = 3
+  else
+    redis.call('HSET', KEYS[3], gid, sid)
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# RELEASE: acknowledge and delete entries that will not be trained (dropped, duplicate, dead-lettered)
+# and forget their hold when they own it. ARGV: consumer group, then (sid, gid) pairs (gid may be '').
+RELEASE_LUA = """
+local acked = 0
+for i = 2, #ARGV, 2 do
+  local sid, gid = ARGV[i], ARGV[i + 1]
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], sid)
+  redis.call('XDEL', KEYS[1], sid)
+  if gid ~= '' and redis.call('HGET', KEYS[3], gid) == sid then
+    redis.call('HDEL', KEYS[3], gid)
+    redis.call('HDEL', KEYS[4], gid, gid .. ':err')
+  end
+end
 return acked
+"""
+
+# COMMIT: the entries' training is durable (in a checkpoint): remember the group ids as trained,
+# acknowledge and delete the entries, drop their holds and failure counts -- one atomic step.
+# ARGV: consumer group, now, horizon, ttl seconds, then (sid, gid) pairs.
+COMMIT_LUA = """
+local acked = 0
+for i = 5, #ARGV, 2 do
+  local sid, gid = ARGV[i], ARGV[i + 1]
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], sid)
+  redis.call('XDEL', KEYS[1], sid)
+  redis.call('ZADD', KEYS[2], ARGV[2], gid)
+  if redis.call('HGET', KEYS[3], gid) == sid then
+    redis.call('HDEL', KEYS[3], gid)
+  end
+  redis.call('HDEL', KEYS[4], gid, gid .. ':err')
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return acked
+"""
+
+# FAIL: count one failed training attempt per group id (and keep the last error); returns the counts.
+FAIL_LUA = """
+local out = {}
+for i = 2, #ARGV do
+  out[#out + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], 1)
+  redis.call('HSET', KEYS[1], ARGV[i] .. ':err', ARGV[1])
+end
+return out
 """
 
 

@@ -166,13 +166,15 @@ def test_zero_staleness_bound_drops_and_counts_stale_groups(demo_assets, tmp_pat
     assert dropped and all(e["reason"] == "stale" for e in dropped)
 
 
-def test_kill_learner_and_resume_trains_no_group_twice(demo_assets, tmp_path):
+def test_kill_learner_and_resume_trains_every_group_exactly_once(demo_assets, tmp_path):
+    """kill -9 of the learner between checkpoints: the groups it trained after the checkpoint are
+    trained again after --resume (not lost), none twice, and the logs hold each step once."""
     from streamgrpo.transport.queue import RedisQueue
 
     redis, url = _start_servers(tmp_path)
     run = tmp_path / "resume"
     cfg = _config(demo_assets, run, **{
-        "queue.url": url, "queue.claim_idle_s": 3, "learner.max_steps": 10, "learner.save_steps": 3,
+        "queue.url": url, "queue.claim_idle_s": 3, "learner.max_steps": 10, "learner.save_steps": 4,
         "learner.groups_per_step": 4, "weights.pub_port": _free_port(), "weights.snapshot_port": _free_port()})
     gens = [_spawn(cfg, f"generator-{k}", run, "--id", str(k)) for k in range(2)]
     try:
@@ -181,31 +183,37 @@ def test_kill_learner_and_resume_trains_no_group_twice(demo_assets, tmp_path):
         _wait_for(lambda: len(trained()) >= 5, 600, "5 trained steps", [learner])
         learner.send_signal(signal.SIGKILL)
         learner.wait()
-        first_run_steps = len(trained())
+        before = trained()
         ckpt_step = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
-        assert 3 <= ckpt_step < first_run_steps + 1
+        assert ckpt_step == 4 and len(before) > ckpt_step, (ckpt_step, len(before))
+        redone = {g for e in before if e["step"] > ckpt_step for g in e["group_ids"]}  # not in the checkpoint
+        refused = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(cfg)], env=ENV,
+                                 capture_output=True, text=True, timeout=300)  # neither --resume nor --fresh
+        assert refused.returncode == 2 and "--resume" in refused.stderr and "Traceback" not in refused.stderr
         learner = _spawn(cfg, "learner", run, "--resume")
         assert learner.wait(600) == 0, (run / "learner.log").read_text()[-3000:]
     finally:
         _stop(gens)
     events = _jsonl(run / "audit" / "learner.jsonl")
     steps = [e for e in events if e["event"] == "trained"]
-    # the second run continued from the checkpointed version
-    resumed = steps[first_run_steps:]
-    assert resumed and resumed[0]["version"] == ckpt_step + 1
+    assert [e["step"] for e in steps] == list(range(1, 11)) and steps[-1]["version"] == 10  # rewound, then redone
+    assert [e["step"] for e in _jsonl(run / "metrics.jsonl")] == list(range(1, 11))
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [ckpt_step]
     trained_ids = [g for e in steps for g in e["group_ids"]]
     assert len(trained_ids) == len(set(trained_ids)), "a group was trained twice"
     dropped = {e["group_id"] for e in events if e["event"] == "dropped"}
+    assert redone <= set(trained_ids) | dropped, "groups trained after the checkpoint were lost by the crash"
     produced = {e["group_id"] for k in range(2) for e in _jsonl(run / "audit" / f"generator-{k}.jsonl")
                 if e["event"] == "produced"}
     q = RedisQueue(url, namespace="streamgrpo", consumer="inspector")
     try:
         in_queue = {g for g in _stream_group_ids(q)}
-        duplicates_known = set(_trained_in_redis(q, produced))
+        committed = set(_trained_in_redis(q, produced | set(trained_ids)))
+        held = q.held_count()
     finally:
         q.close()
-    accounted = set(trained_ids) | dropped | in_queue
-    missing = produced - accounted - duplicates_known
+    assert committed == set(trained_ids) and held == 0  # every trained group committed by the final checkpoint
+    missing = produced - (set(trained_ids) | dropped | in_queue)
     assert not missing, f"{len(missing)} produced groups are neither trained, dropped nor queued"
     redis.stop()
 

@@ -84,7 +84,7 @@ def test_put_get_ack_round_trip(redis_any, redis_ns, queues):
     assert [d.stream_id for d in got] == ids[:2]
     assert [d.group.group_id for d in got] == [g.group_id for g in sent[:2]]
     assert got[0].group.visuals[0].frames.tobytes() == sent[0].visuals[0].frames.tobytes()
-    assert q.depth() == 3  # delivered but unacked still counts
+    assert q.depth() == 1 and q.held_count() == 2  # held by a learner: no longer blocks the producers
     assert q.ack([d.stream_id for d in got]) == 2
     assert q.ack([d.stream_id for d in got]) == 0  # idempotent
     assert q.depth() == 1
@@ -204,16 +204,15 @@ def test_dedupe_trained_and_in_flight(redis_any, redis_ns, queues):
     g = group(3)
     q.put(g)
     (d,) = q.get(1, timeout_s=1.0)
-    q.mark_trained([d.group.group_id])
-    q.ack([d.stream_id])
-    assert q.is_trained([g.group_id, "never"]) == [True, False]
+    assert q.commit([(d.stream_id, d.group.group_id)]) == 1
+    assert q.is_trained([g.group_id, "never"]) == [True, False] and q.held_count() == 0
     before = value(metrics.GROUPS_DROPPED, reason="duplicate")
     q.put(g)  # a generator retried after a lost reply: same group id again
     assert q.get(1, timeout_s=0.2) == []
     assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 1
     assert q.depth() == 0  # the duplicate was acked and deleted
     other = queues(redis_any.url, namespace=redis_ns, consumer="learner-1")  # no local memory: asks Redis
-    q.client.xadd(q.stream, {b"g": g.group_id.encode(), b"d": encode(g), b"r": b"1"})  # a producer's retry
+    q.client.xadd(q.stream, {b"g": g.group_id.encode(), b"d": encode(g)})  # a producer's retry
     assert other.get(1, timeout_s=0.2) == []
     assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 2
     before += 1
@@ -223,7 +222,12 @@ def test_dedupe_trained_and_in_flight(redis_any, redis_ns, queues):
     got = get_some(q, 1, timeout_s=1.0) + q.get(5, timeout_s=0.1)
     assert [x.group.group_id for x in got] == [twin.group_id]
     assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 2
-    assert q.depth() == 1
+    assert q.depth() == 0 and q.held_count() == 1  # the delivered copy is held; the twin was deleted
+    fresh = queues(redis_any.url, namespace=redis_ns, consumer="learner-2")
+    q.client.xadd(q.stream, {b"g": twin.group_id.encode(), b"d": encode(twin)})  # a fresh XADD, no retry flag
+    q.client.xadd(q.stream, {b"g": g.group_id.encode(), b"d": encode(g)})  # ... of a trained group too
+    assert fresh.get(5, timeout_s=0.2) == []  # held on learner-0 / trained: neither is trained twice
+    assert value(metrics.GROUPS_DROPPED, reason="duplicate") == before + 4
 
 
 def test_dead_letter_undecodable_entries(redis_any, redis_ns, queues):
@@ -281,9 +285,7 @@ def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues
     wait_until(lambda: value(metrics.BACKPRESSURE) == 1, "the producer to report backpressure")
     assert not done.is_set()  # still blocked: nothing was consumed
     assert consumer.depth() == 2
-    (d,) = consumer.get(1, timeout_s=1.0)
-    assert consumer.depth() == 2  # delivered but unacked still holds the slot
-    consumer.ack([d.stream_id])
+    (d,) = consumer.get(1, timeout_s=1.0)  # held by the learner now: its slot is free (it is trained meanwhile)
     t.join(timeout=30)
     assert done.is_set() and result["id"]
     assert value(metrics.BACKPRESSURE) == 0
@@ -404,7 +406,7 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
 def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
     srv = redis_factory(which, password="right-pw")
     admin = redis.Redis.from_url(srv.url)
-    acl = "+@stream +@sortedset +@scripting +@transaction +ping +expire +client".split()  # what the class docstring promises
+    acl = "+@stream +@sortedset +@hash +@scripting +@transaction +ping +expire +client".split()  # what the class docstring promises
     admin.execute_command("ACL", "SETUSER", "gen", "on", ">gen-pw", f"~{redis_ns}:*", *acl)
     port = srv.port
     cases = {
@@ -422,8 +424,7 @@ def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
     q.put(group(1))
     (d,) = q.get(1, timeout_s=1.0)
     assert d.group.prompt_id == "p1"
-    q.mark_trained([d.group.group_id])
-    assert q.ack([d.stream_id]) == 1 and q.depth() == 0
+    assert q.commit([(d.stream_id, d.group.group_id)]) == 1 and q.depth() == 0
     q.close()
     with pytest.raises(QueueError, match="permission denied"):  # keys outside the user's pattern
         RedisQueue(f"redis://gen:gen-pw@127.0.0.1:{port}/0", namespace="other")

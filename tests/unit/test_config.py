@@ -161,12 +161,9 @@ def test_every_field_is_documented():
     walk(Config)
 
 
-def test_advice_flags_a_queue_bound_that_blocks_overlap():
-    """max_pending <= groups_per_step serialises async training (the step's groups stay pending);
-    the shipped configs are free of it, --sync runs are exempt."""
+def test_advice_flags_a_checkpoint_interval_that_holds_many_groups_in_redis():
+    """Trained groups stay in Redis until the checkpoint that commits them: a long save interval is flagged."""
     assert load_config("demo").advice() == []
     assert load_config("qwen2_5_vl_7b_video").advice() == []
-    tight = load_config("demo", ["queue.max_pending=8", "learner.groups_per_step=8"])
-    (line,) = tight.advice()
-    assert "queue.max_pending (8) <= learner.groups_per_step (8)" in line and "16" in line
-    assert load_config("demo", ["queue.max_pending=8", "rollout.sync=true"]).advice() == []
+    (line,) = load_config("demo", ["learner.save_steps=2000", "learner.groups_per_step=8"]).advice()
+    assert "16000" in line and "save_steps" in line

@@ -37,9 +37,9 @@ def make_group(seed: int = 0, n_videos: int = 2, g: int = 4) -> ScoredGroup:
         lp = rng.standard_normal(n).astype(np.float32)
         lp[0] = -0.0  # bit patterns that a float round trip through text would lose
         if n > 3:
-            lp[1], lp[2], lp[3] = np.nan, -np.inf, np.float32(1e-45)
+            lp[1], lp[2], lp[3] = np.float32(-3.4e38), -np.float32(1e-45), np.float32(1e-45)
         completions.append(Completion(
-            token_ids=rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int64).astype(np.int32),
+            token_ids=rng.integers(0, 2**31 - 1, n, dtype=np.int64).astype(np.int32),
             logprobs=lp, text=f"<think>t{i}</think> <answer>(B) é中</answer>", finish_reason="stop" if i else "length",
             rewards={"format": 1.0, "accuracy": float(i % 2)}, reward=0.3 + 0.7 * (i % 2),
         ))
@@ -79,7 +79,8 @@ def test_round_trip_bit_exact_multi_video():
     assert_same_group(g, out)
     assert [v.frames.shape[0] for v in out.visuals] == [3, 4, 5, 1]
     assert out.meta == g.meta
-    assert np.isnan(out.completions[0].logprobs[1]) and np.signbit(out.completions[0].logprobs[0])
+    lp = out.completions[0].logprobs
+    assert lp[1] == np.float32(-3.4e38) and lp[3] == np.float32(1e-45) and np.signbit(lp[0]) and np.signbit(lp[2])
 
 
 def test_decode_is_zero_copy_and_aligned():
@@ -150,6 +151,9 @@ def test_encode_casts_to_contract_dtypes():
         (lambda g: setattr(g, "group_id", ""), "group_id"),
         (lambda g: setattr(g, "schema", 99), "schema"),
         (lambda g: setattr(g.completions[1], "reward", float("nan")), "completions[1].reward"),
+        (lambda g: g.completions[1].logprobs.__setitem__(2, np.nan), "completions[1].logprobs"),
+        (lambda g: g.completions[0].logprobs.__setitem__(0, -np.inf), "completions[0].logprobs"),
+        (lambda g: g.completions[2].token_ids.__setitem__(1, -1), "completions[2].token_ids"),
         (lambda g: g.completions[3].rewards.update(format="high"), "completions[3].rewards['format']"),
         (lambda g: setattr(g, "completions", []), "completions"),
         (lambda g: setattr(g, "answer", None), "answer"),
