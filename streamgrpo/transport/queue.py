@@ -33,11 +33,9 @@ What each side counts in :mod:`streamgrpo.metrics`: the queue counts what only i
 
 from __future__ import annotations
 
-import abc
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -45,6 +43,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from streamgrpo import metrics
+from streamgrpo.transport.group_queue import (  # noqa: F401 - QueueFull is part of this module's API
+    Delivery,
+    GroupQueue,
+    QueueError,
+    QueueFull,
+    QueueStopped,
+)
 from streamgrpo.transport.resp import (
     COMMIT_LUA,
     FAIL_LUA,
@@ -67,55 +72,6 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learner"
 DEAD_MAXLEN = 10_000
 DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
-
-
-class QueueError(RuntimeError):
-    """The queue cannot do its job (authentication, permissions, an outage longer than allowed, closed)."""
-
-
-class QueueStopped(QueueError):
-    """A stop was requested (``stop`` flag set, e.g. by SIGTERM) while Redis was unreachable."""
-
-
-class QueueFull(QueueError):
-    """``put(..., timeout_s=...)`` waited that long under backpressure."""
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One group handed to a consumer: ack ``stream_id`` after the optimizer step that used it."""
-
-    stream_id: str
-    group: ScoredGroup
-    nbytes: int = 0  # size of the wire message
-    claimed: bool = False  # taken over from another (presumed dead) consumer or re-read after a restart
-
-
-class GroupQueue(abc.ABC):
-    """What generators and the learner need from a replay queue."""
-
-    @abc.abstractmethod
-    def put(self, group: ScoredGroup, *, timeout_s: float | None = None) -> str: ...
-
-    def put_many(self, groups: list[ScoredGroup], *, timeout_s: float | None = None) -> list[str]:
-        return [self.put(g, timeout_s=timeout_s) for g in groups]
-
-    @abc.abstractmethod
-    def get(self, n: int, timeout_s: float) -> list[Delivery]: ...
-    @abc.abstractmethod
-    def ack(self, stream_ids: list[str]) -> int: ...
-    @abc.abstractmethod
-    def commit(self, entries: list[tuple[str, str]]) -> int: ...
-    @abc.abstractmethod
-    def depth(self) -> int: ...
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class RedisQueue(GroupQueue):

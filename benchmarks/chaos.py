@@ -1,0 +1,212 @@
+"""Chaos soak: the demo under kill -9 of the learner, a generator and redis-server, then an audit.
+
+Runs a learner, ``--generators`` generator processes and a redis-server (AOF, ``appendfsync
+everysec``) on loopback with the demo task, for ``--minutes``. Meanwhile, at seeded random moments,
+it kills (SIGKILL, by PID) the learner ``--learner-kills`` times and a generator and redis-server
+about a third as often each, restarting each at once (the learner with ``--resume``, the same
+generator id, redis-server on the same port and AOF). Then it stops the generators and the learner
+with SIGTERM (a clean stop: final checkpoint and commit) and audits the run directory against Redis
+(:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
+reason, or still queued; the step log runs 1..N with the policy version equal to the step.
+
+Prints the kills, the audit and ``lost: N, twice: N``; exits 1 when either is above 0 or the step
+log is out of order. Writes ``benchmarks/results/chaos.json``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos.py [--minutes 10] [--learner-kills 10] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+@dataclass
+class Kill:
+    at_s: float
+    target: str  # learner | generator-K | redis
+    step: int | None = None  # the learner's newest logged step when it happened
+
+
+@dataclass
+class Plan:
+    """When to kill what (seconds from the start), spread over the middle of the run."""
+
+    kills: list[tuple[float, str]] = field(default_factory=list)
+
+
+def make_plan(duration_s: float, learner_kills: int, generators: int, seed: int) -> Plan:
+    """``learner_kills`` learner kills and about a third as many generator and redis kills each, at
+    seeded random moments in [10%, 85%] of the run (pure)."""
+    rng = random.Random(seed)
+    targets = ["learner"] * learner_kills
+    targets += [f"generator-{rng.randrange(generators)}" for _ in range(max(1, learner_kills // 3))]
+    targets += ["redis"] * max(1, learner_kills // 3)
+    rng.shuffle(targets)
+    lo, hi = 0.10 * duration_s, 0.85 * duration_s
+    slots = sorted(rng.uniform(lo, hi) for _ in targets)
+    return Plan(list(zip(slots, targets)))
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], log: Path):
+        self.name, self.argv, self.log = name, argv, log
+        self.p: subprocess.Popen | None = None
+        self.started = 0.0
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log, "ab") as fh:
+            self.p = subprocess.Popen(self.argv, env=ENV, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+
+    def kill9(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            os.kill(self.p.pid, signal.SIGKILL)
+        if self.p is not None:
+            self.p.wait()
+
+    def term(self, grace_s: float = 120.0) -> int | None:
+        if self.p is None:
+            return None
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.p.returncode
+
+
+def _last_step(run_dir: Path) -> int:
+    from streamgrpo.audit import read_jsonl
+
+    steps = [r["step"] for r in read_jsonl(run_dir / "audit" / "learner.jsonl") if r.get("event") == "trained"]
+    return steps[-1] if steps else 0
+
+
+def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generators: int = 2, seed: int = 0,
+              model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
+              log=print) -> tuple[object, list[Kill], dict]:
+    """Run the soak; returns (the audit, the kills done, what the run looked like)."""
+    from streamgrpo.config import load_config
+    from streamgrpo.orchestrate import free_port, prepare_assets
+    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.redis_server import EmbeddedRedis
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    redis = EmbeddedRedis(run_dir / "redis", appendfsync="everysec")
+    url = redis.start()
+    overrides = [f"run_dir={run_dir}", f"queue.url={url}", "learner.max_steps=1000000", "learner.save_steps=5",
+                 "learner.get_timeout_s=1", f"rollout.num_generators={generators}", "metrics.port=0",
+                 f"weights.pub_port={free_port()}", f"weights.snapshot_port={free_port()}", f"seed={seed}"]
+    if model:
+        overrides += [f"model.name_or_path={model}", "model.tiny_if_missing=false"]
+    if data:
+        overrides += [f"data.train_path={data}", "data.make_demo_if_missing=false"]
+    cfg = load_config("demo", [*overrides, *sets])
+    prepare_assets(cfg)
+    cfg_path = run_dir / "chaos-config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    (run_dir / "logs").mkdir(exist_ok=True)
+    base = [sys.executable, "-m", "streamgrpo"]
+    learner = Proc("learner", [*base, "learner", "--config", str(cfg_path), "--fresh"], run_dir / "logs" / "learner.log")
+    learner.argv = [*base, "learner", "--config", str(cfg_path), "--resume"]  # every restart resumes
+    gens = {f"generator-{k}": Proc(f"generator-{k}", [*base, "generator", "--config", str(cfg_path), "--id", str(k)],
+                                   run_dir / "logs" / f"generator-{k}.log") for k in range(generators)}
+    plan = make_plan(duration_s, learner_kills, generators, seed)
+    kills: list[Kill] = []
+    t0 = time.monotonic()
+    try:
+        pending = list(plan.kills)
+        while time.monotonic() - t0 < duration_s:
+            now = time.monotonic() - t0
+            for proc in [learner, *gens.values()]:  # a process that died on its own is restarted too
+                if proc.p.poll() is not None:
+                    log(f"[{now:6.1f}s] {proc.name} exited by itself (code {proc.p.returncode}); restarting")
+                    proc.start()
+            if pending and now >= pending[0][0]:
+                _, target = pending.pop(0)
+                if target == "learner" and time.monotonic() - learner.started < 15.0:
+                    pending.insert(0, (now + 5.0, target))  # let a fresh learner load and train first
+                    continue
+                kills.append(Kill(round(now, 1), target, _last_step(run_dir)))
+                log(f"[{now:6.1f}s] kill -9 {target} (learner at step {kills[-1].step})")
+                if target == "redis":
+                    redis.kill()
+                    time.sleep(1.0)
+                    redis.start()
+                else:
+                    proc = learner if target == "learner" else gens[target]
+                    proc.kill9()
+                    proc.start()
+            time.sleep(0.5)
+        log(f"[{time.monotonic() - t0:6.1f}s] stopping: generators, then the learner (final checkpoint)")
+        for g in gens.values():
+            g.term()
+        code = learner.term()
+        if code not in (0, None):
+            log(f"the learner's clean stop exited with {code}; see {learner.log}")
+        from streamgrpo.audit import audit_run
+
+        queue = RedisQueue(url, namespace=cfg.queue.namespace, consumer="chaos-audit")
+        try:
+            result = audit_run(run_dir, queue)
+        finally:
+            queue.close()
+    finally:
+        for p in [*gens.values(), learner]:
+            p.kill9()
+        redis.stop()
+    info = {"seconds": round(time.monotonic() - t0, 1), "learner_stop_code": code}
+    return result, kills, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--learner-kills", type=int, default=10)
+    ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", default=str(ROOT / "benchmarks" / ".work" / "chaos"))
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every process")
+    args = ap.parse_args(argv)
+    import shutil
+
+    run_dir = Path(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    result, kills, info = run_chaos(run_dir, duration_s=args.minutes * 60, learner_kills=args.learner_kills,
+                                    generators=args.generators, seed=args.seed, sets=tuple(args.sets))
+    by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
+    print(f"kills: learner {by['learner']}, generator {by['generator']}, redis {by['redis']} "
+          f"in {info['seconds']:.0f}s; resumes {result.resumes}")
+    print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
+          f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
+          f"still queued {result.queued}, uncommitted {result.uncommitted}")
+    if result.lost_ids or result.twice_ids:
+        print(f"lost ids (first 20): {result.lost_ids}; twice: {result.twice_ids}")
+    print(result.line())
+    out = ROOT / "benchmarks" / "results" / "chaos.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "chaos", "args": vars(args), "info": info, "kills": [asdict(k) for k in kills],
+                               "audit": asdict(result), "ok": result.ok}, indent=1))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The chaos soak, short: kill -9 of the learner (twice), a generator and redis-server during a run,
+each restarted, then the audit: every produced group trained exactly once (or dropped with a
+reason, or still queued), steps 1..N with version N. The 10-minute version: benchmarks/chaos.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import chaos  # noqa: E402
+
+
+def test_make_plan_spreads_seeded_kills_over_the_middle_of_the_run():
+    plan = chaos.make_plan(600.0, 10, 2, seed=3)
+    targets = [t for _, t in plan.kills]
+    assert targets.count("learner") == 10 and targets.count("redis") == 3
+    assert sum(t.startswith("generator-") for t in targets) == 3
+    assert all(60.0 <= at <= 510.0 for at, _ in plan.kills)
+    assert [at for at, _ in plan.kills] == sorted(at for at, _ in plan.kills)
+    assert plan == chaos.make_plan(600.0, 10, 2, seed=3) and plan != chaos.make_plan(600.0, 10, 2, seed=4)
+
+
+def test_kill9_learner_generator_and_redis_loses_nothing_and_trains_nothing_twice(tiny_model_dir, demo_data_dir,
+                                                                                  tmp_path):
+    lines: list[str] = []
+    result, kills, _ = chaos.run_chaos(tmp_path / "chaos", duration_s=75.0, learner_kills=2, generators=2, seed=1,
+                                       model=str(tiny_model_dir), data=str(Path(demo_data_dir) / "train.jsonl"),
+                                       sets=("learner.save_steps=4",), log=lines.append)
+    targets = [k.target for k in kills]
+    assert targets.count("learner") == 2 and targets.count("redis") == 1 and any(t.startswith("generator") for t in targets), lines
+    assert result.resumes == 2 and result.steps > 0, lines
+    assert result.steps_in_order and result.version == result.steps, lines
+    assert result.trained > 0 and result.uncommitted == 0, lines
+    assert (result.lost, result.twice) == (0, 0), (result.lost_ids, result.twice_ids, lines)

@@ -1,0 +1,171 @@
+"""No message can take the learner down: poison groups in a real Redis stream, a real tiny model.
+
+Each case injects a group into the stream that used to crash the learner (a token id outside the
+vocabulary, a NaN behaviour log-prob) or whose training raises, and checks that the learner
+trains every other group, dead-letters the bad one alone (named by group id and stream id), and
+goes on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamgrpo import metrics
+from streamgrpo.wire import encode
+
+
+def value(metric, **labels) -> float:
+    m = metric.labels(**labels) if labels else metric
+    return m._value.get()
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir, demo_data_dir):
+    from streamgrpo.rollouts import sample_groups
+
+    return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 9, num_generations=4, max_tokens=6)
+
+
+def _cfg(model_dir, run_dir, url, ns, *sets):
+    from streamgrpo.config import load_config
+
+    return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", f"queue.url={url}",
+                                f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.max_steps=2",
+                                "learner.get_timeout_s=0.5", "weights.pub_port=0", "weights.snapshot_port=0",
+                                "metrics.port=0", "loss.max_staleness=100", *sets])
+
+
+def _nan_logprob_message(group) -> bytes:
+    """A wire message whose first behaviour log-prob is NaN (the encoder refuses to write one)."""
+    sentinel = np.float32(-1.2345678)
+    group.completions[0].logprobs[0] = sentinel
+    data = bytearray(encode(group))
+    at = bytes(data).find(sentinel.tobytes())
+    assert at > 0
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    return bytes(data)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, tiny_model_dir, redis_server, redis_ns,
+                                                                      tmp_path):
+    import copy
+
+    from streamgrpo.learner import run_learner
+    from streamgrpo.transport.queue import RedisQueue
+
+    good = [copy.deepcopy(g) for g in groups[:8]]
+    vocab = copy.deepcopy(groups[8])
+    vocab.group_id = "poison-vocab"
+    vocab.completions[1].token_ids[2] = 10**9  # passes the wire contract, outside any Qwen vocabulary
+    nan = copy.deepcopy(groups[8])
+    nan.group_id = "poison-nan"
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")
+    try:
+        q.put_many(good[:3])
+        vocab_sid = q.put(vocab)
+        nan_sid = q.client.xadd(q.stream, {b"g": nan.group_id.encode(), b"d": _nan_logprob_message(nan)}).decode()
+        q.put_many(good[3:])
+        invalid0, malformed0 = value(metrics.GROUPS_DROPPED, reason="invalid"), value(metrics.GROUPS_DROPPED,
+                                                                                     reason="malformed")
+        run = tmp_path / "run"
+        assert run_learner(_cfg(tiny_model_dir, run, redis_server.url, redis_ns)) == 0  # no crash: it went on
+        trained = [g for e in _jsonl(run / "audit" / "learner.jsonl") if e["event"] == "trained" for g in e["group_ids"]]
+        assert sorted(trained) == sorted(g.group_id for g in good)
+        dead = {d["group_id"]: d for d in q.dead_letters()}
+        assert dead["poison-vocab"]["stream_id"] == vocab_sid and "10**9" not in dead["poison-vocab"]["reason"]
+        assert "token id 1000000000 is outside the model's vocabulary" in dead["poison-vocab"]["reason"]
+        assert "poison-vocab" in dead["poison-vocab"]["reason"]
+        assert dead["poison-nan"]["stream_id"] == nan_sid and "not finite" in dead["poison-nan"]["reason"]
+        assert dead["poison-vocab"]["data"] > 0  # the message is kept for inspection
+        assert value(metrics.GROUPS_DROPPED, reason="invalid") == invalid0 + 1
+        assert value(metrics.GROUPS_DROPPED, reason="malformed") == malformed0 + 1
+        assert q.depth() == 0 and q.held_count() == 0  # trained ones committed, poison ones out of the stream
+        assert q.is_trained([g.group_id for g in good]) == [True] * 8
+    finally:
+        q.close()
+
+
+def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny_model_dir, redis_server, redis_ns,
+                                                                     tmp_path):
+    """An exception inside the training step (here: a token id the gate did not see) is pinned on the
+    group that raises alone; it is dead-lettered as poison, the others train in the next step."""
+    import copy
+    from collections import Counter
+
+    from streamgrpo.learner import Gate, guarded_step
+    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.training import Learner
+    from streamgrpo.transport.queue import RedisQueue
+
+    cfg = _cfg(tiny_model_dir, tmp_path, redis_server.url, redis_ns)
+    learner = Learner(cfg)
+    q = RedisQueue(redis_server.url, namespace=redis_ns)
+    audit = JsonlWriter(tmp_path / "audit.jsonl")
+    try:
+        q.put_many([copy.deepcopy(g) for g in groups[:5]])
+        gate = Gate(q, cfg, learner.state, audit, learner.processor, learner.vocab_size)
+        batch = [gate.admit(d) for d in q.get(4, timeout_s=1.0)]
+        assert all(a is not None for a in batch) and gate.drops == Counter()
+        bad = batch[2]
+        bad.group.completions[0].token_ids = np.array([5, 10**9, 7], dtype=np.int32)  # arrived after the gate
+        bad.group.completions[0].logprobs = np.zeros(3, dtype=np.float32)
+        before = {n: p.detach().clone() for n, p in learner.module.named_parameters() if p.requires_grad}
+        poison0 = value(metrics.GROUPS_DROPPED, reason="poison")
+        out, carry = guarded_step(learner, q, gate, batch, learner.dist)
+        assert out is None and [a.group.group_id for a in carry] == [batch[i].group.group_id for i in (0, 1, 3)]
+        for n, p in learner.module.named_parameters():  # nothing applied, no gradient left behind
+            if p.requires_grad:
+                assert torch_equal(p, before[n]) and p.grad is None, n
+        dead = {d["group_id"]: d for d in q.dead_letters()}
+        assert dead[bad.group.group_id]["stream_id"] == bad.stream_id
+        assert "training on it alone failed: BatchError" in dead[bad.group.group_id]["reason"]
+        assert value(metrics.GROUPS_DROPPED, reason="poison") == poison0 + 1 and gate.drops["poison"] == 1
+        more = [gate.admit(d) for d in q.get(1, timeout_s=1.0)]
+        out, carry = guarded_step(learner, q, gate, carry + more, learner.dist)
+        assert out is not None and carry == [] and out["tokens"] > 0
+    finally:
+        audit.close()
+        q.close()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a.detach(), b))
+
+
+def test_a_group_that_keeps_failing_is_dead_lettered_after_max_failures(groups, redis_server, redis_ns):
+    """With several ranks a failing step re-raises (one rank cannot probe alone); the failures are
+    counted in Redis per group, and at queue.max_failures the next read dead-letters the group."""
+    from streamgrpo.transport.queue import RedisQueue
+
+    q = RedisQueue(redis_server.url, namespace=redis_ns, max_failures=2, claim_idle_s=0.2)
+    try:
+        sid = q.put(groups[0])
+        (d,) = q.get(1, timeout_s=1.0)
+        assert q.record_failure([groups[0].group_id], "RuntimeError: boom") == [1]
+        q.close()
+        q = RedisQueue(redis_server.url, namespace=redis_ns, max_failures=2)  # a restarted learner
+        (d,) = q.get(1, timeout_s=1.0)  # re-read: one failure is below the bound
+        assert d.stream_id == sid
+        assert q.record_failure([groups[0].group_id], "RuntimeError: boom again") == [2]
+        q.close()
+        q = RedisQueue(redis_server.url, namespace=redis_ns, max_failures=2)
+        poison0 = value(metrics.GROUPS_DROPPED, reason="poison")
+        assert q.get(1, timeout_s=0.3) == []
+        (letter,) = q.dead_letters()
+        assert letter["stream_id"] == sid and letter["group_id"] == groups[0].group_id
+        assert "training failed 2 times; last error: RuntimeError: boom again" in letter["reason"]
+        assert value(metrics.GROUPS_DROPPED, reason="poison") == poison0 + 1
+        assert q.depth() == 0 and q.held_count() == 0
+    finally:
+        q.close()
