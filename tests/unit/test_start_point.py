@@ -1,0 +1,64 @@
+"""Where a learner starts in a run directory: resume, refuse, or set the previous run aside; and the
+log rewind a resume does (pure file logic, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamgrpo.config import ConfigError, load_config
+from streamgrpo.distributed import DistInfo
+from streamgrpo.learner import start_point
+from streamgrpo.runtime import rewind_jsonl
+
+
+def _run_with_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    for step in (4, 8):
+        (run / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+    (run / "checkpoints" / "step-000012.tmp").mkdir()  # a crash while writing: not a checkpoint
+    (run / "audit").mkdir()
+    (run / "audit" / "learner.jsonl").write_text("{}\n")
+    (run / "audit" / "generator-0.jsonl").write_text("{}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run
+
+
+def _cfg(run, *sets):
+    return load_config("demo", [f"run_dir={run}", *sets])
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    run = _run_with_checkpoints(tmp_path)
+    assert start_point(_cfg(run, "learner.resume=true"), run, DistInfo()) == run / "checkpoints" / "step-000008"
+    assert start_point(_cfg(tmp_path / "empty", "learner.resume=true"), tmp_path / "empty", DistInfo()) is None
+
+
+def test_a_fresh_start_over_checkpoints_is_refused_with_one_clear_line(tmp_path):
+    run = _run_with_checkpoints(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        start_point(_cfg(run), run, DistInfo())
+    assert "step-000008" in str(info.value) and "--resume" in str(info.value) and "--fresh" in str(info.value)
+    assert (run / "checkpoints" / "step-000008").is_dir()  # nothing touched
+    with pytest.raises(ConfigError, match="pick one"):
+        start_point(_cfg(run, "learner.resume=true", "learner.fresh=true"), run, DistInfo())
+
+
+def test_fresh_moves_the_previous_learner_outputs_aside(tmp_path):
+    run = _run_with_checkpoints(tmp_path)
+    assert start_point(_cfg(run, "learner.fresh=true"), run, DistInfo()) is None
+    (moved,) = (run / "previous").iterdir()
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == ["step-000004", "step-000008", "step-000012.tmp"]
+    assert (moved / "metrics.jsonl").is_file() and (moved / "audit" / "learner.jsonl").is_file()
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert (run / "audit" / "generator-0.jsonl").is_file()  # generators' logs are theirs
+
+
+def test_rewind_drops_rows_after_the_step_and_a_torn_line(tmp_path):
+    p = tmp_path / "m.jsonl"
+    rows = [{"step": 1}, {"event": "dropped", "group_id": "x"}, {"step": 2}, {"step": 3}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "tor')
+    assert rewind_jsonl(p, 2) == 2
+    assert [json.loads(line) for line in p.read_text().splitlines()] == rows[:3]
+    assert rewind_jsonl(p, 2) == 0 and rewind_jsonl(tmp_path / "none.jsonl", 2) == 0
