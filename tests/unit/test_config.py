@@ -170,3 +170,14 @@ def test_advice_flags_a_queue_bound_that_blocks_overlap():
     (line,) = tight.advice()
     assert "queue.max_pending (8) <= learner.groups_per_step (8)" in line and "16" in line
     assert load_config("demo", ["queue.max_pending=8", "rollout.sync=true"]).advice() == []
+
+
+def test_weights_wait_bounds_default_and_switch_off():
+    cfg = load_config("demo")
+    assert cfg.weights.warn_every_s == 30.0 and cfg.weights.max_wait_s == 600.0
+    assert load_config("demo", ["weights.max_wait_s=0"]).weights.max_wait_s == 0.0  # 0: wait forever
+    assert load_config("demo", ["weights.max_wait_s=null"]).weights.max_wait_s is None  # so does null
+    with pytest.raises(ConfigError, match=r"weights\.max_wait_s"):
+        load_config("demo", ["weights.max_wait_s=-1"])
+    with pytest.raises(ConfigError, match=r"weights\.warn_every_s"):
+        load_config("demo", ["weights.warn_every_s=0"])
