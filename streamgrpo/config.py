@@ -339,7 +339,7 @@ class WeightsConfig(_Section):
     warn_every_s: float = Field(30.0, gt=0.0)
     """Generator: while it has never received weights, and whenever the learner refuses its connection (CURVE key not authorised, wrong server key, CURVE on one side only), log a WARNING with the reason this often (checked between batches; counted in streamgrpo_errors_total{kind="weights_missing"|"weights_refused"})."""
     max_wait_s: Optional[float] = Field(600.0, ge=0.0)
-    """Generator: give up (one-line error, exit code 3) when no weights have arrived this many seconds after start; meanwhile it keeps generating with its initial weights (v0). 0 or null: wait forever. Once a version has arrived it never gives up."""
+    """Generator: give up (one-line error, exit code 3) when no weights have arrived this many seconds after its model and engine are ready; meanwhile it keeps generating with its initial weights (v0). 0 or null: wait forever. Once a version has arrived it never gives up."""
 
 
 # ------------------------------------------------------------------------------------- metrics
