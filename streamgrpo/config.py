@@ -340,6 +340,10 @@ class WeightsConfig(_Section):
     """Pinned host buffers of the learner's CUDA export (one version each, pinned once at the first publish): the latest version, the one going out, one spare."""
     io_threads: int = Field(1, ge=1, le=64)
     """ZeroMQ I/O threads of the learner's weight sockets (more help when many subscribers pull at once on a many-core host)."""
+    warn_every_s: float = Field(30.0, gt=0.0)
+    """Generator: while it has never received weights, and whenever the learner refuses its connection (CURVE key not authorised, wrong server key, CURVE on one side only), log a WARNING with the reason this often (checked between batches; counted in streamgrpo_errors_total{kind="weights_missing"|"weights_refused"})."""
+    max_wait_s: Optional[float] = Field(600.0, ge=0.0)
+    """Generator: give up (one-line error, exit code 3) when no weights have arrived this many seconds after its model and engine are ready; meanwhile it keeps generating with its initial weights (v0). 0 or null: wait forever. Once a version has arrived it never gives up."""
 
 
 # ------------------------------------------------------------------------------------- metrics

@@ -4,6 +4,11 @@ One top-down loop. Per batch of prompts: apply the newest verified weights (a sa
 G completions per prompt, score them, and push one ScoredGroup per prompt into the Redis stream
 (blocking under backpressure). Generator K reads shard K of ``rollout.num_generators``. SIGTERM
 finishes the current batch and exits 0.
+
+A generator that gets no weights from the learner says so (:class:`WeightsWatch`): it keeps
+generating with its initial weights (v0), warns every ``weights.warn_every_s`` with the reason (key
+refused, handshake failed, learner unreachable, nothing published yet), and exits with code 3
+(:data:`WEIGHTS_UNAVAILABLE_EXIT`) once ``weights.max_wait_s`` has passed without any version.
 """
 
 from __future__ import annotations
@@ -21,6 +26,76 @@ from streamgrpo.config import Config
 from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
 
 log = logging.getLogger("streamgrpo.generator")
+WEIGHTS_UNAVAILABLE_EXIT = 3  # no version from the learner within weights.max_wait_s
+
+
+class WeightsUnavailable(RuntimeError):
+    """No version arrived from the learner within ``weights.max_wait_s`` (the message says why)."""
+
+
+class WeightsWatch:
+    """Makes a generator without weights loud; call :meth:`check` at every safe point (between batches).
+
+    While ``client`` has never returned a version: a WARNING with :meth:`~.WeightSyncClient.status`'s
+    reason every ``warn_every_s`` (the first at the first check), each counted in
+    ``streamgrpo_errors_total{kind="weights_missing"}``, with ``streamgrpo_weights_missing`` at 1; and
+    :class:`WeightsUnavailable` once ``max_wait_s`` (counted from construction; 0 or None: never) has
+    passed. Once a version has arrived it never gives up, but still warns every ``warn_every_s`` while
+    the learner refuses the connection (key no longer authorised, keys changed), counted as
+    ``kind="weights_refused"``.
+    """
+
+    def __init__(self, client, *, warn_every_s: float = 30.0, max_wait_s: float | None = 600.0,
+                 name: str = "generator", clock=time.monotonic):
+        self.client, self.warn_every_s, self.max_wait_s, self.name = client, warn_every_s, max_wait_s or None, name
+        self._clock = clock
+        self.started = clock()
+        self.received = False
+        self.warnings = 0
+        self._last_warn: float | None = None
+        M.WEIGHTS_MISSING.set(1)
+
+    @classmethod
+    def from_config(cls, client, wcfg, name: str = "generator") -> WeightsWatch:
+        """From a :class:`streamgrpo.config.WeightsConfig`."""
+        return cls(client, warn_every_s=wcfg.warn_every_s, max_wait_s=wcfg.max_wait_s, name=name)
+
+    def _due(self, now: float) -> bool:
+        return self._last_warn is None or now - self._last_warn >= self.warn_every_s
+
+    def check(self):
+        """Warn if due; raise :class:`WeightsUnavailable` past the bound. Returns the status it looked at, if any."""
+        now = self._clock()
+        if self.client.version is not None:
+            if not self.received:
+                self.received, self._last_warn = True, None
+                M.WEIGHTS_MISSING.set(0)
+                if self.warnings:
+                    log.info("%s: weights arrived from the learner after %.0f s (v%d)", self.name, now - self.started,
+                             self.client.version)
+            if not self._due(now):
+                return None
+            status = self.client.status()
+            if status.refused:
+                self._warn(now, "weights_refused", "%s: the learner refuses the weight channel; staying at v%d: %s",
+                           self.name, self.client.version, status)
+            return status
+        waited = now - self.started
+        if self.max_wait_s is not None and waited >= self.max_wait_s:
+            raise WeightsUnavailable(f"{self.name}: no weights from the learner in {waited:.0f} s, giving up "
+                                     f"(weights.max_wait_s={self.max_wait_s:g}): {self.client.status()}")
+        if not self._due(now):
+            return None
+        status = self.client.status()
+        self._warn(now, "weights_missing", "%s: no weights from the learner after %.0f s (still generating with the "
+                   "initial weights, v0): %s", self.name, waited, status)
+        return status
+
+    def _warn(self, now: float, kind: str, msg: str, *args) -> None:
+        self._last_warn = now
+        self.warnings += 1
+        M.ERRORS.labels(kind=kind).inc()
+        log.warning(msg, *args)
 
 
 def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None) -> int:
@@ -98,20 +173,25 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.write({"event": "applied", "version": target[0], "weight_sync_s": sync_s, "t": time.time()})
         log.info("%s: applied weights v%d (%.2fs)", name, target[0], time.perf_counter() - t0)
 
-    snap = weights.request_snapshot(timeout_s=10.0)  # a (re)started generator catches up first
+    watch = WeightsWatch.from_config(weights, cfg.weights, name)
+    # a (re)started generator catches up first
+    snap = weights.request_snapshot(timeout_s=min(10.0, cfg.weights.max_wait_s or 10.0))
     if snap is not None:
         load_weights(snap[0], snap[1])
         weights.mark_applied()
-    log.info("%s: %d records in shard %d/%d, starting at policy v%d", name,
+    log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name,
              (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
-             generator_id, cfg.rollout.num_generators, engine.version)
+             generator_id, cfg.rollout.num_generators, engine.version,
+             "" if snap is not None else " (the initial weights: none from the learner yet)")
 
     samples = iter_samples(records, cfg.data, shard=generator_id, num_shards=cfg.rollout.num_generators,
                            seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=factor, temporal_patch=temporal)
     produced = 0
+    code = 0
     try:
         while not stop:
             apply_newest()
+            watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = cfg.rollout.prompts_per_batch
             if cfg.rollout.sync:
                 batch_size = _claim_sync_slots(queue, cfg, engine.version, batch_size)
@@ -134,7 +214,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 group = score_group(record, visuals, req, group_out, rewards, version=version, generator_id=name,
                                     model_id=cfg.model.name_or_path, temperature=sampling.temperature)
                 t_put = time.perf_counter()
-                sent = _put(queue, group, stop, name)
+                sent = _put(queue, group, stop, name, tick=watch.check)
                 if sent is None:
                     continue  # refused by the wire contract (logged and counted)
                 if not sent:
@@ -148,13 +228,16 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             log.debug("%s: %d groups at v%d in %.2fs", name, len(chunk), version, gen_s)
     except QueueStopped as exc:  # SIGTERM during a Redis outage: the group being put is given up
         log.warning("%s: %s; stopping", name, exc)
+    except WeightsUnavailable as exc:
+        log.error("%s", exc)
+        code = WEIGHTS_UNAVAILABLE_EXIT
     finally:
         log.info("%s: stopping after %d groups", name, produced)
         weights.close()
         queue.close()
         audit.close()
         server.close()
-    return 0
+    return code
 
 
 def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,
@@ -173,10 +256,11 @@ def score_group(record, visuals, req, outs, rewards, *, version: int, generator_
     )
 
 
-def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool | None:
-    """Put under backpressure, waking every second to notice SIGTERM; after a stop request the
-    group gets ``grace_s`` more seconds to find room, then it is given up (logged). A group the wire
-    contract refuses is logged, counted (``groups_dropped{reason=invalid}``) and skipped (None)."""
+def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0, tick=None) -> bool | None:
+    """Put under backpressure, waking every second to notice SIGTERM (and to call ``tick``, e.g. a
+    :meth:`WeightsWatch.check`); after a stop request the group gets ``grace_s`` more seconds to find
+    room, then it is given up (logged). A group the wire contract refuses is logged, counted
+    (``groups_dropped{reason=invalid}``) and skipped (None)."""
     from streamgrpo.transport.queue import QueueFull
     from streamgrpo.wire import WireError
 
@@ -190,6 +274,8 @@ def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0) -> bool
             log.error("%s: group %s (%s) not sent: %s", name, group.group_id, group.prompt_id, exc)
             return None
         except QueueFull:
+            if tick is not None:
+                tick()
             if stop:
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at >= grace_s:

@@ -55,6 +55,9 @@ STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learne
 IDLE_SECONDS = Counter("streamgrpo_idle_seconds", "Seconds spent waiting (learner for groups, generator on backpressure)", ["role"])
 ERRORS = Counter("streamgrpo_errors", "Errors by kind (data, reward, wire, queue, weights, loss, ...)", ["kind"])
 BACKPRESSURE = Gauge("streamgrpo_backpressure", "1 while this producer is blocked because the queue is full")
+WEIGHTS_MISSING = Gauge(
+    "streamgrpo_weights_missing", "1 while this generator has never received weights from the learner (it samples with its initial ones)"
+)
 
 
 class _Handler(BaseHTTPRequestHandler):

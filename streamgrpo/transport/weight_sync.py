@@ -11,12 +11,15 @@ generator loops see only these methods::
     got = client.request_snapshot(10.0)              # late joiner: the latest version now
     got = client.poll()                              # (version, tensors) or None, between batches
     if got: engine.load_weights(*got); client.mark_applied()
+    client.status()                                  # WeightsStatus: why no weights arrive, in one line
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -88,6 +91,34 @@ class WeightSync(ABC):
         self.close()
 
 
+class WeightsState(str, Enum):
+    """Where a generator's weight channel stands (worst first)."""
+
+    AUTH_REFUSED = "auth_refused"  # the learner refused this generator's CURVE key
+    HANDSHAKE_FAILED = "handshake_failed"  # connected, but the security handshake failed (keys, CURVE vs plain)
+    UNREACHABLE = "unreachable"  # no connection: nothing listens there, host unreachable, or connection lost
+    CONNECTING = "connecting"  # the first attempts are still under way
+    WAITING = "waiting"  # connected to the learner; no version received yet
+    OK = "ok"  # connected, and a version received
+
+
+@dataclass(frozen=True)
+class WeightsStatus:
+    """:meth:`WeightSyncClient.status`: a state, one line for humans, and the newest version received."""
+
+    state: WeightsState
+    reason: str
+    version: int | None = None  # newest complete version received (None: none yet)
+
+    @property
+    def refused(self) -> bool:
+        """The learner is there but will not talk to us (keys, security settings): retrying alone will not help."""
+        return self.state in (WeightsState.AUTH_REFUSED, WeightsState.HANDSHAKE_FAILED)
+
+    def __str__(self) -> str:
+        return f"{self.state.value}: {self.reason}"
+
+
 class WeightSyncClient(ABC):
     """Generator side: the newest complete, verified version, whole or not at all."""
 
@@ -106,6 +137,10 @@ class WeightSyncClient(ABC):
     @property
     @abstractmethod
     def version(self) -> int | None: ...
+
+    @abstractmethod
+    def status(self) -> WeightsStatus:
+        """Why weights do (not) arrive now: refused, unreachable, waiting for a first version, or ok."""
 
     @abstractmethod
     def close(self) -> None: ...

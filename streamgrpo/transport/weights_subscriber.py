@@ -16,7 +16,7 @@ import zmq
 
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_SYNC_SECONDS
 from streamgrpo.transport.keys import client_keys, server_keys
-from streamgrpo.transport.weight_sync import WeightSyncClient
+from streamgrpo.transport.weight_sync import WeightsStatus, WeightSyncClient
 from streamgrpo.transport.weights_codec import (
     TOPIC,
     TOPIC_BEAT,
@@ -33,6 +33,7 @@ from streamgrpo.transport.weights_codec import (
     report_error,
     select_chunks,
 )
+from streamgrpo.transport.weights_links import Links
 
 log = logging.getLogger("streamgrpo.transport.weights")
 
@@ -58,6 +59,11 @@ class WeightSubscriber(WeightSyncClient):
     Chunks are copied into preallocated receive buffers and hashed by ``copy_threads`` worker
     threads, off the receiving thread. ``ipc_dir`` connects to the publisher's ``ipc://`` sockets
     there instead of TCP (generators on the learner's host).
+
+    :meth:`status` says why no weights arrive (key refused, handshake failed, learner unreachable,
+    nothing published yet) from the sockets' monitor events (:mod:`.weights_links`); after an auth
+    or protocol failure, which libzmq never retries, both endpoints are dialled again every
+    ``redial_s`` seconds.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class WeightSubscriber(WeightSyncClient):
         snapshot_timeout_s: float = 10.0,
         copy_threads: int | None = None,
         ipc_dir: str | os.PathLike | None = None,
+        redial_s: float = 5.0,
     ):
 
         self.pin_memory = pin_memory
@@ -101,6 +108,10 @@ class WeightSubscriber(WeightSyncClient):
             pub_ep, snap_ep = ipc_endpoints(ipc_dir)
         else:
             pub_ep, snap_ep = endpoint(connect_host, pub_port), endpoint(connect_host, snapshot_port)
+        self._links = Links([("PUB", self._sub, pub_ep), ("snapshot", self._dealer, snap_ep)],
+                            curve=bool(curve_keys_dir), client=str(client_key) if client_key else None,
+                            redial_s=redial_s)  # monitors first: they see the first connection attempt
+        self._learner_empty = False  # the snapshot endpoint answered that nothing is published yet
         self._sub.connect(pub_ep)
         self._dealer.connect(snap_ep)
         self._pool = ThreadPoolExecutor(copy_threads or default_hash_threads(), thread_name_prefix="weights-recv")
@@ -163,6 +174,12 @@ class WeightSubscriber(WeightSyncClient):
         """Version last returned by :meth:`poll`."""
         return self._last.version if self._last else None
 
+    def status(self) -> WeightsStatus:
+        """Why weights do (not) arrive: the worst of the two connections (PUB, snapshot), in one line."""
+        with self._cv:
+            have, empty = self._have, self._learner_empty
+        return self._links.status(have.version if have is not None else None, learner_empty=empty)
+
     @property
     def published_at(self) -> float | None:
         """Wall time (``time.time()``) at which the last returned version was published."""
@@ -221,11 +238,14 @@ class WeightSubscriber(WeightSyncClient):
     # -- receiver thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
-        for s in (self._sub, self._dealer, self._wake_pull):
+        monitors = self._links.monitors
+        for s in (self._sub, self._dealer, self._wake_pull, *monitors):
             poller.register(s, zmq.POLLIN)
         while not self._closing:
             try:
                 events = dict(poller.poll(50))
+                if any(m in events for m in monitors):
+                    self._links.drain()
                 if self._wake_pull in events:
                     while self._wake_pull.poll(0):
                         self._wake_pull.recv()
@@ -328,6 +348,7 @@ class WeightSubscriber(WeightSyncClient):
             return False
 
     def _tick(self) -> None:
+        self._links.redial_due()
         now = time.monotonic()
         f = self._fetch
         if f is not None and now - f.last_activity > self.snapshot_timeout_s:
@@ -359,6 +380,9 @@ class WeightSubscriber(WeightSyncClient):
                 kind = frames[0].bytes
                 if kind in (b"none", b"gone"):
                     rid = msgpack.unpackb(frames[1].bytes)["r"]
+                    if kind == b"none" and self._have is None:
+                        with self._cv:
+                            self._learner_empty = True
                     if f is not None and rid == f.rid:
                         self._abort_fetch()
                         now = time.monotonic()

@@ -167,3 +167,14 @@ def test_advice_flags_a_checkpoint_interval_that_holds_many_groups_in_redis():
     assert load_config("qwen2_5_vl_7b_video").advice() == []
     (line,) = load_config("demo", ["learner.save_steps=2000", "learner.groups_per_step=8"]).advice()
     assert "16000" in line and "save_steps" in line
+
+
+def test_weights_wait_bounds_default_and_switch_off():
+    cfg = load_config("demo")
+    assert cfg.weights.warn_every_s == 30.0 and cfg.weights.max_wait_s == 600.0
+    assert load_config("demo", ["weights.max_wait_s=0"]).weights.max_wait_s == 0.0  # 0: wait forever
+    assert load_config("demo", ["weights.max_wait_s=null"]).weights.max_wait_s is None  # so does null
+    with pytest.raises(ConfigError, match=r"weights\.max_wait_s"):
+        load_config("demo", ["weights.max_wait_s=-1"])
+    with pytest.raises(ConfigError, match=r"weights\.warn_every_s"):
+        load_config("demo", ["weights.warn_every_s=0"])
