@@ -2,6 +2,21 @@
 
 Only argparse and the config module are imported at start-up, so `--help` is fast and torch stays
 out of `sys.modules` until a command that needs it runs.
+
+A mistake the user can fix ends the command with one line on stderr, ``streamgrpo <command>:
+<what is wrong>``, and no Python traceback (``-v`` logs the traceback as well). Exit codes:
+
+* 0: done.
+* 1: the command ran and failed: Redis refused the connection (wrong password, TLS settings, ACL
+  permissions) or stayed down longer than ``queue.max_outage_s``; the data had no usable record.
+* 2: a usage or config mistake, found before any work: a bad key or value (NaN and inf included),
+  no Redis configured, a data file (``data.train_path``, ``--data``, ``--input``) that does not
+  exist, a command that is not built yet; argparse's own usage errors exit 2 too.
+* 130: interrupted (Ctrl-C).
+
+``learner`` and ``generator`` check their data file and Redis (:func:`_check_before_loading`)
+before they load a model, so these mistakes end them within seconds; a Redis that is down is not a
+mistake: their queue waits for it.
 """
 
 from __future__ import annotations
@@ -12,6 +27,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 NOT_BUILT_EXIT = 2
+USAGE_EXIT = 2  # the command line or config is wrong (nothing ran)
+FAILED_EXIT = 1  # the command ran and failed (Redis refused us, unusable data)
 
 
 class NotBuilt(Exception):
@@ -33,9 +50,29 @@ def _load(args) -> object:
 
 
 # ------------------------------------------------------------------------------------ commands
+def _check_before_loading(cfg, role: str, *, data: bool = False) -> None:
+    """What can never work, found in a second instead of after loading a model: a missing data
+    file, no Redis configured, a Redis that refuses this URL (password, TLS, ACL). An unreachable
+    Redis is left to the queue, which waits for it (``stop=True`` ends this one try at once)."""
+    from pathlib import Path
+
+    from streamgrpo.runtime import queue_url
+    from streamgrpo.transport.queue import QueueStopped, RedisQueue
+
+    if data:
+        from streamgrpo.data.records import require_data_path
+
+        require_data_path(cfg.data.train_path, cfg.data)
+    url = queue_url(cfg, Path(cfg.run_dir))
+    try:
+        RedisQueue.from_config(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
+    except QueueStopped:
+        pass
+
+
 def cmd_config_show(args) -> int:
     cfg = _load(args)
-    sys.stdout.write(cfg.to_yaml())
+    sys.stdout.write(cfg.to_yaml(redact=True))  # passwords and keys masked, but shown to be set
     return 0
 
 
@@ -57,15 +94,21 @@ def cmd_learner(args) -> int:
         cfg.learner.resume, cfg.learner.fresh = False, True
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    _check_before_loading(cfg, "learner")
     return run_learner(cfg)
 
 
 def cmd_generator(args) -> int:
-    cfg = _load(args)
-    from streamgrpo.generator import run_generator
+    from streamgrpo.config import ConfigError
 
+    cfg = _load(args)
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    if not 0 <= args.id < cfg.rollout.num_generators:
+        raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
+    _check_before_loading(cfg, f"generator-{args.id}", data=True)
+    from streamgrpo.generator import run_generator
+
     return run_generator(cfg, generator_id=args.id)
 
 
@@ -248,6 +291,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_error(exc: BaseException) -> int | None:
+    """The exit code of a mistake the user can fix (reported in one line), None for anything else.
+
+    Queue and data errors are looked up only if their modules were imported: the exception cannot
+    be one of theirs otherwise, and the CLI stays free of their imports."""
+    from streamgrpo.config import ConfigError  # includes runtime.NoRedisConfigured
+
+    if isinstance(exc, ConfigError):
+        return USAGE_EXIT
+    records = sys.modules.get("streamgrpo.data.records")
+    if records is not None and isinstance(exc, records.DataFileNotFound):
+        return USAGE_EXIT
+    if records is not None and isinstance(exc, records.DataError):
+        return FAILED_EXIT
+    queue = sys.modules.get("streamgrpo.transport.queue")
+    if queue is not None and isinstance(exc, queue.QueueError):
+        return FAILED_EXIT
+    return None
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """``learner``, ``config show``, ``data check``...: the words that chose the command."""
+    words = [args.command]
+    for attr in ("config_command", "data_command", "model_command"):
+        if getattr(args, attr, None):
+            words.append(getattr(args, attr))
+    return " ".join(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -257,13 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     func: Callable[[argparse.Namespace], int] = args.func
-    from streamgrpo.config import ConfigError
-
     try:
         return int(func(args) or 0)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
     except NotBuilt as exc:
         print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)
         return NOT_BUILT_EXIT
@@ -274,6 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        code = _user_error(exc)
+        if code is None:
+            raise
+        logging.getLogger("streamgrpo.cli").debug("traceback of the error below", exc_info=True)
+        print(f"streamgrpo {command_name(args)}: {exc}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: every float field rejects NaN and +-inf ("must be a finite number"), whatever its bounds
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------- model
@@ -357,8 +359,8 @@ class WandbConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    host: str = "0.0.0.0"
-    """Interface of the /metrics and /healthz HTTP server."""
+    host: str = "127.0.0.1"
+    """Interface of the /metrics and /healthz HTTP server: this machine only by default; 0.0.0.0 lets a Prometheus on another host or container scrape it (docker-compose.yml and deploy/k8s set that)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of /metrics (0 = pick a free one and log it)."""
     log_every: int = Field(1, ge=1)
@@ -371,7 +373,8 @@ class MetricsConfig(_Section):
 
 # ---------------------------------------------------------------------------------------- root
 class Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
     run_dir: str = "runs/latest"
     """Run directory: logs, metrics.jsonl, checkpoints, summary and plots."""
@@ -404,11 +407,17 @@ class Config(BaseModel):
                 "until the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it")
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        """The config as plain data; ``redact`` masks secrets (:func:`streamgrpo.config_redact.redact_secrets`)."""
+        tree = self.model_dump(mode="json")
+        if redact:
+            from streamgrpo.config_redact import redact_secrets
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+            tree = redact_secrets(tree)
+        return tree
+
+    def to_yaml(self, redact: bool = False) -> str:
+        return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
 
 
 SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics")
@@ -498,6 +507,9 @@ def _format_validation_error(exc: ValidationError, tree: Mapping[str, Any], sour
         value = err.get("input")
         if err["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key {key!r} (value {value!r})")
+        elif err["type"] == "finite_number":  # NaN/inf: not "should be <= 1", which would mislead
+            got = value if isinstance(value, str) else repr(value)
+            lines.append(f"{source}: {key}: must be a finite number, got {got}")
         else:
             lines.append(f"{source}: {key} = {value!r}: {err['msg']}")
     return "\n".join(lines)

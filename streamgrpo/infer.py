@@ -142,11 +142,18 @@ def read_input_records(path: str | os.PathLike, data_cfg) -> tuple[list, list, s
     Unlike training data a record may lack its gpt turn (nothing to score then). ``data.kinds``
     filters as in training; duplicate ids are errors.
     """
-    from streamgrpo.data.records import DataError, _iter_json, _source_kind, parse_record, read_records
+    from streamgrpo.data.records import (
+        DataError,
+        DataFileNotFound,
+        _iter_json,
+        _source_kind,
+        parse_record,
+        read_records,
+    )
 
     path = Path(os.path.expanduser(str(path)))
     if not path.exists():
-        raise DataError(None, path, "input file not found", kind="missing_file")
+        raise DataFileNotFound(path, "input file")
     if _source_kind(path, data_cfg) == "hf":
         records, errors = read_records(path, data_cfg)
         return records, errors, set()

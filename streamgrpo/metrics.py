@@ -87,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
 class MetricsServer:
     """``/metrics`` + ``/healthz`` on a daemon thread. ``port=0`` picks a free port (see ``.port``)."""
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, health=None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, health=None):
         _Handler.health = health
         self._httpd = ThreadingHTTPServer((host, port), _Handler)
         self._httpd.daemon_threads = True
@@ -102,5 +102,5 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def serve(host: str = "0.0.0.0", port: int = 0, health=None) -> MetricsServer:
+def serve(host: str = "127.0.0.1", port: int = 0, health=None) -> MetricsServer:
     return MetricsServer(host, port, health)

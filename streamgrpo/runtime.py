@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.config import ConfigError
+
 log = logging.getLogger(__name__)
+
+
+class NoRedisConfigured(ConfigError, RuntimeError):
+    """Neither ``queue.url``, ``STREAMGRPO_REDIS_URL`` nor an embedded server's record names a Redis."""
 
 
 class StopFlag:
@@ -141,9 +147,9 @@ def queue_url(cfg, run_dir: Path) -> str:
     rec = run_dir / "redis.json"
     if rec.is_file():
         return json.loads(rec.read_text())["url"]
-    raise RuntimeError(
+    raise NoRedisConfigured(
         "no Redis configured: set queue.url (redis://host:port/db) or start everything with `streamgrpo up`, "
-        "which runs an embedded Redis"
+        "which runs an embedded Redis (or set STREAMGRPO_REDIS_URL)"
     )
 
 

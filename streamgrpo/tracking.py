@@ -92,7 +92,7 @@ class WandbTracker(Tracker):
         id_file.write_text(run_id)
         self._wandb = wandb
         self.run = wandb.init(project=wc.project, name=wc.run_name or run_dir.name, mode=wc.mode, dir=str(run_dir),
-                              id=run_id, resume="allow", config=cfg.to_dict())
+                              id=run_id, resume="allow", config=cfg.to_dict(redact=True))  # no Redis password
         log.info("wandb: project %s, run %s (%s), files under %s", wc.project, self.run.name, wc.mode, run_dir / "wandb")
 
     def log_step(self, rec: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:

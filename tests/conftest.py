@@ -106,6 +106,43 @@ def redis_factory(tmp_path):
         server.stop()
 
 
+def make_tls_files(folder, cn: str = "127.0.0.1") -> dict[str, str]:
+    """A throwaway CA and a server certificate it signed for ``cn`` (openssl; skips if missing): paths by name."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=streamgrpo-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", f"/CN={cn}")
+    (folder / "ext.cnf").write_text(f"subjectAltName=IP:{cn}\n")
+    ssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "srv.crt",
+        "-days", "2", "-extfile", "ext.cnf")
+    return {name: str(folder / name) for name in ("ca.crt", "srv.crt", "srv.key")}
+
+
+@pytest.fixture
+def tls_redis(tmp_path, redis_factory):
+    """A system redis-server with a plain port (``.port``, ``.url``) and a TLS port (``.tls_port``);
+    ``.ca`` is the CA file that signed its certificate (for 127.0.0.1). Stopped by PID after the test."""
+    from streamgrpo.transport.redis_server import free_port
+
+    files = make_tls_files(tmp_path / "tls")
+    tls_port = free_port()
+    server = redis_factory("system", extra_config={
+        "tls-port": str(tls_port), "tls-cert-file": files["srv.crt"], "tls-key-file": files["srv.key"],
+        "tls-ca-cert-file": files["ca.crt"], "tls-auth-clients": "no",
+    })
+    server.tls_port, server.ca = tls_port, files["ca.crt"]
+    return server
+
+
 @pytest.fixture
 def redis_ns():
     """A fresh key namespace, so tests can share one server."""

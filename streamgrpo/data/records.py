@@ -67,6 +67,26 @@ class DataError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+class DataFileNotFound(DataError):
+    """The records file or data set directory (``data.train_path``, ``--data``...) does not exist."""
+
+    def __init__(self, path: str | os.PathLike, what: str = "data file"):
+        super().__init__(None, path, f"{what} not found", kind="missing_file")
+        self.args = (f"{what} not found: {self.path}",)  # no "record (...)": the whole file is missing
+
+
+def require_data_path(path: str | os.PathLike, cfg: DataConfig) -> Path:
+    """``path`` (``~`` expanded), made first when ``data.make_demo_if_missing``; :class:`DataFileNotFound` if absent."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.exists() and cfg.make_demo_if_missing:
+        from streamgrpo.data.demo import make_demo
+
+        make_demo(path.parent, n=cfg.demo_size, seed=0)
+    if not path.exists():
+        raise DataFileNotFound(path)
+    return path
+
+
 @dataclass
 class Record:
     """One prompt: question with placeholders, ground truth, resolved media paths, meta."""
@@ -346,14 +366,7 @@ def _source_kind(path: Path, cfg: DataConfig) -> str:
 
 def iter_raw(path: str | os.PathLike, cfg: DataConfig) -> Iterator[Record | DataError]:
     """Every record of ``path`` in file order: a :class:`Record` or the :class:`DataError` it raised."""
-    path = Path(os.path.expanduser(str(path)))
-    if not path.exists():
-        if cfg.make_demo_if_missing:
-            from streamgrpo.data.demo import make_demo
-
-            make_demo(path.parent, n=cfg.demo_size, seed=0)
-        if not path.exists():
-            raise DataError(None, path, "data file not found", kind="missing_file")
+    path = require_data_path(path, cfg)
     if _source_kind(path, cfg) == "hf":
         for _where, item in _iter_hf(path, cfg):
             yield item

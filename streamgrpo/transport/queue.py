@@ -121,6 +121,7 @@ class RedisQueue(GroupQueue):
         self._closed = False
         self._lock = threading.Lock()
         self._outage_since: float | None = None
+        self._connected = False  # a command succeeded: a dropped connection is an outage, never a TLS mix-up
         self._inflight: dict[str, tuple[str, float]] = {}  # stream id -> (group id, last refreshed)
         self._own_cursor: str | None = "0"  # history cursor over our own pending entries; None when done
         self._claim_cursor = "0-0"
@@ -158,27 +159,34 @@ class RedisQueue(GroupQueue):
 
     # ------------------------------------------------------------------------ redis calls
     def _call(self, what: str, fn, *args, **kwargs):
-        """Run one Redis call; retry connection loss with capped exponential backoff, one log line per outage."""
+        """Run one Redis call; retry connection loss with capped exponential backoff, one log line per outage.
+
+        A mistake that retrying cannot fix (password, ACL permissions, TLS settings, ``redis://`` on a
+        TLS port: :func:`~streamgrpo.transport.redis_errors.misconfiguration`) raises :class:`QueueError` at once.
+        """
         delay = self.backoff_s[0]
         while True:
             if self._closed:
                 raise QueueError(f"queue on {self.safe_url} is closed")
             try:
                 out = fn(*args, **kwargs)
-            except redis.AuthenticationError as exc:
-                raise QueueError(
-                    f"authentication failed for {self.safe_url} ({exc}); check the user/password in queue.url"
-                ) from None
-            except (redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError) as exc:
-                raise QueueError(f"permission denied on {self.safe_url} for {what}: {exc}") from None
-            except (redis.ConnectionError, redis.TimeoutError) as exc:  # includes BusyLoadingError (AOF replay)
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse,
+                    redis.exceptions.NoPermissionError) as exc:
+                from streamgrpo.transport.redis_errors import misconfiguration
+
+                # a mistake (password, TLS...) ends here; anything else is an outage (refused, LOADING...)
+                fatal = misconfiguration(exc, self._r, self.safe_url, what, connected=self._connected)
+                if fatal:
+                    raise QueueError(fatal) from None
+                if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                    raise
                 now = time.monotonic()
                 with self._lock:
                     first = self._outage_since is None
                     if first:
                         self._outage_since = now
                     since = self._outage_since
-                if first:
+                if first and not self.stop:  # a stop already requested: QueueStopped below says it all
                     metrics.ERRORS.labels(kind="queue").inc()
                     log.warning("redis at %s unavailable during %s (%s); retrying with backoff up to %gs",
                                 self.safe_url, what, exc, self.backoff_s[1])
@@ -190,6 +198,7 @@ class RedisQueue(GroupQueue):
                 time.sleep(delay)
                 delay = min(delay * 2, self.backoff_s[1])
                 continue
+            self._connected = True
             with self._lock:
                 since, self._outage_since = self._outage_since, None
             if since is not None:
@@ -219,12 +228,17 @@ class RedisQueue(GroupQueue):
             return self._call(what, fn, *args)
 
     def ping(self) -> bool:
-        """True if Redis answers now (no retry); :class:`QueueError` if it refuses our credentials."""
+        """True if Redis answers now (no retry); :class:`QueueError` for a mistake (password, TLS: redis_errors)."""
         try:
-            return bool(self._r.ping())
-        except redis.AuthenticationError as exc:
-            raise QueueError(f"authentication failed for {self.safe_url} ({exc})") from None
-        except (redis.ConnectionError, redis.TimeoutError):
+            ok = bool(self._r.ping())
+            self._connected = True
+            return ok
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse) as exc:
+            from streamgrpo.transport.redis_errors import misconfiguration
+
+            fatal = misconfiguration(exc, self._r, self.safe_url, "PING", connected=self._connected)
+            if fatal:
+                raise QueueError(fatal) from None
             return False
 
     # ------------------------------------------------------------------------ producer

@@ -87,8 +87,9 @@ return out
 """
 
 
-def safe_url(url: str) -> str:
-    """The URL without its password: ``redis://user:secret@h:1/0`` -> ``redis://user@h:1/0``."""
+def safe_url(url: str, mask: str | None = None) -> str:
+    """The URL without its password: ``redis://user:secret@h:1/0`` -> ``redis://user@h:1/0``, or with
+    ``mask`` in its place (``redis://user:***@h:1/0``: still shows that a password is set)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -96,7 +97,10 @@ def safe_url(url: str) -> str:
     out = url
     if parts.password is not None:
         host = parts.netloc.rsplit("@", 1)[1]
-        out = out.replace(parts.netloc, f"{parts.username}@{host}" if parts.username else host, 1)
+        cred = parts.username or ""
+        if mask is not None:
+            cred += f":{mask}"
+        out = out.replace(parts.netloc, f"{cred}@{host}" if cred else host, 1)
     return re.sub(r"([?&]password=)[^&]*", r"\1***", out)
 
 

@@ -65,3 +65,38 @@ def test_parser_knows_design_flags():
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "learner" in out.stdout
+
+
+def test_config_mistakes_are_one_line_named_by_command_exit_2(capsys):
+    assert main(["config", "show", "--set", "learner.learning_rate=nan"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("streamgrpo config show: ") and captured.out == ""
+    assert line.endswith("learner.learning_rate: must be a finite number, got nan")
+
+
+def test_generator_id_outside_num_generators_is_a_usage_error(capsys):
+    assert main(["generator", "--config", "demo", "--set", "rollout.num_generators=2", "--id", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == "streamgrpo generator: --id 2 is outside 0..1 (rollout.num_generators)"
+
+
+def test_config_show_masks_secrets(capsys):
+    rc = main(["config", "show", "--set", "queue.url=rediss://:hunter2@redis:6380/0?ssl_ca_certs=/ca.pem",
+               "--set", "rewards.functions=[{name: 'judge:score', params: {token: abc-secret}}]"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and "abc-secret" not in out
+    assert "url: rediss://:***@redis:6380/0?ssl_ca_certs=/ca.pem" in out and "token: '***'" in out
+
+
+def test_check_before_loading_leaves_a_down_redis_to_the_queue(tmp_path, caplog):
+    """Nothing listens: not a mistake (Redis may start later), so the check returns at once, silently,
+    and the process goes on to load its model; its queue waits for Redis."""
+    from streamgrpo.cli import _check_before_loading
+    from streamgrpo.config import load_config
+    from streamgrpo.transport.redis_server import free_port
+
+    cfg = load_config("demo", [f"queue.url=redis://127.0.0.1:{free_port()}/0", f"run_dir={tmp_path}"])
+    assert _check_before_loading(cfg, "learner") is None
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]

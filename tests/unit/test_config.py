@@ -178,3 +178,93 @@ def test_weights_wait_bounds_default_and_switch_off():
         load_config("demo", ["weights.max_wait_s=-1"])
     with pytest.raises(ConfigError, match=r"weights\.warn_every_s"):
         load_config("demo", ["weights.warn_every_s=0"])
+
+
+# ------------------------------------------------------------------------------ NaN / inf (issue 18)
+def _float_fields(model_cls, prefix: str = "", seen=None):
+    """(dotted path, model class, field name) of every float or Optional[float] field, recursively."""
+    import typing
+
+    seen = set() if seen is None else seen
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
+        for a in args:
+            inner = [x for x in typing.get_args(a)] or [a]  # list[RewardSpec] -> RewardSpec
+            for t in inner:
+                if t is float:
+                    yield f"{prefix}{name}", model_cls, name
+                elif isinstance(t, type) and hasattr(t, "model_fields") and t not in seen:
+                    seen.add(t)
+                    yield from _float_fields(t, f"{prefix}{name}.", seen)
+
+
+def test_every_float_field_rejects_nan_and_inf():
+    from pydantic import ValidationError
+
+    fields = list(_float_fields(Config))
+    assert len(fields) >= 20 and "learner.learning_rate" in {p for p, _, _ in fields}
+    required = {"name": "format"}  # RewardSpec.name
+    for path, cls, name in fields:
+        for bad in (float("nan"), float("inf"), float("-inf"), "nan"):
+            extra = {k: v for k, v in required.items() if k in cls.model_fields and k != name}
+            with pytest.raises(ValidationError) as err:
+                cls.model_validate({**extra, name: bad})
+            assert err.value.errors()[0]["type"] == "finite_number", (path, bad, err.value.errors())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.learning_rate=nan", "learner.learning_rate: must be a finite number, got nan"),
+    ("loss.beta=.inf", "loss.beta: must be a finite number, got inf"),
+    ("rollout.temperature=-.inf", "rollout.temperature: must be a finite number, got -inf"),
+    ("queue.max_outage_s=NaN", "queue.max_outage_s: must be a finite number, got NaN"),
+    ("loss.tis_cap=inf", "loss.tis_cap: must be a finite number, got inf"),
+    ("weights.chunk_mib=.nan", "weights.chunk_mib: must be a finite number, got nan"),
+])
+def test_nan_and_inf_overrides_say_finite_number(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", [override])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 1 and lines[0].endswith(message), lines
+    assert "less than" not in lines[0] and "greater than" not in lines[0]
+
+
+def test_nan_in_a_file_and_in_a_list_item(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rewards:\n  functions:\n    - {name: format, weight: .nan}\nlearner:\n  max_grad_norm: .inf\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "rewards.functions.0.weight: must be a finite number, got nan" in msg and str(path) in msg
+    assert "learner.max_grad_norm: must be a finite number, got inf" in msg
+
+
+# ------------------------------------------------------------------------------ secrets, metrics host
+def test_redacted_config_masks_passwords_but_shows_they_are_set():
+    from streamgrpo.transport.resp import safe_url
+
+    cfg = build_config({"queue": {"url": "redis://gen:pa55-w0rd@redis:6379/0"},
+                        "rewards": [{"name": "judge:score", "params": {"api_key": "sk-123", "model": "m", "max_tokens": 5,
+                                                                         "endpoint": "https://u:tok3n@judge/v1"}}]})
+    text = cfg.to_yaml(redact=True)
+    for secret in ("pa55-w0rd", "sk-123", "tok3n"):
+        assert secret not in text
+    tree = yaml.safe_load(text)
+    assert tree["queue"]["url"] == "redis://gen:***@redis:6379/0"
+    assert tree["rewards"]["functions"][0]["params"] == {"api_key": "***", "model": "m", "max_tokens": 5,
+                                                          "endpoint": "https://u:***@judge/v1"}
+    assert cfg.queue.url == "redis://gen:pa55-w0rd@redis:6379/0" and "pa55-w0rd" in cfg.to_yaml()  # only the view
+    assert safe_url("redis://:pw@h:1/0", mask="***") == "redis://:***@h:1/0"
+    assert safe_url("unix:///s.sock?password=pw", mask="***") == "unix:///s.sock?password=***"
+    assert safe_url("redis://h:1/0", mask="***") == "redis://h:1/0"
+
+
+def test_metrics_listen_on_loopback_by_default():
+    from streamgrpo.metrics import serve
+
+    assert Config().metrics.host == "127.0.0.1"
+    server = serve(port=0)
+    try:
+        assert server._httpd.server_address[0] == "127.0.0.1"
+    finally:
+        server.close()

@@ -251,6 +251,7 @@ def test_every_streamgrpo_service_command_is_a_real_subcommand():
 
             cfg = load_config(args.config, args.overrides)  # the config and every --set validate
             assert cfg.metrics.port == 9100, f"{name}: Prometheus scrapes port 9100"
+            assert cfg.metrics.host == "0.0.0.0", f"{name}: /metrics must listen beyond loopback for Prometheus"
             assert cfg.weights.curve_keys_dir == "/keys"
             replicas_var = "CPU_GENERATOR_REPLICAS" if name.endswith("-cpu") else "GENERATOR_REPLICAS"
             assert cfg.rollout.num_generators == int(env_example()[replicas_var]), name
@@ -639,6 +640,9 @@ def test_k8s_commands_and_config(tmp_path, monkeypatch):
             argv = [_expand_k8s_vars(a, env) for a in c.get("command", []) + c.get("args", [])]
             args = assert_parses(streamgrpo_argv(argv), f"k8s {d['metadata']['name']}")
             ran.add(args.command)
+            pod_cfg = load_config(path, args.overrides)  # Prometheus scrapes the `metrics` port from another pod
+            assert pod_cfg.metrics.host == "0.0.0.0", d["metadata"]["name"]
+            assert {"name": "metrics", "containerPort": pod_cfg.metrics.port} in c["ports"], d["metadata"]["name"]
             mounts = {m["mountPath"] for m in c["volumeMounts"]}
             assert str(Path(args.config).parent) in mounts, "the config comes from the ConfigMap mount"
             if args.command == "generator":

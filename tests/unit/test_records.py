@@ -10,7 +10,14 @@ import pytest
 
 from streamgrpo.config import DataConfig
 from streamgrpo.data.demo import SQUARE, left_half_percent, make_demo, render, trajectory
-from streamgrpo.data.records import DataError, ground_truth, load_records, parse_record, read_records
+from streamgrpo.data.records import (
+    DataError,
+    DataFileNotFound,
+    ground_truth,
+    load_records,
+    parse_record,
+    read_records,
+)
 from streamgrpo.metrics import ERRORS
 
 
@@ -113,6 +120,17 @@ def test_read_records_collects_errors_and_load_counts_them(tmp_path):
         load_records(path, DataConfig(kinds=["nothing"]))
     with pytest.raises(DataError, match="not found"):
         load_records(tmp_path / "nope.jsonl", DataConfig())
+
+
+def test_missing_data_file_is_its_own_error_naming_the_path(tmp_path):
+    missing = tmp_path / "nowhere" / "train.jsonl"
+    with pytest.raises(DataFileNotFound) as err:
+        load_records(missing, DataConfig())
+    assert str(err.value) == f"data file not found: {missing}"  # the file, not "record (...)"
+    assert err.value.path == str(missing) and err.value.kind == "missing_file"
+    assert isinstance(err.value, DataError)  # callers that catch DataError still do
+    with pytest.raises(DataFileNotFound, match="nowhere"):
+        read_records(missing, DataConfig())
 
 
 def test_make_demo_if_missing(tmp_path):

@@ -52,7 +52,8 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = build_config({"run_dir": str(tmp_path), "metrics": {"wandb": {"project": "sg-test", "mode": "offline"}}})
+    cfg = build_config({"run_dir": str(tmp_path), "metrics": {"wandb": {"project": "sg-test", "mode": "offline"}},
+                        "queue": {"url": "redis://:wandb-leak-pw@redis-host:6379/0"}})
     tracker = Tracker.from_config(cfg, tmp_path)
     tracker.log_step({**REC, "step": 1})
     tracker.log_step({**REC, "step": 2}, samples=[{"step": 2, "prompt_id": "p", "completion": "hello-table-row"}])
@@ -63,3 +64,4 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
     for key in (*SEED_KEYS, "streamgrpo/loss", "samples"):
         assert key.encode() in data, key
     assert (tmp_path / "wandb-run-id").read_text().strip() in runs[0].name  # a resumed learner reuses the id
+    assert b"redis-host:6379" in data and b"wandb-leak-pw" not in data  # the config is logged without secrets
