@@ -14,7 +14,7 @@ export WANDB_MODE ?= offline
 PYTEST_ARGS ?=
 VLLM_PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint clean setup-vllm test-vllm
+.PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm
 
 setup: $(STAMP) system-deps
 
@@ -100,6 +100,10 @@ test-vllm: setup-vllm
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# kill -9 of the learner, a generator and redis-server for 10 minutes, then the exactly-once audit
+chaos: setup
+	$(PY) benchmarks/chaos.py
 
 lint: setup
 	$(VENV)/bin/ruff check streamgrpo tests benchmarks

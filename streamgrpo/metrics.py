@@ -45,7 +45,11 @@ STALENESS = Histogram(
 )
 QUEUE_DEPTH = Gauge("streamgrpo_queue_depth", "Groups in the stream not yet acknowledged by the learner")
 GROUPS = Counter("streamgrpo_groups", "Groups by event (produced, consumed, trained)", ["event"])
-GROUPS_DROPPED = Counter("streamgrpo_groups_dropped", "Groups dropped, by reason", ["reason"])
+GROUPS_DROPPED = Counter(
+    "streamgrpo_groups_dropped",
+    "Groups dropped, by reason (stale, rolled_back, mismatch, duplicate, malformed, invalid, poison, nan_loss)",
+    ["reason"],
+)
 TOKENS = Counter("streamgrpo_tokens", "Completion tokens generated (generator) or trained (learner)", ["role"])
 WEIGHT_SYNC_SECONDS = Histogram(
     "streamgrpo_weight_sync_seconds", "Seconds from publish to applied on a generator", buckets=_SECONDS

@@ -11,24 +11,19 @@ Keys (``ns`` = ``queue.namespace``):
 * ``<ns>:trained`` -- group ids whose training is committed (in a checkpoint), with the time.
 * ``<ns>:failures`` -- group id -> how many training attempts failed (and ``<gid>:err``, the last error).
 
-Delivery is at least once; training is exactly once (with the learner's help). A learner accepts
-an entry (it becomes *held*), trains it, and commits it (:meth:`RedisQueue.commit`) only after
-the checkpoint holding its effect is on disk: commit marks the group trained, acknowledges and deletes
-the entry in one atomic step. Until then the entry stays pending, so a learner that crashes re-reads
-it after a restart (same consumer name) and trains it again from the checkpoint, and a group id that
-is trained or held by another live entry is never accepted twice, however it arrives (re-delivery,
-claim, a producer's retried XADD, or a fresh XADD of an old group id). Entries that will not be
-trained are released (:meth:`RedisQueue.ack`) or dead-lettered. Backpressure and
-``streamgrpo_queue_depth`` count the entries not held by a learner (stream length minus holds), so
-groups a learner has trained but not committed do not block the producers. A consumer that
-restarts under the same name first re-reads its own pending entries; the entries of a consumer that
-stays silent for ``claim_idle_s`` are claimed by another (XAUTOCLAIM); a live consumer refreshes its
-in-flight entries so they are not claimed from under it.
+Delivery is at least once; training is exactly once with the learner (docs/design.md): an accepted
+entry is *held*, stays pending while it trains, and is committed (:meth:`RedisQueue.commit`: marked
+trained, acked and deleted atomically) only after the checkpoint holding its effect is on disk. A
+learner that crashes re-reads its pending entries under the same consumer name and trains them
+again; a group id that is trained or held by another live entry is never accepted twice, however it
+arrives. Entries not trained are released (:meth:`RedisQueue.ack`) or dead-lettered. Backpressure
+and ``streamgrpo_queue_depth`` count the entries no learner holds. The entries of a consumer silent
+for ``claim_idle_s`` are claimed by another (XAUTOCLAIM); a live consumer refreshes its own.
 
 What each side counts in :mod:`streamgrpo.metrics`: the queue counts what only it can see --
-``groups_dropped{reason=malformed|duplicate}``, ``errors{kind=wire|queue}``, ``queue_depth``,
+``groups_dropped{reason=malformed|duplicate|invalid|poison}``, ``errors{kind=wire|queue}``, ``queue_depth``,
 ``backpressure`` and the generator's ``idle_seconds`` while blocked. Callers count
-``groups{event=produced|consumed|trained}`` and their own drops (stale, mismatch).
+``groups{event=produced|consumed|trained}`` and their own drops (stale, rolled_back, mismatch, nan_loss).
 """
 
 from __future__ import annotations
