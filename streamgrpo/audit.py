@@ -1,8 +1,8 @@
 """Did every group get trained exactly once? An audit of a run directory and its Redis queue.
 
 Sources: the generators' audit logs (``audit/generator-*.jsonl``: every group they put, by id), the
-learner's (``audit/learner.jsonl``: the groups of every step, rewound to the checkpoint on each
-resume, and every group it dropped or dead-lettered), the queue's dead letters, the entries still
+learner's (``audit/learner.jsonl`` and ``learner-rank<R>.jsonl``: each rank's groups of every
+step, rewound to the checkpoint on each resume, and every group it dropped or dead-lettered), the queue's dead letters, the entries still
 in the stream, and the trained set in Redis (what was committed). :func:`tally` is the pure part
 (logs in, :class:`RunAudit` out); :func:`audit_run` reads the files and asks Redis.
 
@@ -61,12 +61,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str], queued_ids: set[str],
-          committed_ids: set[str]) -> RunAudit:
-    """The audit from the logs' rows and what Redis holds (pure)."""
+          committed_ids: set[str], other_ranks: list[list[dict]] = ()) -> RunAudit:
+    """The audit from the logs' rows and what Redis holds (pure). ``learner_rows``: rank 0's log (the
+    step sequence); ``other_ranks``: the logs of ranks 1.. (their groups of each step, their drops)."""
     produced = {r["group_id"] for r in produced_rows if r.get("event") == "produced"}
     steps = [r for r in learner_rows if r.get("event") == "trained"]
-    counts = Counter(g for r in steps for g in r.get("group_ids", []))
-    dropped_rows = [r for r in learner_rows if r.get("event") == "dropped"]
+    every = [learner_rows, *other_ranks]
+    counts = Counter(g for rows in every for r in rows if r.get("event") == "trained" for g in r.get("group_ids", []))
+    dropped_rows = [r for rows in every for r in rows if r.get("event") == "dropped"]
     dropped = Counter(r.get("reason", "?") for r in dropped_rows)
     dropped_ids = {r["group_id"] for r in dropped_rows}
     extra_dead = dead_ids - dropped_ids  # dead-lettered by the queue itself (undecodable, failed too often)
@@ -90,9 +92,11 @@ def audit_run(run_dir: str | Path, queue) -> RunAudit:
     run_dir = Path(run_dir)
     produced = [r for p in sorted((run_dir / "audit").glob("generator-*.jsonl")) for r in read_jsonl(p)]
     learner = read_jsonl(run_dir / "audit" / "learner.jsonl")
+    ranks = [read_jsonl(p) for p in sorted((run_dir / "audit").glob("learner-rank*.jsonl"))]
     r = queue.client
     dead = {f.get(b"group_id", b"").decode() for _, f in r.xrange(queue.dead, "-", "+")}
     queued = {f[b"g"].decode() for _, f in r.xrange(queue.stream, "-", "+") if b"g" in f}
-    trained_ids = sorted({g for row in learner if row.get("event") == "trained" for g in row.get("group_ids", [])})
+    trained_ids = sorted({g for rows in [learner, *ranks] for row in rows if row.get("event") == "trained"
+                          for g in row.get("group_ids", [])})
     committed = {g for g, done in zip(trained_ids, queue.is_trained(trained_ids)) if done} if trained_ids else set()
-    return tally(produced, learner, dead - {""}, queued, committed)
+    return tally(produced, learner, dead - {""}, queued, committed, ranks)

@@ -34,3 +34,10 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     p = tmp_path / "a.jsonl"
     p.write_text('{"event": "produced", "group_id": "a"}\n{"event": "prod')
     assert read_jsonl(p) == [{"event": "produced", "group_id": "a"}] and read_jsonl(tmp_path / "none") == []
+
+
+def test_other_ranks_groups_count_toward_trained_and_twice():
+    rank1 = [{"event": "trained", "step": 1, "version": 1, "group_ids": ["c"]},
+             {"event": "trained", "step": 2, "version": 2, "group_ids": ["a"]}]
+    out = tally(_produced("a", "b", "c"), _steps(["a"], ["b"]), set(), set(), {"a", "b", "c"}, [rank1])
+    assert out.trained == 3 and out.lost == 0 and out.twice == 1 and out.twice_ids == ["a"] and out.steps == 2
