@@ -169,3 +169,66 @@ def test_a_group_that_keeps_failing_is_dead_lettered_after_max_failures(groups, 
         assert q.depth() == 0 and q.held_count() == 0
     finally:
         q.close()
+
+
+def _gate(tiny_model_dir, tmp_path, url, ns, *sets):
+    from streamgrpo.learner import Gate
+    from streamgrpo.learner_state import LearnerState
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.transport.queue import RedisQueue
+
+    cfg = _cfg(tiny_model_dir, tmp_path, url, ns, *sets)
+    q = RedisQueue(url, namespace=ns)
+    audit = JsonlWriter(tmp_path / "audit.jsonl")
+    return Gate(q, cfg, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6), q, audit
+
+
+def test_a_burst_of_stale_groups_is_logged_with_counts(groups, tiny_model_dir, redis_server, redis_ns, tmp_path,
+                                                        caplog):
+    import copy
+    import logging
+
+    gate, q, audit = _gate(tiny_model_dir, tmp_path, redis_server.url, redis_ns, "loss.max_staleness=2")
+    try:
+        gate.state.version = 10
+        old = [copy.deepcopy(g) for g in groups[:3]]
+        for v, g in zip((3, 4, 9), old):
+            g.policy_version = v
+        q.put_many(old)
+        with caplog.at_level(logging.WARNING, logger="streamgrpo.learner"):
+            admitted = [gate.admit(d) for d in q.get(3, timeout_s=1.0)]
+        assert admitted[:2] == [None, None] and admitted[2] is not None  # v9 is 1 behind: kept
+        assert gate.drops["stale"] == 2
+        (line,) = [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+        assert "dropped 1 stale group(s) (policy v3..v3; learner at v10, max_staleness 2)" in line
+        gate._stale_logged -= 10.0  # the next burst, ten seconds on
+        caplog.clear()
+        later = copy.deepcopy(groups[3])
+        later.policy_version = 1
+        q.put(later)
+        with caplog.at_level(logging.WARNING, logger="streamgrpo.learner"):
+            assert gate.admit(q.get(1, timeout_s=1.0)[0]) is None
+        assert any("dropped 2 stale group(s) (policy v1..v4" in r.getMessage() for r in caplog.records)
+    finally:
+        audit.close()
+        q.close()
+
+
+def test_a_group_in_the_checkpoint_is_refused_although_redis_forgot_it(groups, tiny_model_dir, redis_server, redis_ns,
+                                                                     tmp_path):
+    """The checkpoint's memory of trained ids is the second gate (e.g. Redis restarted without its data)."""
+    gate, q, audit = _gate(tiny_model_dir, tmp_path, redis_server.url, redis_ns)
+    try:
+        gate.state.remember([groups[0].group_id])
+        q.put(groups[0])  # a fresh XADD; Redis has no record of it
+        (d,) = q.get(1, timeout_s=1.0)
+        dup0 = value(metrics.GROUPS_DROPPED, reason="duplicate")
+        assert gate.admit(d) is None and gate.drops["duplicate"] == 1
+        assert value(metrics.GROUPS_DROPPED, reason="duplicate") == dup0 + 1
+        assert q.depth() == 0 and q.held_count() == 0  # released
+        q.put(groups[1])
+        assert gate.admit(q.get(1, timeout_s=1.0)[0]) is not None  # positive control
+    finally:
+        audit.close()
+        q.close()
