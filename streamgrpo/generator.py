@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from streamgrpo import metrics as M
-from streamgrpo.config import Config
+from streamgrpo.config import Config, ConfigError
 from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
 
 log = logging.getLogger("streamgrpo.generator")
@@ -144,6 +144,11 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     weights = subscriber_from_config(cfg, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
                                      pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
     sampling = SamplingParams.from_config(cfg.rollout)
+    tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
+    if tc is not None and tc.reward not in rewards.names:
+        raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
+                          f"({', '.join(rewards.names)})")
+    shuffle_rng = np.random.default_rng([cfg.seed, generator_id, 7])
     pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
     from streamgrpo.models.lora import make_weight_applier
 
@@ -209,10 +214,12 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             version = engine.version
             t0 = time.perf_counter()
             outs = engine.generate(requests, sampling)
+            contrast = sample_shuffled(engine, processor, requests, sampling, tc, shuffle_rng) if tc else {}
             gen_s = time.perf_counter() - t0
-            for (record, visuals), req, group_out in zip(chunk, requests, outs):
+            for i, ((record, visuals), req, group_out) in enumerate(zip(chunk, requests, outs)):
                 group = score_group(record, visuals, req, group_out, rewards, version=version, generator_id=name,
-                                    model_id=cfg.model.name_or_path, temperature=sampling.temperature)
+                                    model_id=cfg.model.name_or_path, temperature=sampling.temperature,
+                                    shuffled=contrast.get(i), contrast=tc)
                 t_put = time.perf_counter()
                 sent = _put(queue, group, stop, name, tick=watch.check)
                 if sent is None:
@@ -241,19 +248,56 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
 
 
 def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,
-                temperature: float):
-    """One prompt's sampled completions, scored by ``rewards`` (a RewardSet), as a ScoredGroup."""
+                temperature: float, shuffled=None, contrast=None):
+    """One prompt's sampled completions, scored by ``rewards`` (a RewardSet), as a ScoredGroup.
+
+    ``shuffled`` (T-GRPO, with ``contrast`` = ``rollout.temporal_contrast``): the completions sampled
+    on the prompt's frames in a shuffled order; they only decide the ``temporal`` bonus of the
+    ordered completions (:mod:`streamgrpo.rewards.temporal`) and are not part of the group.
+    """
+    from streamgrpo.rewards.temporal import temporal_bonus, with_bonus
     from streamgrpo.wire import Completion, ScoredGroup
 
-    scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id,
-                           fields={"question": record.question, "kind": record.kind})
+    fields = {"question": record.question, "kind": record.kind}
+    scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id, fields=fields,
+                           observe=shuffled is None)
+    meta = {"kind": record.kind, "temperature": temperature}
+    if shuffled is not None:
+        plain = rewards.score([c.text for c in shuffled], record.answer, prompt_id=f"{record.id}#shuffled",
+                              fields=fields, observe=False)
+        bonus = temporal_bonus(scored.per_fn[contrast.reward], plain.per_fn[contrast.reward], alpha=contrast.alpha,
+                               mu=contrast.mu, correct_at=contrast.correct_at)
+        scored = with_bonus(scored, bonus)
+        rewards.observe(scored)
+        meta["temporal"] = {"p": bonus.p, "p_shuffled": bonus.p_shuffled, "applied": bonus.applied}
     return ScoredGroup(
         prompt_id=record.id, generator_id=generator_id, policy_version=version, model_id=model_id,
         prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
-        answer=record.answer, prompt_text=req.prompt_text, meta={"kind": record.kind, "temperature": temperature},
+        answer=record.answer, prompt_text=req.prompt_text, meta=meta,
         completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
                                 float(scored.totals[i])) for i, c in enumerate(outs)],
     )
+
+
+def sample_shuffled(engine, processor, requests, sampling, contrast, rng) -> dict[int, list]:
+    """T-GRPO: ``contrast.num_generations`` completions of each video prompt on its frames in a shuffled
+    order (:mod:`streamgrpo.data.shuffle`), by request index; image-only prompts are skipped."""
+    from dataclasses import replace
+
+    from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.data.shuffle import has_video, shuffle_visuals
+    from streamgrpo.engines.base import PromptRequest
+
+    idx = [i for i, r in enumerate(requests) if has_video(r.visuals)]
+    if not idx:
+        return {}
+    shuffled = []
+    for i in idx:
+        r = requests[i]
+        visuals = shuffle_visuals(r.visuals, rng)
+        shuffled.append(PromptRequest(r.prompt_text, visuals, processor_inputs(processor, r.prompt_text, visuals),
+                                      f"{r.request_id}#shuffled"))
+    return dict(zip(idx, engine.generate(shuffled, replace(sampling, n=contrast.num_generations))))
 
 
 def _put(queue, group, stop: StopFlag, name: str, grace_s: float = 10.0, tick=None) -> bool | None:

@@ -159,8 +159,12 @@ class RewardSet:
         *,
         prompt_id: str = "",
         fields: Mapping[str, Any] | None = None,
+        observe: bool = True,
     ) -> ScoredRewards:
-        """Score one group's completions against its ground truth (see the module docstring)."""
+        """Score one group's completions against its ground truth (see the module docstring).
+
+        ``observe=False`` leaves the ``streamgrpo_reward`` histograms alone (completions that are not
+        trained on, or a caller that adds a reward first and then calls :meth:`observe`)."""
         completions = [c if isinstance(c, str) else ("" if c is None else str(c)) for c in completions]
         n = len(completions)
         answers = [answer] * n
@@ -178,17 +182,23 @@ class RewardSet:
             weight = float(m.spec.weight)
             for i, v in enumerate(values):
                 totals[i] += weight * v
-        for m in self.members:
-            hist = REWARD.labels(fn=m.key)
-            for v in per_fn[m.key]:
-                hist.observe(v)
-        total_hist = REWARD.labels(fn="total")
-        for t in totals:
-            total_hist.observe(t)
         scored = ScoredRewards(totals=totals, per_fn=per_fn, errors=errors)
+        if observe:
+            self.observe(scored)
         if self.debug_log is not None:
             self._write_debug(scored, completions, answer, prompt_id)
         return scored
+
+    @staticmethod
+    def observe(scored: ScoredRewards) -> None:
+        """Count a group's rewards in the ``streamgrpo_reward`` histograms (per function and total)."""
+        for key, values in scored.per_fn.items():
+            hist = REWARD.labels(fn=key)
+            for v in values:
+                hist.observe(v)
+        total_hist = REWARD.labels(fn="total")
+        for t in scored.totals:
+            total_hist.observe(t)
 
     def _call(
         self, m: _Member, completions: list[str], answers: list[str], cols: dict[str, list[Any]]
