@@ -9,8 +9,9 @@ For a group of G completions of one prompt with rewards ``r_1..r_G``::
 The mean is always the group's own. ``std`` is the unbiased (n-1) standard deviation, as in TRL's
 GRPOTrainer; "batch" scaling (group mean, batch std) follows Liu et al. 2025, "Tricks or Traps".
 A group whose rewards are all equal carries no learning signal: its advantages are exact zeros
-(not merely ~1e-17 from rounding) and it is flagged in the zero-variance mask, so the caller can
-drop it and count it as ``reason="zero_variance"`` when ``loss.drop_zero_variance`` is set.
+(not merely ~1e-17 from rounding) and it is flagged in the zero-variance mask. With
+``loss.drop_zero_variance`` the learner's gate drops such groups before the step
+(:func:`is_zero_variance`; counted as ``reason="zero_variance"``) and takes further groups instead.
 
 Groups may differ in size (a group can lose completions, e.g. to a reward timeout or a bad message),
 so the batched form also accepts a list of 1-D tensors. Arithmetic runs in float64; results come
@@ -31,6 +32,11 @@ ScaleRewards = Literal["group", "batch", "none"]
 _SCALES = ("group", "batch", "none")
 
 __all__ = ["ScaleRewards", "group_advantages", "batch_advantages"]
+
+
+def is_zero_variance(rewards: Sequence[float]) -> bool:
+    """All rewards of a group equal (no learning signal): the test :func:`batch_advantages` flags."""
+    return len(rewards) == 0 or max(rewards) == min(rewards)
 
 
 def _check(rewards: Tensor, where: str) -> None:

@@ -249,7 +249,9 @@ class LossConfig(_Section):
     tis_cap: Optional[float] = Field(None, gt=0.0)
     """Truncated importance sampling cap on exp(logp - behaviour logp) (null = off)."""
     drop_zero_variance: bool = False
-    """Drop groups whose G rewards are all equal (they carry no gradient) instead of training on them."""
+    """Dynamic sampling (DAPO): drop groups whose G rewards are all equal (no gradient) before the step and take further groups instead (counted as groups_dropped{reason=zero_variance})."""
+    fill_timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
+    """With drop_zero_variance: how long a step waits for enough informative groups before it trains on what it has (at least one per rank)."""
     ratio_mode: Literal["behaviour", "current"] = "behaviour"
     """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline)."""
 
@@ -407,13 +409,9 @@ class Config(BaseModel):
 
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
-        out = []
         held = self.learner.save_steps * self.learner.groups_per_step
-        if held > 10_000:
-            out.append(
-                f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages "
-                "until the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it")
-        return out
+        return [f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages until "
+                "the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it"] * (held > 10_000)
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """The config as plain data; ``redact`` masks secrets (:func:`streamgrpo.config_redact.redact_secrets`)."""

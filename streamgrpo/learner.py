@@ -269,9 +269,11 @@ def token_problem(group, vocab_size: int) -> str | None:
 
 
 class Gate:
-    """What a rank lets into a step: staleness, vocabulary, de-duplication, prompt re-processing.
+    """What a rank lets into a step: staleness, de-duplication, all-equal rewards (with
+    ``loss.drop_zero_variance``), vocabulary, prompt re-processing.
 
-    Refused groups are released (stale, mismatch, duplicate) or dead-lettered (invalid, poison),
+    Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
+    dead-lettered (invalid, poison),
     counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
     written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
     """
@@ -284,6 +286,7 @@ class Gate:
         self._stale_logged = 0.0
 
     def admit(self, d) -> Accepted | None:
+        from streamgrpo.advantages import is_zero_variance
         from streamgrpo.data.prompts import processor_inputs
 
         g, state = d.group, self.state
@@ -296,6 +299,9 @@ class Gate:
             return None
         if state.trained_recently(g.group_id):  # in this learner's checkpoint although Redis forgot it
             self.drop(d.stream_id, g.group_id, "duplicate")
+            return None
+        if self.cfg.loss.drop_zero_variance and is_zero_variance([c.reward for c in g.completions]):
+            self.drop(d.stream_id, g.group_id, "zero_variance")  # no gradient: take another group instead
             return None
         problem = token_problem(g, self.vocab_size)
         if problem:
@@ -338,10 +344,14 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
 
     ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
     poll in rounds of at most ``learner.get_timeout_s`` and agree after each round (one small
-    all-reduce), so no rank waits in a collective for longer than a round.
+    all-reduce), so no rank waits in a collective for longer than a round. With
+    ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
+    once every rank holds at least one group.
     """
     accepted: list[Accepted] = list(carry)
     state = gate.state
+    loss = gate.cfg.loss
+    fill_by = time.monotonic() + loss.fill_timeout_s if loss.drop_zero_variance else math.inf
     while True:
         if len(accepted) < want and not stop:
             t0 = time.perf_counter()
@@ -352,10 +362,14 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
                 a = gate.admit(d)
                 if a is not None:
                     accepted.append(a)
-        flags = share(dist, [len(accepted) >= want, bool(stop), state.version])
+        enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
+        flags = share(dist, [enough, bool(stop), state.version])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 0].all():
+            if len(accepted) < want:
+                log.info("step %d: %d of %d groups after waiting %.0fs for informative ones (drop_zero_variance)",
+                         state.step + 1, len(accepted), want, loss.fill_timeout_s)
             return accepted
         if flags[:, 1].any():
             return None  # held groups stay pending: re-read by this consumer after a restart
