@@ -426,7 +426,8 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
 
 
 # ------------------------------------------------------------------------------ step numbers
-_TOKEN_WEIGHTED = ("kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean")
+_TOKEN_WEIGHTED = ("kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_sq_mean",
+                   "kl_behaviour", "is_masked_frac")
 
 
 def local_summary(batch: list[Accepted], out: dict[str, Any], drops: Counter) -> dict[str, Any]:
@@ -503,6 +504,8 @@ def step_record(state: LearnerState, merged: dict[str, Any], out: dict[str, Any]
         "clip_frac": w.get("clip_frac", 0.0), "clip_frac_low": w.get("clip_frac_low", 0.0),
         "clip_frac_high": w.get("clip_frac_high", 0.0), "ratio_mean": w.get("ratio_mean"),
         "ratio_max": merged["ratio_max"], "ratio_min": merged["ratio_min"], "grad_norm": out["grad_norm"],
+        "ess": w["ratio_mean"] ** 2 / w["ratio_sq_mean"] if w.get("ratio_sq_mean") else None,
+        "kl_behaviour": w.get("kl_behaviour"), "is_masked_frac": w.get("is_masked_frac", 0.0),
         "adv_mean": float(adv.mean()) if adv.size else 0.0, "adv_std": float(adv.std(ddof=1)) if adv.size > 1 else 0.0,
         "policy_seq_log_prob": merged["seq_logprob_sum"] / max(merged["rows"], 1),
         "zero_variance_groups": merged["zero_variance"],
@@ -528,6 +531,9 @@ def export_prometheus(rec: dict, batch: list[Accepted], out: dict[str, Any], mai
         for stat in ("mean", "max", "min"):
             if rec[f"ratio_{stat}"] is not None:
                 M.IMPORTANCE_RATIO.labels(stat=stat).set(rec[f"ratio_{stat}"])
+        for stat in ("ess", "kl_behaviour", "is_masked_frac"):
+            if rec[stat] is not None:
+                M.OFF_POLICY.labels(stat=stat).set(rec[stat])
         M.STEP_SECONDS.set(rec["seconds"])
     M.POLICY_VERSION.labels(role="learner").set(rec["version"])
     M.GROUPS.labels(event="trained").inc(len(batch))

@@ -12,6 +12,9 @@ from DAPO, Yu et al. 2025)::
     rho_t  = exp(p_t - sg(p_t))   (value 1, gradient of p)   ratio_mode="current"
     J_t    = min(rho_t * A_b, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_b)
     J_t   *= min(sg(exp(p_t - q_t)), tis_cap)                 only when tis_cap is set
+    J_t    = 0 where the IS ratio w = exp(p - q) leaves [lo, hi]  only with is_mask (masked IS, MIS):
+             is_mask="token": per token; "sequence": whole rows, by the row's geometric-mean ratio
+             exp(mean_t(p_t - q_t)) (the normaliser still counts masked tokens: they add nothing)
     l_t    = -J_t + beta * k3_t,   k3_t = exp(r_t - p_t) - (r_t - p_t) - 1   (k3 only when beta > 0)
 
 ``sg`` is stop-gradient. k3 is the unbiased, always non-negative estimator of KL(pi || pi_ref)
@@ -38,6 +41,12 @@ Under gradient accumulation or several ranks pass ``token_normaliser`` = the num
 tokens of the whole optimizer step (all micro-batches, all ranks); summing the micro-batch losses
 (and the gradients across ranks) then gives exactly the dapo loss of the whole step.
 
+Off-policy health (always, when behaviour log-probs are given): ``ratio_sq_mean`` (mean w^2, so the
+effective sample size fraction of the step is ratio_mean^2 / ratio_sq_mean: 1 on-policy, towards 0
+as the sample's weight piles on few tokens), ``kl_behaviour`` (mean of (w - 1) - log w, the k3
+estimate of KL(behaviour || current) from tokens the behaviour policy sampled) and
+``is_masked_frac`` (tokens masked by is_mask).
+
 Masked positions may hold anything (even inf/nan): they are replaced with ``torch.where`` before any
 arithmetic, so they reach neither the loss nor the gradient. Arithmetic runs in at least float32.
 Metrics come back as detached 0-d tensors (no host sync inside).
@@ -45,6 +54,7 @@ Metrics come back as detached 0-d tensors (no host sync inside).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -116,6 +126,8 @@ def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) ->
         "max_completion_length": max_completion_length,
         "tis_cap": cfg.tis_cap,
         "ratio_mode": cfg.ratio_mode,
+        "is_mask": cfg.is_mask,
+        "is_mask_band": (cfg.is_mask_low, cfg.is_mask_high),
     }
 
 
@@ -161,6 +173,8 @@ def compute_loss(
     entropies: Optional[Tensor] = None,
     token_normaliser: Union[None, int, float, Tensor] = None,
     ratio_mode: RatioMode = "behaviour",
+    is_mask: Optional[Literal["token", "sequence"]] = None,
+    is_mask_band: tuple[float, float] = (0.5, 2.0),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss of one (micro-)batch and its metrics; formulas in the module docstring.
 
@@ -194,10 +208,14 @@ def compute_loss(
         raise _bad(
             f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}"
         )
-    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None
+    if is_mask not in (None, "token", "sequence"):
+        raise _bad(f"is_mask={is_mask!r}: must be None, 'token' or 'sequence'")
+    if is_mask is not None and not 0 <= is_mask_band[0] < 1 < is_mask_band[1]:
+        raise _bad(f"is_mask_band={tuple(is_mask_band)}: needs 0 <= low < 1 < high")
+    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None or is_mask is not None
     if behaviour_logprobs is None:
         if need_behaviour:
-            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour' or tis_cap needs it")
+            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour', tis_cap or is_mask needs it")
     else:
         _check_bt("behaviour_logprobs", behaviour_logprobs, shape)
     if epsilon < 0 or epsilon_high < 0:
@@ -238,6 +256,14 @@ def compute_loss(
     objective = torch.minimum(ratio * A, clipped * A)
     if tis_cap is not None:
         objective = objective * torch.clamp(torch.exp(log_is.detach()), max=tis_cap)
+    kept = m
+    if is_mask is not None:
+        lo, hi = is_mask_band
+        w = log_is.detach()
+        if is_mask == "sequence":  # the row's geometric-mean ratio, broadcast over its tokens
+            w = (w.sum(-1) / m.sum(-1).to(dtype).clamp(min=1.0))[:, None].expand(B, T)
+        kept = m & (w >= (math.log(lo) if lo > 0 else -math.inf)) & (w <= math.log(hi))
+        objective = torch.where(kept, objective, zero)
     per_token = -objective
     if use_kl:
         kl_t = kl_k3(p, clean(ref_logprobs.detach()))
@@ -291,6 +317,11 @@ def compute_loss(
         metrics["adv_std"] = adv_var.sqrt()
         if entropies is not None:
             metrics["entropy"] = _masked_mean(entropies.detach().to(dtype), m, n_safe)
+        if log_is is not None:
+            w_t = torch.exp(log_is)
+            metrics["ratio_sq_mean"] = torch.where(has_tokens, _masked_mean(w_t * w_t, m, n_safe), one)
+            metrics["kl_behaviour"] = _masked_mean(torch.expm1(log_is) - log_is, m, n_safe)
+        metrics["is_masked_frac"] = (m & ~kept).sum().to(dtype) / n_safe
         metrics["num_tokens"] = n_tokens
     return loss, metrics
 

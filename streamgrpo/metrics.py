@@ -38,6 +38,12 @@ GRAD_NORM = Gauge("streamgrpo_grad_norm", "Gradient norm before clipping, last s
 ENTROPY = Gauge("streamgrpo_entropy", "Mean token entropy of the policy on trained completions, last step")
 CLIP_FRACTION = Gauge("streamgrpo_clip_fraction", "Fraction of tokens clipped, by side (low/high/total)", ["side"])
 IMPORTANCE_RATIO = Gauge("streamgrpo_importance_ratio", "Importance ratio statistics of the last step", ["stat"])
+OFF_POLICY = Gauge(
+    "streamgrpo_off_policy",
+    "Off-policy health of the last step: ess (effective sample size fraction of the importance weights), "
+    "kl_behaviour (KL(behaviour || current), k3), is_masked_frac (tokens masked by loss.is_mask)",
+    ["stat"],
+)
 POLICY_VERSION = Gauge("streamgrpo_policy_version", "Policy version held by this process", ["role"])
 STALENESS = Histogram(
     "streamgrpo_staleness_steps", "Learner version minus group version at training time",

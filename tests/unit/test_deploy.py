@@ -458,7 +458,7 @@ def test_every_promql_metric_name_is_exported_by_streamgrpo_metrics():
         "streamgrpo_clip_fraction", "streamgrpo_importance_ratio", "streamgrpo_policy_version",
         "streamgrpo_staleness_steps", "streamgrpo_queue_depth", "streamgrpo_groups", "streamgrpo_groups_dropped",
         "streamgrpo_tokens", "streamgrpo_weight_sync_seconds", "streamgrpo_weight_bytes", "streamgrpo_step_seconds",
-        "streamgrpo_idle_seconds", "streamgrpo_errors", "streamgrpo_backpressure",
+        "streamgrpo_idle_seconds", "streamgrpo_errors", "streamgrpo_backpressure", "streamgrpo_off_policy",
     }
     assert expected <= base, f"metrics not on the dashboard or in the rules: {sorted(expected - base)}"
 

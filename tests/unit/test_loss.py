@@ -465,6 +465,9 @@ def test_metrics_hand_computed():
         "adv_std",
         "entropy",
         "num_tokens",
+        "ratio_sq_mean",
+        "kl_behaviour",
+        "is_masked_frac",
     }
     assert set(m) == expected_keys
     for k, v in m.items():
@@ -474,10 +477,42 @@ def test_metrics_hand_computed():
     assert approx("ratio_mean", 1.0) and approx("ratio_max", 1.5) and approx("ratio_min", 0.5)
     assert approx("adv_mean", 0.0) and approx("adv_std", 1.0) and approx("entropy", 2.5)
     assert approx("num_tokens", 4) and approx("kl", 0.0)
+    # weights 1.5, 0.5, 0.5, 1.5: mean w^2 = 1.25 (ESS fraction 1 / 1.25 = 0.8); k3 of KL(behaviour || current)
+    assert approx("ratio_sq_mean", 1.25) and approx("is_masked_frac", 0.0)
+    k3 = lambda w: (w - 1) - math.log(w)  # noqa: E731
+    assert approx("kl_behaviour", (2 * k3(1.5) + 2 * k3(0.5)) / 4)
     # loss = -mean(min terms) = -(1.28 - 0.8 + 0.5 - 1.5) / 4
     assert loss.item() == pytest.approx(-(1.28 - 0.8 + 0.5 - 1.5) / 4, rel=1e-6)
     _, m2 = compute_loss(logp.detach(), behaviour, A, mask)
     assert "entropy" not in m2
+
+
+# ------------------------------------------------------------------ masked importance sampling
+def test_token_mis_drops_the_objective_of_tokens_outside_the_band():
+    A = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    ratio = torch.tensor([1.5, 0.5, 0.9, 1.1])
+    behaviour = torch.full((4, 1), -1.0)
+    logp = (behaviour + ratio.log()[:, None]).requires_grad_(True)
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    loss, m = compute_loss(logp, behaviour, A, mask, is_mask="token", is_mask_band=(0.6, 1.4))
+    assert loss.item() == pytest.approx(-(0.9 - 1.1) / 4, rel=1e-6)  # the normaliser still counts all 4 tokens
+    assert m["is_masked_frac"].item() == pytest.approx(0.5)
+    loss.backward()
+    assert logp.grad[:2].abs().max().item() == 0.0 and logp.grad[2:].abs().min().item() > 0
+
+
+def test_sequence_mis_judges_a_row_by_its_geometric_mean_ratio():
+    behaviour = torch.full((2, 2), -1.0)
+    ratios = torch.tensor([[2.0, 0.5], [1.5, 1.5]])  # row 0: geometric mean 1 (kept); row 1: 1.5 (masked)
+    logp = behaviour + ratios.log()
+    A, mask = torch.tensor([1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool)
+    _, seq = compute_loss(logp, behaviour, A, mask, is_mask="sequence", is_mask_band=(0.6, 1.4))
+    _, tok = compute_loss(logp, behaviour, A, mask, is_mask="token", is_mask_band=(0.6, 1.4))
+    assert seq["is_masked_frac"].item() == pytest.approx(0.5) and tok["is_masked_frac"].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="is_mask_band"):
+        compute_loss(logp, behaviour, A, mask, is_mask="token", is_mask_band=(1.2, 2.0))
+    with pytest.raises(ValueError, match="is_mask="):
+        compute_loss(logp, behaviour, A, mask, is_mask="row")
 
 
 # ------------------------------------------------------------------ wrappers and errors
