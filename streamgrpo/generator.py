@@ -108,7 +108,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     from streamgrpo.models.loading import load_model, load_processor, resolve_device
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
-    from streamgrpo.transport.weight_sync import subscriber_from_config
+    from streamgrpo.transport.weight_channels import subscriber_from_config
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     stop = stop if stop is not None else StopFlag()

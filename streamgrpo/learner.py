@@ -78,7 +78,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     from streamgrpo.models.card import model_card
     from streamgrpo.tracking import Tracker, sample_rows
     from streamgrpo.transport.queue import QueueError, QueueStopped, RedisQueue
-    from streamgrpo.transport.weight_sync import publisher_from_config
+    from streamgrpo.transport.weight_channels import publisher_from_config
 
     stop = stop if stop is not None else StopFlag()
     dist = dist or init_distributed(cfg.learner.backend)

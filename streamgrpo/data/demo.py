@@ -27,12 +27,13 @@ files and records.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-
-from streamgrpo.data.records import write_jsonl
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220)}
 COLOUR_OPTIONS = "(A) red (B) green (C) blue"
@@ -44,6 +45,16 @@ SQUARE = 28  # pixels at size=56: half the side (at 14 px the tiny model needed 
 KINDS = ("colour", "direction", "numeric", "multi_video")
 KIND_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 N_STARTS = 12
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Write rows as JSON lines (atomically: a temp file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
 
 
 def trajectory(direction: str, start: int, size: int = 56, frames: int = 8) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,13 +412,3 @@ def load_records(path: str | os.PathLike, cfg: DataConfig) -> list[Record]:
         raise DataError(None, path, f"no usable records ({len(errors)} bad"
                         + (f", data.kinds={cfg.kinds}" if cfg.kinds else "") + ")")
     return records
-
-
-def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Write rows as JSON lines (atomically: a temp file renamed into place)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)

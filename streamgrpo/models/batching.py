@@ -46,6 +46,28 @@ class BatchError(ValueError):
     """A group cannot be turned into a training batch (the message names the group and row)."""
 
 
+def unwrap_model(model: Any) -> torch.nn.Module:
+    """The transformers ``*ForConditionalGeneration`` inside DeepSpeed/DDP/peft wrappers.
+
+    peft injects LoRA layers in place, so calling the unwrapped modules still uses the adapters
+    (and honours ``disable_adapter()``).
+    """
+    m = model
+    for _ in range(8):
+        if callable(getattr(m, "get_base_model", None)):  # peft
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "module", None), torch.nn.Module) and not hasattr(m, "lm_head"):  # DeepSpeed, DDP
+            m = m.module
+        else:
+            break
+    if not (hasattr(m, "model") and hasattr(m, "lm_head")):
+        raise TypeError(f"{type(m).__name__} is not a transformers Qwen-VL *ForConditionalGeneration model")
+    return m
+
+
+# ------------------------------------------------------------------------------- vision inputs
+
+
 def _fail(msg: str) -> BatchError:
     ERRORS.labels(kind="batch").inc()
     return BatchError(msg)
@@ -165,8 +187,6 @@ def _move(x: Any, device: torch.device | str) -> Any:
 
 
 def _vl_config(model: Any) -> Any:
-    from streamgrpo.models.logprobs import unwrap_model
-
     return unwrap_model(model).config
 
 
@@ -207,8 +227,6 @@ def mm_token_types(prompt_ids: Tensor, config: Any) -> Tensor:
 
 def prompt_positions(model: Any, group: GroupInputs) -> Tensor:
     """m-RoPE positions (3, P) of the group's prompt from the model's own ``get_rope_index``."""
-    from streamgrpo.models.logprobs import unwrap_model
-
     hf = unwrap_model(model)
     inner = getattr(hf, "model", hf)
     if not hasattr(inner, "get_rope_index"):

@@ -35,31 +35,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch
+from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, unwrap_model  # noqa: F401 - unwrap_model is part of this module's API
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
 
-def unwrap_model(model: Any) -> nn.Module:
-    """The transformers ``*ForConditionalGeneration`` inside DeepSpeed/DDP/peft wrappers.
-
-    peft injects LoRA layers in place, so calling the unwrapped modules still uses the adapters
-    (and honours ``disable_adapter()``).
-    """
-    m = model
-    for _ in range(8):
-        if callable(getattr(m, "get_base_model", None)):  # peft
-            m = m.get_base_model()
-        elif isinstance(getattr(m, "module", None), nn.Module) and not hasattr(m, "lm_head"):  # DeepSpeed, DDP
-            m = m.module
-        else:
-            break
-    if not (hasattr(m, "model") and hasattr(m, "lm_head")):
-        raise TypeError(f"{type(m).__name__} is not a transformers Qwen-VL *ForConditionalGeneration model")
-    return m
-
-
-# ------------------------------------------------------------------------------- vision inputs
 def _encode_once(inner: nn.Module, batch: TrainBatch) -> dict[str, Any]:
     """Run the vision encoder once over the visuals of all groups; replicate the outputs per row.
 

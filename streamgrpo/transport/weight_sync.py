@@ -1,8 +1,8 @@
 """The weight-sync interface: how new policy versions get from the learner to the generators.
 
 Two small abstract classes, one per side, and one implementation per backend (today: ZeroMQ over
-TCP or, for generators on the learner's host, ``ipc://``; see :mod:`.weights`). The learner and the
-generator loops see only these methods::
+TCP or, for generators on the learner's host, ``ipc://``; see :mod:`.weights`), built from a config
+by :mod:`.weight_channels`. The learner and the generator loops see only these methods::
 
     sync = publisher_from_config(cfg)                # learner rank 0
     sync.publish(version, named_tensors, dtype=torch.bfloat16)   # returns once the bytes are safe to overwrite
@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 
 import torch
 
@@ -150,22 +149,3 @@ class WeightSyncClient(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def ipc_dir_of(cfg) -> Path | None:
-    """Where ``weights.transport=ipc`` puts its sockets: ``<run_dir>/ipc`` (None for tcp)."""
-    return Path(cfg.run_dir) / "ipc" if cfg.weights.transport == "ipc" else None
-
-
-def publisher_from_config(cfg, **kw) -> WeightSync:
-    """The learner's weight channel for a :class:`streamgrpo.config.Config`."""
-    from streamgrpo.transport.weights import WeightPublisher
-
-    return WeightPublisher.from_config(cfg.weights, ipc_dir=ipc_dir_of(cfg), **kw)
-
-
-def subscriber_from_config(cfg, client_key: str | None = None, **kw) -> WeightSyncClient:
-    """A generator's weight channel for a :class:`streamgrpo.config.Config`."""
-    from streamgrpo.transport.weights_subscriber import WeightSubscriber
-
-    return WeightSubscriber.from_config(cfg.weights, client_key=client_key, ipc_dir=ipc_dir_of(cfg), **kw)
