@@ -105,7 +105,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
               log=print) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
     from streamgrpo.config import load_config
-    from streamgrpo.orchestrate import free_port, prepare_assets
+    from streamgrpo.orchestrate import prepare_assets
+    from streamgrpo.runtime import free_port
     from streamgrpo.transport.queue import RedisQueue
     from streamgrpo.transport.redis_server import EmbeddedRedis
 

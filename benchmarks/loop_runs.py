@@ -22,45 +22,26 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.runtime import (  # noqa: F401 - the benchmarks' vocabulary for run scoring
+    TARGET_ACCURACY,
+    WINDOW_GROUPS,
+    group_accuracies,
+    target_reached,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / ".work"
-TARGET_ACCURACY = 0.9
-WINDOW_GROUPS = 50
 BENCH_STEPS = 100
 """Optimizer steps per run in ``make bench`` (x 8 groups per step = 800 groups): the demo's 50-group
 mean accuracy reached 0.9 after 60-80 steps in our runs, so every run has room to get there."""
 
 
 # ------------------------------------------------------------------------------- pure functions
-def group_accuracies(rows: Iterable[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """``(step, time, accuracy)`` of every trained group, in training order."""
-    out = []
-    for r in rows:
-        for a in r.get("group_accuracy") or []:
-            out.append((int(r["step"]), float(r["time"]), float(a)))
-    return out
-
-
-def target_reached(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURACY,
-                   window: int = WINDOW_GROUPS) -> tuple[int, float] | None:
-    """``(step, time)`` at which the moving mean accuracy of the last ``window`` trained groups first
-    reaches ``target``; None if it never does."""
-    accs = group_accuracies(rows)
-    total = 0.0
-    for i, (_, _, a) in enumerate(accs):
-        total += a
-        if i >= window:
-            total -= accs[i - window][2]
-        if i >= window - 1 and total / window >= target - 1e-12:
-            return accs[i][0], accs[i][1]
-    return None
-
-
 def final_accuracy(rows: Sequence[dict[str, Any]], window: int = WINDOW_GROUPS) -> float | None:
     """Mean accuracy of the last ``window`` trained groups."""
     accs = [a for _, _, a in group_accuracies(rows)][-window:]

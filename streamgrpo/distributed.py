@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamgrpo.runtime import free_port
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
 
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # one DeepSpeed process started without a launcher
-            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                                "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         cuda = torch.cuda.is_available()
         if cuda:
@@ -78,14 +80,6 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
     log.info("learner rank %d of %d (local rank %d, %s)", info.rank, info.world_size, info.local_rank,
              dist.get_backend())
     return info
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _device() -> torch.device:

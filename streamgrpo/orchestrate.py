@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config
-from streamgrpo.runtime import LEARNER_OUTPUTS, archive_previous, write_json
+from streamgrpo.runtime import (
+    LEARNER_OUTPUTS,
+    TARGET_ACCURACY,
+    WINDOW_GROUPS,
+    archive_previous,
+    free_port,
+    group_accuracies,
+    stop_process,
+    target_reached,
+    write_json,
+)
 
 log = logging.getLogger("streamgrpo.up")
 
-TARGET_ACCURACY = 0.9
-WINDOW_GROUPS = 50
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_assets(cfg: Config) -> None:
@@ -73,16 +74,9 @@ class Child:
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGTERM (finish the current unit of work), then SIGKILL after ``grace_s``; by PID only."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) did not stop in %.0fs: killing it", self.name, self.pid, grace_s)
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, grace_s)
         self._fh.close()
-        return self.proc.returncode
+        return code
 
 
 def _read_metrics(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
@@ -104,18 +98,10 @@ def _read_metrics(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
 
 def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
     """summary.json: steps, groups, accuracy over the first/last 50 trained groups, time to 0.9."""
-    accs: list[tuple[float, float]] = []  # (time the group was trained, its mean accuracy reward)
-    for r in rows:
-        for a in r.get("group_accuracy") or []:
-            accs.append((r["time"], a))
-    first = [a for _, a in accs[:WINDOW_GROUPS]]
-    last = [a for _, a in accs[-WINDOW_GROUPS:]]
-    time_to_target = None
-    for i in range(WINDOW_GROUPS - 1, len(accs)):
-        window = [a for _, a in accs[i - WINDOW_GROUPS + 1 : i + 1]]
-        if sum(window) / len(window) >= TARGET_ACCURACY:
-            time_to_target = round(accs[i][0] - started, 2)
-            break
+    accs = [a for _, _, a in group_accuracies(rows)]
+    first, last = accs[:WINDOW_GROUPS], accs[-WINDOW_GROUPS:]
+    hit = target_reached(rows)
+    time_to_target = None if hit is None else round(hit[1] - started, 2)
     final = rows[-1] if rows else {}
     return {
         "steps": final.get("step", 0),

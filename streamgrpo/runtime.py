@@ -119,6 +119,56 @@ def archive_previous(run_dir: str | Path, names: list[str]) -> Path | None:
     return dest
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (a server that finds it taken retries)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_process(proc, grace_s: float) -> int | None:
+    """SIGTERM ``proc`` (a ``subprocess.Popen``) by PID, SIGKILL after ``grace_s``; returns its exit code."""
+    import subprocess
+
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop in %.0fs: killing it", proc.pid, grace_s)
+            proc.kill()
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+    return proc.returncode
+
+
+TARGET_ACCURACY = 0.9
+WINDOW_GROUPS = 50
+"""Time to target: the moving mean accuracy of the last WINDOW_GROUPS trained groups reaches TARGET_ACCURACY."""
+
+
+def group_accuracies(rows) -> list[tuple[int, float, float]]:
+    """``(step, time, accuracy)`` of every trained group of ``metrics.jsonl`` rows, in training order."""
+    return [(int(r["step"]), float(r["time"]), float(a)) for r in rows for a in r.get("group_accuracy") or []]
+
+
+def target_reached(rows, target: float = TARGET_ACCURACY, window: int = WINDOW_GROUPS) -> tuple[int, float] | None:
+    """``(step, time)`` at which the mean accuracy of the last ``window`` trained groups first reaches
+    ``target`` (None if it never does)."""
+    accs = group_accuracies(rows)
+    total = 0.0
+    for i, (_, _, a) in enumerate(accs):
+        total += a
+        if i >= window:
+            total -= accs[i - window][2]
+        if i >= window - 1 and total / window >= target - 1e-12:
+            return accs[i][0], accs[i][1]
+    return None
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()

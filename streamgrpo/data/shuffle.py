@@ -24,15 +24,18 @@ def shuffled_order(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def shuffle_visuals(visuals: list[Visual], rng: np.random.Generator) -> list[Visual]:
-    """Each video's frames (and their ``frame_indices``) permuted within that video; images as they are."""
+    """Each video's frames permuted within that video; images as they are.
+
+    ``frame_indices`` stay in their ascending order: they label positions, and a model that reads
+    timestamps from them (Qwen3-VL writes them into the prompt) would otherwise be told the true order.
+    """
     out = []
     for v in visuals:
         if v.kind != "video" or v.frames.shape[0] < 2:
             out.append(v)
             continue
         order = shuffled_order(v.frames.shape[0], rng)
-        indices = v.frame_indices[order] if len(v.frame_indices) == v.frames.shape[0] else v.frame_indices
-        out.append(Visual(v.kind, np.ascontiguousarray(v.frames[order]), v.fps, np.ascontiguousarray(indices)))
+        out.append(Visual(v.kind, np.ascontiguousarray(v.frames[order]), v.fps, v.frame_indices))
     return out
 
 

@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,8 @@ import weakref
 from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
+
+from streamgrpo.runtime import free_port, stop_process  # noqa: F401 - free_port: part of this module's API
 
 log = logging.getLogger(__name__)
 
@@ -70,26 +71,6 @@ def redis_version(binary: str) -> str:
         if tok.startswith("v="):
             return tok[2:]
     raise RedisServerError(f"{binary} --version printed no version: {out!r}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the server retries if it was taken in between)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _stop_pid(proc: subprocess.Popen, timeout: float) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
 
 
 class EmbeddedRedis:
@@ -201,7 +182,7 @@ class EmbeddedRedis:
                     stderr=err, start_new_session=True,  # Ctrl-C in a terminal leaves it to stop()
                 )
             # Stopped by PID when this object is collected or the interpreter exits.
-            self._finalizer = weakref.finalize(self, _stop_pid, self._proc, 5.0)
+            self._finalizer = weakref.finalize(self, stop_process, self._proc, 5.0)
             try:
                 self._wait_ready()
             except RedisServerError as exc:
@@ -257,7 +238,7 @@ class EmbeddedRedis:
         """SIGTERM the server by PID (it fsyncs the AOF and exits); SIGKILL after ``timeout_s``."""
         if self._proc is None:
             return
-        _stop_pid(self._proc, timeout_s)
+        stop_process(self._proc, timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
         log.info("redis-server pid %d stopped (exit code %s)", self._proc.pid, self._proc.returncode)

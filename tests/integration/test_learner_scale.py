@@ -71,7 +71,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _torchrun(*args: str, cwd: Path, timeout: int = 480) -> subprocess.CompletedProcess:
-    from streamgrpo.orchestrate import free_port
+    from streamgrpo.runtime import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *args]
@@ -203,7 +203,7 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
     import time
 
     from streamgrpo.audit import audit_run, read_jsonl
-    from streamgrpo.orchestrate import free_port
+    from streamgrpo.runtime import free_port
     from streamgrpo.transport.queue import RedisQueue
 
     total = 4

@@ -134,7 +134,7 @@ def _spawn(cfg: Path, role: str, run: Path, *extra: str) -> subprocess.Popen:
 
 
 def _free_port():
-    from streamgrpo.orchestrate import free_port
+    from streamgrpo.runtime import free_port
 
     return free_port()
 

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from streamgrpo.runtime import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 
@@ -47,12 +48,6 @@ PROMQL_WORDS = {
 
 
 # ------------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dashboard_exprs() -> list[tuple[str, str]]:
     """(panel title, expr) for every target of every panel (rows included)."""
     dash = json.loads(DASHBOARD.read_text())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from streamgrpo.generator import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
+from streamgrpo.runtime import free_port
 from streamgrpo.transport.keys import generate_keys
 from streamgrpo.transport.weight_sync import WeightsState
 from streamgrpo.transport.weights import WeightPublisher
@@ -57,12 +57,6 @@ def _errors(kind: str) -> float:
 
 def _missing() -> float | None:
     return REGISTRY.get_sample_value("streamgrpo_weights_missing")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -135,7 +129,7 @@ def test_plaintext_generator_against_a_curve_learner_is_a_security_mismatch(curv
 
 
 def test_nothing_listening_is_reported_as_unreachable(weight_subscriber_factory):
-    pub_port, snap_port = _free_port(), _free_port()
+    pub_port, snap_port = free_port(), free_port()
     sub = weight_subscriber_factory(pub_port, snap_port)
     status = _state(sub, WeightsState.UNREACHABLE)
     assert not status.refused and status.version is None
@@ -228,7 +222,7 @@ def test_watch_warns_with_the_reason_every_period_then_gives_up(curve_publisher,
 
 
 def test_watch_without_a_bound_waits_forever_and_names_an_absent_learner(weight_subscriber_factory, caplog):
-    sub = weight_subscriber_factory(_free_port(), _free_port())
+    sub = weight_subscriber_factory(free_port(), free_port())
     _state(sub, WeightsState.UNREACHABLE)
     clock = _Clock()
     watch = WeightsWatch(sub, warn_every_s=30.0, max_wait_s=0, name="generator-0", clock=clock)
