@@ -240,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: 0 (greedy) with --samples 1, else rollout.temperature")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_completion_length")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--shuffle-frames", action="store_true",
+                   help="temporal probe: answer every record again with each video's frames in a random order; "
+                        "the table shows ordered vs shuffled accuracy per question kind")
+    p.add_argument("--shuffle-seed", type=int, default=None, metavar="N",
+                   help="seed of the frame shuffle (with --shuffle-frames; default 0)")
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
 

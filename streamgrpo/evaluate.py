@@ -12,10 +12,18 @@ temperature), scored with the configured rewards (or ``--rewards a,b``), and sum
   with the data's tags: think block then answer block, or an answer block for ``no_think``);
 * ``completion_tokens``: mean completion length in tokens.
 
+Temporal-reliance probe (``--shuffle-frames``, ``--shuffle-seed N``): each model answers every
+record twice with the one loaded model, once as usual and once with each video's sampled frames in
+a random order (per record, from N and the record id: :func:`streamgrpo.infer.probe_visuals`;
+images unchanged). Accuracy is then also given per record ``kind``, ordered and shuffled, and the
+drop (ordered - shuffled): a model that uses frame order loses accuracy on the questions that need
+it (direction), one that reads single frames (colour) does not.
+
 Outputs in ``--out`` (default ``<model dir>/eval``, or ``./eval`` for a hub id): ``eval.json``,
 ``eval.md`` and the raw completions ``outputs-model.jsonl`` / ``outputs-baseline.jsonl`` (the
-:mod:`streamgrpo.infer` line schema plus ``sample``), from which every number can be recomputed
-with :func:`summarize`.
+:mod:`streamgrpo.infer` line schema plus ``sample``; with the probe also
+``outputs-model-shuffled.jsonl`` / ``outputs-baseline-shuffled.jsonl``), from which every number
+can be recomputed with :func:`summarize`.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +43,7 @@ log = logging.getLogger("streamgrpo.eval")
 
 FORMAT_FAMILY = ("format", "strict_format", "soft_format", "xml_count")
 CORRECT = 1.0 - 1e-9
+NO_KIND = "(no kind)"  # by_kind label of records without a kind
 
 
 # ------------------------------------------------------------------------------------ pure parts
@@ -54,8 +63,10 @@ def format_ok(text: str, think_tag: str | None, answer_tag: str) -> bool:
 
 
 def summarize(rows: Sequence[dict], *, samples: int, reward_names: Sequence[str], think_tag: str | None,
-              answer_tag: str) -> dict[str, Any]:
-    """The metrics of one model from its output rows (pure; see the module docstring)."""
+              answer_tag: str, kinds: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """The metrics of one model from its output rows (pure; see the module docstring).
+
+    With ``kinds`` (record id -> kind) also ``by_kind``: ``{kind: {"records", "accuracy"}}``."""
     by_id: dict[str, list[dict]] = {}
     for r in rows:
         by_id.setdefault(str(r["id"]), []).append(r)
@@ -78,6 +89,14 @@ def summarize(rows: Sequence[dict], *, samples: int, reward_names: Sequence[str]
         out[f"reward/{name}"] = mean([r["rewards"][name] for r in rows])
     out["format_compliance"] = mean([float(format_ok(r["completion"], think_tag, answer_tag)) for r in rows])
     out["completion_tokens"] = mean([float(r["completion_tokens"]) for r in rows])
+    if kinds is not None:
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            kind = kinds.get(str(r["id"]))
+            groups.setdefault(NO_KIND if kind is None else str(kind), []).append(r)
+        out["by_kind"] = {k: {"records": len({str(r["id"]) for r in g}),
+                              "accuracy": mean([r["rewards"][key] for r in g]) if key is not None else None}
+                          for k, g in sorted(groups.items())}
     return out
 
 
@@ -86,7 +105,7 @@ def metric_keys(summaries: Sequence[dict]) -> list[str]:
     keys: list[str] = []
     for s in summaries:
         for k in s:
-            if k not in keys and k != "accuracy_reward":
+            if k not in keys and k not in ("accuracy_reward", "by_kind"):
                 keys.append(k)
     return keys
 
@@ -99,6 +118,18 @@ def difference(model: dict, baseline: dict) -> dict[str, float | None]:
         ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
         diff[k] = float(a - b) if ok else None
     return diff
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else float(a - b)
+
+
+def shuffle_drop(ordered: dict, shuffled: dict) -> dict[str, Any]:
+    """Ordered minus shuffled accuracy, overall and per kind (``by_kind`` of both summaries)."""
+    theirs = shuffled.get("by_kind") or {}
+    return {"accuracy": _sub(ordered.get("accuracy"), shuffled.get("accuracy")),
+            "by_kind": {k: _sub(v["accuracy"], (theirs.get(k) or {}).get("accuracy"))
+                        for k, v in (ordered.get("by_kind") or {}).items()}}
 
 
 def _fmt(key: str, value: Any, signed: bool = False) -> str:
@@ -124,13 +155,49 @@ def table_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-def render_text(result: dict) -> str:
-    """Aligned plain-text table for the terminal."""
-    rows = table_rows(result)
+def _of_kind(summary: dict, kind: str | None, key: str = "accuracy") -> Any:
+    """``summary[key]`` overall (kind None) or of one kind (``by_kind``); None where absent."""
+    if kind is None:
+        return summary.get(key)
+    return ((summary.get("by_kind") or {}).get(kind) or {}).get(key)
+
+
+def probe_rows(result: dict) -> list[list[str]] | None:
+    """The ``--shuffle-frames`` table, None without it: header + one row per kind and ``overall``:
+    kind | records | per model: ordered, shuffled, drop (accuracy)."""
+    labels = [lb for lb in ("model", "baseline") if (result.get(lb) or {}).get("shuffled") is not None]
+    if not labels:
+        return None
+    header = ["kind", "records"] + [f"{lb} {c}" for lb in labels for c in ("ordered", "shuffled", "drop")]
+    kinds = sorted({k for lb in labels for k in (result[lb]["metrics"].get("by_kind") or {})})
+    rows = [header]
+    for kind in [*kinds, None]:
+        row = ["overall" if kind is None else kind,
+               _fmt("records", _of_kind(result[labels[0]]["metrics"], kind, "records"))]
+        for lb in labels:
+            run = result[lb]
+            drop = run["shuffle_drop"]["accuracy"] if kind is None else run["shuffle_drop"]["by_kind"].get(kind)
+            row += [_fmt("accuracy", _of_kind(run["metrics"], kind)), _fmt("accuracy", _of_kind(run["shuffled"], kind)),
+                    _fmt("accuracy", drop, signed=True)]
+        rows.append(row)
+    return rows
+
+
+def _align(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def render_text(result: dict) -> str:
+    """Aligned plain-text table for the terminal (and the probe table after it, with ``--shuffle-frames``)."""
+    text = _align(table_rows(result))
+    probe = probe_rows(result)
+    if probe is not None:
+        text += (f"\n\nshuffled frames (seed {result['settings'].get('shuffle_seed')}): accuracy per question kind; "
+                 "drop = ordered - shuffled\n" + _align(probe))
+    return text
 
 
 def render_markdown(result: dict) -> str:
@@ -149,6 +216,14 @@ def render_markdown(result: dict) -> str:
            f"`{acc}`" + (f" over {s['samples']} samples (mean@{s['samples']})" if s['samples'] > 1 else ""),
            "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    probe = probe_rows(result)
+    if probe is not None:
+        md += ["", "## Temporal probe: shuffled frames", "",
+               f"Every record answered again with each video's sampled frames in a random order (seed "
+               f"{s.get('shuffle_seed')}, per record; images unchanged). Accuracy per question kind; drop = ordered "
+               "- shuffled. A drop near 0 on a kind that needs the order (e.g. direction) means the model does not "
+               "use it.", "", "| " + " | ".join(probe[0]) + " |", "|" + "---|" * len(probe[0])]
+        md += ["| " + " | ".join(r) + " |" for r in probe[1:]]
     md += ["", "Raw completions: " + ", ".join(f"`{Path(p).name}`" for p in s["outputs"].values()), ""]
     return "\n".join(md)
 
@@ -172,12 +247,11 @@ def default_out(model: str) -> Path:
     return p / "eval" if p.is_dir() else Path.cwd() / "eval"
 
 
-def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Config, sampling, rewards,
-                   out_path: Path, batch_size: int) -> tuple[str, list[dict], list[Exception]]:
-    """Answer and score every record with one model; write its rows to ``out_path`` (fresh)."""
-    from streamgrpo.infer import LineSink, load_policy, report_bad, result_rows, run_batches
+def _answer(policy, records, cfg: Config, sampling, rewards, out_path: Path, batch_size: int, desc: str,
+            shuffle_seed: int | None = None) -> tuple[list[dict], list[Exception]]:
+    """One pass of a loaded model over ``records``: rows written to ``out_path`` (fresh), bad records."""
+    from streamgrpo.infer import LineSink, report_bad, result_rows, run_batches
 
-    policy = load_policy(model, cfg, adapter)
     rows: list[dict] = []
     bad: list[Exception] = []
     sink = LineSink(out_path, mode="w")
@@ -193,12 +267,34 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
 
     try:
         run_batches(policy, records, cfg.data, sampling, batch_size=batch_size, emit=emit, on_error=on_error,
-                    desc=f"eval {label}")
+                    desc=desc, shuffle_seed=shuffle_seed)
     finally:
         sink.close()
+    return rows, bad
+
+
+def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Config, sampling, rewards,
+                   out_path: Path, batch_size: int, shuffled_path: Path | None = None,
+                   shuffle_seed: int = 0) -> tuple[str, list[dict], list[Exception], list[dict] | None]:
+    """Answer and score every record with one model; write its rows to ``out_path`` (fresh).
+
+    With ``shuffled_path`` the same model answers again with shuffled frames (``shuffle_seed``),
+    rows to ``shuffled_path``; records that failed the first pass are not tried again.
+    Returns (name, rows, bad records, shuffled rows or None)."""
+    from streamgrpo.infer import load_policy
+
+    policy = load_policy(model, cfg, adapter)
+    shuffled = None
+    try:
+        rows, bad = _answer(policy, records, cfg, sampling, rewards, out_path, batch_size, f"eval {label}")
+        if shuffled_path is not None:
+            failed = {str(e.record_id) for e in bad}
+            shuffled, _ = _answer(policy, [r for r in records if str(r.id) not in failed], cfg, sampling, rewards,
+                                  shuffled_path, batch_size, f"eval {label} shuffled", shuffle_seed)
+    finally:
         name = policy.name
         policy.close()
-    return name, rows, bad
+    return name, rows, bad, shuffled
 
 
 def run_eval(args) -> int:
@@ -216,6 +312,13 @@ def run_eval(args) -> int:
         raise ConfigError(f"--samples must be at least 1, got {args.samples}")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    shuffle = bool(getattr(args, "shuffle_frames", False))
+    shuffle_seed = getattr(args, "shuffle_seed", None)
+    if shuffle_seed is not None and not shuffle:
+        raise ConfigError("--shuffle-seed needs --shuffle-frames")
+    shuffle_seed = 0 if shuffle_seed is None else int(shuffle_seed)
+    if shuffle_seed < 0:
+        raise ConfigError(f"--shuffle-seed must be >= 0, got {shuffle_seed}")
     model = checkpoint_of(args.model)
     baseline = checkpoint_of(args.baseline) if args.baseline else None
     cfg = resolve_config(args.config, args.overrides, model, args.format)
@@ -247,16 +350,25 @@ def run_eval(args) -> int:
     result: dict[str, Any] = {}
     outputs: dict[str, str] = {}
     skipped_ids: set[str] = set()  # records a model could not be given (media errors)
+    kinds = {str(r.id): r.kind for r in records} if shuffle else None
+
+    def summary(rows: list[dict]) -> dict[str, Any]:
+        return summarize(rows, samples=args.samples, reward_names=rewards.names, think_tag=think_tag,
+                         answer_tag=cfg.data.answer_tag, kinds=kinds)
+
     started = time.time()
     for label, path, adapter in runs:
         out_path = out_dir / f"outputs-{label}.jsonl"
-        name, rows, bad = evaluate_model(label, path, adapter, records, cfg, sampling, rewards, out_path,
-                                         args.batch_size)
+        shuffled_path = out_dir / f"outputs-{label}-shuffled.jsonl" if shuffle else None
+        name, rows, bad, shuffled = evaluate_model(label, path, adapter, records, cfg, sampling, rewards, out_path,
+                                                   args.batch_size, shuffled_path, shuffle_seed)
         skipped_ids |= {str(e.record_id) for e in bad}
         outputs[label] = str(out_path)
-        result[label] = {"name": name, "path": path, "adapter": adapter,
-                         "metrics": summarize(rows, samples=args.samples, reward_names=rewards.names,
-                                              think_tag=think_tag, answer_tag=cfg.data.answer_tag)}
+        result[label] = {"name": name, "path": path, "adapter": adapter, "metrics": summary(rows)}
+        if shuffled is not None:
+            outputs[f"{label}-shuffled"] = str(shuffled_path)
+            result[label]["shuffled"] = summary(shuffled)
+            result[label]["shuffle_drop"] = shuffle_drop(result[label]["metrics"], result[label]["shuffled"])
     if baseline:
         result["difference"] = difference(result["model"]["metrics"], result["baseline"]["metrics"])
     result["settings"] = {
@@ -265,6 +377,8 @@ def run_eval(args) -> int:
         "max_new_tokens": sampling.max_tokens, "prompt_format": cfg.data.prompt_format,
         "rewards": rewards.weights, "seed": cfg.seed, "outputs": outputs, "seconds": round(time.time() - started, 2),
     }
+    if shuffle:
+        result["settings"].update(shuffle_frames=True, shuffle_seed=shuffle_seed)
     (out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     (out_dir / "eval.md").write_text(render_markdown(result))
     print(render_text(result))

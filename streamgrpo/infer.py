@@ -214,14 +214,46 @@ def single_record(prompt: str, videos: Sequence[str], images: Sequence[str], rid
 
 
 # ------------------------------------------------------------------------------------ generation
-def prepare_request(policy: Policy, record, data_cfg):
-    """Frames, chat prompt and processor inputs of one record; any failure is a DataError."""
+def record_rng(seed: int, record_id: str):
+    """The temporal probe's generator for one record: seeded by ``seed`` and a SHA-256 of the record
+    id (not Python's salted ``hash``), so a rerun shuffles every record alike whatever the batching."""
+    import hashlib
+
+    import numpy as np
+
+    if seed < 0:
+        raise ConfigError(f"--shuffle-seed must be >= 0, got {seed}")
+    digest = int.from_bytes(hashlib.sha256(str(record_id).encode("utf-8")).digest()[:16], "little")
+    return np.random.default_rng([int(seed), digest])
+
+
+def probe_visuals(visuals: list, seed: int, record_id: str) -> list:
+    """One record's visuals for ``eval --shuffle-frames``: each video's sampled frames in a random
+    (never identity) order, images untouched (:func:`~streamgrpo.data.shuffle.shuffle_visuals`).
+
+    The frame indices stay in ascending order: the processor builds its video metadata (Qwen3-VL:
+    the timestamp text between frames) from them, and shuffled labels would tell the model the real
+    order. Only the pictures move."""
+    from streamgrpo.data.shuffle import shuffle_visuals
+    from streamgrpo.wire import Visual
+
+    shuffled = shuffle_visuals(visuals, record_rng(seed, record_id))
+    return [s if s is v else Visual(s.kind, s.frames, s.fps, v.frame_indices) for v, s in zip(visuals, shuffled)]
+
+
+def prepare_request(policy: Policy, record, data_cfg, shuffle_seed: int | None = None):
+    """Frames, chat prompt and processor inputs of one record; any failure is a DataError.
+
+    With ``shuffle_seed`` the sampled frames of each video are shuffled (:func:`probe_visuals`)
+    before the processor sees them."""
     from streamgrpo.data.prompts import build_prompt_text, processor_inputs
     from streamgrpo.data.records import DataError
     from streamgrpo.data.video import load_visuals
     from streamgrpo.engines.base import PromptRequest
 
     visuals = load_visuals(record, data_cfg, policy.factor, policy.temporal_patch)
+    if shuffle_seed is not None:
+        visuals = probe_visuals(visuals, shuffle_seed, record.id)
     text = build_prompt_text(policy.processor, record, data_cfg)
     try:
         inputs = processor_inputs(policy.processor, text, visuals)
@@ -256,8 +288,10 @@ def result_rows(record, group, rewards, data_cfg, *, has_truth: bool, with_sampl
 
 
 def run_batches(policy: Policy, records: Sequence, data_cfg, sampling, *, batch_size: int,
-                emit: Callable[[Any, list], None], on_error: Callable[[Exception], None], desc: str = "infer") -> int:
-    """Generate for ``records`` in batches of ``batch_size`` prompts, with a progress bar.
+                emit: Callable[[Any, list], None], on_error: Callable[[Exception], None], desc: str = "infer",
+                shuffle_seed: int | None = None) -> int:
+    """Generate for ``records`` in batches of ``batch_size`` prompts, with a progress bar (frames
+    shuffled per record with ``shuffle_seed``: see :func:`prepare_request`).
 
     ``emit(record, completions)`` is called per record in input order after each batch;
     ``on_error(DataError)`` for a record that cannot be prepared (it is skipped). Returns the
@@ -285,7 +319,7 @@ def run_batches(policy: Policy, records: Sequence, data_cfg, sampling, *, batch_
     try:
         for rec in records:
             try:
-                pending.append((rec, prepare_request(policy, rec, data_cfg)))
+                pending.append((rec, prepare_request(policy, rec, data_cfg, shuffle_seed)))
             except DataError as exc:
                 bar.update(1)
                 on_error(exc)

@@ -297,3 +297,78 @@ def test_infer_with_lora_adapter_equals_merged(tiny_model_dir, demo_data_dir, tm
     ra, rb, rc = _lines(a), _lines(b), _lines(c)
     assert [r["completion"] for r in ra] == [r["completion"] for r in rb]
     assert [r["completion"] for r in ra] != [r["completion"] for r in rc]  # the adapter mattered
+
+
+def test_eval_shuffle_frames_probe(trained_run, tiny_model_dir, demo_data_dir, tmp_path, capsys):
+    """``eval --shuffle-frames``: each model answers every record ordered and shuffled, accuracy per
+    kind side by side, answers to videos changed, to images not; the same command twice alike."""
+    inp = tmp_path / "probe.jsonl"
+    lines = [*(demo_data_dir / "test.jsonl").read_text().splitlines(),
+             *(demo_data_dir / "test_image.jsonl").read_text().splitlines()[:2]]
+    inp.write_text("\n".join(lines) + "\n")
+    kind_of = {json.loads(x)["id"]: json.loads(x)["meta"]["kind"] for x in lines}
+    _run, ckpt, _cfg = trained_run  # answers in the format: accuracy is not 0 everywhere
+
+    def run(out):
+        assert main(["eval", "--model", str(ckpt), "--baseline", str(tiny_model_dir), "--data", str(inp),
+                     "--out", str(out), "--max-new-tokens", "8", "--batch-size", "1", "--rewards", "accuracy",
+                     "--set", "data.kinds=null", "--set", f"data.media_root={demo_data_dir}",
+                     "--shuffle-frames", "--shuffle-seed", "3"]) == 0
+        return capsys.readouterr().out
+
+    out = tmp_path / "probe"
+    printed = run(out)
+    result = json.loads((out / "eval.json").read_text())
+    assert result["settings"]["shuffle_frames"] is True and result["settings"]["shuffle_seed"] == 3
+    assert result["settings"]["outputs"]["baseline-shuffled"] == str(out / "outputs-baseline-shuffled.jsonl")
+    want_kinds = {"colour", "direction", "numeric", "multi_video", "colour_image"}
+    for label in ("model", "baseline"):
+        ordered, shuffled = _lines(out / f"outputs-{label}.jsonl"), _lines(out / f"outputs-{label}-shuffled.jsonl")
+        assert [r["id"] for r in ordered] == [r["id"] for r in shuffled] == list(kind_of)
+        # the metrics per kind, recomputed by hand from the two output files
+        for rows, got in ((ordered, result[label]["metrics"]), (shuffled, result[label]["shuffled"])):
+            assert set(got["by_kind"]) == want_kinds
+            assert got["accuracy"] == pytest.approx(np.mean([r["rewards"]["accuracy"] for r in rows]))
+            for kind, v in got["by_kind"].items():
+                mine = [r["rewards"]["accuracy"] for r in rows if kind_of[r["id"]] == kind]
+                assert v["records"] == len(mine) and v["accuracy"] == pytest.approx(np.mean(mine)), (label, kind)
+        m, s, drop = result[label]["metrics"], result[label]["shuffled"], result[label]["shuffle_drop"]
+        assert drop["accuracy"] == pytest.approx(m["accuracy"] - s["accuracy"])
+        for kind in want_kinds:
+            assert drop["by_kind"][kind] == pytest.approx(m["by_kind"][kind]["accuracy"] - s["by_kind"][kind]["accuracy"])
+        # image records: the same input both times, the same answer
+        by_id = {r["id"]: r["completion"] for r in shuffled}
+        assert all(by_id[r["id"]] == r["completion"] for r in ordered if kind_of[r["id"]] == "colour_image")
+        assert drop["by_kind"]["colour_image"] == 0.0
+        if label == "baseline":  # the random model's answers follow its input: the shuffle reached it
+            assert any(by_id[r["id"]] != r["completion"] for r in ordered if kind_of[r["id"]] != "colour_image")
+    assert result["model"]["metrics"]["by_kind"]["colour"]["accuracy"] > 0  # numbers worth comparing
+
+    # both columns, for both models, in the printed and the markdown tables: a row per kind and overall
+    cols = ["kind", "records"] + [f"{lb} {c}" for lb in ("model", "baseline") for c in ("ordered", "shuffled", "drop")]
+    assert re.search(r"^" + r"\s+".join(cols) + "$", printed, re.M)
+    md = (out / "eval.md").read_text()
+    assert "| " + " | ".join(cols) + " |" in md
+    m, b = result["model"], result["baseline"]
+
+    def acc(summary, kind):
+        return summary["accuracy"] if kind == "overall" else summary["by_kind"][kind]["accuracy"]
+
+    for kind in [*sorted(want_kinds), "overall"]:
+        n = len(lines) if kind == "overall" else m["metrics"]["by_kind"][kind]["records"]
+        cells = [kind, str(n)]
+        for run_ in (m, b):
+            a, sh = acc(run_["metrics"], kind), acc(run_["shuffled"], kind)
+            cells += [f"{a:.4f}", f"{sh:.4f}", f"{a - sh:+.4f}"]
+        assert "| " + " | ".join(cells) + " |" in md, kind
+        assert re.search("^" + r"\s+".join(re.escape(c) for c in cells) + "$", printed, re.M), kind
+
+    # the same command again: the same shuffles, the same answers and numbers
+    again = tmp_path / "again"
+    run(again)
+    for name in ("outputs-model-shuffled.jsonl", "outputs-baseline-shuffled.jsonl"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+    second = json.loads((again / "eval.json").read_text())
+    for label in ("model", "baseline"):
+        assert second[label]["shuffled"] == result[label]["shuffled"]
+        assert second[label]["shuffle_drop"] == result[label]["shuffle_drop"]

@@ -100,3 +100,17 @@ def test_check_before_loading_leaves_a_down_redis_to_the_queue(tmp_path, caplog)
     cfg = load_config("demo", [f"queue.url=redis://127.0.0.1:{free_port()}/0", f"run_dir={tmp_path}"])
     assert _check_before_loading(cfg, "learner") is None
     assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+
+
+def test_eval_shuffle_frames_flags(capsys):
+    p = build_parser()
+    args = p.parse_args(["eval", "--model", "m", "--data", "d.jsonl"])
+    assert args.shuffle_frames is False and args.shuffle_seed is None  # off by default; seed 0 when on
+    args = p.parse_args(["eval", "--model", "m", "--data", "d.jsonl", "--shuffle-frames", "--shuffle-seed", "5"])
+    assert args.shuffle_frames is True and args.shuffle_seed == 5
+    # mistakes end with exit 2 before any model or data is loaded
+    assert main(["eval", "--model", "no/such/model", "--data", "none.jsonl", "--shuffle-seed", "3"]) == 2
+    assert "--shuffle-seed needs --shuffle-frames" in capsys.readouterr().err
+    assert main(["eval", "--model", "no/such/model", "--data", "none.jsonl", "--shuffle-frames",
+                 "--shuffle-seed", "-1"]) == 2
+    assert "--shuffle-seed must be >= 0" in capsys.readouterr().err

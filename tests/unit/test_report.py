@@ -5,12 +5,21 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import struct
 import zlib
 
 import pytest
 
-from streamgrpo.evaluate import difference, render_markdown, summarize, table_rows
+from streamgrpo.evaluate import (
+    difference,
+    probe_rows,
+    render_markdown,
+    render_text,
+    shuffle_drop,
+    summarize,
+    table_rows,
+)
 from streamgrpo.report import build_report, group_staleness, rates, read_jsonl, run_report, smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -183,3 +192,40 @@ def test_table_has_difference_column():
     assert by["completion_tokens"][3] == "-4.0"
     md = render_markdown(result)
     assert "| accuracy | 0.7500 | 0.2500 | +0.5000 |" in md and "greedy" in md
+
+
+def test_per_kind_accuracy_and_the_shuffled_frames_table():
+    kinds = {"a": "colour", "b": "colour", "c": "direction", "d": None}
+    ordered = [_row("a", 0, "<answer>A</answer>", 1.0, 1.0, 4), _row("b", 0, "<answer>B</answer>", 0.0, 1.0, 4),
+               _row("c", 0, "<answer>C</answer>", 1.0, 1.0, 4), _row("d", 0, "x", 0.0, 0.0, 4)]
+    shuffled = [{**r, "rewards": {**r["rewards"], "accuracy": acc}} for r, acc in zip(ordered, (1.0, 0.0, 0.0, 1.0))]
+    kw = dict(samples=1, reward_names=["format", "accuracy"], think_tag=None, answer_tag="answer")
+    plain = summarize(ordered, **kw)
+    assert "by_kind" not in plain  # without kinds, the summary of today
+    m, s = summarize(ordered, kinds=kinds, **kw), summarize(shuffled, kinds=kinds, **kw)
+    assert {k: v for k, v in m.items() if k != "by_kind"} == plain
+    assert m["by_kind"] == {"(no kind)": {"records": 1, "accuracy": 0.0}, "colour": {"records": 2, "accuracy": 0.5},
+                            "direction": {"records": 1, "accuracy": 1.0}}
+    drop = shuffle_drop(m, s)
+    assert drop["accuracy"] == pytest.approx(0.5 - 0.5)
+    assert drop["by_kind"] == pytest.approx({"(no kind)": -1.0, "colour": 0.0, "direction": 1.0})
+
+    settings = {"data": "d.jsonl", "records": 4, "skipped": 0, "samples": 1, "temperature": 0.0, "max_new_tokens": 8,
+                "prompt_format": "no_think", "rewards": {"accuracy": 1.0}, "outputs": {"model": "/x/outputs-model.jsonl"}}
+    result = {"model": {"name": "M", "metrics": plain}, "settings": settings}
+    assert probe_rows(result) is None and "shuffled" not in render_text(result)  # no flag: the table of today
+    assert "Temporal probe" not in render_markdown(result)
+    result = {"model": {"name": "M", "metrics": m, "shuffled": s, "shuffle_drop": drop},
+              "settings": {**settings, "shuffle_frames": True, "shuffle_seed": 5}}
+    rows = probe_rows(result)
+    assert rows[0] == ["kind", "records", "model ordered", "model shuffled", "model drop"]
+    by = {r[0]: r for r in rows[1:]}
+    assert list(by) == ["(no kind)", "colour", "direction", "overall"]
+    assert by["direction"] == ["direction", "1", "1.0000", "0.0000", "+1.0000"]
+    assert by["overall"] == ["overall", "4", "0.5000", "0.5000", "+0.0000"]
+    assert table_rows(result) == table_rows({"model": {"name": "M", "metrics": plain}})  # by_kind is not a row
+    text = render_text(result)
+    assert "seed 5" in text and re.search(r"^direction\s+1\s+1\.0000\s+0\.0000\s+\+1\.0000$", text, re.M)
+    md = render_markdown(result)
+    assert "| kind | records | model ordered | model shuffled | model drop |" in md
+    assert "| colour | 2 | 0.5000 | 0.5000 | +0.0000 |" in md
