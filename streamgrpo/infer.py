@@ -229,16 +229,11 @@ def record_rng(seed: int, record_id: str):
 
 def probe_visuals(visuals: list, seed: int, record_id: str) -> list:
     """One record's visuals for ``eval --shuffle-frames``: each video's sampled frames in a random
-    (never identity) order, images untouched (:func:`~streamgrpo.data.shuffle.shuffle_visuals`).
-
-    The frame indices stay in ascending order: the processor builds its video metadata (Qwen3-VL:
-    the timestamp text between frames) from them, and shuffled labels would tell the model the real
-    order. Only the pictures move."""
+    (never identity) order, images untouched, frame labels in their order
+    (:func:`~streamgrpo.data.shuffle.shuffle_visuals`): only the pictures move."""
     from streamgrpo.data.shuffle import shuffle_visuals
-    from streamgrpo.wire import Visual
 
-    shuffled = shuffle_visuals(visuals, record_rng(seed, record_id))
-    return [s if s is v else Visual(s.kind, s.frames, s.fps, v.frame_indices) for v, s in zip(visuals, shuffled)]
+    return shuffle_visuals(visuals, record_rng(seed, record_id))
 
 
 def prepare_request(policy: Policy, record, data_cfg, shuffle_seed: int | None = None):
