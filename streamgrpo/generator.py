@@ -102,10 +102,9 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     import torch
 
     from streamgrpo.data.dataset import iter_samples
-    from streamgrpo.data.prompts import build_prompt_text, processor_inputs
-    from streamgrpo.data.records import load_records
-    from streamgrpo.engines.base import PromptRequest, SamplingParams
-    from streamgrpo.models.loading import load_model, load_processor, resolve_device
+    from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.models.loading import load_processor, resolve_device
+    from streamgrpo.models.lora import make_weight_applier
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
     from streamgrpo.transport.weight_channels import subscriber_from_config
@@ -119,80 +118,35 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     server = start_metrics(cfg, run_dir, name)
     audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
 
-    # --- the policy, its processor, the engine ---------------------------------------------
+    # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
     device = resolve_device(cfg.rollout.device)
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    if cfg.rollout.engine == "vllm":
-        from streamgrpo.engines.vllm import VLLMEngine
-
-        engine = VLLMEngine.from_config(cfg, processor)
-    else:
-        from streamgrpo.engines.hf import HFEngine
-
-        engine = HFEngine(load_model(cfg.model, device), processor, device=device)
-    vp = processor.video_processor
-    factor, temporal = vp.patch_size * vp.merge_size, vp.temporal_patch_size
-
-    # --- data, rewards, queue, weights ---------------------------------------------------------
-    records = load_records(cfg.data.train_path, cfg.data)
-    if cfg.data.kinds:
-        records = [r for r in records if r.kind in cfg.data.kinds]
-    if not records:
-        raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
+    engine = _make_engine(cfg, processor, device)
+    records = _records(cfg)
     rewards = RewardSet(cfg)
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
-    weights = subscriber_from_config(cfg, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
-                                     pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
-    sampling = SamplingParams.from_config(cfg.rollout)
     tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
     if tc is not None and tc.reward not in rewards.names:
         raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
                           f"({', '.join(rewards.names)})")
-    shuffle_rng = np.random.default_rng([cfg.seed, generator_id, 7])
-    pending: deque = deque()  # received versions not applied yet (weight_apply_delay > 0)
-    from streamgrpo.models.lora import make_weight_applier
-
-    load_weights = make_weight_applier(cfg, engine)  # LoRA mode: merge adapters into the pristine base
-
-    def apply_newest(block_s: float = 0.0) -> None:
-        """Safe point between batches: apply the newest verified version (or, for the staleness
-        benchmark, the one ``weight_apply_delay`` receipts behind it)."""
-        got = weights.poll(timeout_s=block_s)
-        while got is not None:
-            pending.append(got)
-            got = weights.poll(timeout_s=0.0)
-        delay = cfg.rollout.weight_apply_delay
-        if len(pending) <= delay:
-            return
-        target = pending[-1 - delay]
-        while pending and pending[0] is not target:
-            pending.popleft()
-        pending.popleft()
-        t0 = time.perf_counter()
-        load_weights(target[0], target[1])
-        sync_s = None
-        if delay == 0:
-            sync_s = weights.mark_applied()  # publish-to-applied latency + policy_version{role="generator"}
-        else:
-            M.POLICY_VERSION.labels(role="generator").set(target[0])
-        audit.write({"event": "applied", "version": target[0], "weight_sync_s": sync_s, "t": time.time()})
-        log.info("%s: applied weights v%d (%.2fs)", name, target[0], time.perf_counter() - t0)
-
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
+    weights = subscriber_from_config(cfg, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
+                                     pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
+    sampler = _Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), rewards, name,
+                       np.random.default_rng([cfg.seed, generator_id, 7]))
+    apply_newest = _Applier(weights, make_weight_applier(cfg, engine), audit, cfg.rollout.weight_apply_delay, name)
     watch = WeightsWatch.from_config(weights, cfg.weights, name)
-    # a (re)started generator catches up first
-    snap = weights.request_snapshot(timeout_s=min(10.0, cfg.weights.max_wait_s or 10.0))
-    if snap is not None:
-        load_weights(snap[0], snap[1])
-        weights.mark_applied()
+    apply_newest.snapshot(min(10.0, cfg.weights.max_wait_s or 10.0))  # a (re)started generator catches up first
     log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name,
              (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
              generator_id, cfg.rollout.num_generators, engine.version,
-             "" if snap is not None else " (the initial weights: none from the learner yet)")
-
+             "" if apply_newest.snapped else " (the initial weights: none from the learner yet)")
+    vp = processor.video_processor
     samples = iter_samples(records, cfg.data, shard=generator_id, num_shards=cfg.rollout.num_generators,
-                           seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=factor, temporal_patch=temporal)
-    produced = 0
-    code = 0
+                           seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=vp.patch_size * vp.merge_size,
+                           temporal_patch=vp.temporal_patch_size)
+
+    # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
+    produced = code = 0
     try:
         while not stop:
             apply_newest()
@@ -207,32 +161,10 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             if not chunk:
                 log.info("%s: data exhausted after %d groups", name, produced)
                 break
-            requests = []
-            for record, visuals in chunk:
-                text = build_prompt_text(processor, record, cfg.data)
-                requests.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
-            version = engine.version
-            t0 = time.perf_counter()
-            outs = engine.generate(requests, sampling)
-            contrast = sample_shuffled(engine, processor, requests, sampling, tc, shuffle_rng) if tc else {}
-            gen_s = time.perf_counter() - t0
-            for i, ((record, visuals), req, group_out) in enumerate(zip(chunk, requests, outs)):
-                group = score_group(record, visuals, req, group_out, rewards, version=version, generator_id=name,
-                                    model_id=cfg.model.name_or_path, temperature=sampling.temperature,
-                                    shuffled=contrast.get(i), contrast=tc)
-                t_put = time.perf_counter()
-                sent = _put(queue, group, stop, name, tick=watch.check)
-                if sent is None:
-                    continue  # refused by the wire contract (logged and counted)
-                if not sent:
-                    break
-                produced += 1
-                M.GROUPS.labels(event="produced").inc()
-                M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group_out))
-                audit.write({"event": "produced", "group_id": group.group_id, "version": version,
-                             "reward": float(np.mean([c.reward for c in group.completions])), "t": time.time(),
-                             "put_s": round(time.perf_counter() - t_put, 4)})
-            log.debug("%s: %d groups at v%d in %.2fs", name, len(chunk), version, gen_s)
+            sent, gave_up = _send(queue, sampler.groups(chunk), stop, name, audit, tick=watch.check)
+            produced += sent
+            if gave_up:
+                break
     except QueueStopped as exc:  # SIGTERM during a Redis outage: the group being put is given up
         log.warning("%s: %s; stopping", name, exc)
     except WeightsUnavailable as exc:
@@ -245,6 +177,114 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.close()
         server.close()
     return code
+
+
+def _make_engine(cfg: Config, processor, device):
+    if cfg.rollout.engine == "vllm":
+        from streamgrpo.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, processor)
+    from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.models.loading import load_model
+
+    return HFEngine(load_model(cfg.model, device), processor, device=device)
+
+
+def _records(cfg: Config) -> list:
+    from streamgrpo.data.records import load_records
+
+    records = load_records(cfg.data.train_path, cfg.data)
+    if cfg.data.kinds:
+        records = [r for r in records if r.kind in cfg.data.kinds]
+    if not records:
+        raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
+    return records
+
+
+class _Applier:
+    """Safe point between batches: apply the newest verified weight version (or, for the staleness
+    benchmark, the one ``weight_apply_delay`` receipts behind it)."""
+
+    def __init__(self, weights, load_weights, audit, delay: int, name: str):
+        self.weights, self.load_weights, self.audit, self.delay, self.name = weights, load_weights, audit, delay, name
+        self.pending: deque = deque()  # received versions not applied yet (delay > 0)
+        self.snapped = False
+
+    def snapshot(self, timeout_s: float) -> None:
+        snap = self.weights.request_snapshot(timeout_s=timeout_s)
+        if snap is not None:
+            self.load_weights(snap[0], snap[1])
+            self.weights.mark_applied()
+            self.snapped = True
+
+    def __call__(self, block_s: float = 0.0) -> None:
+        got = self.weights.poll(timeout_s=block_s)
+        while got is not None:
+            self.pending.append(got)
+            got = self.weights.poll(timeout_s=0.0)
+        if len(self.pending) <= self.delay:
+            return
+        target = self.pending[-1 - self.delay]
+        while self.pending and self.pending[0] is not target:
+            self.pending.popleft()
+        self.pending.popleft()
+        t0 = time.perf_counter()
+        self.load_weights(target[0], target[1])
+        sync_s = None
+        if self.delay == 0:
+            sync_s = self.weights.mark_applied()  # publish-to-applied latency + policy_version{role="generator"}
+        else:
+            M.POLICY_VERSION.labels(role="generator").set(target[0])
+        self.audit.write({"event": "applied", "version": target[0], "weight_sync_s": sync_s, "t": time.time()})
+        log.info("%s: applied weights v%d (%.2fs)", self.name, target[0], time.perf_counter() - t0)
+
+
+class _Sampler:
+    """Prompts in, scored groups out: the chat prompt, G samples (and T-GRPO's shuffled contrast), rewards."""
+
+    def __init__(self, engine, processor, cfg: Config, sampling, rewards, name: str, shuffle_rng):
+        self.engine, self.processor, self.cfg, self.sampling = engine, processor, cfg, sampling
+        self.rewards, self.name, self.shuffle_rng = rewards, name, shuffle_rng
+
+    def groups(self, chunk: list) -> list:
+        from streamgrpo.data.prompts import build_prompt_text, processor_inputs
+        from streamgrpo.engines.base import PromptRequest
+
+        cfg, tc = self.cfg, self.cfg.rollout.temporal_contrast
+        requests = []
+        for record, visuals in chunk:
+            text = build_prompt_text(self.processor, record, cfg.data)
+            requests.append(PromptRequest(text, visuals, processor_inputs(self.processor, text, visuals), record.id))
+        version = self.engine.version
+        t0 = time.perf_counter()
+        outs = self.engine.generate(requests, self.sampling)
+        contrast = sample_shuffled(self.engine, self.processor, requests, self.sampling, tc, self.shuffle_rng) \
+            if tc else {}
+        log.debug("%s: %d groups at v%d in %.2fs", self.name, len(chunk), version, time.perf_counter() - t0)
+        return [score_group(record, visuals, req, out, self.rewards, version=version, generator_id=self.name,
+                            model_id=cfg.model.name_or_path, temperature=self.sampling.temperature,
+                            shuffled=contrast.get(i), contrast=tc)
+                for i, ((record, visuals), req, out) in enumerate(zip(chunk, requests, outs))]
+
+
+def _send(queue, groups: list, stop: StopFlag, name: str, audit, tick=None) -> tuple[int, bool]:
+    """Put each group (see :func:`_put`), count and audit it; returns ``(groups sent, gave up)``:
+    a group refused by the wire contract is skipped, one a stop gave up on ends the batch."""
+    done = 0
+    for group in groups:
+        t_put = time.perf_counter()
+        sent = _put(queue, group, stop, name, tick=tick)
+        if sent is False:
+            return done, True
+        if sent is None:
+            continue  # refused by the wire contract (logged and counted)
+        done += 1
+        M.GROUPS.labels(event="produced").inc()
+        M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group.completions))
+        audit.write({"event": "produced", "group_id": group.group_id, "version": group.policy_version,
+                     "reward": float(np.mean([c.reward for c in group.completions])), "t": time.time(),
+                     "put_s": round(time.perf_counter() - t_put, 4)})
+    return done, False
 
 
 def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,

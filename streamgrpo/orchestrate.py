@@ -157,95 +157,18 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
            config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False) -> int:
-    if resume:
-        cfg.learner.resume, cfg.learner.fresh = True, False
-    if run_dir:
-        cfg.run_dir = run_dir
-    if generators is not None:
-        cfg.rollout.num_generators = generators
-    if sync:
-        cfg.rollout.sync = True
-        cfg.loss.max_staleness = 0
-    rd = Path(cfg.run_dir)
-    rd.mkdir(parents=True, exist_ok=True)
-    (rd / "logs").mkdir(exist_ok=True)
-    prepare_assets(cfg)
-
-    if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
-        mine = [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
-        moved = archive_previous(rd, mine)
-        if moved is not None:
-            print(f"the previous run in {rd} moved to {moved} (--resume continues a run instead)", flush=True)
-    redis = None
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if not cfg.queue.url:
-        from streamgrpo.transport.redis_server import EmbeddedRedis
-
-        redis = EmbeddedRedis(rd / "redis")
-        url = redis.start()
-        write_json(rd / "redis.json", {"url": url, "pid": redis.pid})
-        env["STREAMGRPO_REDIS_URL"] = url
-        print(f"embedded Redis at {url} (AOF in {rd / 'redis'})", flush=True)
-    if cfg.weights.pub_port == 0:
-        cfg.weights.pub_port = free_port()
-    if cfg.weights.snapshot_port == 0:
-        cfg.weights.snapshot_port = free_port()
-    config_path = rd / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
-
-    metrics_path = rd / "metrics.jsonl"
-    base = [sys.executable, "-m", "streamgrpo"]
+    _apply_options(cfg, generators=generators, run_dir=run_dir, sync=sync, resume=resume)
+    rd = _prepare_run_dir(cfg)
+    env = _child_env()
+    redis = _start_embedded_redis(cfg, rd, env)
+    config_path = _write_child_config(cfg, rd, env)
+    watch = _Watch(cfg, env, rd / "metrics.jsonl")
     children: list[Child] = []
-    started = time.time()
-    rows: list[dict[str, Any]] = []
-    offset = 0
-    code = 0
-    interrupted = False
-    queue = None
+    code, interrupted = 0, False
     previous = _interrupt_on_signals()
     try:
-        children.append(Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env))
-        for k in range(cfg.rollout.num_generators):
-            children.append(Child(f"generator-{k}", [*base, "generator", "--config", str(config_path), "--id", str(k)],
-                                  rd / "logs" / f"generator-{k}.log", env))
-        write_json(rd / "processes.json", {c.name: c.pid for c in children})
-        print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
-        for line in cfg.advice():
-            print(f"note: {line}", flush=True)
-        learner = children[0]
-        tty = sys.stdout.isatty()
-        last_print = 0.0
-        reported_dead: set[str] = set()
-        while True:
-            offset = _read_metrics(metrics_path, offset, rows)
-            if queue is None:
-                queue = _try_queue(cfg, env)
-            depth = _depth(queue)
-            gens_alive = sum(c.alive() for c in children[1:])
-            line = _status_line(rows, depth, started, f"gens {gens_alive}/{len(children) - 1}")
-            now = time.time()
-            if tty:
-                sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
-                sys.stdout.flush()
-            elif now - last_print >= 10.0:
-                print(line, flush=True)
-                last_print = now
-            for c in children[1:]:
-                if not c.alive() and c.name not in reported_dead:
-                    reported_dead.add(c.name)
-                    print(f"\n{c.name} exited with code {c.proc.returncode}; see {c.log_path}", flush=True)
-            if not learner.alive():
-                code = learner.proc.returncode or 0
-                if code != 0:
-                    print(f"\nthe learner exited with code {code}; see {learner.log_path}", flush=True)
-                break
-            if gens_alive == 0 and len(children) > 1:
-                print("\nall generators have exited; stopping the learner", flush=True)
-                break
-            time.sleep(status_every_s)
+        children = _start_children(cfg, rd, config_path, env)
+        code = watch.until_done(children, status_every_s)
     except KeyboardInterrupt as exc:
         interrupted = True
         name = str(exc) or "SIGINT"
@@ -256,25 +179,156 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
             signal.signal(sig, signal.SIG_IGN)
         for c in reversed(children):  # generators first, the learner last (it checkpoints)
             c.stop()
-        if queue is not None:
-            queue.close()
+        watch.close()
         if redis is not None:
             redis.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    finished = time.time()
-    offset = _read_metrics(metrics_path, offset, rows)
-    summary = summarise(rows, started, finished)
+    _finish(rd, watch, interrupted)
+    return code
+
+
+def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, sync: bool, resume: bool) -> None:
+    """The command line's choices, into the config every child reads."""
+    if resume:
+        cfg.learner.resume, cfg.learner.fresh = True, False
+    if run_dir:
+        cfg.run_dir = run_dir
+    if generators is not None:
+        cfg.rollout.num_generators = generators
+    if sync:
+        cfg.rollout.sync = True
+        cfg.loss.max_staleness = 0
+
+
+def _prepare_run_dir(cfg: Config) -> Path:
+    """The run directory, the demo assets, and (a new run) the previous run's outputs moved aside."""
+    rd = Path(cfg.run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "logs").mkdir(exist_ok=True)
+    prepare_assets(cfg)
+    if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
+        mine = [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
+        moved = archive_previous(rd, mine)
+        if moved is not None:
+            print(f"the previous run in {rd} moved to {moved} (--resume continues a run instead)", flush=True)
+    return rd
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _start_embedded_redis(cfg: Config, rd: Path, env: dict[str, str]):
+    """An embedded redis-server in ``<run_dir>/redis`` when no ``queue.url`` is set (its URL goes to the children)."""
+    if cfg.queue.url:
+        return None
+    from streamgrpo.transport.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(rd / "redis")
+    url = redis.start()
+    write_json(rd / "redis.json", {"url": url, "pid": redis.pid})
+    env["STREAMGRPO_REDIS_URL"] = url
+    print(f"embedded Redis at {url} (AOF in {rd / 'redis'})", flush=True)
+    return redis
+
+
+def _write_child_config(cfg: Config, rd: Path, env: dict[str, str]) -> Path:
+    """``<run_dir>/config.yaml`` for the children: weight ports fixed, and no secret on disk (a
+    ``queue.url`` travels in the children's environment, ``STREAMGRPO_REDIS_URL``, instead)."""
+    if cfg.weights.pub_port == 0:
+        cfg.weights.pub_port = free_port()
+    if cfg.weights.snapshot_port == 0:
+        cfg.weights.snapshot_port = free_port()
+    on_disk = cfg.model_copy(deep=True)
+    if cfg.queue.url:
+        env["STREAMGRPO_REDIS_URL"] = cfg.queue.url
+        on_disk.queue.url = None
+    path = rd / "config.yaml"
+    path.write_text(on_disk.to_yaml())
+    return path
+
+
+def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str]) -> list[Child]:
+    base = [sys.executable, "-m", "streamgrpo"]
+    children = [Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env)]
+    for k in range(cfg.rollout.num_generators):
+        children.append(Child(f"generator-{k}", [*base, "generator", "--config", str(config_path), "--id", str(k)],
+                              rd / "logs" / f"generator-{k}.log", env))
+    write_json(rd / "processes.json", {c.name: c.pid for c in children})
+    print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+    for line in cfg.advice():
+        print(f"note: {line}", flush=True)
+    return children
+
+
+class _Watch:
+    """The live status line: follows ``metrics.jsonl`` and the queue depth until the learner ends."""
+
+    def __init__(self, cfg: Config, env: dict[str, str], metrics_path: Path):
+        self.cfg, self.env, self.metrics_path = cfg, env, metrics_path
+        self.rows: list[dict[str, Any]] = []
+        self.offset = 0
+        self.queue = None
+        self.started = time.time()
+        self.finished: float | None = None
+
+    def read(self) -> None:
+        self.offset = _read_metrics(self.metrics_path, self.offset, self.rows)
+
+    def until_done(self, children: list[Child], status_every_s: float) -> int:
+        """Show the status until the learner exits (its code) or every generator has (0)."""
+        learner, gens = children[0], children[1:]
+        tty, last_print, reported = sys.stdout.isatty(), 0.0, set()
+        while True:
+            self.read()
+            if self.queue is None:
+                self.queue = _try_queue(self.cfg, self.env)
+            alive = sum(c.alive() for c in gens)
+            line = _status_line(self.rows, _depth(self.queue), self.started, f"gens {alive}/{len(gens)}")
+            if tty:
+                sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
+                sys.stdout.flush()
+            elif time.time() - last_print >= 10.0:
+                print(line, flush=True)
+                last_print = time.time()
+            for c in gens:
+                if not c.alive() and c.name not in reported:
+                    reported.add(c.name)
+                    print(f"\n{c.name} exited with code {c.proc.returncode}; see {c.log_path}", flush=True)
+            if not learner.alive():
+                code = learner.proc.returncode or 0
+                if code != 0:
+                    print(f"\nthe learner exited with code {code}; see {learner.log_path}", flush=True)
+                return code
+            if alive == 0 and gens:
+                print("\nall generators have exited; stopping the learner", flush=True)
+                return 0
+            time.sleep(status_every_s)
+
+    def close(self) -> None:
+        self.finished = time.time()
+        if self.queue is not None:
+            self.queue.close()
+
+
+def _finish(rd: Path, watch: _Watch, interrupted: bool) -> None:
+    """summary.json, reward.png and the closing lines."""
+    watch.read()
+    summary = summarise(watch.rows, watch.started, watch.finished or time.time())
     summary["interrupted"] = interrupted
     write_json(rd / "summary.json", summary)
-    outputs = [rd / "config.yaml", metrics_path, rd / "summary.json"]
-    if rows:
-        outputs.append(plot_rewards(rows, rd / "reward.png"))
+    outputs = [rd / "config.yaml", watch.metrics_path, rd / "summary.json"]
+    if watch.rows:
+        outputs.append(plot_rewards(watch.rows, rd / "reward.png"))
     print("\n" + json.dumps({k: summary[k] for k in ("steps", "groups_trained", "first_accuracy", "last_accuracy",
                                                        "time_to_target_s", "wall_seconds")}), flush=True)
     for p in outputs:
         print(f"  {p}")
-    return code
 
 
 def _interrupt_on_signals() -> dict[int, Any]:

@@ -62,3 +62,17 @@ def test_rewind_drops_rows_after_the_step_and_a_torn_line(tmp_path):
     assert rewind_jsonl(p, 2) == 2
     assert [json.loads(line) for line in p.read_text().splitlines()] == rows[:3]
     assert rewind_jsonl(p, 2) == 0 and rewind_jsonl(tmp_path / "none.jsonl", 2) == 0
+
+
+def test_up_writes_no_redis_password_to_disk(tmp_path):
+    """`streamgrpo up` hands queue.url to its children in the environment, not in config.yaml."""
+    from streamgrpo.config import load_config
+    from streamgrpo.orchestrate import _write_child_config
+
+    cfg = load_config("demo", [f"run_dir={tmp_path}", "queue.url=redis://:s3cret-pw@127.0.0.1:6390/0"])
+    env: dict[str, str] = {}
+    path = _write_child_config(cfg, tmp_path, env)
+    assert "s3cret-pw" not in path.read_text() and env["STREAMGRPO_REDIS_URL"] == "redis://:s3cret-pw@127.0.0.1:6390/0"
+    child = load_config(str(path))
+    assert child.queue.url is None and child.weights.pub_port > 0 and child.weights.snapshot_port > 0
+    assert cfg.queue.url  # the caller's config keeps it
