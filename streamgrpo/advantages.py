@@ -26,12 +26,20 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from streamgrpo.metrics import ERRORS
-
 ScaleRewards = Literal["group", "batch", "none"]
 _SCALES = ("group", "batch", "none")
 
-__all__ = ["ScaleRewards", "group_advantages", "batch_advantages"]
+__all__ = ["AdvantageError", "ScaleRewards", "group_advantages", "batch_advantages", "is_zero_variance"]
+
+
+class AdvantageError(ValueError):
+    """Rewards or options the advantages cannot be computed from. Nothing here counts it: the caller
+    (the learner) counts it as ``streamgrpo_errors_total{kind=...}`` with :attr:`kind`: ``"reward"``
+    for a non-finite reward, ``"loss"`` for a bad shape or setting."""
+
+    def __init__(self, message: str, kind: str = "loss"):
+        super().__init__(message)
+        self.kind = kind
 
 
 def is_zero_variance(rewards: Sequence[float]) -> bool:
@@ -41,19 +49,16 @@ def is_zero_variance(rewards: Sequence[float]) -> bool:
 
 def _check(rewards: Tensor, where: str) -> None:
     if rewards.ndim != 1:
-        ERRORS.labels(kind="loss").inc()
-        raise ValueError(
+        raise AdvantageError(
             f"{where}: rewards must be 1-D (one value per completion), got shape {tuple(rewards.shape)}"
         )
     if rewards.numel() and not bool(torch.isfinite(rewards).all()):
-        ERRORS.labels(kind="reward").inc()
-        raise ValueError(f"{where}: rewards must be finite, got {rewards.tolist()}")
+        raise AdvantageError(f"{where}: rewards must be finite, got {rewards.tolist()}", kind="reward")
 
 
 def _check_scale(scale_rewards: str) -> None:
     if scale_rewards not in _SCALES:
-        ERRORS.labels(kind="loss").inc()
-        raise ValueError(f"scale_rewards={scale_rewards!r}: must be one of {', '.join(_SCALES)}")
+        raise AdvantageError(f"scale_rewards={scale_rewards!r}: must be one of {', '.join(_SCALES)}")
 
 
 def _out_dtype(rewards: Tensor) -> torch.dtype:
@@ -121,8 +126,7 @@ def batch_advantages(
     as_matrix = isinstance(rewards, Tensor)
     if as_matrix:
         if rewards.ndim != 2:
-            ERRORS.labels(kind="loss").inc()
-            raise ValueError(
+            raise AdvantageError(
                 f"batch_advantages: rewards tensor must be (N, G), got shape {tuple(rewards.shape)}"
             )
         groups = list(rewards.unbind(0))

@@ -62,6 +62,7 @@ from streamgrpo.runtime import (
     start_metrics,
     write_json,
 )
+from streamgrpo.step_data import Probe, StepOutput, StepRecord, StepSummary
 from streamgrpo.training import (  # noqa: F401 - re-exported: the learner's vocabulary
     Accepted,
     Learner,
@@ -156,14 +157,14 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
             # 3. bump the version (every rank alike); this rank's groups wait for the next checkpoint
-            merged = merge_summaries(gather_json(dist, local_summary(batch, out, gate.drops)))
+            merged = StepSummary.merge(gather_json(dist, StepSummary.of_rank(batch, out, gate.drops).to_json()))
             gate.drops.clear()
             state.step += 1
             state.version += 1
-            state.groups_trained += merged["groups"]
-            state.tokens_trained += merged["tokens"]
-            state.dropped.update(merged["drops"])
-            state.remember(merged["group_ids"])
+            state.groups_trained += merged.groups
+            state.tokens_trained += merged.stats.tokens
+            state.dropped.update(merged.drops)
+            state.remember(merged.group_ids)
             ids = [a.group.group_id for a in batch]
             uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
             record = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
@@ -174,8 +175,9 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
                 learner.publish(publisher, state.version)
-            last_metrics = step_record(state, merged, out, step_s, wait_s, learner.last_lr())
-            export_prometheus(last_metrics, batch, out, main)
+            rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
+            last_metrics = rec.to_json()
+            export_prometheus(rec, batch, out, main)
             if main:
                 metrics_log.write(last_metrics)
                 tracker.log_step(last_metrics, sample_rows(batch, state.step)
@@ -183,9 +185,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
                 if state.step % cfg.metrics.log_every == 0:
                     log.info(
                         "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
-                        state.step, state.version, last_metrics["reward"], _fmt(last_metrics.get("accuracy")),
-                        last_metrics["loss"], last_metrics["kl"], last_metrics["clip_frac"],
-                        last_metrics["staleness_mean"], step_s, wait_s,
+                        state.step, state.version, rec.reward, _fmt(rec.accuracy), rec.loss, rec.kl, rec.clip_frac,
+                        rec.staleness_mean, step_s, wait_s,
                     )
             # 5. checkpoint, then commit what it holds
             if state.step % cfg.learner.save_steps == 0:
@@ -197,8 +198,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            late = merge_summaries(gather_json(dist, {"drops": dict(gate.drops)}))["drops"]
-            state.dropped.update(late)
+            for late in gather_json(dist, dict(gate.drops)):  # drops since the last step, of every rank
+                state.dropped.update(late)
             if state.step > saved_step:
                 try:
                     checkpoint_and_commit()
@@ -376,7 +377,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
 
 
 def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
-                 dist: DistInfo) -> tuple[dict[str, Any] | None, list[Accepted]]:
+                 dist: DistInfo) -> tuple[StepOutput | None, list[Accepted]]:
     """``learner.train_step(batch)`` that one bad group cannot stop: returns ``(out, carry)``.
 
     ``out`` is None when nothing was applied; ``carry`` are groups to train in the next step. On an
@@ -404,8 +405,8 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         learner.discard_gradients()
         for a in batch:
             try:
-                probe = learner.train_step([a], dry_run=True)
-                why = None if probe and probe.get("finite") else "non-finite loss"
+                probe: Probe = learner.train_step([a], dry_run=True)
+                why = None if probe.finite else "non-finite loss"
             except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
                 why = f"{type(exc).__name__}: {exc}"
             if why:
@@ -426,117 +427,26 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
 
 
 # ------------------------------------------------------------------------------ step numbers
-_TOKEN_WEIGHTED = ("kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_sq_mean",
-                   "kl_behaviour", "is_masked_frac")
-
-
-def local_summary(batch: list[Accepted], out: dict[str, Any], drops: Counter) -> dict[str, Any]:
-    """This rank's numbers of one step, as sums that :func:`merge_summaries` can add up (JSON only)."""
-    per_fn: dict[str, list[float]] = {}
-    for a in batch:
-        for c in a.group.completions:
-            for k, v in c.rewards.items():
-                s = per_fn.setdefault(k, [0.0, 0])
-                s[0] += float(v)
-                s[1] += 1
-    has_acc = any("accuracy" in c.rewards for a in batch for c in a.group.completions)
-    tokens = int(out["tokens"])
-    return {
-        "groups": len(batch), "group_ids": [a.group.group_id for a in batch],
-        "completions": sum(len(a.group.completions) for a in batch),
-        "reward_sum": float(sum(c.reward for a in batch for c in a.group.completions)), "reward_fn": per_fn,
-        "group_accuracy": [float(np.mean([c.rewards.get("accuracy", 0.0) for c in a.group.completions]))
-                           for a in batch] if has_acc else None,
-        "staleness": [a.staleness for a in batch],
-        "len_sum": sum(len(c.token_ids) for a in batch for c in a.group.completions),
-        "tokens": tokens, "loss": float(out["loss"]),
-        "weighted": {k: float(out[k]) * tokens for k in _TOKEN_WEIGHTED if out.get(k) is not None},
-        "ratio_max": out.get("ratio_max"), "ratio_min": out.get("ratio_min"),
-        "adv": [float(x) for x in out["adv"].reshape(-1).tolist()], "zero_variance": int(out["zero_variance"]),
-        "seq_logprob_sum": float(out.get("seq_logprob_sum", 0.0)), "rows": int(out.get("rows", 0)),
-        "drops": dict(drops),
-    }
-
-
-def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Add up the :func:`local_summary` of every rank (in rank order)."""
-    merged: dict[str, Any] = {"groups": 0, "group_ids": [], "completions": 0, "reward_sum": 0.0, "reward_fn": {},
-                              "group_accuracy": None, "staleness": [], "len_sum": 0, "tokens": 0, "loss": 0.0,
-                              "weighted": {}, "ratio_max": None, "ratio_min": None, "adv": [], "zero_variance": 0,
-                              "seq_logprob_sum": 0.0, "rows": 0, "drops": Counter(), "ranks": len(parts)}
-    for p in parts:
-        merged["drops"].update(p.get("drops", {}))
-        if "groups" not in p:
-            continue
-        for k in ("groups", "completions", "reward_sum", "len_sum", "tokens", "loss", "zero_variance",
-                  "seq_logprob_sum", "rows"):
-            merged[k] += p[k]
-        for k in ("group_ids", "staleness", "adv"):
-            merged[k] += p[k]
-        if p["group_accuracy"] is not None:
-            merged["group_accuracy"] = (merged["group_accuracy"] or []) + p["group_accuracy"]
-        for k, (s, n) in p["reward_fn"].items():
-            acc = merged["reward_fn"].setdefault(k, [0.0, 0])
-            acc[0] += s
-            acc[1] += n
-        for k, v in p["weighted"].items():
-            merged["weighted"][k] = merged["weighted"].get(k, 0.0) + v
-        for k, pick in (("ratio_max", max), ("ratio_min", min)):
-            if p[k] is not None:
-                merged[k] = p[k] if merged[k] is None else pick(merged[k], p[k])
-    return merged
-
-
-def step_record(state: LearnerState, merged: dict[str, Any], out: dict[str, Any], step_s: float, wait_s: float,
-                lr: float) -> dict[str, Any]:
-    """The ``metrics.jsonl`` line of one step (all ranks' groups)."""
-    rewards = {k: s / max(n, 1) for k, (s, n) in merged["reward_fn"].items()}
-    tokens = max(merged["tokens"], 1)
-    w = {k: v / tokens for k, v in merged["weighted"].items()}
-    adv = np.asarray(merged["adv"], dtype=np.float64)
-    stale = merged["staleness"]
-    return {
-        "step": state.step, "version": state.version, "time": time.time(),
-        "reward": merged["reward_sum"] / max(merged["completions"], 1), "rewards": rewards,
-        "accuracy": rewards.get("accuracy"), "group_accuracy": merged["group_accuracy"],
-        "loss": merged["loss"],
-        "kl": w.get("kl", 0.0), "entropy": w.get("entropy"),
-        "clip_frac": w.get("clip_frac", 0.0), "clip_frac_low": w.get("clip_frac_low", 0.0),
-        "clip_frac_high": w.get("clip_frac_high", 0.0), "ratio_mean": w.get("ratio_mean"),
-        "ratio_max": merged["ratio_max"], "ratio_min": merged["ratio_min"], "grad_norm": out["grad_norm"],
-        "ess": w["ratio_mean"] ** 2 / w["ratio_sq_mean"] if w.get("ratio_sq_mean") else None,
-        "kl_behaviour": w.get("kl_behaviour"), "is_masked_frac": w.get("is_masked_frac", 0.0),
-        "adv_mean": float(adv.mean()) if adv.size else 0.0, "adv_std": float(adv.std(ddof=1)) if adv.size > 1 else 0.0,
-        "policy_seq_log_prob": merged["seq_logprob_sum"] / max(merged["rows"], 1),
-        "zero_variance_groups": merged["zero_variance"],
-        "staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale)),
-        "groups_trained": state.groups_trained, "groups_dropped": dict(state.dropped), "tokens": merged["tokens"],
-        "completion_len_mean": merged["len_sum"] / max(merged["completions"], 1), "lr": lr,
-        "ranks": merged["ranks"], "micro_batches": out.get("micro_batches", 1),
-        "seconds": step_s, "wait_seconds": wait_s,
-    }
-
-
-def export_prometheus(rec: dict, batch: list[Accepted], out: dict[str, Any], main: bool) -> None:
+def export_prometheus(rec: StepRecord, batch: list[Accepted], out: StepOutput, main: bool) -> None:
     """Rank 0 sets the step gauges (whole step); every rank counts its own groups and tokens."""
     if main:
-        M.LOSS.set(rec["loss"])
-        M.KL.set(rec["kl"])
-        if math.isfinite(rec["grad_norm"]):
-            M.GRAD_NORM.set(rec["grad_norm"])
-        if rec["entropy"] is not None:
-            M.ENTROPY.set(rec["entropy"])
-        for side, key in (("low", "clip_frac_low"), ("high", "clip_frac_high"), ("total", "clip_frac")):
-            M.CLIP_FRACTION.labels(side=side).set(rec[key])
-        for stat in ("mean", "max", "min"):
-            if rec[f"ratio_{stat}"] is not None:
-                M.IMPORTANCE_RATIO.labels(stat=stat).set(rec[f"ratio_{stat}"])
-        for stat in ("ess", "kl_behaviour", "is_masked_frac"):
-            if rec[stat] is not None:
-                M.OFF_POLICY.labels(stat=stat).set(rec[stat])
-        M.STEP_SECONDS.set(rec["seconds"])
-    M.POLICY_VERSION.labels(role="learner").set(rec["version"])
+        M.LOSS.set(rec.loss)
+        M.KL.set(rec.kl)
+        if math.isfinite(rec.grad_norm):
+            M.GRAD_NORM.set(rec.grad_norm)
+        if rec.entropy is not None:
+            M.ENTROPY.set(rec.entropy)
+        for side, value in (("low", rec.clip_frac_low), ("high", rec.clip_frac_high), ("total", rec.clip_frac)):
+            M.CLIP_FRACTION.labels(side=side).set(value)
+        for stat, value in (("mean", rec.ratio_mean), ("max", rec.ratio_max), ("min", rec.ratio_min)):
+            if value is not None:
+                M.IMPORTANCE_RATIO.labels(stat=stat).set(value)
+        for stat, value in (("ess", rec.ess), ("kl_behaviour", rec.kl_behaviour), ("is_masked_frac", rec.is_masked_frac)):
+            if value is not None:
+                M.OFF_POLICY.labels(stat=stat).set(value)
+        M.STEP_SECONDS.set(rec.seconds)
+    M.POLICY_VERSION.labels(role="learner").set(rec.version)
     M.GROUPS.labels(event="trained").inc(len(batch))
-    M.TOKENS.labels(role="learner").inc(out["tokens"])
+    M.TOKENS.labels(role="learner").inc(out.tokens)
     for a in batch:
         M.STALENESS.observe(a.staleness)

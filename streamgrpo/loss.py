@@ -55,13 +55,10 @@ Metrics come back as detached 0-d tensors (no host sync inside).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
-
-from streamgrpo.metrics import ERRORS
 
 if TYPE_CHECKING:
     from streamgrpo.config import LossConfig
@@ -74,46 +71,13 @@ RATIO_MODES: tuple[str, ...] = ("behaviour", "current")
 __all__ = [
     "LOSS_TYPES",
     "RATIO_MODES",
-    "LossInputs",
+    "LossError",
     "LossType",
     "RatioMode",
     "compute_loss",
     "kl_k3",
     "loss_kwargs",
-    "naive_loss",
 ]
-
-
-@dataclass
-class LossInputs:
-    """The tensors of one loss call (a typed bundle for callers that like one; see compute_loss)."""
-
-    logprobs: Tensor
-    """(B, T) current policy log-probs of the completion tokens (with grad)."""
-    behaviour_logprobs: Optional[Tensor]
-    """(B, T) log-probs the generator sampled with (may be None only with ratio_mode="current" and no tis_cap)."""
-    advantages: Tensor
-    """(B,) one advantage per completion row."""
-    mask: Tensor
-    """(B, T) bool/0-1: which positions are completion tokens."""
-    ref_logprobs: Optional[Tensor] = None
-    """(B, T) reference model log-probs (only read when beta > 0)."""
-    entropies: Optional[Tensor] = None
-    """(B, T) token entropies for the metric (optional)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Further keyword arguments for compute_loss (e.g. token_normaliser)."""
-
-    def compute(self, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """compute_loss on these tensors; ``kwargs`` are its keyword settings (see loss_kwargs)."""
-        return compute_loss(
-            self.logprobs,
-            self.behaviour_logprobs,
-            self.advantages,
-            self.mask,
-            self.ref_logprobs,
-            entropies=self.entropies,
-            **{**self.extra, **kwargs},
-        )
 
 
 def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) -> dict[str, Any]:
@@ -141,9 +105,15 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.expm1(d) - d
 
 
-def _bad(msg: str) -> ValueError:
-    ERRORS.labels(kind="loss").inc()
-    return ValueError(f"compute_loss: {msg}")
+class LossError(ValueError):
+    """A bad input or option of :func:`compute_loss`. Nothing here counts it: the caller (the learner)
+    counts it as ``streamgrpo_errors_total{kind=...}`` with :attr:`kind`."""
+
+    kind = "loss"
+
+
+def _bad(msg: str) -> LossError:
+    return LossError(f"compute_loss: {msg}")
 
 
 def _check_bt(name: str, x: Tensor, shape: torch.Size) -> None:
@@ -325,17 +295,3 @@ def compute_loss(
         metrics["num_tokens"] = n_tokens
     return loss, metrics
 
-
-def naive_loss(
-    logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    ref_logprobs: Optional[Tensor] = None,
-    **kwargs: Any,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """On-policy policy gradient that ignores staleness: ``compute_loss(..., ratio_mode="current")``.
-
-    Pass ``behaviour_logprobs=...`` in ``kwargs`` only to get importance-ratio metrics or a tis_cap.
-    """
-    behaviour = kwargs.pop("behaviour_logprobs", None)
-    return compute_loss(logprobs, behaviour, advantages, mask, ref_logprobs, ratio_mode="current", **kwargs)

@@ -33,15 +33,19 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 
+from streamgrpo import metrics as M
+from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
 from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
 from streamgrpo.learner_state import Accepted, LearnerState
+from streamgrpo.loss import LossError
+from streamgrpo.step_data import LossStats, Probe, StepOutput
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -95,6 +99,28 @@ def make_optimizer(model: torch.nn.Module, cfg: Config):
     return opt, sched
 
 
+@contextlib.contextmanager
+def counted_errors():
+    """Count an error of the pure core (:mod:`~streamgrpo.loss`, :mod:`~streamgrpo.advantages`) in
+    ``streamgrpo_errors_total{kind}`` (``loss``: bad loss inputs or settings; ``reward``: a non-finite
+    reward) and re-raise it."""
+    try:
+        yield
+    except (LossError, AdvantageError) as exc:
+        M.ERRORS.labels(kind=exc.kind).inc()
+        raise
+
+
+def _temperature_key(a: Accepted):
+    """The sampling temperature a group's ``meta`` records (None: not recorded, the config's applies)."""
+    return a.group.meta.get("temperature")
+
+
+def sampling_temperature(a: Accepted, default: float) -> float:
+    """The temperature ``a`` was sampled at: its own, else ``default`` (``rollout.temperature``)."""
+    return float(default if _temperature_key(a) is None else _temperature_key(a))
+
+
 def group_tokens(a: Accepted) -> int:
     """Prompt + completion tokens of one group laid out as rows (what a micro-batch budget counts)."""
     return sum(len(a.group.prompt_ids) + len(c.token_ids) for c in a.group.completions)
@@ -103,7 +129,8 @@ def group_tokens(a: Accepted) -> int:
 def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
                         n_parts: int | None = None) -> list[list[Accepted]]:
     """Whole groups per micro-batch (one vision pass per group), at most ``max_tokens`` tokens each
-    (a single larger group gets a micro-batch of its own), in order.
+    (a single larger group gets a micro-batch of its own), in order. Groups sampled at different
+    temperatures never share a micro-batch (log-probs are recomputed at one temperature per forward).
 
     ``n_parts`` asks for exactly that many micro-batches (at least the greedy count, at most one
     per group): the heaviest splittable part is cut at its token midpoint until there are enough.
@@ -113,7 +140,8 @@ def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
     size = 0
     for a in batch:
         n = group_tokens(a)
-        if max_tokens and parts[-1] and size + n > max_tokens:
+        if parts[-1] and ((max_tokens and size + n > max_tokens)
+                          or _temperature_key(a) != _temperature_key(parts[-1][-1])):
             parts.append([])
             size = 0
         parts[-1].append(a)
@@ -245,6 +273,7 @@ class Learner:
             self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
             self.forward = self.engine
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
+        self._mixed_temperatures_logged = False
 
     # -------------------------------------------------------------------------------- helpers
     @property
@@ -270,16 +299,18 @@ class Learner:
             return lp
 
     # ----------------------------------------------------------------------------- the step
-    def train_step(self, batch: list[Accepted], *, dry_run: bool = False) -> dict[str, Any] | None:
-        """One optimizer step on this rank's share of the groups (every rank calls it together).
+    @overload
+    def train_step(self, batch: list[Accepted], *, dry_run: Literal[False] = ...) -> StepOutput | None: ...
+    @overload
+    def train_step(self, batch: list[Accepted], *, dry_run: Literal[True]) -> Probe: ...
+    def train_step(self, batch: list[Accepted], *, dry_run: bool = False) -> StepOutput | Probe | None:
+        """One optimizer step on this rank's share of the groups (every rank calls it together): this
+        rank's :class:`~streamgrpo.step_data.StepOutput`, or None when it was skipped (non-finite loss or
+        gradient). ``dry_run``: forward and backward only, nothing applied (the learner probes suspect
+        groups one at a time so), returns a :class:`~streamgrpo.step_data.Probe`.
 
-        ``dry_run``: forward and backward only, gradients discarded, nothing applied (the learner
-        probes suspect groups one at a time this way); returns ``{"finite": bool}``.
-
-        Returns this rank's numbers: ``loss`` (its share: the ranks' values sum to the step's loss), ``grad_norm``
-        (global), ``tokens`` (its completion tokens) and ``tokens_global``, ``zero_variance``,
-        ``adv`` (its advantages), the token-weighted loss metrics (``kl``, ``clip_frac`` ...),
-        ``seq_logprob_sum`` / ``rows`` (summed completion log-probs per row) and ``micro_batches``; None when the step was skipped (non-finite loss or gradient).
+        Each group's log-probs are recomputed at its own sampling temperature (``meta["temperature"]``,
+        else ``rollout.temperature``; a step may mix them, e.g. after a resume with a new setting).
         """
         from streamgrpo.advantages import batch_advantages
         from streamgrpo.loss import compute_loss, loss_kwargs
@@ -287,12 +318,17 @@ class Learner:
 
         cfg = self.cfg
         rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
-        advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
-        temperature = float(batch[0].group.meta.get("temperature", cfg.rollout.temperature))
+        with counted_errors():
+            advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
+        temperatures = sorted({sampling_temperature(a, cfg.rollout.temperature) for a in batch})
+        if len(temperatures) > 1 and not self._mixed_temperatures_logged:
+            log.warning("groups sampled at different temperatures %s in one step: each is trained at its own "
+                        "(logged once)", temperatures)
+            self._mixed_temperatures_logged = True
         pad_id = self.processor.tokenizer.pad_token_id
-        # neither engine samples vision placeholders (hf: suppress_tokens; vllm: a -inf logit bias inside
-        # its processed log-probs): the learner's softmax excludes them too
-        suppress = vision_token_ids(self.processor) if cfg.rollout.engine in ("hf", "vllm") else None
+        # neither engine (hf, vllm) samples vision placeholders (hf: suppress_tokens; vllm: a -inf logit bias
+        # inside its processed log-probs): the learner's softmax excludes them too
+        suppress = vision_token_ids(self.processor)
         local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
         greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
@@ -301,10 +337,11 @@ class Learner:
         dapo = cfg.loss.loss_type == "dapo"
         kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
         index = {id(a): i for i, a in enumerate(batch)}
-        sums: dict[str, float] = {}
+        stats: list[LossStats] = []
         loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
         self._zero_grad()
         for k, part in enumerate(micro):
+            temperature = sampling_temperature(part[0], cfg.rollout.temperature)  # one per micro-batch
             groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
@@ -315,8 +352,9 @@ class Learner:
                                    for a in part for c in a.group.completions], 0.0,
                                   length=logprobs.shape[1]).to(self.device)
             adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
-            loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
-                                   token_normaliser=global_tokens if dapo else None, **kw)
+            with counted_errors():
+                loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
+                                       token_normaliser=global_tokens if dapo else None, **kw)
             # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
             loss = loss * self.dist.world_size if dapo else loss * (len(part) / len(batch))
             if not torch.isfinite(loss):
@@ -325,34 +363,24 @@ class Learner:
                     log.warning("non-finite loss (%s) in micro-batch %d", loss.item(), k)
                 if not self.deepspeed:
                     self._zero_grad()
-                    return {"finite": False} if dry_run else None
+                    return Probe(finite=False) if dry_run else None
             self._backward(loss, last=k == len(micro) - 1)
             loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
             with torch.no_grad():
                 mask = tb.completion_mask.to(torch.bool)
                 seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
                 rows += int(mask.shape[0])
-            w = m["num_tokens"].item()
-            for key, v in m.items():
-                if key == "num_tokens":
-                    continue
-                if key == "ratio_max":
-                    sums[key] = max(sums.get(key, -math.inf), float(v))
-                elif key == "ratio_min":
-                    sums[key] = min(sums.get(key, math.inf), float(v))
-                else:
-                    sums[key] = sums.get(key, 0.0) + float(v) * w
+            stats.append(LossStats.from_loss(m))
         if dry_run:
             self._zero_grad()
-            return {"finite": finite}
+            return Probe(finite=finite)
         grad_norm, applied = self._optimizer_step()
         if not applied or not finite:
             log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
             return None
-        weighted = {k: (v / max(local_tokens, 1) if k not in ("ratio_max", "ratio_min") else v) for k, v in sums.items()}
-        return {"loss": loss_total, "grad_norm": grad_norm, "tokens": local_tokens, "tokens_global": global_tokens,
-                "zero_variance": int(zero_var.sum()), "adv": torch.cat(advs), "micro_batches": n_micro,
-                "seq_logprob_sum": seq_lp, "rows": rows, **weighted}
+        return StepOutput(loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
+                          zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
+                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats))
 
     def discard_gradients(self) -> None:
         """Forget any gradients of a failed or probing step (nothing is applied)."""

@@ -62,12 +62,12 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     assert len(split_micro_batches(batch, 100)) == 4  # one group per micro-batch
     out_a, grads_a = _step_grads(whole, batch)
     out_b, grads_b = _step_grads(micro, _accept(groups[:4], micro))
-    assert (out_a["micro_batches"], out_b["micro_batches"]) == (1, 4)
-    assert out_a["tokens_global"] == out_b["tokens_global"] == sum(len(c.token_ids) for g in groups[:4] for c in g.completions)
-    assert out_b["loss"] == pytest.approx(out_a["loss"], abs=1e-6)
-    assert out_b["grad_norm"] == pytest.approx(out_a["grad_norm"], rel=1e-5)
+    assert (out_a.micro_batches, out_b.micro_batches) == (1, 4)
+    assert out_a.tokens_global == out_b.tokens_global == sum(len(c.token_ids) for g in groups[:4] for c in g.completions)
+    assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
+    assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=1e-5)
     for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
-        assert out_b[key] == pytest.approx(out_a[key], rel=1e-5, abs=1e-7), key
+        assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key
     assert grads_a.keys() == grads_b.keys()
     for n, g in grads_a.items():
         torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-7, msg=n)
@@ -105,9 +105,9 @@ def test_bf16_on_cpu_autocasts_and_keeps_float32_weights(groups, tiny_model_dir,
     out32 = fp32.train_step(_accept(groups[:4], fp32))
     out16 = bf16.train_step(_accept(groups[:4], bf16))
     assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
-    assert out16 is not None and torch.isfinite(torch.tensor(out16["grad_norm"]))
-    assert out16["seq_logprob_sum"] != out32["seq_logprob_sum"]  # the bf16 matmuls ran ...
-    assert out16["seq_logprob_sum"] == pytest.approx(out32["seq_logprob_sum"], rel=0.05)  # ... and agree roughly
+    assert out16 is not None and torch.isfinite(torch.tensor(out16.grad_norm))
+    assert out16.seq_logprob_sum != out32.seq_logprob_sum  # the bf16 matmuls ran ...
+    assert out16.seq_logprob_sum == pytest.approx(out32.seq_logprob_sum, rel=0.05)  # ... and agree roughly
 
 
 def _train(learner, batches, start_version=0):

@@ -65,8 +65,8 @@ def test_only_adapters_train_and_the_reference_is_the_base(trained):
             assert not torch.equal(p, before[n]), f"adapter {n} did not change"
         else:
             assert torch.equal(p, before[n]), f"base weight {n} changed"
-    assert trained["outs"][0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters B = 0: policy == reference
-    assert trained["outs"][1]["kl"] > 0
+    assert trained["outs"][0].stats.kl == pytest.approx(0.0, abs=1e-7)  # adapters B = 0: policy == reference
+    assert trained["outs"][1].stats.kl > 0
 
 
 def test_generators_receive_adapters_and_merge_them(trained, tiny_model_dir):

@@ -133,7 +133,7 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
         assert value(metrics.GROUPS_DROPPED, reason="poison") == poison0 + 1 and gate.drops["poison"] == 1
         more = [gate.admit(d) for d in q.get(1, timeout_s=1.0)]
         out, carry = guarded_step(learner, q, gate, carry + more, learner.dist)
-        assert out is not None and carry == [] and out["tokens"] > 0
+        assert out is not None and carry == [] and out.tokens > 0
     finally:
         audit.close()
         q.close()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamgrpo.advantages import batch_advantages, group_advantages
+from streamgrpo.advantages import AdvantageError, batch_advantages, group_advantages
 
 EPS = 1e-4
 
@@ -97,18 +97,23 @@ def test_empty_batch():
 
 
 @pytest.mark.parametrize(
-    "call, match",
+    "call, match, kind",
     [
-        (lambda: group_advantages(torch.tensor([1.0, float("nan")])), "finite"),
-        (lambda: group_advantages(torch.zeros(2, 2)), "1-D"),
-        (lambda: group_advantages(torch.zeros(2), "std"), "scale_rewards"),
-        (lambda: batch_advantages(torch.zeros(4)), r"\(N, G\)"),
-        (lambda: batch_advantages([torch.zeros(2), torch.tensor([float("inf")])]), "group 1"),
+        (lambda: group_advantages(torch.tensor([1.0, float("nan")])), "finite", "reward"),
+        (lambda: group_advantages(torch.zeros(2, 2)), "1-D", "loss"),
+        (lambda: group_advantages(torch.zeros(2), "std"), "scale_rewards", "loss"),
+        (lambda: batch_advantages(torch.zeros(4)), r"\(N, G\)", "loss"),
+        (lambda: batch_advantages([torch.zeros(2), torch.tensor([float("inf")])]), "group 1", "reward"),
     ],
 )
-def test_bad_input_is_a_clear_error(call, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_input_is_a_clear_error(call, match, kind):
+    from streamgrpo.metrics import ERRORS
+
+    before = {k: ERRORS.labels(kind=k)._value.get() for k in ("loss", "reward")}
+    with pytest.raises(ValueError, match=match) as info:
         call()
+    assert isinstance(info.value, AdvantageError) and info.value.kind == kind  # what the caller counts
+    assert {k: ERRORS.labels(kind=k)._value.get() for k in ("loss", "reward")} == before  # pure: counts nothing
 
 
 _reward = st.floats(-10.0, 10.0, allow_nan=False, width=32)

@@ -46,7 +46,7 @@ def _check_png(path) -> tuple[int, int]:
 
 
 def _recorded_run(run, steps=60, generators=2, with_sync=True):
-    """A run directory as the learner and generators write it (keys of learner.step_record)."""
+    """A run directory as the learner and generators write it (keys of step_data.StepRecord)."""
     rng = random.Random(0)
     run.mkdir(parents=True, exist_ok=True)
     (run / "audit").mkdir()

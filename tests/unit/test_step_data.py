@@ -1,0 +1,137 @@
+"""The typed step numbers: a rank's output, the merge over ranks, the metrics.jsonl line (no model)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from streamgrpo.learner_state import Accepted, LearnerState
+from streamgrpo.step_data import LossStats, Probe, StepOutput, StepRecord, StepSummary
+from streamgrpo.wire import Completion, ScoredGroup
+
+# the metrics.jsonl keys, in order (orchestrate, report, tracking, the benchmarks and the dashboards read them)
+RECORD_KEYS = [
+    "step", "version", "time", "reward", "rewards", "accuracy", "group_accuracy", "loss", "kl", "entropy",
+    "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "ratio_min", "grad_norm", "ess",
+    "kl_behaviour", "is_masked_frac", "adv_mean", "adv_std", "policy_seq_log_prob", "zero_variance_groups",
+    "staleness_mean", "staleness_max", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
+    "ranks", "micro_batches", "seconds", "wait_seconds",
+]
+
+
+def _group(gid, rewards, lens, staleness=0, accuracy=True, temperature=None):
+    comps = [Completion(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), "t", "stop",
+                        {"accuracy": r, "format": 1 - r} if accuracy else {"format": r}, r)
+             for r, n in zip(rewards, lens)]
+    meta = {} if temperature is None else {"temperature": temperature}
+    g = ScoredGroup(prompt_id="p", generator_id="g", policy_version=0, model_id="m", prompt_ids=np.zeros(3, np.int32),
+                    visuals=[], answer="a", completions=comps, meta=meta, group_id=gid)
+    return Accepted("s-" + gid, g, None, staleness)
+
+
+def _out(tokens, adv, **stats):
+    base = dict(kl=0.01, entropy=2.0, clip_frac=0.1, clip_frac_low=0.04, clip_frac_high=0.06, ratio_mean=1.0,
+                ratio_sq_mean=1.05, kl_behaviour=0.003, is_masked_frac=0.0, ratio_max=1.4, ratio_min=0.7)
+    return StepOutput(loss=0.25, grad_norm=1.5, tokens_global=40, zero_variance=1, adv_N=torch.tensor(adv),
+                      micro_batches=2, seq_logprob_sum=-12.0, rows=len(adv),
+                      stats=LossStats(tokens=tokens, **{**base, **stats}))
+
+
+def test_two_ranks_merge_into_one_metrics_line():
+    batches = [[_group("g0", [1.0, 0.0], [5, 4], 1), _group("g1", [1.0, 1.0], [3, 5], 0)],
+               [_group("g2", [0.5, 0.25], [6, 6], 2, accuracy=False), _group("g3", [0.0, 1.0], [5, 6], 3)]]
+    outs = [_out(17, [1.0, -1.0, 0.0, 0.0]),
+            _out(23, [0.5, -0.5, 1.5, -1.5], kl=0.03, entropy=None, ratio_max=2.5, ratio_min=0.9, ratio_sq_mean=1.2)]
+    drops = [Counter(stale=2), Counter(mismatch=1, stale=1)]
+    parts = [json.loads(json.dumps(StepSummary.of_rank(b, o, d).to_json())) for b, o, d in zip(batches, outs, drops)]
+    merged = StepSummary.merge(parts)
+    assert merged.ranks == 2 and merged.groups == 4 and merged.group_ids == ["g0", "g1", "g2", "g3"]
+    assert merged.drops == {"stale": 3, "mismatch": 1} and merged.staleness_G == [1, 0, 2, 3]
+    assert merged.accuracy_G == [0.5, 1.0, 0.0, 0.5]  # g2 has no accuracy reward: it counts 0
+    assert merged.stats.tokens == 40 == sum(len(c.token_ids) for b in batches for a in b for c in a.group.completions)
+
+    state = LearnerState(step=3, version=5, groups_trained=12, dropped=Counter(stale=4))
+    line = StepRecord.build(state, merged, outs[0], 0.75, 0.5, 1e-4).to_json()
+    assert list(line) == RECORD_KEYS
+    assert line["kl"] == pytest.approx((0.01 * 17 + 0.03 * 23) / 40)
+    assert line["entropy"] == pytest.approx(2.0 * 17 / 40)  # as before: a rank without it adds nothing
+    assert (line["ratio_max"], line["ratio_min"]) == (2.5, 0.7)
+    ratio_sq = (1.05 * 17 + 1.2 * 23) / 40
+    assert line["ess"] == pytest.approx(1.0 / ratio_sq)
+    assert line["rewards"] == {"accuracy": pytest.approx(4.0 / 6), "format": pytest.approx(2.75 / 8)}
+    assert line["reward"] == pytest.approx(4.75 / 8) and line["accuracy"] == line["rewards"]["accuracy"]
+    assert line["tokens"] == 40 and line["completion_len_mean"] == 5.0 and line["ranks"] == 2
+    assert line["loss"] == 0.5 and line["zero_variance_groups"] == 2 and line["policy_seq_log_prob"] == -24.0 / 8
+    assert (line["staleness_mean"], line["staleness_max"]) == (1.5, 3)
+    adv = np.array([1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 1.5, -1.5])
+    assert line["adv_mean"] == pytest.approx(adv.mean()) and line["adv_std"] == pytest.approx(adv.std(ddof=1))
+    assert line["groups_dropped"] == {"stale": 4} and line["micro_batches"] == 2 and line["grad_norm"] == 1.5
+    json.dumps(line)
+
+
+def test_one_rank_without_json_round_trip_and_without_accuracy():
+    batch = [_group("g0", [1.0, 0.0], [2, 2], accuracy=False)]
+    merged = StepSummary.merge([StepSummary.of_rank(batch, _out(4, [1.0, -1.0], kl=None), {}).to_json()])
+    line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 1.0, 0.0, 1e-3).to_json()
+    assert line["group_accuracy"] is None and line["accuracy"] is None and line["kl"] == 0.0  # defaults as before
+    assert line["adv_std"] == pytest.approx(np.std([1.0, -1.0], ddof=1)) and line["ranks"] == 1
+
+
+def test_loss_stats_of_micro_batches_add_up_to_the_whole_batch():
+    from streamgrpo.loss import compute_loss
+
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 3
+    behaviour = logp + 0.3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mask = torch.rand(6, 5, generator=g) < 0.7
+    ent = torch.rand(6, 5, generator=g, dtype=torch.float64)
+    whole = LossStats.from_loss(compute_loss(logp, behaviour, adv, mask, entropies=ent, is_mask="token")[1])
+    parts = [LossStats.from_loss(compute_loss(logp[s], behaviour[s], adv[s], mask[s], entropies=ent[s],
+                                              is_mask="token")[1]) for s in (slice(0, 2), slice(2, 6))]
+    merged = LossStats.merge(parts)
+    assert merged.tokens == whole.tokens == int(mask.sum())
+    for name in (*LossStats.means(), "ratio_max", "ratio_min"):
+        assert getattr(merged, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
+
+
+def test_step_output_reads_like_the_old_dict():
+    out = _out(17, [1.0, -1.0], entropy=None)
+    assert out["tokens"] == out.tokens == 17 and out["loss"] == 0.25 and out["kl"] == 0.01
+    assert out["adv"] is out.adv_N and out.get("entropy") is None and out.get("nope", 3) == 3
+    with pytest.raises(KeyError):
+        out["nope"]
+    assert Probe(finite=True).finite
+
+
+def test_the_learner_counts_the_pure_cores_errors():
+    from streamgrpo import metrics as M
+    from streamgrpo.advantages import group_advantages
+    from streamgrpo.loss import compute_loss
+    from streamgrpo.training import counted_errors
+
+    value = {k: M.ERRORS.labels(kind=k)._value.get for k in ("loss", "reward")}
+    before = {k: v() for k, v in value.items()}
+    with pytest.raises(ValueError, match="loss_type"), counted_errors():
+        compute_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), loss_type="ppo")
+    with pytest.raises(ValueError, match="finite"), counted_errors():
+        group_advantages(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="other"), counted_errors():
+        raise ValueError("other")  # not the core's: not counted here
+    assert {k: v() - before[k] for k, v in value.items()} == {"loss": 1, "reward": 1}
+
+
+def test_micro_batches_never_mix_sampling_temperatures():
+    from streamgrpo.training import sampling_temperature, split_micro_batches
+
+    batch = [_group(f"g{i}", [1.0, 0.0], [2, 2], temperature=t) for i, t in enumerate([1.0, 1.0, 0.7, None, 1.0])]
+    parts = split_micro_batches(batch, None)
+    assert [[a.group.group_id for a in p] for p in parts] == [["g0", "g1"], ["g2"], ["g3"], ["g4"]]
+    assert [a for p in split_micro_batches(batch, None, n_parts=5) for a in p] == batch
+    assert [sampling_temperature(a, 0.9) for a in batch] == [1.0, 1.0, 0.7, 0.9, 1.0]
+    same = [_group(f"h{i}", [1.0, 0.0], [2, 2], temperature=1.0) for i in range(3)]
+    assert split_micro_batches(same, None) == [same]
