@@ -112,7 +112,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
         row = {"step": step, "time": time.time(), "group_accuracy": acc, "answers": [g.answer for g in groups],
                "seconds": train_s, "generate_s": gen_s,
                "groups_trained": trained, "staleness_mean": float(step - 1 - version),
-               "loss": None if result is None else result["loss"], "kl": None if result is None else result.get("kl"),
+               "loss": None if result is None else result.loss, "kl": None if result is None else result.stats.kl,
                "skipped": result is None}
         out.write(json.dumps(row) + "\n")
         out.flush()

@@ -106,23 +106,6 @@ class StepOutput:
         """This rank's completion tokens."""
         return self.stats.tokens
 
-    def __getitem__(self, key: str) -> Any:
-        """Read-only dict-style access (``out["kl"]``, ``out["adv"]``) for callers written against the old dict."""
-        if key == "adv":
-            return self.adv_N
-        if key in {f.name for f in fields(LossStats)}:
-            return getattr(self.stats, key)
-        if key == "tokens" or key in {f.name for f in fields(self)}:
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            value = self[key]
-        except KeyError:
-            return default
-        return default if value is None else value
-
 
 @dataclass
 class StepSummary:
