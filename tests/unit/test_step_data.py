@@ -99,12 +99,10 @@ def test_loss_stats_of_micro_batches_add_up_to_the_whole_batch():
         assert getattr(merged, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
 
 
-def test_step_output_reads_like_the_old_dict():
+def test_step_output_reads_its_metrics_from_the_loss_stats():
     out = _out(17, [1.0, -1.0], entropy=None)
-    assert out["tokens"] == out.tokens == 17 and out["loss"] == 0.25 and out["kl"] == 0.01
-    assert out["adv"] is out.adv_N and out.get("entropy") is None and out.get("nope", 3) == 3
-    with pytest.raises(KeyError):
-        out["nope"]
+    assert out.tokens == out.stats.tokens == 17 and out.loss == 0.25 and out.stats.kl == 0.01
+    assert out.stats.entropy is None and not hasattr(out, "__getitem__")
     assert Probe(finite=True).finite
 
 
