@@ -406,10 +406,10 @@ def test_promtool_alert_rule_unit_tests():
     assert tested == {name for name, _ in rule_exprs()}
 
 
-def test_alert_rules_are_the_five_of_the_issue():
+def test_alert_rules_are_the_five_of_the_issue_and_weights_missing():
     names = {name for name, _ in rule_exprs()}
     assert names == {"StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
-                     "StreamgrpoRewardNaN", "StreamgrpoQueueFull"}
+                     "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights"}
     for g in rules_doc()["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"], r["alert"]
