@@ -305,7 +305,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     rules = rule_exprs()
     assert {name for name, _ in rules} == {
         "StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
-        "StreamgrpoRewardNaN", "StreamgrpoQueueFull",
+        "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights",
     }
     for name, expr in rules:
         r = query(prom_port, expr)
@@ -325,4 +325,4 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     # The run is healthy: the learner is up, nothing is NaN.
     firing = {a["labels"]["alertname"] for a in api(prom_port, "/api/v1/alerts")["data"]["alerts"]
               if a["state"] == "firing"}
-    assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN"}, firing
+    assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights"}, firing
