@@ -289,8 +289,10 @@ class Config(BaseModel):
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
         held = self.learner.save_steps * self.learner.groups_per_step
+        if held <= 10_000:
+            return []
         return [f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages until "
-                "the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it"] * (held > 10_000)
+                "the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it"]
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """The config as plain data; ``redact`` masks secrets (:func:`streamgrpo.config_redact.redact_secrets`)."""
