@@ -117,6 +117,10 @@ def _is_torch(x: Any) -> bool:
 
 def _to_numpy(x: Any) -> tuple[str, np.ndarray]:
     """(wire dtype name, C-contiguous little-endian numpy array) of an array-like; bf16 as uint16 bits."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, without the lookups below
+        name = _NAME_OF.get(x.dtype)
+        if name is not None:
+            return name, x
     if _is_torch(x):
         import torch
 
@@ -154,12 +158,13 @@ class _Body:
         return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([name, list(arr.shape), offset, arr.nbytes]))
 
 
-@dataclass(frozen=True)
 class _ArrayRef:
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+    """Where one array lives in the body (a plain slotted class: a message holds ~20, parsed per message)."""
+
+    __slots__ = ("dtype", "shape", "offset", "nbytes")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int):
+        self.dtype, self.shape, self.offset, self.nbytes = dtype, shape, offset, nbytes
 
 
 def _parse_ref(code: int, data: bytes) -> _ArrayRef:
@@ -169,14 +174,15 @@ def _parse_ref(code: int, data: bytes) -> _ArrayRef:
         ref = msgpack.unpackb(data, raw=False)
     except Exception as exc:
         raise WireError(f"header: corrupt array reference ({type(exc).__name__})") from None
-    if not (isinstance(ref, list) and len(ref) == 4):
+    if type(ref) is not list or len(ref) != 4:
         raise WireError("header: array reference is not [dtype, shape, offset, nbytes]")
     dtype, shape, offset, nbytes = ref
     if dtype not in _DTYPES and dtype != _BF16:
         raise WireError(f"header: unknown array dtype {dtype!r}")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
+    # type(x) is int: msgpack yields exact ints (bools are their own type), so this is _is_int, faster
+    if type(shape) is not list or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise WireError(f"header: bad array shape {shape!r}")
-    if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
         raise WireError(f"header: bad array offset/nbytes {offset!r}/{nbytes!r}")
     return _ArrayRef(dtype, tuple(shape), offset, nbytes)
 
@@ -260,6 +266,27 @@ def _check_array(x: Any, path: str, dtype: str, ndim: int) -> None:
         _fail(path, f"expected {ndim} dimension(s), got shape {x.shape}")
 
 
+def _all_values_ok(completions: list[Completion]) -> bool:
+    """No negative token id and no non-finite log-prob in any completion (arrays already well-typed)."""
+    ids = [c.token_ids for c in completions if c.token_ids.size]
+    lps = [c.logprobs for c in completions]
+    if ids and int(np.concatenate(ids).min()) < 0:
+        return False
+    return bool(np.isfinite(np.concatenate(lps)).all()) if lps else True
+
+
+def _check_completion_arrays(c: Completion, p: str) -> None:
+    _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
+    _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
+    if len(c.logprobs) != len(c.token_ids):
+        _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
+    if c.token_ids.size and int(c.token_ids.min()) < 0:
+        _fail(f"{p}.token_ids", f"negative token id {int(c.token_ids.min())}")
+    if not np.isfinite(c.logprobs).all():
+        bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
+        _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
+
+
 def validate(group: ScoredGroup) -> None:
     """Raise :class:`WireError` naming the first field of ``group`` that breaks the contract."""
     if not isinstance(group, ScoredGroup):
@@ -292,19 +319,21 @@ def validate(group: ScoredGroup) -> None:
             _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
     if not (isinstance(group.completions, list) and group.completions):
         _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
+    # Value checks over all completions at once (two reductions instead of two per completion); a
+    # failure is then located completion by completion, so the error names the first bad one.
+    arrays_ok = all(
+        isinstance(c, Completion) and type(c.token_ids) is np.ndarray and c.token_ids.dtype == _NATIVE["int32"]
+        and c.token_ids.ndim == 1 and type(c.logprobs) is np.ndarray and c.logprobs.dtype == _NATIVE["float32"]
+        and c.logprobs.ndim == 1 and len(c.logprobs) == len(c.token_ids)
+        for c in group.completions
+    )
+    values_ok = arrays_ok and _all_values_ok(group.completions)
     for i, c in enumerate(group.completions):
         p = f"completions[{i}]"
         if not isinstance(c, Completion):
             _fail(p, f"expected a Completion, got {_tname(c)}")
-        _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
-        _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
-        if len(c.logprobs) != len(c.token_ids):
-            _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
-        if c.token_ids.size and int(c.token_ids.min()) < 0:
-            _fail(f"{p}.token_ids", f"negative token id {int(c.token_ids.min())}")
-        if not np.isfinite(c.logprobs).all():
-            bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
-            _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
+        if not values_ok:
+            _check_completion_arrays(c, p)
         _check_str(c.text, f"{p}.text")
         _check_str(c.finish_reason, f"{p}.finish_reason")
         if not isinstance(c.rewards, dict):

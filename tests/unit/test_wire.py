@@ -281,3 +281,17 @@ def test_non_bytes_input_raises_wire_error():
     for x in (None, "SGRP", 123, [1, 2]):
         with pytest.raises(WireError, match="message: expected bytes"):
             decode(x)
+
+
+def test_validate_names_the_first_bad_completion_of_several():
+    """Values are checked over all completions at once; a failure still names the first bad one."""
+    g = make_group(g=4)
+    g.completions[3].logprobs[0] = np.nan
+    g.completions[1].token_ids[2] = -5
+    with pytest.raises(WireError, match=r"^completions\[1\]\.token_ids: negative token id -5"):
+        encode(g)
+    g.completions[1].token_ids[2] = 5
+    with pytest.raises(WireError, match=r"^completions\[3\]\.logprobs: behaviour log-prob .*nan.* at token 0 is not finite"):
+        encode(g)
+    g.completions[3].logprobs[0] = -1.0
+    assert decode(encode(g)).completions[3].logprobs[0] == -1.0
