@@ -6,7 +6,10 @@ and 10 MB (uint8 video frames plus 8 completions of 256 tokens) this process run
 * ours, ``serial``: ``put(group)`` -> ``get(1)`` -> ``ack([id])``, one group at a time;
 * ours, ``batch8``: ``put_many(8 groups)`` -> ``get(8)`` -> ``ack(8 ids)`` (a generator's batch of
   prompts, a learner's step);
-* baseline: ``redis-benchmark -t set,get -c 1 -P 1 -d <message bytes>`` against the same server.
+* baseline: ``redis-benchmark -t set,get -c 1 -P 1 -d <message bytes>`` against the same server;
+* ``put_hand_packed_vs_redis_py``: what the hand-packed XADD of :mod:`streamgrpo.transport.resp` buys:
+  ``put()`` (the message's pieces written to the socket unjoined) against redis-py's own ``xadd`` of
+  the joined message, puts only, same server.
 
 A group moves through Redis twice (in with XADD, out with XREADGROUP), like one SET plus one GET,
 so the baseline's MB/s is ``bytes / (1/SET_rps + 1/GET_rps)``. Ours includes encode/decode, the
@@ -62,6 +65,25 @@ def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple
     return done, time.perf_counter() - t0
 
 
+def run_puts(q: RedisQueue, g: ScoredGroup, seconds: float, hand_packed: bool) -> float:
+    """Puts per second: ``q.put`` (the hand-packed XADD of ``encode_parts``' pieces) or redis-py's own
+    ``xadd`` of ``encode(g)`` (one joined message, packed by redis-py). The stream is trimmed between
+    calls so memory stays flat; depth checks are off (``max_pending`` is large)."""
+    r, n, t0 = q.client, 0, time.perf_counter()
+    while n < 5 or time.perf_counter() - t0 < seconds:
+        fresh = dataclasses.replace(g, group_id=uuid.uuid4().hex)
+        if hand_packed:
+            q.put(fresh)
+        else:
+            r.xadd(q.stream, {b"g": fresh.group_id.encode(), b"d": encode(fresh)})
+        n += 1
+        if n % 64 == 0:
+            r.xtrim(q.stream, maxlen=0)
+    s = time.perf_counter() - t0
+    r.xtrim(q.stream, maxlen=0)
+    return n / s
+
+
 def run_redis_benchmark(port: int, nbytes: int, n: int) -> dict[str, float]:
     out = subprocess.run(
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-n", str(n), "-d", str(nbytes),
@@ -110,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             dec_s = (time.perf_counter() - t0) / reps
             run_ours(q, g, 0.2, 1)  # warm-up
             rounds = []
+            packing = [(run_puts(q, g, args.seconds / 2, True), run_puts(q, g, args.seconds / 2, False))
+                       for _ in range(args.rounds)]
             for _ in range(args.rounds):
                 n1, s1 = run_ours(q, g, args.seconds, 1)
                 n8, s8 = run_ours(q, g, args.seconds, 8)
@@ -129,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline_set_rps": med["set_rps"], "baseline_get_rps": med["get_rps"],
                 "ratio_serial": statistics.median(ratios), "ratio_batch8": statistics.median(ratios8),
             }
+            results[key]["xadd_hand_packed_puts_per_s"] = statistics.median(a for a, _ in packing)
+            results[key]["xadd_redis_py_puts_per_s"] = statistics.median(b for _, b in packing)
             r = results[key]
             figures.append(emit(figure(f"queue_{key}_serial_MBps", r["serial_MBps"], r["baseline_MBps"],
                                        r["ratio_serial"], unit="MB/s",
@@ -137,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                                        r["baseline_pairs_per_s"], r["ratio_serial"], unit="groups/s")))
             figures.append(emit(figure(f"queue_{key}_batch8_MBps", r["batch8_MBps"], r["baseline_MBps"],
                                        r["ratio_batch8"], unit="MB/s")))
+            figures.append(emit(figure(f"queue_{key}_put_hand_packed_vs_redis_py_per_s",
+                                       r["xadd_hand_packed_puts_per_s"], r["xadd_redis_py_puts_per_s"],
+                                       statistics.median(a / b for a, b in packing), unit="puts/s",
+                                       note="put() (resp.xadd_command, unjoined buffers) vs redis-py xadd(encode(g))")))
             print(f"#   wire_{key}_encode_ms: {r['encode_ms']:.2f}  wire_{key}_decode_ms: {r['decode_ms']:.3f}",
                   flush=True)
         q.close()
