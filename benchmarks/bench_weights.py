@@ -112,7 +112,8 @@ def _sub_weights(a) -> None:
     model = torch.nn.Module()
     for name, t in _tensors(a.mib, fill=False)[0].items():
         model.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-    sub = WeightSubscriber("127.0.0.1", a.port, a.snap, a.keys, None, ipc_dir=a.ipc_dir or None)
+    sub = WeightSubscriber("127.0.0.1", a.port, a.snap, a.keys, None, ipc_dir=a.ipc_dir or None,
+                           shm_dir=a.shm_dir or None)
     while True:
         got = sub.poll(60.0)  # a generator would call poll(0) between batches; waiting here costs no CPU
         if got is None:
@@ -212,14 +213,15 @@ class WeightsChannel:
     """Ours: WeightPublisher here, WeightSubscriber + apply_to_model in each subscriber process."""
 
     def __init__(self, n_subs: int, tensors, mib: int, chunk_mib: float, rounds: int, keys: str | None,
-                 ipc_dir: str | None, io_threads: int):
+                 ipc_dir: str | None, io_threads: int, shm_dir: str | None = None):
         from streamgrpo.transport.weights import WeightPublisher
 
         self.tensors = tensors
-        self.pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib, keys, ipc_dir=ipc_dir, io_threads=io_threads)
+        self.pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib, keys, ipc_dir=ipc_dir, io_threads=io_threads,
+                                   shm_dir=shm_dir)
         self.subs = [Child(["--role", "weights", "--port", str(self.pub.pub_port), "--snap", str(self.pub.snapshot_port),
                             "--mib", str(mib), "--rounds", str(rounds)] + (["--keys", keys] if keys else [])
-                           + (["--ipc-dir", ipc_dir] if ipc_dir else []))
+                           + (["--ipc-dir", ipc_dir] if ipc_dir else []) + (["--shm-dir", shm_dir] if shm_dir else []))
                      for _ in range(n_subs)]
         self.version = 1
         self.pub.publish(1, self.tensors)  # warm-up version (late subscribers get it from the snapshot)
@@ -243,12 +245,14 @@ class WeightsChannel:
 
 
 def run_pair(n_subs: int, mib: int, chunk_mib: float, repeats: int, keys: str | None, ipc: bool = False,
-             io_threads: int = 1) -> dict:
-    """Both channels up at once; each repeat runs a raw transfer, then ours, so both see the same load."""
+             io_threads: int = 1, shm: bool = False) -> dict:
+    """Both channels up at once; each repeat runs a raw transfer, then ours, so both see the same load.
+    ``shm``: ours reads versions from shared memory (announced over ipc); the raw baseline is ipc."""
     tensors, flat = _tensors(mib)
-    tmp = tempfile.TemporaryDirectory(prefix="sg-bw-") if ipc else None
+    tmp = tempfile.TemporaryDirectory(prefix="sg-bw-") if ipc or shm else None
+    shm_dir = tempfile.mkdtemp(prefix="sg-bw-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) if shm else None
     raw = RawChannel(n_subs, flat, int(chunk_mib * (1 << 20)), keys, tmp and tmp.name, io_threads)
-    ours = WeightsChannel(n_subs, tensors, mib, chunk_mib, repeats + 2, keys, tmp and tmp.name, io_threads)
+    ours = WeightsChannel(n_subs, tensors, mib, chunk_mib, repeats + 2, keys, tmp and tmp.name, io_threads, shm_dir)
     out: dict = {"raw_secs": [], "secs": [], "applied": [], "pause": [], "publish_call": [], "ratio": []}
     try:
         ours.transfer()  # one untimed round each: buffers warm, connections settled
@@ -268,6 +272,8 @@ def run_pair(n_subs: int, mib: int, chunk_mib: float, repeats: int, keys: str | 
         ours.close()
         if tmp is not None:
             tmp.cleanup()
+        if shm_dir is not None:
+            os.rmdir(shm_dir)  # the publisher removed its files at close
     return out
 
 
@@ -315,7 +321,7 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--subs", default="1,2,4")
-    ap.add_argument("--transports", default="tcp", help="tcp, ipc or tcp,ipc")
+    ap.add_argument("--transports", default="tcp", help="comma-separated: tcp, ipc, shm (shared memory; raw baseline: ipc)")
     ap.add_argument("--io-threads", type=int, default=1, help="ZeroMQ I/O threads of both publishers")
     ap.add_argument("--curve", action="store_true", help="also run both paths with CURVE encryption (tcp)")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_weights.json)")
@@ -323,6 +329,7 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     ap.add_argument("--snap", type=int)
     ap.add_argument("--ipc-dir", default="")
+    ap.add_argument("--shm-dir", default="")
     ap.add_argument("--nbytes", type=int)
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--keys")
@@ -353,7 +360,8 @@ def main() -> None:
                     print(f"# skipped {name}: {mib} MiB x {n} subscribers does not fit in this machine's memory")
                     results["skipped"].append(name)
                     continue
-                res = run_pair(n, mib, a.chunk_mib, a.repeats, keys, ipc=mode == "ipc", io_threads=a.io_threads)
+                res = run_pair(n, mib, a.chunk_mib, a.repeats, keys, ipc=mode == "ipc", io_threads=a.io_threads,
+                               shm=mode == "shm")
                 raw_s, ours_s = statistics.median(res["raw_secs"]), statistics.median(res["secs"])
                 applied = statistics.median(res["applied"])
                 pause, call = statistics.median(res["pause"]), statistics.median(res["publish_call"])

@@ -223,8 +223,10 @@ class WeightsConfig(_Section):
     """Directory made by `streamgrpo keys`: enables CURVE encryption and client authorisation."""
     sndhwm: int = Field(64, ge=1)
     """Minimum PUB high-water mark in messages; raised automatically to hold two versions (a subscriber that falls further behind repairs through the snapshot endpoint)."""
-    transport: Literal["tcp", "ipc"] = "tcp"
-    """How generators reach the weight sockets: tcp (any host), or ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well)."""
+    transport: Literal["tcp", "ipc", "shm"] = "tcp"
+    """How generators reach the weights: tcp (any host); ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well); shm (as ipc, but each version's bytes are read from the learner's shared-memory file in shm_dir instead of being sent: no socket copy at all)."""
+    shm_dir: str = "/dev/shm"
+    """transport=shm: the directory (a tmpfs) where the learner keeps its version files, which the generators on its host map."""
     send_frozen: bool = False
     """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
     host_buffers: int = Field(3, ge=2, le=16)

@@ -13,8 +13,9 @@ from streamgrpo.transport.weights_subscriber import WeightSubscriber
 
 
 def ipc_dir_of(cfg) -> Path | None:
-    """Where ``weights.transport=ipc`` puts its sockets: ``<run_dir>/ipc`` (None for tcp)."""
-    return Path(cfg.run_dir) / "ipc" if cfg.weights.transport == "ipc" else None
+    """Where ``weights.transport=ipc`` (and ``shm``, whose announcements go over ipc) puts its sockets:
+    ``<run_dir>/ipc`` (None for tcp)."""
+    return Path(cfg.run_dir) / "ipc" if cfg.weights.transport in ("ipc", "shm") else None
 
 
 def publisher_from_config(cfg, **kw) -> WeightSync:

@@ -73,6 +73,7 @@ from streamgrpo.transport.weights_codec import (
     report_error,
 )
 from streamgrpo.transport.weights_layout import Layout, TensorSpec, plan_layout, view_of
+from streamgrpo.transport.weights_shm import TOPIC_SHM, ShmFile, ShmPool, encode_announcement
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -99,6 +100,7 @@ class _Version:
     ready: int = 0  # bytes of buf_N known final (the sender's view)
     committed: bool = False
     failed: bool = False  # given up while being written: never send it
+    shm: ShmFile | None = None  # the shared-memory file base maps (shm mode)
 
     def released(self) -> bool:
         return all(t.done for t in self.trackers)
@@ -188,7 +190,7 @@ class _Writer(VersionWriter):
             self.job.failed = True
             if self.pub._pending is self.job:
                 self.pub._pending = None
-                self.pub._free_buffer(self.job.base)
+                self.pub._recycle(self.job)
             self.pub._cv.notify_all()
 
 
@@ -210,6 +212,7 @@ class WeightPublisher(WeightSync):
         hash_threads: int | None = None,
         io_threads: int = 1,
         host_buffers: int = 3,
+        shm_dir: str | os.PathLike | None = None,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.algo = algo
@@ -246,6 +249,8 @@ class WeightPublisher(WeightSync):
         self._hash_threads = hash_threads or default_hash_threads()
         self._hash_pool = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="weights-hash")
         self._stream = None
+        # shm mode: versions live in shared-memory files that same-host generators map (weights_shm)
+        self._shm = ShmPool(shm_dir, self.src, max_files=max(2, host_buffers) + 1) if shm_dir is not None else None
 
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
@@ -267,6 +272,8 @@ class WeightPublisher(WeightSync):
         where = f"PUB {endpoint(bind_host, self.pub_port)}, snapshot ROUTER {endpoint(bind_host, self.snapshot_port)}"
         if self._ipc is not None:
             where += f", also {self._ipc[0]} and {self._ipc[1]}"
+        if self._shm is not None:
+            where += f", versions in shared memory under {self._shm.dir}"
         if curve_keys_dir:
             log.info("weights: %s, CURVE on, clients authorised from %s", where, authorised_dir(curve_keys_dir))
         elif bind_host in _LOOPBACK:
@@ -323,6 +330,8 @@ class WeightPublisher(WeightSync):
         """Build from a :class:`streamgrpo.config.WeightsConfig`."""
         kw.setdefault("io_threads", cfg.io_threads)
         kw.setdefault("host_buffers", cfg.host_buffers)
+        if cfg.transport == "shm":
+            kw.setdefault("shm_dir", cfg.shm_dir)
         return cls(cfg.bind_host, cfg.pub_port, cfg.snapshot_port, cfg.chunk_mib, cfg.curve_keys_dir, cfg.sndhwm, **kw)
 
     # -- caller thread ---------------------------------------------------------------------
@@ -338,12 +347,13 @@ class WeightPublisher(WeightSync):
             replaced, self._pending = self._pending, None
             if replaced is not None:  # (its buffer serves the new version: the pool never grows for it)
                 replaced.failed = True
-                self._free_buffer(replaced.base)
+                self._recycle(replaced)
                 self.superseded += 1
-        base = self._take_buffer(layout.nbytes, pinned=cuda)
+        shm = self._take_shm(layout.nbytes) if self._shm is not None else None
+        base = shm.tensor if shm is not None else self._take_buffer(layout.nbytes, pinned=cuda)
         meta = VersionMeta(version, self.src, layout.nbytes, self.chunk_bytes,
                            n_chunks_for(layout.nbytes, self.chunk_bytes), time.time(), self.algo)
-        job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes])
+        job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes], shm=shm)
         with self._cv:
             self._pending = job
             self._wake_push.send(b"", zmq.NOBLOCK)
@@ -381,6 +391,8 @@ class WeightPublisher(WeightSync):
         if self._auth is not None:
             self._auth.stop()
         self._ctx.destroy(linger=int(min(timeout_s, 1.0) * 1000))
+        if self._shm is not None:
+            self._shm.close()
 
     # -- buffers -------------------------------------------------------------------------------
     def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -417,6 +429,23 @@ class WeightPublisher(WeightSync):
             log.info("weights: %d pinned host buffers of %.2f GB ready (%.1fs)", spares + 1, nbytes / 1e9,
                      time.perf_counter() - t0)
         return base
+
+    def _take_shm(self, nbytes: int) -> ShmFile:
+        """A shared-memory file for a new version, locked for writing; files of retired versions that
+        ZeroMQ has let go of are reusable (unless a generator still reads them: see ShmPool.take)."""
+        with self._lock:
+            still = []
+            for v in self._retired:
+                (self._shm.give_back(v.shm) if v.released() and v.shm is not None else still.append(v))
+            self._retired = still
+            return self._shm.take(nbytes)
+
+    def _recycle(self, job: _Version) -> None:  # lock held: a version that never went out
+        if job.shm is not None:
+            job.shm.unlock()
+            self._shm.give_back(job.shm)
+        else:
+            self._free_buffer(job.base)
 
     def _free_buffer(self, base: torch.Tensor) -> None:  # lock held
         pinned = [b for b in [base, *self._free] if b.is_pinned()]
@@ -514,9 +543,14 @@ class WeightPublisher(WeightSync):
             self._sending = False
             self.versions_sent += 1
             self._cv.notify_all()
+        if job.shm is not None:  # readers may lock it now; then tell same-host generators where it is
+            job.shm.unlock()
+            self._pub.send_multipart([TOPIC_SHM, encode_announcement(job.meta_bytes, job.digests, str(job.shm.path))])
         self._beat()
 
     def _give_up(self, job: _Version) -> None:
+        if job.shm is not None:
+            job.shm.unlock()
         with self._cv:
             self._sending = False
             self._retired.append(job)

@@ -34,6 +34,7 @@ from streamgrpo.transport.weights_codec import (
     select_chunks,
 )
 from streamgrpo.transport.weights_links import Links
+from streamgrpo.transport.weights_shm import TOPIC_SHM, Lease, decode_announcement, read_version
 
 log = logging.getLogger("streamgrpo.transport.weights")
 
@@ -58,7 +59,10 @@ class WeightSubscriber(WeightSyncClient):
     ``pin_memory=True`` receives into pinned buffers (fast, asynchronous copies to a CUDA model).
     Chunks are copied into preallocated receive buffers and hashed by ``copy_threads`` worker
     threads, off the receiving thread. ``ipc_dir`` connects to the publisher's ``ipc://`` sockets
-    there instead of TCP (generators on the learner's host).
+    there instead of TCP (generators on the learner's host). ``shm_dir`` (with ``ipc_dir``) reads each
+    new version from the learner's shared-memory file instead of receiving its bytes
+    (:mod:`.weights_shm`): the tensors :meth:`poll` returns are then views of that file, held for
+    this generator until :meth:`mark_applied`.
 
     :meth:`status` says why no weights arrive (key refused, handshake failed, learner unreachable,
     nothing published yet) from the sockets' monitor events (:mod:`.weights_links`); after an auth
@@ -82,6 +86,7 @@ class WeightSubscriber(WeightSyncClient):
         copy_threads: int | None = None,
         ipc_dir: str | os.PathLike | None = None,
         redial_s: float = 5.0,
+        shm_dir: str | os.PathLike | None = None,
     ):
 
         self.pin_memory = pin_memory
@@ -102,7 +107,8 @@ class WeightSubscriber(WeightSyncClient):
                 s.curve_serverkey = server_public
                 s.curve_publickey = public
                 s.curve_secretkey = secret
-        self._sub.subscribe(TOPIC)
+        self.shm_dir = shm_dir
+        self._sub.subscribe(TOPIC_SHM if shm_dir is not None else TOPIC)
         self._sub.subscribe(TOPIC_BEAT)
         if ipc_dir is not None:
             pub_ep, snap_ep = ipc_endpoints(ipc_dir)
@@ -134,7 +140,9 @@ class WeightSubscriber(WeightSyncClient):
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
         self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
         self._rid = 0
-        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0, "beats": 0}
+        self._leases: dict[int, Lease] = {}  # shm mode: data_ptr of a version's buffer -> its file lock
+        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_shm": 0, "discarded": 0,
+                      "snapshot_requests": 0, "beats": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._thread.start()
 
@@ -142,6 +150,8 @@ class WeightSubscriber(WeightSyncClient):
     def from_config(cls, cfg, client_key: str | None = None, **kw) -> WeightSubscriber:
         """Build from a :class:`streamgrpo.config.WeightsConfig` (``client_key``: e.g. ``client-3``;
         ``ipc_dir``: connect over ipc:// there)."""
+        if cfg.transport == "shm":
+            kw.setdefault("shm_dir", cfg.shm_dir)
         return cls(cfg.connect_host, cfg.pub_port, cfg.snapshot_port, cfg.curve_keys_dir, client_key, **kw)
 
     # -- caller thread ---------------------------------------------------------------------
@@ -233,6 +243,10 @@ class WeightSubscriber(WeightSyncClient):
     def _release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
         with self._cv:
+            lease = self._leases.pop(buf.data_ptr(), None)
+            if lease is not None:  # a shared-memory version: let the learner have its file back
+                lease.release()
+                return
             self._spares = [base, *self._spares][:2]
 
     # -- receiver thread ---------------------------------------------------------------------------
@@ -299,6 +313,9 @@ class WeightSubscriber(WeightSyncClient):
                     if newer(key, self._announced):
                         self._announced = key
                     continue
+                if frames[0].bytes == TOPIC_SHM and len(frames) == 2:
+                    self._read_shm(frames[1].bytes)
+                    continue
                 if len(frames) != 3:
                     raise WeightsFormatError(f"weights message has {len(frames)} frames, expected 3")
                 h = decode_header(frames[1].bytes)
@@ -325,6 +342,21 @@ class WeightSubscriber(WeightSyncClient):
                               repair=False)
             if self._fetch is None:
                 self._fetch_due = time.monotonic()
+
+    def _read_shm(self, raw: bytes) -> None:
+        """A version announced in shared memory: map, verify and offer it (a malformed announcement
+        raises WeightsFormatError for the caller to count)."""
+        a = decode_announcement(raw, self.shm_dir)
+        if not newer(a.meta, self._have):
+            return
+        got = read_version(a, self._pool)
+        if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
+            self._dropped(got, repair=False)
+            return
+        done, lease = got
+        with self._cv:
+            self._leases[done.buf_N.data_ptr()] = lease
+        self._offer(done, "shm")
 
     def _assemble(self, batch: list) -> None:
         keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)

@@ -1,0 +1,256 @@
+"""Same-host weight versions through shared memory (``weights.transport=shm``).
+
+Generators on the learner's host need not receive a version's bytes through a socket at all: the
+learner already copies every version into a host buffer before sending it. With ``shm_dir`` (default
+``/dev/shm``) those buffers are files there, mapped by both sides. After a version's last chunk is
+hashed, the learner sends one small message on its PUB socket::
+
+    [b"s", msgpack {"m": meta record, "d": [chunk digests], "p": file path}]
+
+and a subscriber in shm mode (it subscribes to that topic instead of the chunk topic) maps the
+file, verifies every chunk digest (a thread pool; one pass over the bytes, nothing copied), and
+hands out tensors that are views of the mapping. Remote (TCP) subscribers get the same version as
+chunks, as before; late joiners use the snapshot endpoint, as before.
+
+Who may overwrite a file: a reader holds a shared ``flock`` on it from before it verifies until it
+releases the version (``mark_applied``); the learner takes a file for a new version only with an
+exclusive ``flock`` it gets without waiting, so a file someone still reads is never rewritten (the
+learner makes another one instead, up to ``max_files``). A reader that finds the file locked, or
+whose digests do not match (the file was taken for a newer version before it locked it), drops
+that announcement: the newer version's own announcement follows. Locks die with their process,
+so a reader killed with ``kill -9`` blocks nothing.
+
+Files are named ``streamgrpo-w-<pid>-<publisher id>-<n>``; the learner unlinks them at close, and
+sweeps files of dead learner processes at start (a learner killed with ``kill -9`` leaves them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import re
+import warnings
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import torch
+
+from streamgrpo.transport.weights_codec import (
+    Completed,
+    VersionMeta,
+    WeightsFormatError,
+    chunk_digest,
+    chunk_span,
+    decode_meta,
+)
+from streamgrpo.transport.weights_layout import parse_layout
+
+log = logging.getLogger("streamgrpo.transport.weights")
+
+TOPIC_SHM = b"s"
+DEFAULT_SHM_DIR = "/dev/shm"
+PREFIX = "streamgrpo-w-"
+_NAME = re.compile(r"^streamgrpo-w-(\d+)-(\d+)-(\d+)$")
+
+
+# ------------------------------------------------------------------------------------ messages
+@dataclass(frozen=True)
+class Announcement:
+    meta: VersionMeta
+    meta_bytes: bytes
+    digests: list[bytes]
+    path: str
+
+
+def encode_announcement(meta_bytes: bytes, digests: list[bytes], path: str) -> bytes:
+    return msgpack.packb({"m": meta_bytes, "d": digests, "p": path}, use_bin_type=True)
+
+
+def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
+    """Parse and check an announcement; the file must be one of ours, directly in ``shm_dir``."""
+    try:
+        d = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:
+        raise WeightsFormatError(f"weights shm announcement: not msgpack ({exc})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("m"), bytes) or not isinstance(d.get("p"), str):
+        raise WeightsFormatError("weights shm announcement: expected a map with meta bytes 'm' and a path 'p'")
+    meta = decode_meta(d["m"])
+    digests = d.get("d")
+    if not (isinstance(digests, list) and len(digests) == meta.n_chunks and all(isinstance(x, bytes) for x in digests)):
+        raise WeightsFormatError(f"weights shm announcement v{meta.version}: expected {meta.n_chunks} chunk digests")
+    path = Path(d["p"])
+    if path.parent != Path(shm_dir) or not _NAME.match(path.name):
+        raise WeightsFormatError(f"weights shm announcement v{meta.version}: {str(path)!r} is not a weights file in {shm_dir}")
+    return Announcement(meta, d["m"], digests, str(path))
+
+
+# ------------------------------------------------------------------------------------ learner side
+class ShmFile:
+    """One mapped file the learner writes versions into (``tensor``: the whole file as uint8)."""
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(self.fd, max(1, nbytes))
+        self.size = max(1, nbytes)
+        self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def try_lock(self) -> bool:
+        """Exclusive lock without waiting: False while a reader holds it."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)  # the mapping stays valid while any tensor view of it lives
+
+
+def sweep_stale(shm_dir: str | os.PathLike) -> int:
+    """Remove weights files whose learner process is gone; returns how many."""
+    removed = 0
+    for p in Path(shm_dir).glob(PREFIX + "*"):
+        m = _NAME.match(p.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            p.unlink()
+            removed += 1
+        except OSError:
+            pass
+    if removed:
+        log.info("weights: removed %d shared-memory file(s) of learners that are gone from %s", removed, shm_dir)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmPool:
+    """The learner's files: reused when nobody reads them, a new one otherwise (at most ``max_files``)."""
+
+    def __init__(self, shm_dir: str | os.PathLike, src: int, max_files: int = 4):
+        self.dir = Path(shm_dir)
+        if not self.dir.is_dir():
+            raise ValueError(f"weights.shm_dir {str(self.dir)!r} is not a directory")
+        sweep_stale(self.dir)
+        self.src, self.max_files = src, max_files
+        self.files: list[ShmFile] = []
+        self.idle: list[ShmFile] = []  # not holding a version the learner still serves
+        self._n = 0
+
+    def take(self, nbytes: int) -> ShmFile:
+        """An exclusively locked file of a fitting size (the caller unlocks it when the version is out)."""
+        for f in list(self.idle):
+            if nbytes <= f.size <= 2 * nbytes + (1 << 16) and f.try_lock():
+                self.idle.remove(f)
+                return f
+        if len(self.files) >= self.max_files:  # make room: drop an idle file nobody reads (else grow past the cap)
+            for f in list(self.idle):
+                if f.try_lock():
+                    self.idle.remove(f)
+                    self.files.remove(f)
+                    f.close()
+                    break
+            else:
+                log.warning("weights: all %d shared-memory files are in use by readers; making one more",
+                            len(self.files))
+        self._n += 1
+        f = ShmFile(self.dir / f"{PREFIX}{os.getpid()}-{self.src}-{self._n}", nbytes)
+        f.try_lock()
+        self.files.append(f)
+        return f
+
+    def give_back(self, f: ShmFile) -> None:
+        """The learner no longer serves the version in ``f`` (readers may still hold it)."""
+        if f in self.files and f not in self.idle:
+            self.idle.append(f)
+
+    def owner_of(self, base: torch.Tensor) -> ShmFile | None:
+        for f in self.files:
+            if f.tensor.data_ptr() == base.data_ptr():
+                return f
+        return None
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files, self.idle = [], []
+
+
+# ------------------------------------------------------------------------------------ generator side
+class Lease:
+    """A reader's hold on one version's file: a shared lock until :meth:`release`."""
+
+    def __init__(self, fd: int, buf_N: torch.Tensor):
+        self.fd: int | None = fd
+        self.buf_N = buf_N
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # drops the shared lock; views stay mapped (no crash if read late, just stale)
+            self.fd = None
+
+
+def _map_readonly(path: str, size: int) -> mmap.mmap:
+    """Map ``path`` through its own descriptor: mmap keeps a duplicate of the descriptor it was given,
+    and a duplicate of the locked one would keep the shared lock alive after the lease is released."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def read_version(a: Announcement, pool: Executor | None = None) -> tuple[Completed, Lease] | str:
+    """Map and verify the announced version: ``(completed, lease)``, or a one-line reason it was dropped."""
+    try:
+        fd = os.open(a.path, os.O_RDONLY)
+    except OSError as exc:
+        return f"weights version {a.meta.version}: shared-memory file unavailable ({exc.strerror})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return f"weights version {a.meta.version}: its shared-memory file is being rewritten (superseded)"
+    try:
+        size = os.fstat(fd).st_size
+        if size < a.meta.nbytes:
+            raise WeightsFormatError(f"file has {size} bytes, the version {a.meta.nbytes}")
+        view = _map_readonly(a.path, size)
+        with warnings.catch_warnings():  # a read-only mapping: torch warns, nothing here writes to it
+            warnings.simplefilter("ignore")
+            buf_N = torch.frombuffer(view, dtype=torch.uint8)[: a.meta.nbytes]
+        mv = memoryview(view)[: a.meta.nbytes]
+        jobs = [(mv[s:e], a.meta_bytes if seq == 0 else None) for seq, (s, e) in
+                enumerate(chunk_span(a.meta, q) for q in range(a.meta.n_chunks))]
+        run = pool.map if pool is not None else map
+        got = list(run(lambda j: chunk_digest(a.meta.algo, j[0], j[1]), jobs))
+        bad = [i for i, (x, y) in enumerate(zip(got, a.digests)) if x != y]
+        if bad:
+            raise WeightsFormatError(f"digest mismatch ({a.meta.algo}) in chunk {bad[0]}: rewritten or tampered")
+        entries = parse_layout(buf_N)
+    except (WeightsFormatError, OSError, ValueError) as exc:
+        os.close(fd)
+        return f"weights version {a.meta.version} (shared memory): {exc}, discarded"
+    return Completed(a.meta, buf_N, entries), Lease(fd, buf_N)
