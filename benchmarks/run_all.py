@@ -34,7 +34,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "wire": ("bench_wire.py", ["--rounds", "5"], [], 300),
     "video": ("bench_video.py", ["--repeats", "2", "--long-videos", "4"], [], 600),
     "queue": ("bench_queue.py", ["--rounds", "3", "--seconds", "1.0"], [], 600),
-    "weights": ("bench_weights.py", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc", "--repeats", "3"], [], 900),
+    "weights": ("bench_weights.py", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc,shm", "--repeats", "3"], [], 900),
     "learner": ("bench_learner.py", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
     "e2e": ("bench_e2e.py", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness.py", [], ["--seeds", "0,1,2"], 1200),
