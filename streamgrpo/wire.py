@@ -260,6 +260,42 @@ def _check_array(x: Any, path: str, dtype: str, ndim: int) -> None:
         _fail(path, f"expected {ndim} dimension(s), got shape {x.shape}")
 
 
+def _check_visual(v: Any, p: str) -> None:
+    if not isinstance(v, Visual):
+        _fail(p, f"expected a Visual, got {_tname(v)}")
+    _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
+    _check_array(v.frames, f"{p}.frames", "uint8", 4)
+    t, h, w, c = v.frames.shape
+    if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
+        _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
+    _check_num(v.fps, f"{p}.fps", lo=0.0)
+    _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
+    if len(v.frame_indices) not in (0, t):
+        _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+
+
+def _check_completion(c: Any, p: str) -> None:
+    if not isinstance(c, Completion):
+        _fail(p, f"expected a Completion, got {_tname(c)}")
+    _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
+    _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
+    if len(c.logprobs) != len(c.token_ids):
+        _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
+    if c.token_ids.size and int(c.token_ids.min()) < 0:
+        _fail(f"{p}.token_ids", f"negative token id {int(c.token_ids.min())}")
+    if not np.isfinite(c.logprobs).all():
+        bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
+        _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
+    _check_str(c.text, f"{p}.text")
+    _check_str(c.finish_reason, f"{p}.finish_reason")
+    if not isinstance(c.rewards, dict):
+        _fail(f"{p}.rewards", f"expected a mapping, got {_tname(c.rewards)}")
+    for k, r in c.rewards.items():
+        _check_str(k, f"{p}.rewards key")
+        _check_num(r, f"{p}.rewards[{k!r}]")
+    _check_num(c.reward, f"{p}.reward")
+
+
 def validate(group: ScoredGroup) -> None:
     """Raise :class:`WireError` naming the first field of ``group`` that breaks the contract."""
     if not isinstance(group, ScoredGroup):
@@ -278,41 +314,11 @@ def validate(group: ScoredGroup) -> None:
     if not isinstance(group.visuals, list):
         _fail("visuals", f"expected a list, got {_tname(group.visuals)}")
     for i, v in enumerate(group.visuals):
-        p = f"visuals[{i}]"
-        if not isinstance(v, Visual):
-            _fail(p, f"expected a Visual, got {_tname(v)}")
-        _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
-        _check_array(v.frames, f"{p}.frames", "uint8", 4)
-        t, h, w, c = v.frames.shape
-        if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
-            _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
-        _check_num(v.fps, f"{p}.fps", lo=0.0)
-        _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
-        if len(v.frame_indices) not in (0, t):
-            _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+        _check_visual(v, f"visuals[{i}]")
     if not (isinstance(group.completions, list) and group.completions):
         _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
     for i, c in enumerate(group.completions):
-        p = f"completions[{i}]"
-        if not isinstance(c, Completion):
-            _fail(p, f"expected a Completion, got {_tname(c)}")
-        _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
-        _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
-        if len(c.logprobs) != len(c.token_ids):
-            _fail(f"{p}.logprobs", f"{len(c.logprobs)} values but token_ids has {len(c.token_ids)}")
-        if c.token_ids.size and int(c.token_ids.min()) < 0:
-            _fail(f"{p}.token_ids", f"negative token id {int(c.token_ids.min())}")
-        if not np.isfinite(c.logprobs).all():
-            bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
-            _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
-        _check_str(c.text, f"{p}.text")
-        _check_str(c.finish_reason, f"{p}.finish_reason")
-        if not isinstance(c.rewards, dict):
-            _fail(f"{p}.rewards", f"expected a mapping, got {_tname(c.rewards)}")
-        for k, r in c.rewards.items():
-            _check_str(k, f"{p}.rewards key")
-            _check_num(r, f"{p}.rewards[{k!r}]")
-        _check_num(c.reward, f"{p}.reward")
+        _check_completion(c, f"completions[{i}]")
     if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
         _fail("meta", "expected a mapping with string keys")
 
