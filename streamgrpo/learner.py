@@ -52,6 +52,8 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, ConfigError
 from streamgrpo.distributed import DistInfo, barrier, broadcast_json, gather_json, init_distributed, share
+from streamgrpo.micro_batches import split_micro_batches  # noqa: F401 - re-exported: the learner's vocabulary
+from streamgrpo.optim import lr_lambda, make_optimizer  # noqa: F401 - re-exported: the learner's vocabulary
 from streamgrpo.runtime import (
     LEARNER_OUTPUTS,
     JsonlWriter,
@@ -68,9 +70,6 @@ from streamgrpo.training import (  # noqa: F401 - re-exported: the learner's voc
     Accepted,
     Learner,
     LearnerState,
-    lr_lambda,
-    make_optimizer,
-    split_micro_batches,
 )
 
 log = logging.getLogger("streamgrpo.learner")
