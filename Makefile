@@ -99,11 +99,11 @@ test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest -m vllm tests/integration/test_vllm_cpu.py $(VLLM_PYTEST_ARGS)
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 # kill -9 of the learner, a generator and redis-server for 10 minutes, then the exactly-once audit
 chaos: setup
-	$(PY) benchmarks/chaos.py
+	$(PY) -m benchmarks.chaos
 
 lint: setup
 	$(VENV)/bin/ruff check streamgrpo tests benchmarks

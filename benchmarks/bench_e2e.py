@@ -8,7 +8,7 @@ the same accuracy reward, G, learning rate, optimizer, loss settings and number 
 * (a) ``streamgrpo up --config demo --generators 1``: async, 1 learner + 1 generator process;
 * (b) ``streamgrpo up --config demo --generators 1 --sync``: the generator produces a step's groups
   only with the newest weights, so generation and training alternate (on-policy);
-* (c) TRL ``GRPOTrainer`` in one process (``benchmarks/trl_run.py``), generation and training in turn.
+* (c) TRL ``GRPOTrainer`` in one process (``benchmarks.trl_run``), generation and training in turn.
 
 Torch threads: 1 per process (``OMP_NUM_THREADS=1``): (a) and (b) run two processes (learner,
 generator), (c) one. Each run is capped at ``--cap-s`` seconds of wall clock (then stopped, and
@@ -35,7 +35,7 @@ Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 The default (``BENCH_STEPS`` = 100 steps, 800 groups per run; what ``make bench`` runs) takes about
 10 minutes on 2 cores; the demo's 50-group mean accuracy reached 0.9 after 60-80 steps here.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_e2e.py [--steps 100] [--cap-s 600] [--skip trl]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_e2e [--steps 100] [--cap-s 600] [--skip trl]
 """
 
 from __future__ import annotations
@@ -47,11 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, safe_ratio, write_result  # noqa: E402
-from benchmarks.loop_runs import (  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, module_argv, safe_ratio, write_result
+from benchmarks.loop_runs import (
     BENCH_STEPS,
     WORK,
     fresh_run_dir,
@@ -67,10 +64,10 @@ RUNS = ("async", "sync", "trl")
 
 
 def run_trl(run_dir: Path, model: Path, data: Path, steps: int, cap_s: float, threads: int) -> dict[str, Any]:
-    """``benchmarks/trl_run.py`` in a subprocess, capped; returns its stats (rows scored like ours)."""
+    """``python -m benchmarks.trl_run`` in a subprocess, capped; returns its stats (rows scored like ours)."""
     model_copy = fresh_run_dir(run_dir, model)
-    argv = [sys.executable, str(ROOT / "benchmarks" / "trl_run.py"), "--run-dir", str(run_dir), "--model",
-            str(model_copy), "--data", str(data), "--steps", str(steps), "--threads", str(threads)]
+    argv = module_argv("trl_run", "--run-dir", str(run_dir), "--model", str(model_copy), "--data", str(data),
+                       "--steps", str(steps), "--threads", str(threads))
     t0 = time.time()
     returncode, capped = run_capped(argv, run_dir / "trl.log", cap_s, threads=threads, grace_s=10.0)
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -117,7 +114,7 @@ def _s(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=BENCH_STEPS,
                     help="optimizer steps per run (x groups_per_step = groups)")
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap per run (start-up included)")

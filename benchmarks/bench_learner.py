@@ -14,22 +14,17 @@ backward of a policy-gradient-shaped loss, all parameters trainable (the vision 
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_learner.json`` with machine info. Medians over ``--repeats``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_learner.py [--size 224] [--repeats 5] [--device cpu]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner [--size 224] [--repeats 5] [--device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, write_result
 
 
 def learner_machine_info(device: str) -> dict:
@@ -130,7 +125,7 @@ def run_arch(arch: str, a) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_learner", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="qwen2_5_vl,qwen3_vl")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--frames", type=int, default=16)

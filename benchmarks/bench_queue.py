@@ -19,7 +19,7 @@ from other processes hits both alike; values are medians over rounds. Goal: rati
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_queue.json`` with machine info.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_queue.py [--sizes 0.1,1,10] [--rounds 3] [--seconds 1.5]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_queue [--sizes 0.1,1,10] [--rounds 3] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -36,16 +36,11 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-from benchmarks.common import emit, figure, machine_info, make_group, write_result  # noqa: E402
-from streamgrpo.transport.queue import RedisQueue  # noqa: E402
-from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version  # noqa: E402
-from streamgrpo.wire import ScoredGroup, decode, encode  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, make_group, write_result
+from streamgrpo.transport.queue import RedisQueue
+from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version
+from streamgrpo.wire import ScoredGroup, decode, encode
 
 
 def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple[int, float]:
@@ -100,7 +95,7 @@ def queue_machine_info(binary: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_queue", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.1,1,10", help="group sizes in MB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.5, help="minimum seconds per measurement")

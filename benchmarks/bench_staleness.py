@@ -27,7 +27,7 @@ Every run uses the demo config (plus ``--set`` overrides), the same warm-started
 data as ``bench_e2e``. ``make bench`` runs the default: k in {0, 1, 2, 4, 8}, both losses,
 ``BENCH_STEPS`` steps, lockstep, 2 runs at a time (10 runs, ~10 minutes on 2 cores).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_staleness.py [--ks 0,1,2,4,8] [--steps N] [--driver up]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_staleness [--ks 0,1,2,4,8] [--steps N] [--driver up]
 """
 
 from __future__ import annotations
@@ -39,11 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import RESULTS_DIR, emit, figure, machine_info, write_result  # noqa: E402
-from benchmarks.loop_runs import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, ROOT, emit, figure, machine_info, module_argv, write_result
+from benchmarks.loop_runs import (
     BENCH_STEPS,
     TARGET_ACCURACY,
     WINDOW_GROUPS,
@@ -88,9 +85,8 @@ def lockstep_jobs(keys: list[tuple[int, str, int]], steps: int, parallel: int, c
             k, loss, seed = todo.pop(0)
             key = run_key(k, loss, seed)
             run_dir = WORK / f"staleness_{key}"
-            argv = [sys.executable, str(ROOT / "benchmarks" / "lockstep.py"), "--run-dir", str(run_dir),
-                    "--model", str(fresh_run_dir(run_dir, model)), "--data", str(train), "--lag", str(k),
-                    "--steps", str(steps), "--seed", str(seed)]
+            argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(fresh_run_dir(run_dir, model)),
+                               "--data", str(train), "--lag", str(k), "--steps", str(steps), "--seed", str(seed))
             for s in run_sets(k, loss, steps, extra=extra):
                 argv += ["--set", s]
             log = open(run_dir / "lockstep.log", "wb")
@@ -220,7 +216,7 @@ def plot(curves: dict[str, tuple[list[int], list[float]]], results: dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_staleness", description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default=DEFAULT_KS, help="comma-separated forced staleness values k")
     ap.add_argument("--steps", type=int, default=BENCH_STEPS, help="optimizer steps per run")
     ap.add_argument("--driver", choices=("lockstep", "up"), default="lockstep")

@@ -14,26 +14,22 @@ cache is not involved. Throughput = sampled frames delivered per second (best of
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_video.json`` with machine info.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_video.py [--frames 16] [--repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_video [--frames 16] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
-from streamgrpo.data import decode  # noqa: E402
-from streamgrpo.data.demo import make_demo, render, write_mp4  # noqa: E402
-from streamgrpo.data.sampling import evenly_spaced_indices  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, write_result
+from streamgrpo.data import decode
+from streamgrpo.data.demo import make_demo, render, write_mp4
+from streamgrpo.data.sampling import evenly_spaced_indices
 
 
 def _long_videos(d: Path, n: int, frames: int, size: int) -> list[Path]:
@@ -84,7 +80,7 @@ def _measure(videos: list[Path], n_frames: int, repeats: int, methods: list[str]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_video", description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=16, help="frames sampled per video")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--demo-n", type=int, default=400, help="demo records (distinct clips are reused)")

@@ -20,7 +20,7 @@ not fit in this machine's memory are skipped and said so.
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_weights.json`` with machine info. Medians over repeats.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_weights.py [--mib 256,1024] [--subs 1,2,4] [--repeats 5]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_weights [--mib 256,1024] [--subs 1,2,4] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -31,16 +31,11 @@ import os
 import queue
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
+from benchmarks.common import child_pythonpath, emit, figure, machine_info, module_argv, write_result
 
 
 def _tensors(mib: int, fill: bool = True):
@@ -133,9 +128,8 @@ def _sub_weights(a) -> None:
 # ------------------------------------------------------------------------------------------ driver
 class Child:
     def __init__(self, args: list[str]):
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        self.p = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath())
+        self.p = subprocess.Popen(module_argv("bench_weights", *args), stdout=subprocess.PIPE, text=True, env=env)
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -315,7 +309,7 @@ def _fits(mib: int, n_subs: int) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_weights", description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["main", "raw", "weights"], default="main")
     ap.add_argument("--mib", default="256,1024", help="payload sizes in MiB, comma-separated")
     ap.add_argument("--chunk-mib", type=float, default=8.0)

@@ -21,7 +21,7 @@ ratio = ours / baseline (1.0 = as fast as one memcpy). Medians over ``--rounds``
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_wire.json`` with machine info.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_wire.py [--sizes 1,4,16,64] [--rounds 7]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_wire [--sizes 1,4,16,64] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -30,15 +30,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import emit, figure, machine_info, make_group, write_result  # noqa: E402
-from streamgrpo.wire import decode, encode, encode_parts  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, make_group, write_result
+from streamgrpo.wire import decode, encode, encode_parts
 
 
 def _best_time(fn, min_s: float) -> float:
@@ -95,7 +91,7 @@ def measure(mb: float, rounds: int, min_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_wire", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4,16,64", help="group sizes in MB")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--min-seconds", type=float, default=0.4, help="time spent per measurement and round")

@@ -12,7 +12,7 @@ reason, or still queued; the step log runs 1..N with the policy version equal to
 Prints the kills, the audit and ``lost: N, twice: N``; exits 1 when either is above 0 or the step
 log is out of order. Writes ``benchmarks/results/chaos.json``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos.py [--minutes 10] [--learner-kills 10] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.chaos [--minutes 10] [--learner-kills 10] [--seed 0]
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, child_pythonpath
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+       "WANDB_MODE": "disabled", "PYTHONPATH": child_pythonpath()}
 
 
 @dataclass
@@ -179,7 +177,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--learner-kills", type=int, default=10)
     ap.add_argument("--generators", type=int, default=2)

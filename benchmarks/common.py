@@ -10,7 +10,7 @@ and the script writes ``benchmarks/results/<benchmark>.json``::
     {"benchmark": "<name>", "schema": 1, "machine": {...}, "args": {...},
      "figures": [{"name", "value", "baseline", "ratio", "unit", "note"}, ...], ...script-specific data...}
 
-``benchmarks/run_all.py`` reads every such file and prints one table (:func:`build_table`). The
+``python -m benchmarks.run_all`` reads every such file and prints one table (:func:`build_table`). The
 functions here are pure (plain data in, plain data out) except :func:`machine_info`,
 :func:`emit` (prints) and :func:`write_result` / :func:`load_results` (files).
 """
@@ -33,6 +33,17 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 RESULT_SCHEMA = 1
 FIGURE_KEYS = ("name", "value", "baseline", "ratio", "unit", "note")
 DEFAULT_PACKAGES = ("numpy", "torch", "transformers", "msgpack", "pyzmq", "redis", "av", "decord", "trl")
+
+
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: the repository root first, then the caller's own entries
+    (no empty entry), so ``python -m benchmarks.<name>`` and ``import streamgrpo`` resolve here."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def module_argv(name: str, *args: str) -> list[str]:
+    """``python -m benchmarks.<name> args...`` with this interpreter."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
 
 
 def _cpu_model() -> str:

@@ -11,7 +11,7 @@ Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/gpu_rollout.json``. Needs CUDA and vLLM (``pip install 'streamgrpo[gpu]'``);
 without CUDA it says so and exits 0, unless ``--allow-cpu`` (a smoke run, e.g. in .venv-vllm).
 
-    python benchmarks/gpu_rollout.py --model Qwen/Qwen2.5-VL-3B-Instruct --data data/demo/train.jsonl \\
+    python -m benchmarks.gpu_rollout --model Qwen/Qwen2.5-VL-3B-Instruct --data data/demo/train.jsonl \\
         [--groups 64] [--num-generations 8] [--max-tokens 256] [--prompts-per-batch 8] [--dtype bfloat16]
 """
 
@@ -22,12 +22,8 @@ import gc
 import itertools
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
+from benchmarks.common import emit, figure, machine_info, write_result
 
 
 def _config(args):
@@ -71,7 +67,7 @@ def _run(engine, requests, sampling, batch: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="hub id or directory of a Qwen2.5-VL / Qwen3-VL checkpoint")
     p.add_argument("--data", required=True, help="training records (JSONL) whose prompts are sampled")
     p.add_argument("--groups", type=int, default=64)

@@ -23,7 +23,7 @@ synthetic groups: ``--groups`` per step of G=8 completions x ``--completion-len`
 Prints ``name: value (baseline: value, ratio: x)`` lines, writes ``benchmarks/results/gpu_weights.json``.
 Needs CUDA (says so and exits 0 without it).
 
-    python benchmarks/gpu_weights.py --model-dir /tmp/qwen25vl-3b [--size 3b] [--steps 4] [--transports tcp,ipc]
+    python -m benchmarks.gpu_weights --model-dir /tmp/qwen25vl-3b [--size 3b] [--steps 4] [--transports tcp,ipc]
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import emit, figure, machine_info, write_result  # noqa: E402
+from benchmarks.common import child_pythonpath, emit, figure, machine_info, module_argv, write_result
 
 
 def _groups(proc, a, n: int, seed: int = 0):
@@ -101,9 +98,9 @@ def _sub(a) -> None:
 
 
 def _spawn(a, port: int, snap: int, ipc_dir: str, last: int):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    args = [sys.executable, __file__, "--role", "sub", "--model-dir", a.model_dir, "--port", str(port), "--snap",
-            str(snap), "--last", str(last)] + (["--ipc-dir", ipc_dir] if ipc_dir else [])
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    args = module_argv("gpu_weights", "--role", "sub", "--model-dir", a.model_dir, "--port", str(port), "--snap",
+                       str(snap), "--last", str(last), *(["--ipc-dir", ipc_dir] if ipc_dir else []))
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -230,7 +227,7 @@ def run(a) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_weights", description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["main", "sub"], default="main")
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "streamgrpo-qwen25vl-3b"))
     ap.add_argument("--size", choices=["3b", "7b"], default="3b")

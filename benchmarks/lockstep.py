@@ -17,7 +17,7 @@ Writes ``metrics.jsonl`` rows of the shape ``streamgrpo up`` writes (``step``, `
 ``group_accuracy``, ``seconds``, ``groups_trained``, ``staleness_mean``), so
 :mod:`benchmarks.loop_runs` scores both the same way.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lockstep.py --run-dir D --model M --data train.jsonl \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.lockstep --run-dir D --model M --data train.jsonl \\
         --lag 4 --steps 60 [--set loss.ratio_mode=current ...]
 """
 
@@ -31,9 +31,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def lagged_version(step: int, lag: int) -> int:
@@ -127,7 +124,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.lockstep", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--data", required=True, type=Path)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ROOT, child_pythonpath
 from streamgrpo.runtime import (  # noqa: F401 - the benchmarks' vocabulary for run scoring
     TARGET_ACCURACY,
     WINDOW_GROUPS,
@@ -34,7 +35,6 @@ from streamgrpo.runtime import (  # noqa: F401 - the benchmarks' vocabulary for 
     target_reached,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / ".work"
 BENCH_STEPS = 100
 """Optimizer steps per run in ``make bench`` (x 8 groups per step = 800 groups): the demo's 50-group
@@ -170,7 +170,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 def bench_env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)})
+                "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": child_pythonpath()})
     return env
 
 

@@ -1,4 +1,4 @@
-"""``make bench``: run every benchmark script, then print one table of every figure.
+"""``make bench``: run every benchmark module, then print one table of every figure.
 
 Each script runs in its own process (``OMP_NUM_THREADS=1``), prints its
 ``name: value (baseline: value, ratio: x)`` lines and writes ``benchmarks/results/<name>.json``;
@@ -12,7 +12,7 @@ groups per run; async, sync, TRL: ~10 minutes); ``bench_staleness`` at its defau
 microbenchmarks at their own defaults, ``bench_e2e`` at 200 steps and the staleness study over three
 seeds (about an hour).
 
-    .venv/bin/python benchmarks/run_all.py [--full] [--only e2e,wire] [--skip staleness] [--table-only]
+    .venv/bin/python -m benchmarks.run_all [--full] [--only e2e,wire] [--skip staleness] [--table-only]
 """
 
 from __future__ import annotations
@@ -24,20 +24,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import RESULTS_DIR, ROOT, build_table, child_pythonpath, load_results, module_argv
 
-from benchmarks.common import RESULTS_DIR, build_table, load_results  # noqa: E402
-
-# name -> (script, make-bench budget args, --full args, timeout seconds for the budget run)
+# name -> (module under benchmarks/, make-bench budget args, --full args, timeout seconds for the budget run)
 SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
-    "wire": ("bench_wire.py", ["--rounds", "5"], [], 300),
-    "video": ("bench_video.py", ["--repeats", "2", "--long-videos", "4"], [], 600),
-    "queue": ("bench_queue.py", ["--rounds", "3", "--seconds", "1.0"], [], 600),
-    "weights": ("bench_weights.py", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc,shm", "--repeats", "3"], [], 900),
-    "learner": ("bench_learner.py", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
-    "e2e": ("bench_e2e.py", [], ["--steps", "200", "--cap-s", "1200"], 1500),
-    "staleness": ("bench_staleness.py", [], ["--seeds", "0,1,2"], 1200),
+    "wire": ("bench_wire", ["--rounds", "5"], [], 300),
+    "video": ("bench_video", ["--repeats", "2", "--long-videos", "4"], [], 600),
+    "queue": ("bench_queue", ["--rounds", "3", "--seconds", "1.0"], [], 600),
+    "weights": ("bench_weights", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc,shm", "--repeats", "3"], [], 900),
+    "learner": ("bench_learner", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
+    "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
+    "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 1200),
 }
 
 
@@ -47,16 +44,16 @@ def plan(only: set[str], skip: set[str], full: bool) -> list[tuple[str, list[str
     if unknown:
         raise ValueError(f"unknown benchmark(s) {sorted(unknown)}; known: {', '.join(SCRIPTS)}")
     out = []
-    for name, (script, budget, full_args, timeout) in SCRIPTS.items():
+    for name, (module, budget, full_args, timeout) in SCRIPTS.items():
         if (only and name not in only) or name in skip:
             continue
         args = full_args if full else budget
-        out.append((name, [sys.executable, str(ROOT / "benchmarks" / script), *args], timeout * (6 if full else 1)))
+        out.append((name, module_argv(module, *args), timeout * (6 if full else 1)))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the scripts' own (longer) defaults")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(SCRIPTS)}")
     ap.add_argument("--skip", default="", help="comma-separated benchmarks to skip")
@@ -69,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+               HF_HUB_OFFLINE="1", PYTHONPATH=child_pythonpath())
     failed: list[str] = []
     t_all = time.time()
     for name, cmd, timeout in todo:
-        print(f"\n=== {name}: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", flush=True)
+        print(f"\n=== {name}: {' '.join([Path(cmd[0]).name, *cmd[1:]])}", flush=True)
         t0 = time.time()
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode

@@ -1,8 +1,8 @@
 """The TRL ``GRPOTrainer`` side of ``bench_e2e``: the demo colour question on its PNG variant.
 
-Run as a subprocess by ``bench_e2e.py`` (one process, ``--threads`` torch threads)::
+Run as a subprocess by ``benchmarks.bench_e2e`` (one process, ``--threads`` torch threads)::
 
-    python benchmarks/trl_run.py --run-dir D --model M --data train_image.jsonl --steps N
+    python -m benchmarks.trl_run --run-dir D --model M --data train_image.jsonl --steps N
 
 Same settings as ``streamgrpo up --config demo`` where TRL has them: the warm-started tiny model,
 G (``rollout.num_generations``), ``learner.groups_per_step`` prompts per optimizer step, learning
@@ -23,9 +23,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _completion_text(c) -> str:
@@ -58,7 +55,7 @@ def make_reward(G: int, sink: list[float]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.trl_run", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True, help="train_image.jsonl of the demo data set")

@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +274,30 @@ def _trusted_class(name: str, where: str) -> type:
     return obj
 
 
+def _torch_or_bytes_node(x: Any) -> dict | None:
+    """The skeleton node of a torch dtype, device or Size or of bytes (pure); None for anything else."""
+    if isinstance(x, torch.dtype):
+        return {"$": "dtype", "name": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"$": "device", "name": str(x)}
+    if isinstance(x, torch.Size):
+        return {"$": "size", "items": list(x)}
+    if isinstance(x, bytes):
+        return {"$": "bytes", "hex": x.hex()}
+    return None
+
+
+def _trusted_node(x: Any, path: str, enc: Callable[[Any, str], Any]) -> dict:
+    """The skeleton node of an object of a :data:`TRUSTED_MODULES` class (its attributes, or its items
+    for a namedtuple); anything else cannot be stored without pickle."""
+    cls = type(x)
+    if cls.__module__.startswith(TRUSTED_MODULES) and hasattr(x, "__dict__"):
+        if isinstance(x, tuple):  # namedtuple
+            return {"$": "ntuple", "cls": _qualname(cls), "items": [enc(v, path) for v in x]}
+        return {"$": "object", "cls": _qualname(cls), "state": enc(dict(vars(x)), path)}
+    raise CheckpointError(f"state tree at {path or '/'}: cannot store a {_qualname(cls)} without pickle")
+
+
 def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Split a nested state (dicts, lists, tuples, tensors, numbers, strings, dtypes, enums and
     trusted objects) into ``(tensors, skeleton)``: tensors keyed ``t0, t1, ...`` and a JSON-able
@@ -292,12 +317,8 @@ def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
             key = f"t{len(tensors)}"
             tensors[key] = x.detach().to("cpu").contiguous().clone()
             return {"$": "tensor", "key": key}
-        if isinstance(x, torch.dtype):
-            return {"$": "dtype", "name": str(x).removeprefix("torch.")}
-        if isinstance(x, torch.device):
-            return {"$": "device", "name": str(x)}
-        if isinstance(x, torch.Size):
-            return {"$": "size", "items": list(x)}
+        if (node := _torch_or_bytes_node(x)) is not None:  # disjoint from the containers below
+            return node
         if isinstance(x, (dict, OrderedDict)):
             kind = "odict" if isinstance(x, OrderedDict) else "dict"
             return {"$": kind, "items": [[enc(k, path), enc(v, f"{path}/{k}")] for k, v in x.items()]}
@@ -307,14 +328,7 @@ def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
             return {"$": "tuple", "items": [enc(v, f"{path}[{i}]") for i, v in enumerate(x)]}
         if isinstance(x, (set, frozenset)):
             return {"$": "set", "items": [enc(v, path) for v in sorted(x, key=repr)]}
-        if isinstance(x, bytes):
-            return {"$": "bytes", "hex": x.hex()}
-        cls = type(x)
-        if cls.__module__.startswith(TRUSTED_MODULES) and hasattr(x, "__dict__"):
-            if isinstance(x, tuple):  # namedtuple
-                return {"$": "ntuple", "cls": _qualname(cls), "items": [enc(v, path) for v in x]}
-            return {"$": "object", "cls": _qualname(cls), "state": enc(dict(vars(x)), path)}
-        raise CheckpointError(f"state tree at {path or '/'}: cannot store a {_qualname(cls)} without pickle")
+        return _trusted_node(x, path, enc)
 
     return tensors, enc(obj, "")
 

@@ -297,17 +297,8 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
     return name, rows, bad, shuffled
 
 
-def run_eval(args) -> int:
-    """``streamgrpo eval``: returns the exit code; writes eval.json / eval.md and prints the table."""
-    from streamgrpo.infer import (
-        checkpoint_of,
-        read_input_records,
-        report_bad,
-        resolve_config,
-        sampling_from_args,
-    )
-    from streamgrpo.rewards import RewardSet
-
+def _check_eval_args(args) -> tuple[bool, int]:
+    """Reject bad ``eval`` counts and seeds; returns (shuffle frames?, the shuffle seed)."""
     if args.samples < 1:
         raise ConfigError(f"--samples must be at least 1, got {args.samples}")
     if args.batch_size < 1:
@@ -319,17 +310,25 @@ def run_eval(args) -> int:
     shuffle_seed = 0 if shuffle_seed is None else int(shuffle_seed)
     if shuffle_seed < 0:
         raise ConfigError(f"--shuffle-seed must be >= 0, got {shuffle_seed}")
-    model = checkpoint_of(args.model)
-    baseline = checkpoint_of(args.baseline) if args.baseline else None
-    cfg = resolve_config(args.config, args.overrides, model, args.format)
-    cfg.rewards = reward_config(cfg, args.rewards)
-    rewards = RewardSet(cfg)
+    return shuffle, shuffle_seed
+
+
+def _eval_sampling(args, cfg: Config):
+    """The sampling parameters: greedy for one sample, else the config's temperature (``args`` gets the
+    resolved temperature, top_p and top_k)."""
+    from streamgrpo.infer import sampling_from_args
+
     if args.temperature is None:
         args.temperature = 0.0 if args.samples == 1 else cfg.rollout.temperature
     if args.samples > 1 and args.temperature == 0:
         raise ConfigError("--samples K > 1 needs a temperature above 0 (greedy samples are identical)")
     args.top_p, args.top_k = cfg.rollout.top_p, cfg.rollout.top_k
-    sampling = sampling_from_args(args, cfg, n=args.samples)
+    return sampling_from_args(args, cfg, n=args.samples)
+
+
+def _eval_records(args, cfg: Config) -> tuple[list, list]:
+    """The records to evaluate (with a ground truth, at most ``--limit``) and the unreadable ones (reported)."""
+    from streamgrpo.infer import read_input_records, report_bad
 
     records, errors, no_truth = read_input_records(args.data, cfg.data)
     for err in errors:
@@ -339,6 +338,23 @@ def run_eval(args) -> int:
         records = [r for r in records if r.id not in no_truth]
     if args.limit is not None:
         records = records[: max(0, args.limit)]
+    return records, errors
+
+
+def run_eval(args) -> int:
+    """``streamgrpo eval``: returns the exit code; writes eval.json / eval.md and prints the table."""
+    from streamgrpo.infer import checkpoint_of, resolve_config
+    from streamgrpo.rewards import RewardSet
+
+    shuffle, shuffle_seed = _check_eval_args(args)
+    model = checkpoint_of(args.model)
+    baseline = checkpoint_of(args.baseline) if args.baseline else None
+    cfg = resolve_config(args.config, args.overrides, model, args.format)
+    cfg.rewards = reward_config(cfg, args.rewards)
+    rewards = RewardSet(cfg)
+    sampling = _eval_sampling(args, cfg)
+
+    records, errors = _eval_records(args, cfg)
     if not records:
         print(f"error: {args.data}: no records to evaluate", file=sys.stderr)
         return 2

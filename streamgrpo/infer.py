@@ -410,29 +410,14 @@ def sampling_from_args(args, cfg: Config, n: int = 1):
 def run_infer(args) -> int:
     """``streamgrpo infer``: single prompt or resumable batch; returns the exit code."""
     from streamgrpo.data.records import DataError
-    from streamgrpo.rewards import RewardSet
 
-    batch = args.input is not None
-    if batch and (args.prompt or args.video or args.image):
-        raise ConfigError("use either --input (batch) or --prompt with --video/--image (single), not both")
-    if not batch and not args.prompt:
-        raise ConfigError("give --prompt (with --video/--image) for one answer, or --input and --output for a batch")
-    if batch and not args.output:
-        raise ConfigError("batch mode needs --output (the results JSONL; re-running continues it)")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    batch = _check_infer_args(args)
     model = checkpoint_of(args.model)
     cfg = resolve_config(args.config, args.overrides, model, args.format)
     sampling = sampling_from_args(args, cfg)
 
     if batch:
-        records, errors, no_truth = read_input_records(args.input, cfg.data)
-        for err in errors:
-            report_bad(err)
-        done = completed_ids(args.output)
-        todo = [r for r in records if r.id not in done]
-        if done:
-            print(f"resuming: {len(done)} record(s) already in {args.output}, {len(todo)} to go", file=sys.stderr)
+        todo, no_truth, errors = _batch_todo(args, cfg)
     else:
         try:
             todo, no_truth, errors = [single_record(args.prompt, args.video, args.image)], {"single"}, []
@@ -442,6 +427,41 @@ def run_infer(args) -> int:
     if not todo:
         print(f"nothing to do: every record of {args.input} is in {args.output}", file=sys.stderr)
         return 0
+    return _answer_todo(args, model, cfg, sampling, todo, no_truth, len(errors), batch)
+
+
+def _check_infer_args(args) -> bool:
+    """Reject contradictory ``infer`` arguments; returns whether this is a batch run (``--input``)."""
+    batch = args.input is not None
+    if batch and (args.prompt or args.video or args.image):
+        raise ConfigError("use either --input (batch) or --prompt with --video/--image (single), not both")
+    if not batch and not args.prompt:
+        raise ConfigError("give --prompt (with --video/--image) for one answer, or --input and --output for a batch")
+    if batch and not args.output:
+        raise ConfigError("batch mode needs --output (the results JSONL; re-running continues it)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    return batch
+
+
+def _batch_todo(args, cfg: Config) -> tuple[list, set, list]:
+    """The ``--input`` records not yet in ``--output`` (a re-run continues), the ids without a
+    ground truth and the records that could not be read (reported)."""
+    records, errors, no_truth = read_input_records(args.input, cfg.data)
+    for err in errors:
+        report_bad(err)
+    done = completed_ids(args.output)
+    todo = [r for r in records if r.id not in done]
+    if done:
+        print(f"resuming: {len(done)} record(s) already in {args.output}, {len(todo)} to go", file=sys.stderr)
+    return todo, no_truth, errors
+
+
+def _answer_todo(args, model: str, cfg: Config, sampling, todo: list, no_truth: set, unread: int,
+                 batch: bool) -> int:
+    """Answer ``todo`` in batches, each record's rows appended to ``--output`` (and the single answer
+    printed); returns the exit code."""
+    from streamgrpo.rewards import RewardSet
 
     policy = load_policy(model, cfg, args.adapter)
     rewards = RewardSet(cfg) if len(no_truth) < len(todo) else None
@@ -475,7 +495,7 @@ def run_infer(args) -> int:
         if sink is not None:
             sink.close()
     if batch:
-        print(f"{written} record(s) written to {args.output}; {len(errors) + len(bad)} skipped", file=sys.stderr)
+        print(f"{written} record(s) written to {args.output}; {unread + len(bad)} skipped", file=sys.stderr)
     elif bad:
         return 1
     return 0

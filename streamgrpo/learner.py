@@ -42,6 +42,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, ConfigError
 from streamgrpo.distributed import DistInfo, barrier, broadcast_json, gather_json, init_distributed, share
+from streamgrpo.micro_batches import split_micro_batches  # noqa: F401 - re-exported: the learner's vocabulary
+from streamgrpo.optim import lr_lambda, make_optimizer  # noqa: F401 - re-exported: the learner's vocabulary
 from streamgrpo.runtime import (
     LEARNER_OUTPUTS,
     JsonlWriter,
@@ -67,9 +70,6 @@ from streamgrpo.training import (  # noqa: F401 - re-exported: the learner's voc
     Accepted,
     Learner,
     LearnerState,
-    lr_lambda,
-    make_optimizer,
-    split_micro_batches,
 )
 
 log = logging.getLogger("streamgrpo.learner")
@@ -77,9 +77,8 @@ log = logging.getLogger("streamgrpo.learner")
 
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
     from streamgrpo.models.card import model_card
-    from streamgrpo.tracking import Tracker, sample_rows
-    from streamgrpo.transport.queue import QueueError, QueueStopped, RedisQueue
-    from streamgrpo.transport.weight_channels import publisher_from_config
+    from streamgrpo.tracking import Tracker
+    from streamgrpo.transport.queue import QueueStopped, RedisQueue
 
     stop = stop if stop is not None else StopFlag()
     dist = dist or init_distributed(cfg.learner.backend)
@@ -98,30 +97,16 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     if found:
-        learner.load(found)
-        log.info("resumed from %s at step %d (policy v%d)", found, learner.state.step, learner.state.version)
-        rewound = rewind_jsonl(audit_path, learner.state.step)
-        if main:
-            rewound += rewind_jsonl(run_dir / "metrics.jsonl", learner.state.step)
-            if learner.state.committing:  # roll the checkpoint's commit forward (it may not have happened)
-                queue.commit(learner.state.committing)
-        if rewound:
-            log.info("dropped %d log line(s) written after step %d (their training is re-done)", rewound,
-                     learner.state.step)
-        barrier(dist)  # no rank reads its pending entries before the roll-forward
+        resume_from(found, learner, queue, audit_path, run_dir, dist)
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
-    publisher = publisher_from_config(cfg) if main else None
-    if publisher is not None:
-        write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
+    publisher = _start_publisher(cfg, run_dir) if main else None
     learner.publish(publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
     server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
-    audit = JsonlWriter(audit_path)
-    if found:
-        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
+    audit = _open_audit(audit_path, state, found)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     gate = Gate(queue, cfg, state, audit, learner.processor, learner.vocab_size)
     uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
@@ -167,11 +152,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             state.remember(merged.group_ids)
             ids = [a.group.group_id for a in batch]
             uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
-            record = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
-            every = cfg.learner.replica_check_every
-            if every and state.step % every == 0:
-                record["weights_checksum"] = learner.replicas_agree()
-            audit.write(record)
+            audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))
             # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
                 learner.publish(publisher, state.version)
@@ -179,15 +160,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             last_metrics = rec.to_json()
             export_prometheus(rec, batch, out, main)
             if main:
-                metrics_log.write(last_metrics)
-                tracker.log_step(last_metrics, sample_rows(batch, state.step)
-                                 if state.step % cfg.metrics.sample_every == 0 else None)
-                if state.step % cfg.metrics.log_every == 0:
-                    log.info(
-                        "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
-                        state.step, state.version, rec.reward, _fmt(rec.accuracy), rec.loss, rec.kl, rec.clip_frac,
-                        rec.staleness_mean, step_s, wait_s,
-                    )
+                _log_step(cfg, state, rec, last_metrics, batch, metrics_log, tracker, step_s, wait_s)
             # 5. checkpoint, then commit what it holds
             if state.step % cfg.learner.save_steps == 0:
                 checkpoint_and_commit()
@@ -198,25 +171,94 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            for late in gather_json(dist, dict(gate.drops)):  # drops since the last step, of every rank
-                state.dropped.update(late)
-            if state.step > saved_step:
-                try:
-                    checkpoint_and_commit()
-                except QueueError as exc:  # checkpoint written; the next start commits what it recorded
-                    log.warning("checkpoint written, commit deferred to the next start: %s", exc)
+            final_checkpoint(dist, gate, state, saved_step, checkpoint_and_commit)
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})
-        tracker.close()
-        if publisher is not None:
-            publisher.close()
-        queue.close()
-        if metrics_log is not None:
-            metrics_log.close()
-        audit.close()
-        server.close()
+        _close_all(tracker, publisher, queue, metrics_log, audit, server)
     return 0
+
+
+def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir: Path, dist: DistInfo) -> None:
+    """Load the checkpoint ``found``, trim the logs back to its step (their training is re-done) and
+    roll its commit forward on rank 0 (it may not have happened); every rank waits for that before it
+    reads its pending entries."""
+    learner.load(found)
+    log.info("resumed from %s at step %d (policy v%d)", found, learner.state.step, learner.state.version)
+    rewound = rewind_jsonl(audit_path, learner.state.step)
+    if dist.is_main:
+        rewound += rewind_jsonl(run_dir / "metrics.jsonl", learner.state.step)
+        if learner.state.committing:  # roll the checkpoint's commit forward (it may not have happened)
+            queue.commit(learner.state.committing)
+    if rewound:
+        log.info("dropped %d log line(s) written after step %d (their training is re-done)", rewound,
+                 learner.state.step)
+    barrier(dist)  # no rank reads its pending entries before the roll-forward
+
+
+def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step: int,
+                     checkpoint_and_commit: Callable[[], None]) -> None:
+    """On a clean stop (every rank here): merge the drops since the last step, then checkpoint and
+    commit what was trained since the last checkpoint."""
+    from streamgrpo.transport.queue import QueueError
+
+    for late in gather_json(dist, dict(gate.drops)):  # drops since the last step, of every rank
+        state.dropped.update(late)
+    if state.step > saved_step:
+        try:
+            checkpoint_and_commit()
+        except QueueError as exc:  # checkpoint written; the next start commits what it recorded
+            log.warning("checkpoint written, commit deferred to the next start: %s", exc)
+
+
+def _start_publisher(cfg: Config, run_dir: Path):
+    """Rank 0's weight publisher, its ports written to ``<run_dir>/ports/weights.json``."""
+    from streamgrpo.transport.weight_channels import publisher_from_config
+
+    publisher = publisher_from_config(cfg)
+    if publisher is not None:
+        write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
+    return publisher
+
+
+def _open_audit(path: Path, state: LearnerState, found: Path | None) -> JsonlWriter:
+    """This rank's audit log; a resumed run first notes the checkpoint it resumed from."""
+    audit = JsonlWriter(path)
+    if found:
+        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
+    return audit
+
+
+def _close_all(*parts) -> None:
+    """Close each part that exists, in the given order."""
+    for part in parts:
+        if part is not None:
+            part.close()
+
+
+def _trained_record(state: LearnerState, ids: list[str], learner: Learner, every: int) -> dict[str, Any]:
+    """The audit line of a trained step (with the replicas' weight checksum every ``every`` steps)."""
+    record: dict[str, Any] = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
+    if every and state.step % every == 0:
+        record["weights_checksum"] = learner.replicas_agree()
+    return record
+
+
+def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
+              batch: list[Accepted], metrics_log: JsonlWriter, tracker, step_s: float, wait_s: float) -> None:
+    """Rank 0: the ``metrics.jsonl`` line, wandb (sample rows every ``metrics.sample_every`` steps) and
+    the log line every ``metrics.log_every`` steps."""
+    from streamgrpo.tracking import sample_rows
+
+    metrics_log.write(last_metrics)
+    tracker.log_step(last_metrics, sample_rows(batch, state.step)
+                     if state.step % cfg.metrics.sample_every == 0 else None)
+    if state.step % cfg.metrics.log_every == 0:
+        log.info(
+            "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
+            state.step, state.version, rec.reward, _fmt(rec.accuracy), rec.loss, rec.kl, rec.clip_frac,
+            rec.staleness_mean, step_s, wait_s,
+        )
 
 
 def start_point(cfg: Config, run_dir: Path, dist: DistInfo) -> Path | None:

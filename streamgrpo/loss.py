@@ -162,54 +162,14 @@ def compute_loss(
     when ``entropies`` is given) and ``num_tokens``; token fractions and means are over this call's
     unmasked tokens.
     """
-    # ---- validation (cheap shape/option checks only; no host sync on values)
-    if loss_type not in LOSS_TYPES:
-        raise _bad(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
-    if ratio_mode not in RATIO_MODES:
-        raise _bad(f"ratio_mode={ratio_mode!r}: must be one of {', '.join(RATIO_MODES)}")
-    if not isinstance(logprobs, Tensor) or logprobs.ndim != 2:
-        raise _bad(
-            f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs).__name__)}"
-        )
-    shape = logprobs.shape
-    B, T = shape
-    _check_bt("mask", mask, shape)
-    if not isinstance(advantages, Tensor) or advantages.shape != (B,):
-        raise _bad(
-            f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}"
-        )
-    if is_mask not in (None, "token", "sequence"):
-        raise _bad(f"is_mask={is_mask!r}: must be None, 'token' or 'sequence'")
-    if is_mask is not None and not 0 <= is_mask_band[0] < 1 < is_mask_band[1]:
-        raise _bad(f"is_mask_band={tuple(is_mask_band)}: needs 0 <= low < 1 < high")
-    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None or is_mask is not None
-    if behaviour_logprobs is None:
-        if need_behaviour:
-            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour', tis_cap or is_mask needs it")
-    else:
-        _check_bt("behaviour_logprobs", behaviour_logprobs, shape)
-    if epsilon < 0 or epsilon_high < 0:
-        raise _bad(f"epsilon={epsilon}, epsilon_high={epsilon_high}: must be >= 0")
-    if tis_cap is not None and not tis_cap > 0:
-        raise _bad(f"tis_cap={tis_cap}: must be > 0 or None")
-    if beta < 0:
-        raise _bad(f"beta={beta}: must be >= 0")
-    use_kl = beta > 0
-    if use_kl:
-        if ref_logprobs is None:
-            raise _bad(f"beta={beta} > 0 needs ref_logprobs")
-        _check_bt("ref_logprobs", ref_logprobs, shape)
-    if entropies is not None:
-        _check_bt("entropies", entropies, shape)
-    if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length <= 0):
-        raise _bad(f"loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}")
-    if token_normaliser is not None and loss_type != "dapo":
-        raise _bad(f"token_normaliser is only used by loss_type='dapo', got loss_type={loss_type!r}")
-
+    _validate(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs, entropies, epsilon=epsilon,
+              epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, max_completion_length=max_completion_length,
+              tis_cap=tis_cap, token_normaliser=token_normaliser, ratio_mode=ratio_mode, is_mask=is_mask,
+              is_mask_band=is_mask_band)
+    B, T = logprobs.shape
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     m = mask.to(torch.bool)
     zero = logprobs.new_zeros((), dtype=dtype)
-    one = zero + 1.0
 
     def clean(x: Tensor) -> Tensor:
         """Masked positions -> 0 before any arithmetic (no nan/inf leaks into values or gradients)."""
@@ -222,6 +182,91 @@ def compute_loss(
     # ---- per-token objective
     log_ratio = log_is if ratio_mode == "behaviour" else p - p.detach()
     ratio = torch.exp(log_ratio)
+    objective, kept = _objective(ratio, A, log_is, m, epsilon=epsilon, epsilon_high=epsilon_high, tis_cap=tis_cap,
+                                 is_mask=is_mask, is_mask_band=is_mask_band)
+    per_token = -objective
+    kl_t = kl_k3(p, clean(ref_logprobs.detach())) if beta > 0 else None
+    if kl_t is not None:
+        per_token = per_token + beta * kl_t
+    per_token = torch.where(m, per_token, zero)
+
+    # ---- aggregation, then the metrics (detached, 0-d)
+    loss = _aggregate(per_token, m, loss_type, max_completion_length, token_normaliser)
+    with torch.no_grad():
+        metrics = _metrics(m, A, ratio, log_is, kept, kl_t, advantages, entropies, epsilon=epsilon,
+                           epsilon_high=epsilon_high)
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------- validation
+def _validate(logprobs: Tensor, behaviour_logprobs: Optional[Tensor], advantages: Tensor, mask: Tensor,
+              ref_logprobs: Optional[Tensor], entropies: Optional[Tensor], *, epsilon: float, epsilon_high: float,
+              beta: float, loss_type: str, max_completion_length: Optional[int], tis_cap: Optional[float],
+              token_normaliser: Union[None, int, float, Tensor], ratio_mode: str, is_mask: Optional[str],
+              is_mask_band: tuple[float, float]) -> None:
+    """Cheap shape/option checks only (no host sync on values), in a fixed order: the first problem raises."""
+    if loss_type not in LOSS_TYPES:
+        raise _bad(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+    if ratio_mode not in RATIO_MODES:
+        raise _bad(f"ratio_mode={ratio_mode!r}: must be one of {', '.join(RATIO_MODES)}")
+    shape = _check_batch(logprobs, advantages, mask)
+    _check_behaviour(behaviour_logprobs, shape, ratio_mode=ratio_mode, tis_cap=tis_cap, is_mask=is_mask,
+                     is_mask_band=is_mask_band)
+    if epsilon < 0 or epsilon_high < 0:
+        raise _bad(f"epsilon={epsilon}, epsilon_high={epsilon_high}: must be >= 0")
+    if tis_cap is not None and not tis_cap > 0:
+        raise _bad(f"tis_cap={tis_cap}: must be > 0 or None")
+    if beta < 0:
+        raise _bad(f"beta={beta}: must be >= 0")
+    if beta > 0:
+        if ref_logprobs is None:
+            raise _bad(f"beta={beta} > 0 needs ref_logprobs")
+        _check_bt("ref_logprobs", ref_logprobs, shape)
+    if entropies is not None:
+        _check_bt("entropies", entropies, shape)
+    if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length <= 0):
+        raise _bad(f"loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}")
+    if token_normaliser is not None and loss_type != "dapo":
+        raise _bad(f"token_normaliser is only used by loss_type='dapo', got loss_type={loss_type!r}")
+
+
+def _check_batch(logprobs: Tensor, advantages: Tensor, mask: Tensor) -> torch.Size:
+    """``logprobs`` and ``mask`` (B, T), ``advantages`` (B,); returns (B, T)."""
+    if not isinstance(logprobs, Tensor) or logprobs.ndim != 2:
+        raise _bad(
+            f"logprobs must be a (B, T) tensor, got {getattr(logprobs, 'shape', type(logprobs).__name__)}"
+        )
+    shape = logprobs.shape
+    B, T = shape
+    _check_bt("mask", mask, shape)
+    if not isinstance(advantages, Tensor) or advantages.shape != (B,):
+        raise _bad(
+            f"advantages must have shape ({B},) (one per row), got {getattr(advantages, 'shape', advantages)}"
+        )
+    return shape
+
+
+def _check_behaviour(behaviour_logprobs: Optional[Tensor], shape: torch.Size, *, ratio_mode: str,
+                     tis_cap: Optional[float], is_mask: Optional[str], is_mask_band: tuple[float, float]) -> None:
+    """The masked-IS options, and behaviour log-probs wherever the ratio, ``tis_cap`` or ``is_mask`` needs them."""
+    if is_mask not in (None, "token", "sequence"):
+        raise _bad(f"is_mask={is_mask!r}: must be None, 'token' or 'sequence'")
+    if is_mask is not None and not 0 <= is_mask_band[0] < 1 < is_mask_band[1]:
+        raise _bad(f"is_mask_band={tuple(is_mask_band)}: needs 0 <= low < 1 < high")
+    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None or is_mask is not None
+    if behaviour_logprobs is None:
+        if need_behaviour:
+            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour', tis_cap or is_mask needs it")
+    else:
+        _check_bt("behaviour_logprobs", behaviour_logprobs, shape)
+
+
+# ------------------------------------------------------------------------------- the steps
+def _objective(ratio: Tensor, A: Tensor, log_is: Optional[Tensor], m: Tensor, *, epsilon: float,
+               epsilon_high: float, tis_cap: Optional[float], is_mask: Optional[str],
+               is_mask_band: tuple[float, float]) -> tuple[Tensor, Tensor]:
+    """J_t (pessimistic clipped PPO term, times the truncated IS weight, zero where masked IS drops the
+    token) and the mask of the tokens it keeps."""
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     objective = torch.minimum(ratio * A, clipped * A)
     if tis_cap is not None:
@@ -231,67 +276,73 @@ def compute_loss(
         lo, hi = is_mask_band
         w = log_is.detach()
         if is_mask == "sequence":  # the row's geometric-mean ratio, broadcast over its tokens
-            w = (w.sum(-1) / m.sum(-1).to(dtype).clamp(min=1.0))[:, None].expand(B, T)
+            w = (w.sum(-1) / m.sum(-1).to(w.dtype).clamp(min=1.0))[:, None].expand(*m.shape)
         kept = m & (w >= (math.log(lo) if lo > 0 else -math.inf)) & (w <= math.log(hi))
-        objective = torch.where(kept, objective, zero)
-    per_token = -objective
-    if use_kl:
-        kl_t = kl_k3(p, clean(ref_logprobs.detach()))
-        per_token = per_token + beta * kl_t
-    per_token = torch.where(m, per_token, zero)
+        objective = torch.where(kept, objective, objective.new_zeros(()))
+    return objective, kept
 
-    # ---- aggregation
-    n_tokens = m.sum().to(dtype)
-    n_safe = n_tokens.clamp(min=1.0)
+
+def _aggregate(per_token: Tensor, m: Tensor, loss_type: str, max_completion_length: Optional[int],
+               token_normaliser: Union[None, int, float, Tensor]) -> Tensor:
+    """The 0-d loss from the per-token losses (``loss_type``, see the module docstring)."""
+    B = m.shape[0]
+    dtype = per_token.dtype
+    n_safe = m.sum().to(dtype).clamp(min=1.0)
     if loss_type == "grpo":
         per_row = per_token.sum(-1) / m.sum(-1).to(dtype).clamp(min=1.0)
-        loss = per_row.mean() if B > 0 else per_token.sum()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / n_safe
-    elif loss_type == "dr_grpo":
-        loss = per_token.sum() / float(max(B, 1) * max_completion_length)
-    else:  # dapo
-        norm = (
-            n_safe
-            if token_normaliser is None
-            else torch.as_tensor(token_normaliser, dtype=dtype, device=p.device)
-        )
-        loss = per_token.sum() / norm
+        return per_row.mean() if B > 0 else per_token.sum()
+    if loss_type == "bnpo":
+        return per_token.sum() / n_safe
+    if loss_type == "dr_grpo":
+        return per_token.sum() / float(max(B, 1) * max_completion_length)
+    norm = (  # dapo
+        n_safe
+        if token_normaliser is None
+        else torch.as_tensor(token_normaliser, dtype=dtype, device=per_token.device)
+    )
+    return per_token.sum() / norm
 
-    # ---- metrics (detached, 0-d)
-    with torch.no_grad():
-        low = m & (A < 0) & (ratio < 1.0 - epsilon)
-        high = m & (A > 0) & (ratio > 1.0 + epsilon_high)
-        stat_ratio = torch.exp(log_is) if log_is is not None else ratio
-        has_tokens = n_tokens > 0
-        inf = torch.full_like(stat_ratio, float("inf"))
-        metrics: dict[str, Tensor] = {
-            "clip_frac_low": low.sum().to(dtype) / n_safe,
-            "clip_frac_high": high.sum().to(dtype) / n_safe,
-            "clip_frac": (low | high).sum().to(dtype) / n_safe,
-            "ratio_mean": torch.where(has_tokens, _masked_mean(stat_ratio, m, n_safe), one),
-            "ratio_max": torch.where(
-                has_tokens, torch.where(m, stat_ratio, -inf).amax() if m.numel() else one, one
-            ),
-            "ratio_min": torch.where(
-                has_tokens, torch.where(m, stat_ratio, inf).amin() if m.numel() else one, one
-            ),
-            "kl": _masked_mean(kl_t, m, n_safe) if use_kl else zero.clone(),
-        }
-        rows = m.any(-1)
-        n_rows = rows.sum().to(dtype).clamp(min=1.0)
-        adv = torch.where(rows, advantages.detach().to(dtype), zero)
-        adv_mean = adv.sum() / n_rows
-        adv_var = torch.where(rows, (adv - adv_mean) ** 2, zero).sum() / n_rows
-        metrics["adv_mean"] = adv_mean
-        metrics["adv_std"] = adv_var.sqrt()
-        if entropies is not None:
-            metrics["entropy"] = _masked_mean(entropies.detach().to(dtype), m, n_safe)
-        if log_is is not None:
-            w_t = torch.exp(log_is)
-            metrics["ratio_sq_mean"] = torch.where(has_tokens, _masked_mean(w_t * w_t, m, n_safe), one)
-            metrics["kl_behaviour"] = _masked_mean(torch.expm1(log_is) - log_is, m, n_safe)
-        metrics["is_masked_frac"] = (m & ~kept).sum().to(dtype) / n_safe
-        metrics["num_tokens"] = n_tokens
-    return loss, metrics
 
+def _metrics(m: Tensor, A: Tensor, ratio: Tensor, log_is: Optional[Tensor], kept: Tensor, kl_t: Optional[Tensor],
+             advantages: Tensor, entropies: Optional[Tensor], *, epsilon: float,
+             epsilon_high: float) -> dict[str, Tensor]:
+    """The metrics of :func:`compute_loss` (call under ``torch.no_grad()``)."""
+    dtype = A.dtype
+    zero = A.new_zeros(())
+    one = zero + 1.0
+    n_tokens = m.sum().to(dtype)
+    n_safe = n_tokens.clamp(min=1.0)
+    low = m & (A < 0) & (ratio < 1.0 - epsilon)
+    high = m & (A > 0) & (ratio > 1.0 + epsilon_high)
+    stat_ratio = torch.exp(log_is) if log_is is not None else ratio
+    has_tokens = n_tokens > 0
+    inf = torch.full_like(stat_ratio, float("inf"))
+    metrics: dict[str, Tensor] = {
+        "clip_frac_low": low.sum().to(dtype) / n_safe,
+        "clip_frac_high": high.sum().to(dtype) / n_safe,
+        "clip_frac": (low | high).sum().to(dtype) / n_safe,
+        "ratio_mean": torch.where(has_tokens, _masked_mean(stat_ratio, m, n_safe), one),
+        "ratio_max": torch.where(
+            has_tokens, torch.where(m, stat_ratio, -inf).amax() if m.numel() else one, one
+        ),
+        "ratio_min": torch.where(
+            has_tokens, torch.where(m, stat_ratio, inf).amin() if m.numel() else one, one
+        ),
+        "kl": _masked_mean(kl_t, m, n_safe) if kl_t is not None else zero.clone(),
+    }
+    rows = m.any(-1)
+    n_rows = rows.sum().to(dtype).clamp(min=1.0)
+    adv = torch.where(rows, advantages.detach().to(dtype), zero)
+    adv_mean = adv.sum() / n_rows
+    adv_var = torch.where(rows, (adv - adv_mean) ** 2, zero).sum() / n_rows
+    metrics["adv_mean"] = adv_mean
+    metrics["adv_std"] = adv_var.sqrt()
+    if entropies is not None:
+        metrics["entropy"] = _masked_mean(entropies.detach().to(dtype), m, n_safe)
+    if log_is is not None:
+        w_t = torch.exp(log_is)
+        metrics["ratio_sq_mean"] = torch.where(has_tokens, _masked_mean(w_t * w_t, m, n_safe), one)
+        metrics["kl_behaviour"] = _masked_mean(torch.expm1(log_is) - log_is, m, n_safe)
+    metrics["is_masked_frac"] = (m & ~kept).sum().to(dtype) / n_safe
+    metrics["num_tokens"] = n_tokens
+    return metrics

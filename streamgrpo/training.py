@@ -9,14 +9,14 @@ What it owns:
   (``model.lora``; QLoRA with ``quantize_4bit`` on CUDA), with ``learner.gradient_checkpointing``;
 * the reference for ``beta > 0``: the same peft model with its adapters disabled (LoRA: no
   second copy in memory) or a frozen copy of the base model;
-* AdamW + the lr schedule, either plain torch or inside a DeepSpeed engine
+* AdamW + the lr schedule (:mod:`streamgrpo.optim`), either plain torch or inside a DeepSpeed engine
   (``learner.backend=deepspeed``; ZeRO stage from ``learner.deepspeed_config``);
 * checkpoints (:meth:`save` / :meth:`load`) and the tensors generators receive (:meth:`policy_tensors`).
 
 Several ranks. Every rank calls :meth:`train_step` with its own share of the step's groups. One
 all-reduce at the start agrees on the step's global completion-token count (the ``dapo``
-normaliser) and on the number of micro-batches (every rank runs the same number of
-forward/backward passes, since ZeRO-2/3 reduce gradients inside each backward). DeepSpeed
+normaliser) and on the number of micro-batches (:mod:`streamgrpo.micro_batches`; every rank runs the
+same number of forward/backward passes, since ZeRO-2/3 reduce gradients inside each backward). DeepSpeed
 averages gradients over ranks, so a rank's ``dapo`` loss is scaled by ``world_size``: the sum over
 ranks and micro-batches is then exactly the global token mean. A non-finite loss on any rank
 turns into a non-finite global gradient norm, and DeepSpeed skips the step on every rank.
@@ -45,60 +45,13 @@ from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
 from streamgrpo.learner_state import Accepted, LearnerState
 from streamgrpo.loss import LossError
+from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
+from streamgrpo.optim import make_optimizer
 from streamgrpo.step_data import LossStats, Probe, StepOutput
 
 log = logging.getLogger("streamgrpo.learner")
 
 # ------------------------------------------------------------------------------ pure helpers
-def lr_lambda(lc):
-    """Linear warm-up, then constant / cosine / linear decay to 0 at max_steps."""
-
-    def f(step: int) -> float:
-        if lc.warmup_steps and step < lc.warmup_steps:
-            return (step + 1) / lc.warmup_steps
-        if lc.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - lc.warmup_steps) / max(1, lc.max_steps - lc.warmup_steps))
-        if lc.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress
-
-    return f
-
-
-def param_groups(named: list[tuple[str, torch.nn.Parameter]], lc) -> list[dict[str, Any]]:
-    """AdamW parameter groups: ``learner.vision_lr`` / ``merger_lr`` for the vision tower / merger
-    (when set), ``learning_rate`` for the rest. Names may carry a peft prefix (``base_model.model.``);
-    a name outside the known Qwen-VL modules gets ``learning_rate``. Empty groups are left out."""
-    from streamgrpo.models.loading import parameter_group
-
-    if lc.vision_lr is None and lc.merger_lr is None:
-        return [{"params": [p for _, p in named], "lr": lc.learning_rate, "name": "all"}]
-    lrs = {"vision": lc.vision_lr or lc.learning_rate, "mlp": lc.merger_lr or lc.learning_rate,
-           "llm": lc.learning_rate}
-    buckets: dict[str, list[torch.nn.Parameter]] = {"llm": [], "mlp": [], "vision": []}
-    for name, p in named:
-        bare = name.removeprefix("base_model.model.")
-        try:
-            buckets[parameter_group(bare)].append(p)
-        except ValueError:
-            buckets["llm"].append(p)
-    return [{"params": ps, "lr": lrs[g], "name": g} for g, ps in buckets.items() if ps]
-
-
-def make_optimizer(model: torch.nn.Module, cfg: Config):
-    """AdamW over the trainable parameters (per-module learning rates, see :func:`param_groups`) and
-    the LambdaLR schedule of ``learner.*`` (it scales every group's peak rate alike)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
-    lc = cfg.learner
-    opt = torch.optim.AdamW(param_groups(named, lc), lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
-                            weight_decay=lc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
-    return opt, sched
-
-
 @contextlib.contextmanager
 def counted_errors():
     """Count an error of the pure core (:mod:`~streamgrpo.loss`, :mod:`~streamgrpo.advantages`) in
@@ -109,60 +62,6 @@ def counted_errors():
     except (LossError, AdvantageError) as exc:
         M.ERRORS.labels(kind=exc.kind).inc()
         raise
-
-
-def _temperature_key(a: Accepted):
-    """The sampling temperature a group's ``meta`` records (None: not recorded, the config's applies)."""
-    return a.group.meta.get("temperature")
-
-
-def sampling_temperature(a: Accepted, default: float) -> float:
-    """The temperature ``a`` was sampled at: its own, else ``default`` (``rollout.temperature``)."""
-    return float(default if _temperature_key(a) is None else _temperature_key(a))
-
-
-def group_tokens(a: Accepted) -> int:
-    """Prompt + completion tokens of one group laid out as rows (what a micro-batch budget counts)."""
-    return sum(len(a.group.prompt_ids) + len(c.token_ids) for c in a.group.completions)
-
-
-def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
-                        n_parts: int | None = None) -> list[list[Accepted]]:
-    """Whole groups per micro-batch (one vision pass per group), at most ``max_tokens`` tokens each
-    (a single larger group gets a micro-batch of its own), in order. Groups sampled at different
-    temperatures never share a micro-batch (log-probs are recomputed at one temperature per forward).
-
-    ``n_parts`` asks for exactly that many micro-batches (at least the greedy count, at most one
-    per group): the heaviest splittable part is cut at its token midpoint until there are enough.
-    Ranks use it to run the same number of backward passes.
-    """
-    parts: list[list[Accepted]] = [[]]
-    size = 0
-    for a in batch:
-        n = group_tokens(a)
-        if parts[-1] and ((max_tokens and size + n > max_tokens)
-                          or _temperature_key(a) != _temperature_key(parts[-1][-1])):
-            parts.append([])
-            size = 0
-        parts[-1].append(a)
-        size += n
-    if n_parts is None or n_parts == len(parts):
-        return parts
-    if not len(parts) <= n_parts <= len(batch):
-        raise ValueError(f"cannot split {len(batch)} groups into {n_parts} micro-batches "
-                         f"(the token budget needs at least {len(parts)})")
-    while len(parts) < n_parts:
-        i = max((i for i, p in enumerate(parts) if len(p) > 1), key=lambda i: sum(map(group_tokens, parts[i])))
-        p = parts[i]
-        sizes = [group_tokens(a) for a in p]
-        half, run, cut = sum(sizes) / 2, 0, 1
-        for j in range(1, len(p)):
-            run += sizes[j - 1]
-            cut = j
-            if run >= half:
-                break
-        parts[i:i + 1] = [p[:cut], p[cut:]]
-    return parts
 
 
 def _buckets(named: list, budget: int):

@@ -275,6 +275,45 @@ def _all_values_ok(completions: list[Completion]) -> bool:
     return bool(np.isfinite(np.concatenate(lps)).all()) if lps else True
 
 
+def _arrays_well_typed(completions: list[Any]) -> bool:
+    return all(
+        isinstance(c, Completion) and type(c.token_ids) is np.ndarray and c.token_ids.dtype == _NATIVE["int32"]
+        and c.token_ids.ndim == 1 and type(c.logprobs) is np.ndarray and c.logprobs.dtype == _NATIVE["float32"]
+        and c.logprobs.ndim == 1 and len(c.logprobs) == len(c.token_ids)
+        for c in completions
+    )
+
+
+def _check_visual(v: Any, p: str) -> None:
+    if not isinstance(v, Visual):
+        _fail(p, f"expected a Visual, got {_tname(v)}")
+    _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
+    _check_array(v.frames, f"{p}.frames", "uint8", 4)
+    t, h, w, c = v.frames.shape
+    if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
+        _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
+    _check_num(v.fps, f"{p}.fps", lo=0.0)
+    _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
+    if len(v.frame_indices) not in (0, t):
+        _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+
+
+def _check_completion(c: Any, p: str, arrays: bool = True) -> None:
+    """``arrays=False``: the arrays' types and values were already checked for all completions at once."""
+    if not isinstance(c, Completion):
+        _fail(p, f"expected a Completion, got {_tname(c)}")
+    if arrays:
+        _check_completion_arrays(c, p)
+    _check_str(c.text, f"{p}.text")
+    _check_str(c.finish_reason, f"{p}.finish_reason")
+    if not isinstance(c.rewards, dict):
+        _fail(f"{p}.rewards", f"expected a mapping, got {_tname(c.rewards)}")
+    for k, r in c.rewards.items():
+        _check_str(k, f"{p}.rewards key")
+        _check_num(r, f"{p}.rewards[{k!r}]")
+    _check_num(c.reward, f"{p}.reward")
+
+
 def _check_completion_arrays(c: Completion, p: str) -> None:
     _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
     _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
@@ -305,43 +344,14 @@ def validate(group: ScoredGroup) -> None:
     if not isinstance(group.visuals, list):
         _fail("visuals", f"expected a list, got {_tname(group.visuals)}")
     for i, v in enumerate(group.visuals):
-        p = f"visuals[{i}]"
-        if not isinstance(v, Visual):
-            _fail(p, f"expected a Visual, got {_tname(v)}")
-        _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
-        _check_array(v.frames, f"{p}.frames", "uint8", 4)
-        t, h, w, c = v.frames.shape
-        if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
-            _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
-        _check_num(v.fps, f"{p}.fps", lo=0.0)
-        _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
-        if len(v.frame_indices) not in (0, t):
-            _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+        _check_visual(v, f"visuals[{i}]")
     if not (isinstance(group.completions, list) and group.completions):
         _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
     # Value checks over all completions at once (two reductions instead of two per completion); a
     # failure is then located completion by completion, so the error names the first bad one.
-    arrays_ok = all(
-        isinstance(c, Completion) and type(c.token_ids) is np.ndarray and c.token_ids.dtype == _NATIVE["int32"]
-        and c.token_ids.ndim == 1 and type(c.logprobs) is np.ndarray and c.logprobs.dtype == _NATIVE["float32"]
-        and c.logprobs.ndim == 1 and len(c.logprobs) == len(c.token_ids)
-        for c in group.completions
-    )
-    values_ok = arrays_ok and _all_values_ok(group.completions)
+    checked = _arrays_well_typed(group.completions) and _all_values_ok(group.completions)
     for i, c in enumerate(group.completions):
-        p = f"completions[{i}]"
-        if not isinstance(c, Completion):
-            _fail(p, f"expected a Completion, got {_tname(c)}")
-        if not values_ok:
-            _check_completion_arrays(c, p)
-        _check_str(c.text, f"{p}.text")
-        _check_str(c.finish_reason, f"{p}.finish_reason")
-        if not isinstance(c.rewards, dict):
-            _fail(f"{p}.rewards", f"expected a mapping, got {_tname(c.rewards)}")
-        for k, r in c.rewards.items():
-            _check_str(k, f"{p}.rewards key")
-            _check_num(r, f"{p}.rewards[{k!r}]")
-        _check_num(c.reward, f"{p}.reward")
+        _check_completion(c, f"completions[{i}]", arrays=not checked)
     if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
         _fail("meta", "expected a mapping with string keys")
 

@@ -32,6 +32,7 @@ import numpy as np
 from streamgrpo.config import DataConfig
 from streamgrpo.data.decode import (
     DecodeError,
+    FrameCache,
     VideoInfo,
     file_key,
     frame_cache,
@@ -45,6 +46,7 @@ from streamgrpo.data.decode import (
 from streamgrpo.data.records import DataError, Record
 from streamgrpo.data.sampling import (
     BudgetError,
+    MediaPlan,
     MediaSpec,
     dynamic_nframes,
     evenly_spaced_indices,
@@ -120,17 +122,20 @@ def load_visuals(record: Record, cfg: DataConfig, factor: int, temporal_patch: i
 
 def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[tuple[str, str]],
           readers: dict[str, Any], factor: int, temporal_patch: int) -> list[Visual]:
+    keys, infos, indices, specs = _probe_media(record, cfg, params, media, readers, temporal_patch)
+    plans = _plan_media(record, media, specs, params, factor, temporal_patch)
+    cache = frame_cache(cfg.frame_cache_mib)
+    return [_visual(record, cfg, item, key, info, idx, plan, readers, cache)
+            for item, key, info, idx, plan in zip(media, keys, infos, indices, plans)]
+
+
+def _probe_media(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[tuple[str, str]],
+                 readers: dict[str, Any], temporal_patch: int) -> tuple[list, list, list, list[MediaSpec]]:
+    """Probe every medium: its file key, info, frame indices before the budget and :class:`MediaSpec`."""
     keys, infos, indices, specs = [], [], [], []
     video_no = 0
     for kind, path in media:
-        if not os.path.isfile(path):
-            raise DataError(record.id, path, f"{kind} file not found", kind="missing_file")
-        try:
-            key, info = _probe(kind, path, cfg.video_backend, readers)
-        except DecodeError as exc:
-            raise _fail(record, path, exc) from None
-        except OSError as exc:
-            raise _fail(record, path, exc, "missing_file") from None
+        key, info = _probe_file(record, kind, path, cfg.video_backend, readers)
         keys.append(key)
         infos.append(info)
         if kind == "image":
@@ -140,23 +145,45 @@ def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[t
             continue
         assert isinstance(info, VideoInfo)
         try:
-            if params["dynamic_sample"]:
-                cnts = params["frame_cnts"]
-                length = cnts[video_no] if cnts else info.total_frames
-                n = dynamic_nframes(length, params["min_frames"], params["max_frames"], temporal_patch)
-                n = min(n, max(temporal_patch, info.total_frames - info.total_frames % temporal_patch))
-            else:
-                n = smart_nframes(info.total_frames, info.fps, params["fps"], params["min_frames"],
-                                  params["max_frames"], temporal_patch)
+            n = _video_nframes(info, params, video_no, temporal_patch)
         except ValueError as exc:
             raise _fail(record, path, exc, "zero_frames") from None
         video_no += 1
         indices.append(evenly_spaced_indices(info.total_frames, n))
         specs.append(MediaSpec("video", info.height, info.width, n))
+    return keys, infos, indices, specs
+
+
+def _probe_file(record: Record, kind: str, path: str, backend: str, readers: dict[str, Any]) -> tuple[tuple, Any]:
+    """:func:`_probe` with its failures as the record's :class:`DataError`."""
+    if not os.path.isfile(path):
+        raise DataError(record.id, path, f"{kind} file not found", kind="missing_file")
     try:
-        plans = plan_sizes(specs, factor=factor, temporal_patch=temporal_patch, min_pixels=params["min_pixels"],
-                           max_pixels=params["max_pixels"], total_pixels=params["total_pixels"],
-                           min_frames=params["min_frames"])
+        return _probe(kind, path, backend, readers)
+    except DecodeError as exc:
+        raise _fail(record, path, exc) from None
+    except OSError as exc:
+        raise _fail(record, path, exc, "missing_file") from None
+
+
+def _video_nframes(info: VideoInfo, params: dict[str, Any], video_no: int, temporal_patch: int) -> int:
+    """Frames to sample from the record's ``video_no``-th video before the pixel budget (pure)."""
+    if params["dynamic_sample"]:
+        cnts = params["frame_cnts"]
+        length = cnts[video_no] if cnts else info.total_frames
+        n = dynamic_nframes(length, params["min_frames"], params["max_frames"], temporal_patch)
+        return min(n, max(temporal_patch, info.total_frames - info.total_frames % temporal_patch))
+    return smart_nframes(info.total_frames, info.fps, params["fps"], params["min_frames"],
+                         params["max_frames"], temporal_patch)
+
+
+def _plan_media(record: Record, media: list[tuple[str, str]], specs: list[MediaSpec], params: dict[str, Any],
+                factor: int, temporal_patch: int) -> list[MediaPlan]:
+    """:func:`plan_sizes` under the record's pixel budget, its failures as :class:`DataError`."""
+    try:
+        return plan_sizes(specs, factor=factor, temporal_patch=temporal_patch, min_pixels=params["min_pixels"],
+                          max_pixels=params["max_pixels"], total_pixels=params["total_pixels"],
+                          min_frames=params["min_frames"])
     except BudgetError as exc:
         raise DataError(record.id, record.source, str(exc), kind="budget") from None
     except ValueError as exc:  # aspect ratio over 200
@@ -164,35 +191,40 @@ def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[t
                    record.source)
         raise DataError(record.id, bad, str(exc), kind="bad_image") from None
 
-    cache = frame_cache(cfg.frame_cache_mib)
-    visuals = []
-    for (kind, path), key, info, idx, plan in zip(media, keys, infos, indices, plans):
-        if kind == "video" and plan.nframes != len(idx):  # the budget took frames away
-            idx = evenly_spaced_indices(info.total_frames, plan.nframes)
-        ckey = (*key, kind, tuple(idx), plan.height, plan.width)
-        frames = cache.get(ckey) if cache is not None else None
-        if frames is None:
-            try:
-                if kind == "image":
-                    raw = read_image(path)[None]
-                else:
-                    if path not in readers:
-                        readers[path] = open_video(path, cfg.video_backend)
-                    raw = readers[path].read(idx)
-                frames = resize_frames(raw, plan.height, plan.width)
-            except DecodeError as exc:
-                raise _fail(record, path, exc) from None
-            except OSError as exc:  # removed or unreadable since it was probed
-                raise _fail(record, path, exc, "missing_file") from None
-            if cache is not None:
-                cache.put(ckey, frames)
+
+def _visual(record: Record, cfg: DataConfig, item: tuple[str, str], key: tuple, info: Any, idx: list[int],
+            plan: MediaPlan, readers: dict[str, Any], cache: FrameCache | None) -> Visual:
+    """One medium decoded (or taken from the frame cache) at its planned size."""
+    kind, path = item
+    if kind == "video" and plan.nframes != len(idx):  # the budget took frames away
+        idx = evenly_spaced_indices(info.total_frames, plan.nframes)
+    ckey = (*key, kind, tuple(idx), plan.height, plan.width)
+    frames = cache.get(ckey) if cache is not None else None
+    if frames is None:
+        frames = _read_frames(record, cfg, item, idx, plan, readers)
+        if cache is not None:
+            cache.put(ckey, frames)
+    if kind == "image":
+        return Visual(kind="image", frames=frames, fps=0.0, frame_indices=np.zeros(0, dtype=np.int32))
+    fps = info.fps if info.fps > 0 else _FALLBACK_FPS
+    return Visual(kind="video", frames=frames, fps=float(fps), frame_indices=np.asarray(idx, dtype=np.int32))
+
+
+def _read_frames(record: Record, cfg: DataConfig, item: tuple[str, str], idx: list[int], plan: MediaPlan,
+                 readers: dict[str, Any]) -> np.ndarray:
+    kind, path = item
+    try:
         if kind == "image":
-            visuals.append(Visual(kind="image", frames=frames, fps=0.0, frame_indices=np.zeros(0, dtype=np.int32)))
+            raw = read_image(path)[None]
         else:
-            fps = info.fps if info.fps > 0 else _FALLBACK_FPS
-            visuals.append(Visual(kind="video", frames=frames, fps=float(fps),
-                                  frame_indices=np.asarray(idx, dtype=np.int32)))
-    return visuals
+            if path not in readers:
+                readers[path] = open_video(path, cfg.video_backend)
+            raw = readers[path].read(idx)
+        return resize_frames(raw, plan.height, plan.width)
+    except DecodeError as exc:
+        raise _fail(record, path, exc) from None
+    except OSError as exc:  # removed or unreadable since it was probed
+        raise _fail(record, path, exc, "missing_file") from None
 
 
 def visual_tokens(visuals: list[Visual], patch_size: int, merge_size: int, temporal_patch: int = 2) -> int:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -146,6 +147,18 @@ def parse_layout(buf) -> list[TensorEntry]:
 
 def _parse_layout(buf) -> list[TensorEntry]:
     mv = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf).cast("B")
+    table, base = _header_table(mv)
+    meta = table.pop("__metadata__", {}) or {}
+    entries = {name: _tensor_entry(name, d, base, len(mv)) for name, d in table.items()}
+    _check_tiling(entries.values(), base, len(mv))
+    aliases = _alias_table(meta, entries)
+    out = list(entries.values())
+    out += [TensorEntry(a, entries[t].dtype, entries[t].shape, entries[t].offset, entries[t].nbytes) for a, t in aliases.items()]
+    return out
+
+
+def _header_table(mv: memoryview) -> tuple[dict, int]:
+    """The payload's JSON header as a dict, and where its data section starts."""
     if len(mv) < _LEN.size:
         raise WeightsFormatError(f"weights payload: {len(mv)} bytes, too short for a safetensors header")
     (hlen,) = _LEN.unpack(mv[: _LEN.size])
@@ -157,35 +170,45 @@ def _parse_layout(buf) -> list[TensorEntry]:
         raise WeightsFormatError(f"weights payload: header is not JSON ({exc})") from None
     if not isinstance(table, dict):
         raise WeightsFormatError("weights payload: header is not a JSON object")
-    base = _LEN.size + hlen
-    meta = table.pop("__metadata__", {}) or {}
-    entries: dict[str, TensorEntry] = {}
-    for name, d in table.items():
-        where = f"weights payload tensor {name!r}"
-        if not isinstance(d, dict) or not isinstance(d.get("dtype"), str) or d["dtype"] not in dtypes.BY_ST:
-            raise WeightsFormatError(f"{where}: bad entry or dtype {d.get('dtype') if isinstance(d, dict) else d!r}")
-        shape, span = d.get("shape"), d.get("data_offsets")
-        if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_DIM for s in shape):
-            raise WeightsFormatError(f"{where}: bad shape {shape!r}")
-        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
-            raise WeightsFormatError(f"{where}: bad data_offsets {span!r}")
-        row = dtypes.BY_ST[d["dtype"]]
-        b, e = span
-        if e - b != math.prod(shape) * row.itemsize:
-            raise WeightsFormatError(f"{where}: {e - b} bytes do not match shape {shape} x {row.itemsize} bytes")
-        if b < 0 or base + e > len(mv):
-            raise WeightsFormatError(f"{where}: bytes [{b}, {e}) outside the payload's data section")
-        if (base + b) % row.itemsize:
-            raise WeightsFormatError(f"{where}: offset {base + b} is not aligned to {row.itemsize} bytes")
-        entries[name] = TensorEntry(name, row.name, tuple(shape), base + b, e - b)
+    return table, _LEN.size + hlen
+
+
+def _tensor_entry(name: str, d: Any, base: int, size: int) -> TensorEntry:
+    """One header entry, validated: known dtype, sane shape, offsets of that many bytes, aligned and
+    inside the payload of ``size`` bytes whose data section starts at ``base``."""
+    where = f"weights payload tensor {name!r}"
+    if not isinstance(d, dict) or not isinstance(d.get("dtype"), str) or d["dtype"] not in dtypes.BY_ST:
+        raise WeightsFormatError(f"{where}: bad entry or dtype {d.get('dtype') if isinstance(d, dict) else d!r}")
+    shape, span = d.get("shape"), d.get("data_offsets")
+    if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_DIM for s in shape):
+        raise WeightsFormatError(f"{where}: bad shape {shape!r}")
+    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+        raise WeightsFormatError(f"{where}: bad data_offsets {span!r}")
+    row = dtypes.BY_ST[d["dtype"]]
+    b, e = span
+    if e - b != math.prod(shape) * row.itemsize:
+        raise WeightsFormatError(f"{where}: {e - b} bytes do not match shape {shape} x {row.itemsize} bytes")
+    if b < 0 or base + e > size:
+        raise WeightsFormatError(f"{where}: bytes [{b}, {e}) outside the payload's data section")
+    if (base + b) % row.itemsize:
+        raise WeightsFormatError(f"{where}: offset {base + b} is not aligned to {row.itemsize} bytes")
+    return TensorEntry(name, row.name, tuple(shape), base + b, e - b)
+
+
+def _check_tiling(entries: Iterable[TensorEntry], base: int, size: int) -> None:
+    """The tensors cover ``[base, size)`` exactly: no gap, no overlap, nothing after them."""
     pos = base
-    for e in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
+    for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
         if e.offset != pos:
             raise WeightsFormatError(f"weights payload: tensor {e.name!r} at {e.offset}, expected {pos} (gap or overlap)")
         pos += e.nbytes
-    if pos != len(mv):
-        raise WeightsFormatError(f"weights payload: tensors end at {pos}, payload has {len(mv)} bytes")
+    if pos != size:
+        raise WeightsFormatError(f"weights payload: tensors end at {pos}, payload has {size} bytes")
+
+
+def _alias_table(meta: Any, entries: Mapping[str, TensorEntry]) -> dict[str, str]:
+    """The metadata's alias table (alias name -> sent tensor name), validated."""
     raw_aliases = meta.get(ALIASES_KEY, "{}") if isinstance(meta, dict) else None
     try:
         aliases = json.loads(raw_aliases) if isinstance(raw_aliases, str) else None
@@ -194,9 +217,7 @@ def _parse_layout(buf) -> list[TensorEntry]:
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) and v in entries
                                                 for k, v in aliases.items()):
         raise WeightsFormatError("weights payload: bad alias table (names must point at sent tensors)")
-    out = list(entries.values())
-    out += [TensorEntry(a, entries[t].dtype, entries[t].shape, entries[t].offset, entries[t].nbytes) for a, t in aliases.items()]
-    return out
+    return aliases
 
 
 def view_of(buf_N: torch.Tensor, e: TensorEntry) -> torch.Tensor:

@@ -1,16 +1,12 @@
 """The chaos soak, short: kill -9 of the learner (twice), a generator and redis-server during a run,
 each restarted, then the audit: every produced group trained exactly once (or dropped with a
-reason, or still queued), steps 1..N with version N. The 10-minute version: benchmarks/chaos.py."""
+reason, or still queued), steps 1..N with version N. The 10-minute version: python -m benchmarks.chaos."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import chaos  # noqa: E402
+from benchmarks import chaos
 
 
 def test_make_plan_spreads_seeded_kills_over_the_middle_of_the_run():

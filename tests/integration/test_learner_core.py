@@ -54,7 +54,7 @@ def _accept(groups, learner, version=0):
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_path, beta):
-    from streamgrpo.training import split_micro_batches
+    from streamgrpo.micro_batches import split_micro_batches
 
     whole = _learner(_cfg(tiny_model_dir, tmp_path / "a", f"loss.beta={beta}"))
     micro = _learner(_cfg(tiny_model_dir, tmp_path / "b", f"loss.beta={beta}", "learner.micro_batch_tokens=100"))
@@ -74,7 +74,7 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
 
 
 def test_split_into_exactly_n_parts_keeps_order_and_budget(groups, tiny_model_dir, tmp_path):
-    from streamgrpo.training import group_tokens, split_micro_batches
+    from streamgrpo.micro_batches import group_tokens, split_micro_batches
 
     batch = _accept(groups, _learner(_cfg(tiny_model_dir, tmp_path)))
     budget = 2 * group_tokens(batch[0]) + 5

@@ -1,13 +1,9 @@
-"""The staleness study's in-process driver (``benchmarks/lockstep.py``) on the tiny model and real demo clips."""
+"""The staleness study's in-process driver (:mod:`benchmarks.lockstep`) on the tiny model and real demo clips."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def test_lockstep_trains_on_exactly_lagged_rollouts(tmp_path, tiny_model_dir, demo_data_dir):

@@ -6,18 +6,15 @@ hand-made inputs.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
+import os
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import common  # noqa: E402
-from benchmarks import loop_runs as lr  # noqa: E402
+from benchmarks import common
+from benchmarks import loop_runs as lr
 
 
 def _machine():
@@ -256,7 +253,18 @@ def test_run_all_plan():
     assert names == list(SCRIPTS)
     sub = plan({"wire", "e2e"}, set(), False)
     assert [n for n, _, _ in sub] == ["wire", "e2e"]
-    assert all(Path(cmd[1]).exists() for _, cmd, _ in plan(set(), set(), True))
+    # every command runs an existing module of the benchmarks package: python -m benchmarks.<name>
+    assert all(cmd[1] == "-m" and importlib.util.find_spec(cmd[2]) for _, cmd, _ in plan(set(), set(), True))
     assert "staleness" not in [n for n, _, _ in plan(set(), {"staleness"}, False)]
     with pytest.raises(ValueError, match="unknown"):
         plan({"nope"}, set(), False)
+
+
+def test_child_pythonpath_prepends_the_root(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert common.child_pythonpath().split(os.pathsep) == [str(common.ROOT), "/elsewhere"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert common.child_pythonpath() == str(common.ROOT)  # no empty trailing entry
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert common.child_pythonpath() == str(common.ROOT)
+    assert common.module_argv("bench_wire", "--rounds", "5")[1:] == ["-m", "benchmarks.bench_wire", "--rounds", "5"]

@@ -83,7 +83,7 @@ def test_per_module_learning_rates(tiny_model_dir, tmp_path):
     unset, one group at learning_rate; a peft-prefixed or unknown name falls back to learning_rate."""
     from streamgrpo.config import load_config
     from streamgrpo.models.loading import load_model
-    from streamgrpo.training import make_optimizer, param_groups
+    from streamgrpo.optim import make_optimizer, param_groups
 
     base = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",

@@ -1,7 +1,8 @@
 """Custom reward functions used by test_rewards_set.py through ``module:function`` import paths.
 
 Not a test module itself (pytest collects nothing here); it lives next to the tests so the import
-path ``test_rewards_plugin:<name>`` works once this folder is on ``sys.path``.
+path ``test_rewards_plugin:<name>`` works once this folder is on ``sys.path`` (test_rewards_set.py
+puts it there on purpose, as a user would with their own plugin folder).
 """
 
 from __future__ import annotations

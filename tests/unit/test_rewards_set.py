@@ -21,6 +21,7 @@ BAD = "<answer>A</answer>"
 @pytest.fixture(autouse=True)
 def plugin_on_path(monkeypatch):
     """Make ``test_rewards_plugin`` importable whatever pytest's import mode."""
+    # Kept on purpose: a user's reward plugin folder on sys.path is the case under test here.
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 

@@ -124,7 +124,7 @@ def test_the_learner_counts_the_pure_cores_errors():
 
 
 def test_micro_batches_never_mix_sampling_temperatures():
-    from streamgrpo.training import sampling_temperature, split_micro_batches
+    from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
 
     batch = [_group(f"g{i}", [1.0, 0.0], [2, 2], temperature=t) for i, t in enumerate([1.0, 1.0, 0.7, None, 1.0])]
     parts = split_micro_batches(batch, None)
