@@ -212,17 +212,40 @@ class Lease:
             self.fd = None
 
 
+class Maps:
+    """A reader's mappings of the learner's files, kept across versions: the learner reuses a few files,
+    and a mapping whose pages are already in this process's page tables costs no page faults the next
+    time. Keyed by path and checked by inode (a file replaced under the same name is mapped anew);
+    at most ``keep`` (the learner keeps ``host_buffers + 1`` files), least recently used dropped."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # path -> (inode, size, mapping)
+
+    def get(self, path: str, inode: int, size: int) -> mmap.mmap:
+        hit = self._maps.pop(path, None)
+        if hit is not None and hit[0] == inode and hit[1] == size:
+            self._maps[path] = hit  # most recently used last
+            return hit[2]
+        view = _map_readonly(path, size)
+        self._maps[path] = (inode, size, view)
+        while len(self._maps) > self.keep:
+            self._maps.pop(next(iter(self._maps)))  # dropped: unmapped once no tensor views it
+        return view
+
+
 def _map_readonly(path: str, size: int) -> mmap.mmap:
     """Map ``path`` through its own descriptor: mmap keeps a duplicate of the descriptor it was given,
-    and a duplicate of the locked one would keep the shared lock alive after the lease is released."""
+    and a duplicate of the locked one would keep the shared lock alive after the lease is released.
+    MAP_POPULATE faults every page in at once (the digest pass reads them all anyway)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
     finally:
         os.close(fd)
 
 
-def read_version(a: Announcement, pool: Executor | None = None) -> tuple[Completed, Lease] | str:
+def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | None = None) -> tuple[Completed, Lease] | str:
     """Map and verify the announced version: ``(completed, lease)``, or a one-line reason it was dropped."""
     try:
         fd = os.open(a.path, os.O_RDONLY)
@@ -234,10 +257,10 @@ def read_version(a: Announcement, pool: Executor | None = None) -> tuple[Complet
         os.close(fd)
         return f"weights version {a.meta.version}: its shared-memory file is being rewritten (superseded)"
     try:
-        size = os.fstat(fd).st_size
-        if size < a.meta.nbytes:
-            raise WeightsFormatError(f"file has {size} bytes, the version {a.meta.nbytes}")
-        view = _map_readonly(a.path, size)
+        st = os.fstat(fd)
+        if st.st_size < a.meta.nbytes:
+            raise WeightsFormatError(f"file has {st.st_size} bytes, the version {a.meta.nbytes}")
+        view = maps.get(a.path, st.st_ino, st.st_size) if maps is not None else _map_readonly(a.path, st.st_size)
         with warnings.catch_warnings():  # a read-only mapping: torch warns, nothing here writes to it
             warnings.simplefilter("ignore")
             buf_N = torch.frombuffer(view, dtype=torch.uint8)[: a.meta.nbytes]

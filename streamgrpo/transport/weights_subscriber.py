@@ -34,7 +34,7 @@ from streamgrpo.transport.weights_codec import (
     select_chunks,
 )
 from streamgrpo.transport.weights_links import Links
-from streamgrpo.transport.weights_shm import TOPIC_SHM, Lease, decode_announcement, read_version
+from streamgrpo.transport.weights_shm import TOPIC_SHM, Lease, Maps, decode_announcement, read_version
 
 log = logging.getLogger("streamgrpo.transport.weights")
 
@@ -141,6 +141,7 @@ class WeightSubscriber(WeightSyncClient):
         self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
         self._rid = 0
         self._leases: dict[int, Lease] = {}  # shm mode: data_ptr of a version's buffer -> its file lock
+        self._maps = Maps()  # shm mode: the learner's files, mapped once each
         self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_shm": 0, "discarded": 0,
                       "snapshot_requests": 0, "beats": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
@@ -349,7 +350,7 @@ class WeightSubscriber(WeightSyncClient):
         a = decode_announcement(raw, self.shm_dir)
         if not newer(a.meta, self._have):
             return
-        got = read_version(a, self._pool)
+        got = read_version(a, self._pool, self._maps)
         if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
             self._dropped(got, repair=False)
             return

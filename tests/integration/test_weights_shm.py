@@ -209,3 +209,23 @@ def test_config_selects_shared_memory(tmp_path):
             sub.close()
     with pytest.raises(ValueError, match="not a directory"):
         WeightPublisher("127.0.0.1", 0, 0, shm_dir=tmp_path / "missing")
+
+
+def test_a_reader_maps_each_learner_file_once_and_again_when_it_is_replaced(tmp_path):
+    from streamgrpo.transport.weights_shm import Maps
+
+    maps = Maps(keep=2)
+    a = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 4096)
+    b = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-2", 4096)
+    try:
+        ino = os.stat(a.path).st_ino
+        first = maps.get(str(a.path), ino, 4096)
+        assert maps.get(str(a.path), ino, 4096) is first  # reused: no new mapping, no page faults
+        a.tensor[0] = 7
+        assert first[0] == 7  # the same pages the learner writes
+        assert maps.get(str(a.path), ino + 1, 4096) is not first  # another file under that name
+        maps.get(str(b.path), os.stat(b.path).st_ino, 4096)
+        assert len(maps._maps) == 2
+    finally:
+        a.close()
+        b.close()
