@@ -445,6 +445,8 @@ def export_prometheus(rec: StepRecord, batch: list[Accepted], out: StepOutput, m
             if value is not None:
                 M.OFF_POLICY.labels(stat=stat).set(value)
         M.STEP_SECONDS.set(rec.seconds)
+        M.LEARNER_TOKENS_PER_SECOND.set(rec.tokens_per_second)
+        M.LEARNER_MFU.set(math.nan if rec.mfu is None else rec.mfu)
     M.POLICY_VERSION.labels(role="learner").set(rec.version)
     M.GROUPS.labels(event="trained").inc(len(batch))
     M.TOKENS.labels(role="learner").inc(out.tokens)

@@ -43,6 +43,7 @@ from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
 from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
+from streamgrpo.flops import LearnerWork
 from streamgrpo.learner_state import Accepted, LearnerState
 from streamgrpo.loss import LossError
 from streamgrpo.step_data import LossStats, Probe, StepOutput
@@ -274,6 +275,7 @@ class Learner:
             self.forward = self.engine
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
         self._mixed_temperatures_logged = False
+        self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
     # -------------------------------------------------------------------------------- helpers
     @property
@@ -380,7 +382,7 @@ class Learner:
             return None
         return StepOutput(loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
-                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats))
+                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), **self.work.of_groups(batch))
 
     def discard_gradients(self) -> None:
         """Forget any gradients of a failed or probing step (nothing is applied)."""
