@@ -143,6 +143,8 @@ class LearnerConfig(_Section):
     """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of a single-process learner."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend of DeepSpeed ranks: auto = NCCL (rank r on GPU LOCAL_RANK) when CUDA is visible and this host has a GPU per learner rank, else gloo with every rank on the CPU; nccl insists (an error when the GPUs do not go round); gloo keeps the ranks on their GPUs when they go round."""
     groups_per_step: int = Field(8, ge=1, le=65536)
     """Groups (prompts) consumed per optimizer step, summed over ranks."""
     micro_batch_tokens: Optional[int] = Field(None, ge=16)

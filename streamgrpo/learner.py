@@ -82,7 +82,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     from streamgrpo.transport.weight_channels import publisher_from_config
 
     stop = stop if stop is not None else StopFlag()
-    dist = dist or init_distributed(cfg.learner.backend)
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
     main = dist.is_main
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

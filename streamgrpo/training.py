@@ -230,8 +230,7 @@ class Learner:
         lc = cfg.learner
         self.deepspeed = lc.backend == "deepspeed"
         if device is None:
-            device = (torch.device("cuda", self.dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")) \
-                if self.deepspeed else resolve_device(lc.device)
+            device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
         self.device = device
         if cfg.learner.groups_per_step % self.dist.world_size:
             raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
