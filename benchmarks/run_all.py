@@ -36,6 +36,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "queue": ("bench_queue.py", ["--rounds", "3", "--seconds", "1.0"], [], 600),
     "weights": ("bench_weights.py", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc", "--repeats", "3"], [], 900),
     "learner": ("bench_learner.py", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
+    "engine": ("bench_engine.py", ["--repeats", "5"], [], 300),
     "e2e": ("bench_e2e.py", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness.py", [], ["--seeds", "0,1,2"], 1200),
 }
