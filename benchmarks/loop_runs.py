@@ -170,7 +170,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 def bench_env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)})
+                "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     return env
 
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+               HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     failed: list[str] = []
     t_all = time.time()
     for name, cmd, timeout in todo:

@@ -260,3 +260,31 @@ def test_run_all_plan():
     assert "staleness" not in [n for n, _, _ in plan(set(), {"staleness"}, False)]
     with pytest.raises(ValueError, match="unknown"):
         plan({"nope"}, set(), False)
+
+
+def test_bench_env_prepends_to_pythonpath(monkeypatch):
+    import os
+
+    from benchmarks.loop_runs import ROOT, bench_env
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert bench_env()["PYTHONPATH"] == os.pathsep.join([str(ROOT), "/elsewhere"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert bench_env()["PYTHONPATH"] == str(ROOT)  # no empty entry (that would put the cwd on the path)
+
+
+def test_gpu_weights_waits_for_the_generator_end_with_a_clear_error():
+    import queue
+    import types
+
+    from benchmarks.gpu_weights import _read
+
+    child = types.SimpleNamespace(lines=queue.Queue(), poll=lambda: None, wait=lambda: 3)
+    child.lines.put({"event": "ready"})
+    child.lines.put({"event": "applied", "version": 2})
+    assert _read(child, "applied", timeout_s=1.0) == {"event": "applied", "version": 2}  # other events skipped
+    with pytest.raises(RuntimeError, match="no 'applied' from the generator process in 0s"):
+        _read(child, "applied", timeout_s=0.05)
+    child.lines.put(None)
+    with pytest.raises(RuntimeError, match=r"ended \(rc 3\) before 'applied'"):
+        _read(child, "applied", timeout_s=1.0)
