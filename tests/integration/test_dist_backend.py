@@ -55,6 +55,7 @@ def test_two_ranks_without_a_gpu_each_take_gloo_on_the_cpu(tmp_path):
         assert {r["ds_accelerator"] for r in ranks} == {"cpu"}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_rank_per_gpu_takes_nccl_on_its_gpu(tmp_path):
     n = min(torch.cuda.device_count(), 2)
