@@ -52,8 +52,10 @@ def run_ours(q: RedisQueue, g: ScoredGroup, seconds: float, batch: int) -> tuple
             q.put(fresh[0])
         else:
             q.put_many(fresh)
-        got = []
+        got, deadline = [], time.monotonic() + 60.0
         while len(got) < batch:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench_queue: {len(got)} of {batch} groups came back from Redis in 60s")
             got += q.get(batch - len(got), timeout_s=5.0)
         q.ack([d.stream_id for d in got])
         done += batch

@@ -31,6 +31,7 @@ import os
 import queue
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -62,6 +63,10 @@ def _tensors(mib: int, fill: bool = True):
     return out, flat
 
 
+WAIT_S = 300.0
+"""The longest any wait of this benchmark (a subscriber for the publisher, the driver for a subscriber) lasts."""
+
+
 def _emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -79,11 +84,15 @@ def _sub_raw(a) -> None:
         sock.curve_serverkey = server_keys(a.keys, secret=False)[0]
         sock.curve_publickey, sock.curve_secretkey = client_keys(a.keys, None)
     sock.subscribe(b"")
+    sock.rcvtimeo = int(WAIT_S * 1000)
     sock.connect(a.endpoint)
     got: dict[int, int] = {}
     warm = False
     while True:
-        frames = sock.recv_multipart(copy=False)
+        try:
+            frames = sock.recv_multipart(copy=False)
+        except zmq.Again:
+            sys.exit(f"bench_weights raw subscriber: nothing from {a.endpoint} for {WAIT_S:.0f}s; giving up")
         tag = frames[0].bytes
         if tag == b"warm":
             if not warm:
@@ -109,10 +118,14 @@ def _sub_weights(a) -> None:
         model.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
     sub = WeightSubscriber("127.0.0.1", a.port, a.snap, a.keys, None, ipc_dir=a.ipc_dir or None,
                            shm_dir=a.shm_dir or None)
+    last = time.monotonic()
     while True:
         got = sub.poll(60.0)  # a generator would call poll(0) between batches; waiting here costs no CPU
         if got is None:
+            if time.monotonic() - last > WAIT_S:
+                sys.exit(f"bench_weights subscriber: no weight version for {WAIT_S:.0f}s; giving up")
             continue
+        last = time.monotonic()
         t_done = time.monotonic()
         version, tensors = got
         apply_to_model(model, tensors)
@@ -138,8 +151,11 @@ class Child:
             if line.startswith("{"):
                 self.q.put(json.loads(line))
 
-    def get(self, timeout: float = 120.0) -> dict:
-        return self.q.get(timeout=timeout)
+    def get(self, timeout: float = WAIT_S) -> dict:
+        try:
+            return self.q.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"subscriber process sent nothing for {timeout:.0f}s (exit code {self.p.poll()})") from None
 
     def stop(self) -> None:
         if self.p.poll() is None:
@@ -177,13 +193,13 @@ class RawChannel:
         self.subs = [Child(["--role", "raw", "--endpoint", ep, "--nbytes", str(self.nbytes)] + (["--keys", keys] if keys else []))
                      for _ in range(n_subs)]
         for c in self.subs:  # slow joiner: keep sending warm-up frames until everyone is subscribed
-            deadline = time.monotonic() + 120.0
+            deadline = time.monotonic() + WAIT_S
             while True:
                 if time.monotonic() > deadline or c.p.poll() is not None:
-                    raise RuntimeError(f"raw subscriber never came up (exit code {c.p.poll()})")
+                    raise RuntimeError(f"raw subscriber not subscribed after {WAIT_S:.0f}s (exit code {c.p.poll()})")
                 self.pub.send_multipart([b"warm", b"", b""])
                 try:
-                    if c.get(0.05)["event"] == "warm":
+                    if c.q.get(timeout=0.05)["event"] == "warm":
                         break
                 except queue.Empty:
                     pass

@@ -31,14 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from benchmarks.common import child_pythonpath, emit, figure, machine_info, module_argv, write_result
+
+WAIT_S = 600.0
+"""The longest any wait of this benchmark lasts (the generator for a version, the driver for the generator)."""
 
 
 def _groups(proc, a, n: int, seed: int = 0):
@@ -81,10 +86,14 @@ def _sub(a) -> None:
     model = model.to("cuda" if cuda else "cpu").eval()
     sub = WeightSubscriber("127.0.0.1", a.port, a.snap, pin_memory=cuda, ipc_dir=a.ipc_dir or None)
     print(json.dumps({"event": "ready"}), flush=True)
+    last = time.monotonic()
     while True:
         got = sub.poll(120.0)
         if got is None:
+            if time.monotonic() - last > WAIT_S:
+                sys.exit(f"gpu_weights generator: no weight version for {WAIT_S:.0f}s; giving up")
             continue
+        last = time.monotonic()
         received = time.time()
         version, tensors = got
         apply_to_model(model, tensors)  # pinned -> device, asynchronous copies, one synchronise
@@ -101,16 +110,32 @@ def _spawn(a, port: int, snap: int, ipc_dir: str, last: int):
     env = dict(os.environ, PYTHONPATH=child_pythonpath())
     args = module_argv("gpu_weights", "--role", "sub", "--model-dir", a.model_dir, "--port", str(port), "--snap",
                        str(snap), "--last", str(last), *(["--ipc-dir", ipc_dir] if ipc_dir else []))
-    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    child.lines = queue.Queue()  # its JSON lines, then None at its end (read by a thread: waits can time out)
+
+    def pump() -> None:
+        for line in child.stdout:
+            if line.startswith("{"):
+                child.lines.put(json.loads(line))
+        child.lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return child
 
 
-def _read(child, want: str) -> dict:
-    for line in child.stdout:
-        if line.startswith("{"):
-            msg = json.loads(line)
-            if msg["event"] == want:
-                return msg
-    raise RuntimeError(f"generator process ended (rc {child.wait()}) before '{want}'")
+def _read(child, want: str, timeout_s: float | None = None) -> dict:
+    """The generator process's next ``want`` message; a clear error when it ends or stays silent too long."""
+    timeout_s = WAIT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            msg = child.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise RuntimeError(f"no '{want}' from the generator process in {timeout_s:.0f}s (rc {child.poll()})") from None
+        if msg is None:
+            raise RuntimeError(f"generator process ended (rc {child.wait()}) before '{want}'")
+        if msg["event"] == want:
+            return msg
 
 
 def run(a) -> dict:

@@ -87,6 +87,8 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
         groups = []
         while len(groups) < gps:
             chunk = list(itertools.islice(samples, min(ppb, gps - len(groups))))
+            if not chunk:
+                raise RuntimeError(f"lockstep: the data ran out at step {step} ({len(groups)} of {gps} groups)")
             reqs = []
             for record, visuals in chunk:
                 text = build_prompt_text(processor, record, cfg.data)

@@ -33,6 +33,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "queue": ("bench_queue", ["--rounds", "3", "--seconds", "1.0"], [], 600),
     "weights": ("bench_weights", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc,shm", "--repeats", "3"], [], 900),
     "learner": ("bench_learner", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
+    "engine": ("bench_engine", ["--repeats", "5"], [], 300),
     "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 1200),
 }

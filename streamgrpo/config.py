@@ -143,6 +143,8 @@ class LearnerConfig(_Section):
     """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of a single-process learner."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend of DeepSpeed ranks: auto = NCCL (rank r on GPU LOCAL_RANK) when CUDA is visible and this host has a GPU per learner rank, else gloo with every rank on the CPU; nccl insists (an error when the GPUs do not go round); gloo keeps the ranks on their GPUs when they go round."""
     groups_per_step: int = Field(8, ge=1, le=65536)
     """Groups (prompts) consumed per optimizer step, summed over ranks."""
     micro_batch_tokens: Optional[int] = Field(None, ge=16)
@@ -183,6 +185,8 @@ class LearnerConfig(_Section):
     """Start at step 0 although the run directory has checkpoints: they, metrics.jsonl and the learner's audit log are moved to <run_dir>/previous/<time>/ first. Without resume or fresh, a learner refuses to start over existing checkpoints."""
     replica_check_every: int = Field(0, ge=0)
     """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
+    peak_tflops: Optional[float] = Field(None, gt=0.0, le=1e6)
+    """Peak dense TFLOP/s of one learner device at the training precision, for MFU (streamgrpo_learner_mfu, `mfu` in metrics.jsonl); null looks it up by the CUDA device's name (H100, H200, A100); on a CPU or an unlisted GPU MFU is then not reported."""
 
 
 # --------------------------------------------------------------------------------------- queue

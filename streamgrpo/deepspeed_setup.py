@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from streamgrpo.config import Config
 
 DEFAULT_DEEPSPEED = {
@@ -64,10 +62,9 @@ def import_deepspeed():
     """
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
-    if not torch.cuda.is_available():
-        from deepspeed.accelerator import get_accelerator
-
+    if get_accelerator().device_name() == "cpu":  # no CUDA, or CPU ranks on a GPU host (DS_ACCELERATOR=cpu)
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
         if builder is not None:
             deepspeed.ops.__compatible_ops__[builder.NAME] = False

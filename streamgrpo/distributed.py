@@ -6,7 +6,14 @@ them unconditionally. Nothing is pickled: small per-rank values travel as float6
 JSON records as padded uint8 tensors.
 
 Launch environment (set by torchrun / the deepspeed launcher): ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Backend: NCCL on CUDA, gloo on CPU.
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, and the ranks on this host (``LOCAL_WORLD_SIZE``
+from torchrun, ``LOCAL_SIZE`` from the deepspeed launcher; without either, ``WORLD_SIZE``).
+
+Backend (``learner.dist_backend``, :func:`plan_ranks`): ``auto`` takes NCCL only when CUDA is
+visible and there is a device for every rank on this host, and then gives rank ``r`` GPU
+``LOCAL_RANK``; otherwise gloo, with every rank on the CPU (no ``cuda.set_device`` past the device
+count, and DeepSpeed told so: ``DS_ACCELERATOR=cpu`` unless set). ``nccl`` insists (an error when
+the devices do not go round); ``gloo`` keeps the ranks on their GPUs when they go round.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import datetime
 import json
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +41,9 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    device: str = ""
+    """Where this rank trains, as :func:`init_distributed` chose it (``cuda:<local rank>`` or ``cpu``); empty
+    when it chose nothing (one torch-backend process, or a process group started elsewhere)."""
 
     @property
     def is_main(self) -> bool:
@@ -43,16 +54,56 @@ class DistInfo:
         """True when a process group spans several ranks."""
         return self.world_size > 1
 
+    def train_device(self) -> torch.device:
+        """A DeepSpeed rank's device: :attr:`device`; without it its local GPU when CUDA is visible, else the CPU."""
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
     @classmethod
     def from_env(cls) -> DistInfo:
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                    int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The process group's backend, and whether this host's ranks each take a GPU."""
+
+    backend: str
+    cuda: bool
+
+
+def plan_ranks(requested: str, *, cuda_available: bool, device_count: int, local_world_size: int) -> RankPlan:
+    """``learner.dist_backend`` -> the backend and devices of this host's ranks (pure; see the module docstring)."""
+    if requested not in DIST_BACKENDS:
+        raise ValueError(f"learner.dist_backend={requested!r}: expected one of {', '.join(DIST_BACKENDS)}")
+    fits = cuda_available and device_count >= local_world_size
+    if requested == "nccl" and not fits:
+        raise RuntimeError(f"learner.dist_backend=nccl needs a CUDA device for each of the {local_world_size} learner "
+                           f"rank(s) on this host, and {device_count} are visible (use auto or gloo)")
+    if requested == "auto":
+        return RankPlan("nccl" if fits else "gloo", fits)
+    return RankPlan(requested, fits)
+
+
+def local_world_size(env: Mapping[str, str]) -> int:
+    """Learner ranks on this host: ``LOCAL_WORLD_SIZE`` (torchrun), ``LOCAL_SIZE`` (deepspeed launcher), else
+    ``WORLD_SIZE`` (an upper bound that every rank reads alike, so that they all choose the same backend)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if env.get(key):
+            return int(env[key])
+    return 1
+
+
+def init_distributed(backend: str, timeout_s: float = 3600.0, dist_backend: str = "auto") -> DistInfo:
     """Join the process group the launcher describes (nothing to do for one process).
 
     ``backend`` is the learner backend: ``deepspeed`` may span ranks; ``torch`` must run alone.
+    ``dist_backend``: ``learner.dist_backend`` (:func:`plan_ranks`).
     """
     info = DistInfo.from_env()
     if info.world_size <= 1 and backend != "deepspeed":
@@ -68,10 +119,16 @@ def init_distributed(backend: str, timeout_s: float = 3600.0) -> DistInfo:
         if "MASTER_ADDR" not in os.environ:  # one DeepSpeed process started without a launcher
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                                "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-        cuda = torch.cuda.is_available()
-        if cuda:
+        visible = torch.cuda.is_available()
+        plan = plan_ranks(dist_backend, cuda_available=visible, device_count=torch.cuda.device_count() if visible else 0,
+                          local_world_size=local_world_size(os.environ))
+        if plan.cuda:
             torch.cuda.set_device(info.local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        elif visible and "DS_ACCELERATOR" not in os.environ:  # else DeepSpeed puts rank r on cuda:r regardless
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            log.info("learner ranks on the CPU (gloo): DS_ACCELERATOR=cpu")
+        dist.init_process_group(plan.backend, timeout=datetime.timedelta(seconds=timeout_s))
+        info = replace(info, device=f"cuda:{info.local_rank}" if plan.cuda else "cpu")
     for handler in logging.getLogger().handlers:  # tell the ranks' interleaved log lines apart
         fmt = getattr(handler.formatter, "_fmt", None) or "%(levelname)s %(name)s: %(message)s"
         if "[rank " not in fmt:

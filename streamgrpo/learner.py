@@ -81,7 +81,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     from streamgrpo.transport.queue import QueueStopped, RedisQueue
 
     stop = stop if stop is not None else StopFlag()
-    dist = dist or init_distributed(cfg.learner.backend)
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
     main = dist.is_main
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -487,6 +487,8 @@ def export_prometheus(rec: StepRecord, batch: list[Accepted], out: StepOutput, m
             if value is not None:
                 M.OFF_POLICY.labels(stat=stat).set(value)
         M.STEP_SECONDS.set(rec.seconds)
+        M.LEARNER_TOKENS_PER_SECOND.set(rec.tokens_per_second)
+        M.LEARNER_MFU.set(math.nan if rec.mfu is None else rec.mfu)
     M.POLICY_VERSION.labels(role="learner").set(rec.version)
     M.GROUPS.labels(event="trained").inc(len(batch))
     M.TOKENS.labels(role="learner").inc(out.tokens)

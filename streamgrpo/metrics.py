@@ -62,6 +62,15 @@ WEIGHT_SYNC_SECONDS = Histogram(
 )
 WEIGHT_BYTES = Counter("streamgrpo_weight_bytes", "Weight bytes published or received")
 STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learner step (train part)")
+LEARNER_TOKENS_PER_SECOND = Gauge(
+    "streamgrpo_learner_tokens_per_second", "Prompt + completion tokens per second of the last learner step (train part)"
+)
+LEARNER_MFU = Gauge(
+    "streamgrpo_learner_mfu",
+    "Model FLOPs utilisation of the last learner step: model FLOPs / (step seconds x peak FLOP/s of the learner "
+    "devices); NaN when a device's peak is unknown (a CPU without learner.peak_tflops)",
+)
+LEARNER_MFU.set(float("nan"))  # unknown until a learner step with a known peak: never a false 0
 IDLE_SECONDS = Counter("streamgrpo_idle_seconds", "Seconds spent waiting (learner for groups, generator on backpressure)", ["role"])
 ERRORS = Counter("streamgrpo_errors", "Errors by kind (data, reward, wire, queue, weights, loss, ...)", ["kind"])
 BACKPRESSURE = Gauge("streamgrpo_backpressure", "1 while this producer is blocked because the queue is full")

@@ -148,11 +148,12 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
     r = rows[-1] if rows else {}
     elapsed = time.time() - started
     gps = r.get("groups_trained", 0) / elapsed if elapsed > 0 else 0.0
-    acc = r.get("accuracy")
+    acc, mfu = r.get("accuracy"), r.get("mfu")
     return (f"[{elapsed:6.0f}s] step {r.get('step', 0):4d}  v{r.get('version', 0):<4d} "
             f"reward {r.get('reward', float('nan')):.3f}  acc {'-' if acc is None else f'{acc:.3f}'}  "
             f"stale {r.get('staleness_mean', 0.0):.1f}  queue {'-' if depth is None else depth:>3}  "
-            f"{gps:.2f} groups/s  {alive}")
+            f"{gps:.2f} groups/s  {r.get('tokens_per_second', 0.0):.0f} tok/s  "
+            f"{'' if mfu is None else f'MFU {100 * mfu:.1f}%  '}{alive}")
 
 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,

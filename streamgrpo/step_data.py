@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamgrpo.flops import mfu as utilisation
+
 if TYPE_CHECKING:
     import torch
 
@@ -100,6 +102,12 @@ class StepOutput:
     rows: int
     stats: LossStats
     """The loss's metrics over this rank's completion tokens."""
+    seq_tokens: int = 0
+    """Prompt + completion tokens of this rank's rows (no padding)."""
+    flops: float = 0.0
+    """Model FLOPs of this rank's step (:mod:`streamgrpo.flops`)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of this rank's device (None: unknown, e.g. a CPU without ``learner.peak_tflops``)."""
 
     @property
     def tokens(self) -> int:
@@ -130,6 +138,10 @@ class StepSummary:
     drops: dict[str, int] = field(default_factory=dict)
     """Groups the gate dropped since the last step, by reason."""
     ranks: int = 1
+    seq_tokens: int = 0
+    flops: float = 0.0
+    peak_flops: float | None = None
+    """Summed over ranks; None when any rank's device peak is unknown."""
 
     @classmethod
     def of_rank(cls, batch: list[Accepted], out: StepOutput, drops: dict[str, int]) -> StepSummary:
@@ -150,6 +162,7 @@ class StepSummary:
             staleness_G=[a.staleness for a in batch], loss=float(out.loss), stats=out.stats,
             adv_N=[float(x) for x in out.adv_N.reshape(-1).tolist()], zero_variance=int(out.zero_variance),
             seq_logprob_sum=float(out.seq_logprob_sum), rows=int(out.rows), drops=dict(drops),
+            seq_tokens=int(out.seq_tokens), flops=float(out.flops), peak_flops=out.peak_flops,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -166,6 +179,8 @@ class StepSummary:
         """Add up every rank's summary (in rank order; JSON dicts from ``gather_json`` are fine)."""
         parts = [p if isinstance(p, StepSummary) else cls.from_json(p) for p in parts]
         out = cls(ranks=len(parts))
+        peaks = [p.peak_flops for p in parts]
+        out.peak_flops = None if any(x is None for x in peaks) else float(sum(peaks))
         drops: Counter = Counter()
         for p in parts:
             drops.update(p.drops)
@@ -176,6 +191,8 @@ class StepSummary:
             out.zero_variance += p.zero_variance
             out.seq_logprob_sum += p.seq_logprob_sum
             out.rows += p.rows
+            out.seq_tokens += p.seq_tokens
+            out.flops += p.flops
             out.group_ids += p.group_ids
             out.staleness_G += p.staleness_G
             out.adv_N += p.adv_N
@@ -230,6 +247,15 @@ class StepRecord:
     micro_batches: int
     seconds: float
     wait_seconds: float
+    seq_tokens: int
+    """Prompt + completion tokens of the step's rows, all ranks (no padding)."""
+    tokens_per_second: float
+    """``seq_tokens`` per second of the train part (``seconds``)."""
+    model_flops: float
+    """Model FLOPs of the step, all ranks (:mod:`streamgrpo.flops`: forward + backward, reference forward)."""
+    mfu: float | None
+    """Model FLOPs utilisation: model_flops / (seconds x the peak FLOP/s of every learner device); None when a
+    device's peak is unknown (a CPU without ``learner.peak_tflops``, an unlisted GPU)."""
 
     @classmethod
     def build(cls, state: LearnerState, merged: StepSummary, out: StepOutput, step_s: float, wait_s: float,
@@ -256,6 +282,8 @@ class StepRecord:
             groups_trained=state.groups_trained, groups_dropped=dict(state.dropped), tokens=w.tokens,
             completion_len_mean=w.tokens / completions, lr=lr, ranks=merged.ranks,
             micro_batches=out.micro_batches, seconds=step_s, wait_seconds=wait_s,
+            seq_tokens=merged.seq_tokens, tokens_per_second=merged.seq_tokens / step_s if step_s > 0 else 0.0,
+            model_flops=merged.flops, mfu=utilisation(merged.flops, step_s, merged.peak_flops),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
 from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
 from streamgrpo.distributed import DistInfo, barrier, share
+from streamgrpo.flops import LearnerWork
 from streamgrpo.learner_state import Accepted, LearnerState
 from streamgrpo.loss import LossError
 from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
@@ -128,8 +129,7 @@ class Learner:
         lc = cfg.learner
         self.deepspeed = lc.backend == "deepspeed"
         if device is None:
-            device = (torch.device("cuda", self.dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")) \
-                if self.deepspeed else resolve_device(lc.device)
+            device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
         self.device = device
         if cfg.learner.groups_per_step % self.dist.world_size:
             raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
@@ -173,6 +173,7 @@ class Learner:
             self.forward = self.engine
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
         self._mixed_temperatures_logged = False
+        self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
     # -------------------------------------------------------------------------------- helpers
     @property
@@ -279,7 +280,7 @@ class Learner:
             return None
         return StepOutput(loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
-                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats))
+                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), **self.work.of_groups(batch))
 
     def discard_gradients(self) -> None:
         """Forget any gradients of a failed or probing step (nothing is applied)."""

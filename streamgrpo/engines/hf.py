@@ -1,10 +1,19 @@
 """Hugging Face transformers rollout engine (CPU or GPU).
 
 Several prompts (each with its own videos/images) are left-padded into one batch and sampled with
-``generate(num_return_sequences=G)``. The behaviour log-prob of each sampled token is taken from
-``scores`` (the processed logits: divided by the temperature, top-k/top-p masked), so it is the
-log-prob under the distribution the token was actually drawn from. With ``top_p == 1`` and
-``top_k == 0`` that equals ``log_softmax(logits / T)``, which is what the learner recomputes.
+``generate(num_return_sequences=G)``. The behaviour log-prob of each sampled token is the log-prob
+under the distribution the token was actually drawn from: the processed logits (vision tokens
+suppressed, divided by the temperature, top-k/top-p masked). With ``top_p == 1`` and ``top_k == 0``
+that equals ``log_softmax(logits / T)``, which is what the learner recomputes.
+
+It is captured inside the generation loop by :class:`LogprobRecorder`, the last logits processor
+(the sampling warpers are ours, placed before it): at each step it keeps the processed logits of
+that step and their ``logsumexp`` until the next step, whose ``input_ids`` end with the token just
+sampled from them, and then keeps only that token's log-prob (B floats). The last token is taken
+after ``generate`` returns. Memory: one (B, V) row of the current step, and (B, L) log-probs, never
+``output_scores``' stacked (B, L, V). Anything in the checkpoint's ``generation_config`` that would
+change the distribution beyond that (Qwen2.5-VL-Instruct ships ``repetition_penalty: 1.05``) is
+switched off (:data:`NEUTRAL_GENERATION`): the learner could not recompute it.
 
 Vision placeholder tokens (``<|video_pad|>``, ``<|image_pad|>``, ``<|vision_start|>`` ...) are
 never sampled: in a completion they would break the training forward. The learner masks the same
@@ -24,6 +33,63 @@ from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingPa
 from streamgrpo.models.batching import vision_token_ids
 
 log = logging.getLogger(__name__)
+
+NEUTRAL_GENERATION: dict[str, Any] = dict(
+    repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, min_p=None, typical_p=1.0,
+    epsilon_cutoff=0.0, eta_cutoff=0.0, renormalize_logits=False, num_beams=1,
+)
+"""generate() settings that keep the checkpoint's generation_config from reshaping the sampled distribution."""
+
+
+class LogprobRecorder:
+    """A logits processor that records the log-prob of every sampled token under the processed
+    distribution; it must come last. Holds one step's (B, V) logits and (B,) floats per step."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+        self._scores: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._scores is not None:  # input_ids now end with the token sampled from the previous step's scores
+            self.steps.append(self._take(input_ids[:, -1]))
+        self._scores, self._lse = scores, torch.logsumexp(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self._scores.float().gather(-1, token_ids[:, None]).squeeze(-1) - self._lse
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, L) float32 log-probs of ``new_tokens``, the generated columns of the sequences; frees the last step.
+
+        ``generate`` may have run a step past the last token it returns (a deferred stop check undoes
+        it): only the first L steps count."""
+        L = int(new_tokens.shape[1])
+        if self._scores is not None and len(self.steps) < L:
+            self.steps.append(self._take(new_tokens[:, len(self.steps)]))
+        self._scores = self._lse = None
+        if len(self.steps) < L:
+            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {L} generated tokens")
+        if not L:
+            return torch.zeros((new_tokens.shape[0], 0), dtype=torch.float32, device=new_tokens.device)
+        return torch.stack(self.steps[:L], dim=1)
+
+
+def sampling_processors(sampling: SamplingParams) -> list[Any]:
+    """The sampling warpers in generate's own order (temperature, top-k, top-p) for ``sampling``, then a
+    :class:`LogprobRecorder`; greedy decoding has the recorder alone."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out: list[Any] = []
+    if sampling.temperature != 0:
+        if sampling.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            out.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return [*out, LogprobRecorder()]
+
 
 def suppressed_token_ids(tokenizer) -> list[int]:
     """Token ids a completion must never contain (the vision placeholders this tokenizer knows)."""
@@ -84,30 +150,28 @@ class HFEngine:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         width = batch["input_ids"].shape[1]
         greedy = sampling.temperature == 0  # argmax decoding: one sequence per prompt, copied n times
+        processors = sampling_processors(sampling)
         kwargs: dict[str, Any] = dict(
+            NEUTRAL_GENERATION,
             max_new_tokens=sampling.max_tokens,
             num_return_sequences=1 if greedy else sampling.n,
-            output_scores=True,
-            return_dict_in_generate=True,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             suppress_tokens=self.suppress_ids or None,
+            logits_processor=processors,
+            do_sample=not greedy,
+            # the warpers are in `processors`, before the recorder; generate would append its own after it
+            temperature=None if greedy else 1.0, top_p=None if greedy else 1.0, top_k=None,
         )
-        if greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k if sampling.top_k > 0 else None)
         if sampling.stop:
             kwargs["stop_strings"] = list(sampling.stop)
             kwargs["tokenizer"] = self.tokenizer
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         self.model.eval()
-        out = self.model.generate(**batch, **kwargs)
-        new_tokens = out.sequences[:, width:]
-        scores = torch.stack(out.scores, dim=1).float()  # (B*G, L, V) processed logits
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        sequences = self.model.generate(**batch, **kwargs)
+        new_tokens = sequences[:, width:]
+        logprobs = processors[-1].finish(new_tokens)
         ids_np = new_tokens.cpu().numpy().astype(np.int32)
         lp_np = logprobs.cpu().numpy().astype(np.float32)
         stop_ids = set(self.stop_ids)

@@ -39,6 +39,16 @@ from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, u
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
+BF16_LOGPROB_TOL = 0.1
+"""Largest per-token |log-prob| difference between two bfloat16 computations of one policy (the learner's
+autocast vs the sampler's bf16 weights, shared-vision vs per-row, bf16 vs fp32) that the clipped
+objective lives with. A log-prob error d moves an importance ratio by the factor e^d; e^0.1 = 1.105 and
+e^-0.1 = 0.905 use less than half of the default clip band ([1 - epsilon, 1 + epsilon_high] = [0.8, 1.28],
+in logs [-0.223, +0.247]): precision alone never clips an on-policy token. See docs/gpu.md."""
+BF16_LOGPROB_MEAN_TOL = 0.03
+"""Mean |log-prob| difference over the tokens of a batch: on-policy ratios stay within 3% of 1 on
+average (0.15 epsilon), so the objective's scale and ``ess`` barely move."""
+
 
 def _encode_once(inner: nn.Module, batch: TrainBatch) -> dict[str, Any]:
     """Run the vision encoder once over the visuals of all groups; replicate the outputs per row.

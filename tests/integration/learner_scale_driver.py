@@ -40,7 +40,7 @@ def main() -> int:
     from streamgrpo.wire import decode
 
     cfg = load_config(args.config)
-    dist = init_distributed("deepspeed")
+    dist = init_distributed("deepspeed", dist_backend=cfg.learner.dist_backend)
     run_dir = Path(cfg.run_dir)
     run_learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": args.first})}),
                 stop=StopFlag(install=False), dist=dist)

@@ -16,7 +16,7 @@ from streamgrpo.data.check import run_check
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "streamgrpo", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

@@ -57,7 +57,8 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     from streamgrpo.micro_batches import split_micro_batches
 
     whole = _learner(_cfg(tiny_model_dir, tmp_path / "a", f"loss.beta={beta}"))
-    micro = _learner(_cfg(tiny_model_dir, tmp_path / "b", f"loss.beta={beta}", "learner.micro_batch_tokens=100"))
+    micro = _learner(_cfg(tiny_model_dir, tmp_path / "b", f"loss.beta={beta}", "learner.micro_batch_tokens=100",
+                          "learner.peak_tflops=0.5"))
     batch = _accept(groups[:4], whole)
     assert len(split_micro_batches(batch, 100)) == 4  # one group per micro-batch
     out_a, grads_a = _step_grads(whole, batch)
@@ -65,6 +66,12 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     assert (out_a.micro_batches, out_b.micro_batches) == (1, 4)
     assert out_a.tokens_global == out_b.tokens_global == sum(len(c.token_ids) for g in groups[:4] for c in g.completions)
     assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
+    # the step's work (streamgrpo.flops) does not depend on the micro-batching; the peak only when configured
+    assert out_a.seq_tokens == out_b.seq_tokens == sum(len(g.prompt_ids) + len(c.token_ids)
+                                                       for g in groups[:4] for c in g.completions)
+    assert out_a.flops == out_b.flops > 6 * out_a.seq_tokens * whole.total * 0.5
+    assert (out_a.peak_flops, out_b.peak_flops) == (None, 0.5e12)  # a CPU without learner.peak_tflops: unknown
+    assert whole.work.counter.training.reference == (beta > 0)
     assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=1e-5)
     for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
         assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key

@@ -156,7 +156,7 @@ def test_at_least_once_claim_after_consumer_dies(redis_any, redis_ns, queues):
         os._exit(3)  # dies: no ack, no close
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == sent.group_id
     survivor = queues(redis_any.url, namespace=redis_ns, consumer="learner-1", claim_idle_s=0.2)

@@ -268,3 +268,32 @@ def test_child_pythonpath_prepends_the_root(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "")
     assert common.child_pythonpath() == str(common.ROOT)
     assert common.module_argv("bench_wire", "--rounds", "5")[1:] == ["-m", "benchmarks.bench_wire", "--rounds", "5"]
+
+
+def test_bench_env_prepends_to_pythonpath(monkeypatch):
+    import os
+
+    from benchmarks.common import ROOT
+    from benchmarks.loop_runs import bench_env
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert bench_env()["PYTHONPATH"] == os.pathsep.join([str(ROOT), "/elsewhere"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert bench_env()["PYTHONPATH"] == str(ROOT)  # no empty entry (that would put the cwd on the path)
+
+
+def test_gpu_weights_waits_for_the_generator_end_with_a_clear_error():
+    import queue
+    import types
+
+    from benchmarks.gpu_weights import _read
+
+    child = types.SimpleNamespace(lines=queue.Queue(), poll=lambda: None, wait=lambda: 3)
+    child.lines.put({"event": "ready"})
+    child.lines.put({"event": "applied", "version": 2})
+    assert _read(child, "applied", timeout_s=1.0) == {"event": "applied", "version": 2}  # other events skipped
+    with pytest.raises(RuntimeError, match="no 'applied' from the generator process in 0s"):
+        _read(child, "applied", timeout_s=0.05)
+    child.lines.put(None)
+    with pytest.raises(RuntimeError, match=r"ended \(rc 3\) before 'applied'"):
+        _read(child, "applied", timeout_s=1.0)

@@ -69,6 +69,15 @@ def test_out_of_bound_value_is_named():
         build_config({}, ["rollout.num_generations=1"])
 
 
+def test_dist_backend_is_one_of_three_with_a_one_line_error():
+    assert build_config({}).learner.dist_backend == "auto"
+    assert build_config({}, ["learner.dist_backend=gloo"]).learner.dist_backend == "gloo"
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["learner.dist_backend=mpi"], source="x.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and "learner.dist_backend" in msg and "'mpi'" in msg and "'nccl'" in msg, msg
+
+
 def test_cross_field_bounds():
     with pytest.raises(ConfigError, match="min_frames"):
         build_config({"data": {"min_frames": 10, "max_frames": 4}})

@@ -453,6 +453,7 @@ def test_every_promql_metric_name_is_exported_by_streamgrpo_metrics():
         "streamgrpo_staleness_steps", "streamgrpo_queue_depth", "streamgrpo_groups", "streamgrpo_groups_dropped",
         "streamgrpo_tokens", "streamgrpo_weight_sync_seconds", "streamgrpo_weight_bytes", "streamgrpo_step_seconds",
         "streamgrpo_idle_seconds", "streamgrpo_errors", "streamgrpo_backpressure", "streamgrpo_off_policy",
+        "streamgrpo_learner_tokens_per_second", "streamgrpo_learner_mfu",
     }
     assert expected <= base, f"metrics not on the dashboard or in the rules: {sorted(expected - base)}"
 
@@ -492,7 +493,8 @@ def test_dashboard_structure_and_rows():
     titles = " | ".join(p["title"] for p in panels).lower()
     for needle in ("reward per function", "accuracy", "kl", "loss", "clip fractions", "staleness of trained groups",
                    "queue depth", "groups produced", "dropped by reason", "tokens / s by role",
-                   "weight sync latency", "idle ratio", "policy version per process"):
+                   "weight sync latency", "idle ratio", "policy version per process", "learner tokens / s",
+                   "learner mfu"):
         assert needle in titles, f"no panel for {needle!r}"
     heatmaps = [p for p in panels if p["type"] == "heatmap"]
     assert any("staleness" in p["title"].lower() for p in heatmaps)
@@ -511,6 +513,21 @@ def test_dashboard_structure_and_rows():
             assert p["datasource"]["uid"] == ds_uid and p["targets"], p["title"]
             for t in p["targets"]:
                 assert t["datasource"]["uid"] == ds_uid
+
+
+def test_learner_throughput_and_mfu_panels():
+    """Tokens/s and MFU of the learner sit in the throughput row, read the learner job only (generators export
+    the gauges too: MFU NaN, tokens/s 0) and show MFU as a percentage."""
+    panels = all_panels(dashboard()["panels"])
+    rows = {p["title"]: p["gridPos"]["y"] for p in panels if p["type"] == "row"}
+    by_title = {p["title"]: p for p in panels}
+    for title, metric in (("Learner tokens / s (prompt + completion)", "streamgrpo_learner_tokens_per_second"),
+                          ("Learner MFU", "streamgrpo_learner_mfu")):
+        p = by_title[title]
+        assert rows["Throughput and idle time"] < p["gridPos"]["y"] < rows["Weights"], title
+        (target,) = p["targets"]
+        assert metric_names(target["expr"]) == {metric} and 'job="learner"' in target["expr"], target["expr"]
+    assert by_title["Learner MFU"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
 def test_grafana_provisioning_matches_compose_mounts():

@@ -99,3 +99,94 @@ def test_load_weights_in_place_and_checks(engine):
     with pytest.raises(ValueError, match="shape"):
         engine.load_weights(8, {name: torch.zeros(3)})
     assert engine.version == 7
+
+
+# ------------------------------------------------------------- log-probs captured in the loop
+def _output_scores_path(engine, requests, sampling, **extra):
+    """The previous implementation, as a reference: ``output_scores=True`` with generate's own warpers,
+    every step's processed logits stacked into a float32 (B, L, V) tensor, ``log_softmax``, gather."""
+    batch = collate_prompts([r.inputs for r in requests], engine.pad_id)
+    width = batch["input_ids"].shape[1]
+    greedy = sampling.temperature == 0
+    kwargs = dict(max_new_tokens=sampling.max_tokens, num_return_sequences=1 if greedy else sampling.n,
+                  output_scores=True, return_dict_in_generate=True, eos_token_id=engine.stop_ids,
+                  pad_token_id=engine.pad_id, suppress_tokens=engine.suppress_ids, **extra)
+    if greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k if sampling.top_k > 0 else None)
+    torch.manual_seed(sampling.seed)
+    with torch.no_grad():
+        out = engine.model.generate(**batch, **kwargs)
+    new = out.sequences[:, width:]
+    scores = torch.stack(out.scores, dim=1).float()
+    return new, torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+
+
+def _compare(engine, requests, sampling, got, **extra):
+    new, lp = _output_scores_path(engine, requests, sampling, **extra)
+    rows = 0
+    for i, group in enumerate(got):
+        for j, c in enumerate(group):
+            row = i if sampling.temperature == 0 else i * sampling.n + j
+            n = len(c.token_ids)
+            assert c.token_ids.tolist() == new[row, :n].tolist()
+            np.testing.assert_allclose(c.logprobs, lp[row, :n].numpy(), atol=1e-5, rtol=0)
+            rows += 1
+    return rows
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=3),
+    SamplingParams(n=3, temperature=0.7, top_k=7, top_p=0.9, max_tokens=10, seed=5),
+    SamplingParams(n=2, temperature=0, max_tokens=8, seed=0),  # greedy
+], ids=["t1", "t0.7-topk-topp", "greedy"])
+def test_logprobs_captured_in_the_loop_equal_the_output_scores_path(engine, sampling):
+    proc = engine.processor
+    reqs = [_request(proc, 8, (220, 30, 30), "Colour? (A) red (B) green (C) blue"),
+            _request(proc, 4, (30, 30, 220), "Which colour?")]
+    got = engine.generate(reqs, sampling)
+    assert _compare(engine, reqs, sampling, got) == 2 * sampling.n
+    assert any(len(c.token_ids) > 1 for g in got for c in g)
+
+
+def test_the_recorder_keeps_one_step_of_scores_and_b_floats_per_step():
+    from streamgrpo.engines.hf import LogprobRecorder
+
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(3, 50, generator=g) for _ in range(4)]
+    tokens = torch.randint(0, 50, (3, 4), generator=g)
+    rec = LogprobRecorder()
+    prompt = torch.zeros(3, 5, dtype=torch.long)
+    for t, s in enumerate(steps):
+        assert rec(torch.cat([prompt, tokens[:, :t]], 1), s) is s  # passes the scores through
+        assert all(x.shape == (3,) for x in rec.steps) and len(rec.steps) == t
+    want = torch.stack([torch.log_softmax(s, -1).gather(-1, tokens[:, t, None]).squeeze(-1)
+                        for t, s in enumerate(steps)], 1)
+    torch.testing.assert_close(rec.finish(tokens), want, atol=1e-6, rtol=0)
+    assert rec._scores is None  # the last (B, V) step is freed
+    # a step run past the last returned token (a deferred stop check) is dropped
+    rec = LogprobRecorder()
+    for t, s in enumerate(steps):
+        rec(torch.cat([prompt, tokens[:, :t]], 1), s)
+    torch.testing.assert_close(rec.finish(tokens[:, :3]), want[:, :3], atol=1e-6, rtol=0)
+
+
+def test_checkpoint_generation_config_cannot_reshape_the_distribution(engine):
+    """A checkpoint's repetition penalty (Qwen2.5-VL-Instruct ships 1.05) would make behaviour log-probs come from a
+    distribution the learner never recomputes; the engine switches it off."""
+    proc = engine.processor
+    reqs = [_request(proc, 8, (220, 30, 30), "Colour? (A) red (B) green (C) blue")]
+    sampling = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7)
+    cfg = engine.model.generation_config
+    before = cfg.repetition_penalty
+    assert before in (None, 1.0)
+    try:
+        cfg.repetition_penalty = 3.0
+        got = engine.generate(reqs, sampling)
+        assert _compare(engine, reqs, sampling, got, repetition_penalty=1.0) == 3  # as without the penalty
+        with pytest.raises(AssertionError):  # the old path applied it
+            _compare(engine, reqs, sampling, got)
+    finally:
+        cfg.repetition_penalty = before

@@ -19,7 +19,7 @@ RECORD_KEYS = [
     "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "ratio_min", "grad_norm", "ess",
     "kl_behaviour", "is_masked_frac", "adv_mean", "adv_std", "policy_seq_log_prob", "zero_variance_groups",
     "staleness_mean", "staleness_max", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
-    "ranks", "micro_batches", "seconds", "wait_seconds",
+    "ranks", "micro_batches", "seconds", "wait_seconds", "seq_tokens", "tokens_per_second", "model_flops", "mfu",
 ]
 
 
@@ -33,12 +33,12 @@ def _group(gid, rewards, lens, staleness=0, accuracy=True, temperature=None):
     return Accepted("s-" + gid, g, None, staleness)
 
 
-def _out(tokens, adv, **stats):
+def _out(tokens, adv, work=None, **stats):
     base = dict(kl=0.01, entropy=2.0, clip_frac=0.1, clip_frac_low=0.04, clip_frac_high=0.06, ratio_mean=1.0,
                 ratio_sq_mean=1.05, kl_behaviour=0.003, is_masked_frac=0.0, ratio_max=1.4, ratio_min=0.7)
     return StepOutput(loss=0.25, grad_norm=1.5, tokens_global=40, zero_variance=1, adv_N=torch.tensor(adv),
                       micro_batches=2, seq_logprob_sum=-12.0, rows=len(adv),
-                      stats=LossStats(tokens=tokens, **{**base, **stats}))
+                      stats=LossStats(tokens=tokens, **{**base, **stats}), **(work or {}))
 
 
 def test_two_ranks_merge_into_one_metrics_line():
@@ -79,6 +79,27 @@ def test_one_rank_without_json_round_trip_and_without_accuracy():
     line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 1.0, 0.0, 1e-3).to_json()
     assert line["group_accuracy"] is None and line["accuracy"] is None and line["kl"] == 0.0  # defaults as before
     assert line["adv_std"] == pytest.approx(np.std([1.0, -1.0], ddof=1)) and line["ranks"] == 1
+
+
+def test_tokens_per_second_and_mfu_add_up_over_ranks():
+    """FLOPs, tokens and device peaks add up over ranks; MFU is None when any rank's peak is unknown."""
+    batch = [_group("g0", [1.0, 0.0], [2, 2])]
+    works = [dict(seq_tokens=10, flops=3e12, peak_flops=1e13), dict(seq_tokens=30, flops=5e12, peak_flops=1e13)]
+    merged = StepSummary.merge([StepSummary.of_rank(batch, _out(4, [1.0, -1.0], w), {}).to_json() for w in works])
+    assert (merged.seq_tokens, merged.flops, merged.peak_flops) == (40, 8e12, 2e13)
+    line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 2.0, 0.0, 1e-3).to_json()
+    assert line["tokens_per_second"] == 20.0 and line["model_flops"] == 8e12
+    assert line["mfu"] == pytest.approx(8e12 / (2.0 * 2e13))
+    works[1]["peak_flops"] = None  # e.g. a CPU rank without learner.peak_tflops
+    merged = StepSummary.merge([StepSummary.of_rank(batch, _out(4, [1.0, -1.0], w), {}) for w in works])
+    line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 2.0, 0.0, 1e-3).to_json()
+    assert merged.peak_flops is None and line["mfu"] is None and line["tokens_per_second"] == 20.0
+
+    from streamgrpo.orchestrate import _status_line
+
+    status = _status_line([{**line, "mfu": 0.3125, "tokens_per_second": 1234.4}], 3, 0.0, "gens 1/1")
+    assert "1234 tok/s" in status and "MFU 31.2%" in status and status.endswith("gens 1/1")
+    assert "MFU" not in _status_line([line], 3, 0.0, "gens 1/1") and "20 tok/s" in _status_line([line], 3, 0.0, "")
 
 
 def test_loss_stats_of_micro_batches_add_up_to_the_whole_batch():

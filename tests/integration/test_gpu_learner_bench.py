@@ -1,0 +1,66 @@
+"""benchmarks/gpu_learner.py at ``--size tiny`` (a real process, the real Learner on the tiny model): one row per
+backend x mode with step time, tokens/s, FLOPs and MFU; on a GPU (skipped elsewhere) with peak memory too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.common import child_pythonpath, module_argv
+
+SMALL = ["--size", "tiny", "--steps", "1", "--warmup", "0", "--G", "2", "--completion-len", "4", "--frames", "2",
+         "--frame-size", "56", "--groups", "2"]
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": child_pythonpath()}
+    out = subprocess.run(module_argv("gpu_learner", *args), cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_tiny_size_rows_for_every_backend_and_mode(tmp_path):
+    out = _run(tmp_path, *SMALL, "--peak-tflops", "0.001", "--out", str(tmp_path / "r.json"))
+    doc = json.loads((tmp_path / "r.json").read_text())
+    rows = {(r["backend"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {(b, m) for b in ("torch", "deepspeed") for m in ("full", "full_vision", "lora")}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    tokens = {r["seq_tokens"] for r in rows.values()}
+    assert len(tokens) == 1 and tokens.pop() > 2 * 2 * 4  # the same batch everywhere: prompts + completions
+    for r in rows.values():
+        assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["seq_tokens"] / r["step_s"])
+        assert r["mfu"] == pytest.approx(r["flops"] / (r["step_s"] * 1e9))
+        assert (r["peak_gib"] is None) == (not torch.cuda.is_available())  # CUDA peak memory only
+    for b in ("torch", "deepspeed"):  # what trains decides the backward
+        assert rows[(b, "lora")]["flops"] < rows[(b, "full")]["flops"] < rows[(b, "full_vision")]["flops"]
+        assert rows[(b, "lora")]["trainable"] < rows[(b, "full")]["trainable"] < rows[(b, "full_vision")]["trainable"]
+    assert rows[("torch", "full")]["flops"] == rows[("deepspeed", "full")]["flops"]
+    names = [f["name"] for f in doc["figures"]]
+    assert "step_torch_full_s" in names and "mfu_deepspeed_lora" in names
+    assert "step_deepspeed_full_vision_s: " in out.stdout and "MFU" in out.stdout
+
+
+def test_without_the_peak_mfu_is_absent_and_real_sizes_need_cuda(tmp_path):
+    _run(tmp_path, *SMALL, "--backends", "torch", "--modes", "full", "--out", str(tmp_path / "r.json"))
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    if not torch.cuda.is_available():
+        assert row["mfu"] is None and row["peak_flops"] is None  # a CPU without learner.peak_tflops
+        out = _run(tmp_path, "--size", "7b", "--out", str(tmp_path / "none.json"))
+        assert "no CUDA device here" in out.stdout and not (tmp_path / "none.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_size_on_a_gpu_reports_peak_memory_and_mfu(tmp_path):
+    _run(tmp_path, *SMALL, "--backends", "torch", "--out", str(tmp_path / "r.json"))
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert all(r["status"] == "ok" and r["peak_gib"] > 0 for r in rows)
+    if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
+        assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in rows)

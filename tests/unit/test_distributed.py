@@ -1,0 +1,45 @@
+"""learner.dist_backend: which process-group backend and devices the learner ranks of one host take (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamgrpo.distributed import DistInfo, RankPlan, local_world_size, plan_ranks
+
+
+@pytest.mark.parametrize(("requested", "cuda", "devices", "local", "want"), [
+    ("auto", True, 8, 8, RankPlan("nccl", True)),  # a GPU per rank
+    ("auto", True, 1, 1, RankPlan("nccl", True)),
+    ("auto", True, 1, 2, RankPlan("gloo", False)),  # two ranks, one GPU: no cuda.set_device(1)
+    ("auto", False, 0, 2, RankPlan("gloo", False)),  # CPU
+    ("gloo", True, 2, 2, RankPlan("gloo", True)),  # gloo asked for: ranks keep their GPUs when they go round
+    ("gloo", True, 1, 2, RankPlan("gloo", False)),
+    ("gloo", False, 0, 1, RankPlan("gloo", False)),
+    ("nccl", True, 4, 2, RankPlan("nccl", True)),
+])
+def test_plan_ranks(requested, cuda, devices, local, want):
+    assert plan_ranks(requested, cuda_available=cuda, device_count=devices, local_world_size=local) == want
+
+
+def test_nccl_without_a_gpu_per_rank_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="needs a CUDA device for each of the 2 learner rank.*1 are visible"):
+        plan_ranks("nccl", cuda_available=True, device_count=1, local_world_size=2)
+    with pytest.raises(RuntimeError, match="0 are visible"):
+        plan_ranks("nccl", cuda_available=False, device_count=0, local_world_size=1)
+    with pytest.raises(ValueError, match="mpi"):
+        plan_ranks("mpi", cuda_available=False, device_count=0, local_world_size=1)
+
+
+def test_local_world_size_from_the_launchers():
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "3", "WORLD_SIZE": "16"}) == 4  # torchrun
+    assert local_world_size({"LOCAL_SIZE": "3", "WORLD_SIZE": "16"}) == 3  # deepspeed launcher
+    assert local_world_size({"WORLD_SIZE": "16"}) == 16  # an upper bound every rank reads alike
+    assert local_world_size({}) == 1
+
+
+def test_train_device_follows_the_plan():
+    assert str(DistInfo(1, 2, 1, device="cpu").train_device()) == "cpu"
+    assert str(DistInfo(1, 2, 1, device="cuda:1").train_device()) == "cuda:1"
+    import torch
+
+    assert DistInfo(0, 1, 0).train_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
