@@ -51,6 +51,7 @@ from streamgrpo.transport.resp import (
     HOLD_LUA,
     RELEASE_LUA,
     coalesce,
+    command,
     parse_autoclaim,
     parse_entries,
     safe_url,
@@ -258,9 +259,10 @@ class RedisQueue(GroupQueue):
 
         Raises :class:`WireError` (counted as ``errors{kind=wire}``) if the group is invalid or over
         ``max_message_bytes``, :class:`QueueFull` after ``timeout_s`` of backpressure. One round
-        trip (XADD) while the depth last read plus the puts since stays below the bound; the bound
-        is soft by at most the number of producers racing for the last slots. If the reply to an
-        XADD is lost, the retry may add a second entry: consumers drop it as a duplicate.
+        trip: the depth (XLEN, HLEN) is read in the same pipeline as the XADD, and the next put
+        waits while that depth plus its own puts reach the bound; so the bound is soft by at most
+        one put per producer racing for the last slots. If the reply to an XADD is lost, the retry
+        may add a second entry: consumers drop it as a duplicate.
         """
         return self.put_many([group], timeout_s=timeout_s)[0]
 
@@ -283,14 +285,14 @@ class RedisQueue(GroupQueue):
         if self._last_depth is None or self._last_depth + need > self.max_pending:
             self._wait_for_room(timeout_s, need)
 
-        def add() -> list[bytes]:
-            chunks = []
+        def add() -> list[bytes]:  # [XLEN, HLEN, XADD...]: the depth other producers left, in the same trip
+            chunks = [command(b"XLEN", self.stream.encode()), command(b"HLEN", self.held.encode())]
             for g, parts in zip(groups, messages):
                 chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts)])
-            return self._send_raw(chunks, len(messages))
+            return self._send_raw(chunks, 2 + len(messages))
 
-        sids = self._call("XADD", add)
-        self._last_depth = (self._last_depth or 0) + len(messages)
+        length, held, *sids = self._call("XADD", add)
+        self._last_depth = max(0, int(length) - int(held)) + len(messages)
         return [to_str(sid) for sid in sids]
 
     def _send_raw(self, chunks: list[Any], n_replies: int) -> list[Any]:

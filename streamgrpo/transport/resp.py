@@ -115,6 +115,11 @@ def xadd_command(stream: bytes, fields: list[tuple[bytes, list[Any]]]) -> list[A
     return out
 
 
+def command(*args: bytes) -> bytes:
+    """RESP of one command of small byte-string arguments (e.g. ``XLEN key``)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
 def coalesce(chunks: list[Any], small: int = 64 << 10) -> list[Any]:
     """Join runs of small buffers (one send call each otherwise); large ones pass through uncopied."""
     out: list[Any] = []

