@@ -46,6 +46,7 @@ from typing import Any
 
 from benchmarks.cluster_roles import (
     MAX_MESSAGE_BYTES,
+    NAMESPACE,
     CellConfig,
     Channels,
     consumer_main,
@@ -61,7 +62,7 @@ from streamgrpo.wire import encode
 
 CORE_FULL = 0.85  # a process at this share of one core or more is saturated
 HOST_FULL = 0.90  # the host's cores busy at this share or more (all load, not only ours)
-PROC_BASE_BYTES = 40 << 20  # private memory of one forked role, beyond its buffers
+PROC_BASE_BYTES = 20 << 20  # private memory of one forked role, beyond its buffers (measured: ~10-15 MiB)
 SUB_COPIES = 3  # a subscriber holds up to 3 copies of a version (receiving, ready, returned)
 
 
@@ -79,34 +80,38 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def saturation(redis_core: float | None, learner_core_max: float | None, gen_core_mean: float | None,
-               host_busy: float | None, *, aof_delayed_fsync: int = 0) -> str:
-    """What hit its limit first: ``redis-server`` (a full core), ``learners`` (a consumer at a full
-    core), ``generators`` (their mean at a full core), ``host CPU`` (every core busy, whoever's load),
-    else ``none`` (latency-bound). A single process pinned at a core is named before the host because
-    more cores would not speed it up. Redis stalling on AOF fsync is added in brackets."""
-    def full(x: float | None, limit: float = CORE_FULL) -> bool:
-        return x is not None and x >= limit
-
-    if full(redis_core):
-        verdict = "redis-server"
-    elif full(learner_core_max):
-        verdict = "learners"
-    elif full(gen_core_mean):
-        verdict = "generators"
-    elif full(host_busy, HOST_FULL):
-        verdict = "host CPU"
+def saturation(roles: dict[str, tuple[float | None, float | None]], host_busy: float | None, *,
+               aof_delayed_fsync: int = 0) -> str:
+    """What hit its limit first. ``roles`` maps a role, in order of precedence (``redis-server``,
+    ``learners``, ``generators``), to (CPU, CPU + time runnable but waiting for a core), both as shares
+    of one core over the window. A role at ``CORE_FULL`` of a core is saturated; one that was runnable
+    nearly all the time (``HOST_FULL``) without getting that core is named ``(CPU-starved)``: it would
+    have used a full core. A single process pinned at a core is named before the host because more
+    cores would not speed it up. Then ``host CPU`` (every core busy, whoever's load), else ``none``
+    (latency-bound). Redis stalling on AOF fsync is added in brackets."""
+    verdict = "none"
+    for role, (cpu, demand) in roles.items():
+        if cpu is not None and cpu >= CORE_FULL:
+            verdict = role
+            break
+        if demand is not None and demand >= HOST_FULL:
+            verdict = f"{role} (CPU-starved)"
+            break
     else:
-        verdict = "none"
+        if host_busy is not None and host_busy >= HOST_FULL:
+            verdict = "host CPU"
     return verdict + (" (+AOF fsync stalls)" if aof_delayed_fsync > 0 else "")
 
 
 def cell_memory_bytes(msg_bytes: int, gens: int, learners: int, max_pending: int, per_rank: int,
-                      weights_bytes: int, subscribers: int) -> int:
-    """A generous estimate of what one cell holds: Redis (the bound plus one racing put per producer,
-    doubled for its buffers and an AOF rewrite's copy-on-write), the learners' batches (message and
-    reply buffer), weight buffers (publisher's 3, each subscriber's 3) and each process's own."""
-    redis = 2 * (max_pending + gens) * msg_bytes
+                      weights_bytes: int, subscribers: int, redis_cap: int | None = None) -> int:
+    """A generous estimate of what one cell holds: Redis (each producer may put ``max_pending`` groups
+    on its own estimate of the depth before it reads the depth again, so up to ``gens * max_pending``;
+    at most ``redis_cap``, where the cell is stopped early; doubled for buffers and an AOF rewrite's
+    copy-on-write), the learners' batches (message and reply buffer), weight buffers (publisher's 3,
+    each subscriber's 3) and each process's own."""
+    held = gens * max_pending * msg_bytes
+    redis = 2 * (held if redis_cap is None else min(held, redis_cap))
     learners_b = learners * 2 * per_rank * msg_bytes
     weights = (3 + SUB_COPIES * subscribers) * weights_bytes if weights_bytes else 0
     return redis + learners_b + weights + (gens + learners) * (PROC_BASE_BYTES + msg_bytes)
@@ -149,7 +154,8 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-TABLE_HEADER = ["size MB", "gens", "learners", "groups/s", "MB/s", "p50 ms", "p99 ms", "fan-out s (subs; ok/pub)",
+TABLE_HEADER = ["size MB", "gens", "learners", "groups/s", "MB/s", "latency p50/p99 ms", "queue peak",
+                "fan-out s (subs; ok/pub)",
                 "gen CPU s (core%)", "learner CPU s", "redis CPU s", "waited for CPU redis/learner", "host busy (ours)",
                 "saturated"]
 
@@ -164,11 +170,12 @@ def table_row(c: dict[str, Any]) -> list[str]:
     if c["subscribers"]:
         fan = f"{_num(c['fanout_s_median'], '.3f')} ({c['subscribers']}; {c['fanout_versions']}/{c['versions_published']})"
     return head + [
-        _num(c["groups_per_s"], ".1f"), _num(c["MBps"], ".1f"), _num(c["latency_p50_ms"], ".1f"),
-        _num(c["latency_p99_ms"], ".1f"), fan, _pct_core(c["gen_cpu_s_mean"], w),
+        _num(c["groups_per_s"], ".1f"), _num(c["MBps"], ".1f"),
+        f"{_num(c['latency_p50_ms'], '.0f')}/{_num(c['latency_p99_ms'], '.0f')}", _num(c.get("queue_len_max"), "d"), fan, _pct_core(c["gen_cpu_s_mean"], w),
         _pct_core(c["learner_cpu_s_mean"], w), _pct_core(c["redis_cpu_s"], w),
         f"{_share(c.get('redis_wait_s'), w)}/{_share(c.get('learner_wait_s_mean'), w)}",
-        _busy(c["host_busy"], c.get("ours_busy")), c["saturated"],
+        _busy(c["host_busy"], c.get("ours_busy")),
+        c["saturated"] + (f" [stopped early: {c['stopped_early']}]" if c.get("stopped_early") else ""),
     ]
 
 
@@ -211,8 +218,15 @@ def summarise_cell(size_mb: float, gens: int, learners: int, window: tuple[float
     def core(x: float | None) -> float | None:
         return None if x is None else x / w
 
-    out["saturated"] = saturation(core(redis_cpu), core(out["learner_cpu_s_max"]), core(out["gen_cpu_s_mean"]),
-                                  out["host_busy"], aof_delayed_fsync=aof_delayed_fsync)
+    def demand(role: str, pick) -> float | None:  # CPU + waiting for a core, per process
+        both = [c + d for c, d in zip(cpu.get(role) or [], wait.get(role) or []) if not (math.isnan(c) or math.isnan(d))]
+        return core(pick(both)) if both else None
+
+    redis_demand = None if redis_cpu is None or out["redis_wait_s"] is None else redis_cpu + out["redis_wait_s"]
+    roles = {"redis-server": (core(redis_cpu), core(redis_demand)),
+             "learners": (core(out["learner_cpu_s_max"]), demand("learner", max)),
+             "generators": (core(out["gen_cpu_s_mean"]), demand("gen", statistics.fmean))}
+    out["saturated"] = saturation(roles, out["host_busy"], aof_delayed_fsync=aof_delayed_fsync)
     return out
 
 
@@ -276,8 +290,38 @@ def host_note(cores: int | None, cells: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------ one cell
+class RedisProbe:
+    """Samples the stream's length and Redis's memory (every ``every_s``, from the parent) while a cell
+    runs; returns a reason to stop the cell early once Redis holds more than ``limit_bytes``."""
+
+    def __init__(self, url: str, limit_bytes: int, every_s: float = 0.25) -> None:
+        import redis
+
+        self._r = redis.Redis.from_url(url, socket_timeout=30.0)
+        self.limit, self.every_s, self._next = limit_bytes, every_s, 0.0
+        self.xlen_max, self.mem_max = 0, 0
+
+    def __call__(self) -> str | None:
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        p = self._r.pipeline(transaction=False)
+        p.xlen(f"{NAMESPACE}:groups")
+        p.info("memory")
+        xlen, mem = p.execute()
+        self._next = time.monotonic() + self.every_s
+        self.xlen_max = max(self.xlen_max, int(xlen))
+        self.mem_max = max(self.mem_max, int(mem["used_memory"]))
+        if self.mem_max > self.limit:
+            return f"redis held {self.mem_max / 2**30:.1f} GiB (limit {self.limit / 2**30:.1f} GiB)"
+        return None
+
+    def close(self) -> None:
+        self._r.close()
+
+
 class Collector:
-    """Drains the roles' reports while the parent waits; fails fast when a role dies."""
+    """Drains the roles' reports while the parent waits; fails fast when a role dies; runs the probe."""
 
     def __init__(self, reports, procs: list) -> None:
         self.reports, self.procs = reports, procs
@@ -287,6 +331,9 @@ class Collector:
         self.publish_s: list[float] = []
         self.received: dict[int, dict[int, float]] = {}
         self.finals: dict[tuple[str, int], tuple] = {}
+        self.probe: RedisProbe | None = None
+        self.probe_stats: dict[str, int] = {}
+        self.abort: str | None = None  # why the cell was stopped early
 
     def _take(self, msg: tuple) -> None:
         kind = msg[0]
@@ -305,10 +352,14 @@ class Collector:
             raise RuntimeError(f"{msg[1]} {msg[2]} failed:\n{msg[3]}")
 
     def pump(self, until: float, done=None) -> bool:
-        """Take reports until monotonic ``until`` or until ``done()`` is true (returned)."""
+        """Take reports until monotonic ``until`` or until ``done()`` is true or the probe says stop (True)."""
         while True:
             if done is not None and done():
                 return True
+            if self.probe is not None:
+                self.abort = self.abort or self.probe()
+                if self.abort is not None:
+                    return True
             left = until - time.monotonic()
             if left <= 0:
                 return False
@@ -405,6 +456,35 @@ def _start_roles(ctx, cfg: CellConfig, template, ch: Channels, col: Collector, p
                            f"version 0 at {len(col.received.get(0, {}))} of {cfg.subscribers} subscribers)")
 
 
+def _redis_limit(a: argparse.Namespace) -> int:
+    if a.redis_max_gib > 0:
+        return int(a.redis_max_gib * 2**30)
+    return min(4 << 30, int(0.2 * (mem_available_bytes() or 8 << 30)))
+
+
+def _run_window(a: argparse.Namespace, ch: Channels, col: Collector, procs: dict[str, list], srv: EmbeddedRedis,
+                limit: int, subs: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start the roles, measure the window (CPU snapshots at its ends), let the last fan-out finish, stop."""
+    warm = min(1.0, max(0.3, a.seconds / 3))
+    col.probe = RedisProbe(srv.url, limit)  # the parent's own client: made after every fork
+    t_go = time.monotonic()
+    ch.window_end.value = t_go + warm + a.seconds
+    ch.go.set()
+    col.pump(t_go + warm)
+    snap0 = _cpu_snapshot(procs, srv.pid)
+    col.pump(t_go + warm + a.seconds)
+    snap1 = _cpu_snapshot(procs, srv.pid)
+    ch.window_end.value = min(ch.window_end.value, snap1["t"])  # stopped early: generators stop putting now
+    col.probe, probe = None, col.probe
+    probe.close()
+    col.probe_stats = {"queue_len_max": probe.xlen_max, "redis_used_memory_max": probe.mem_max}
+    col.pump(time.monotonic() + 0.5)  # a publish() under way at the window's end reports within this
+    col.pump(time.monotonic() + a.fanout_grace, lambda: col.subscribers_have(max(col.published, default=0), subs))
+    ch.stop.set()
+    col.pump(time.monotonic() + 30, lambda: len(col.finals) >= len(procs["gen"]) + len(procs["learner"]))
+    return snap0, snap1
+
+
 def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int, a: argparse.Namespace,
              binary: str) -> dict[str, Any]:
     """Run one cell with its own redis-server; returns its summary (:func:`summarise_cell`) plus extras."""
@@ -420,19 +500,12 @@ def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int,
         cfg.url = srv.url
         try:
             _start_roles(ctx, cfg, template, ch, col, procs, gens, learners)
-            warm = min(1.0, max(0.3, a.seconds / 3))
-            t_go = time.monotonic()
-            ch.window_end.value = t_go + warm + a.seconds
-            ch.go.set()
-            col.pump(t_go + warm)
-            snap0 = _cpu_snapshot(procs, srv.pid)
-            col.pump(t_go + warm + a.seconds)
-            snap1 = _cpu_snapshot(procs, srv.pid)
-            last = max(col.published, default=0)
-            col.pump(time.monotonic() + a.fanout_grace, lambda: col.subscribers_have(last, subs))
-            ch.stop.set()
-            col.pump(time.monotonic() + 30, lambda: len(col.finals) >= gens + learners)
+            t_ready = time.monotonic()
+            snap0, snap1 = _run_window(a, ch, col, procs, srv, _redis_limit(a), subs)
+            t_done = time.monotonic()
         finally:
+            if col.probe is not None:
+                col.probe.close()
             _stop_all(procs["gen"] + procs["learner"], ch)
         aof_delayed = _aof_delayed(srv.url) if a.aof != "no" else None
     consumed = [r for (kind, _), m in col.finals.items() if kind == "learner" for r in m[2]]
@@ -443,7 +516,9 @@ def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int,
     puts = [m[2] for (kind, _), m in col.finals.items() if kind == "gen"]
     cell.update(message_bytes=msg_bytes, per_rank=cfg.per_rank, redis_children_cpu_s=cpu["redis_children"],
                 publish_call_s_median=statistics.median(col.publish_s) if col.publish_s else None,
-                puts_total=sum(puts), cell_s=time.monotonic() - t_cell,
+                puts_total=sum(puts), cell_s=time.monotonic() - t_cell, stopped_early=col.abort,
+                setup_s=t_ready - t_cell, run_s=t_done - t_ready, stop_s=time.monotonic() - t_done,
+                max_pending=a.max_pending, **col.probe_stats,
                 gen_cpu_s=cpu["gen"], learner_cpu_s=cpu["learner"])
     return cell
 
@@ -468,6 +543,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-pending", type=int, default=64, help="queue.max_pending (backpressure bound)")
     ap.add_argument("--gen-rate", type=float, default=0.0, help="groups/s per generator (0: as fast as possible)")
     ap.add_argument("--fanout-grace", type=float, default=10.0, help="seconds after the window to finish a fan-out")
+    ap.add_argument("--redis-max-gib", type=float, default=0.0,
+                    help="stop a cell early when redis-server holds more (0: 20%% of MemAvailable, at most 4)")
     ap.add_argument("--mem-fraction", type=float, default=0.6, help="skip cells estimated above this share of MemAvailable")
     ap.add_argument("--aof", choices=["everysec", "always", "no"], default="everysec",
                     help="redis-server AOF: appendfsync policy, or no AOF (default: as `streamgrpo up` runs it)")
@@ -479,7 +556,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _skip_reason(a: argparse.Namespace, msg_bytes: int, gens: int, learners: int) -> str | None:
     subs = min(gens, a.subscribers if a.subscribers >= 0 else gens) if a.weights_mib > 0 else 0
     need = cell_memory_bytes(msg_bytes, gens, learners, a.max_pending, max(1, a.groups_per_step // learners),
-                             int(a.weights_mib * (1 << 20)), subs)
+                             int(a.weights_mib * (1 << 20)), subs, _redis_limit(a))
     avail = mem_available_bytes()
     if avail is not None and need > a.mem_fraction * avail:
         return f"needs ~{need / 2**30:.1f} GiB, {a.mem_fraction:.0%} of MemAvailable is {a.mem_fraction * avail / 2**30:.1f} GiB"

@@ -42,7 +42,7 @@ class Channels:
     reports: Any  # multiprocessing Queue of tuples (see the module docstring)
     go: Any  # Event: start working
     stop: Any  # Event: stop and report
-    window_end: Any  # Value('d'): learner 0 publishes no version after this monotonic time
+    window_end: Any  # Value('d'): after this monotonic time generators stop putting, learner 0 stops publishing
 
 
 @dataclass
@@ -136,8 +136,9 @@ def generator_main(idx: int, cfg: CellConfig, template, ch: Channels) -> None:
             watcher.start()
         ch.reports.put(("ready", "gen", idx))
         ch.go.wait()
-        puts, put_s = _produce(idx, cfg, template, q, ch.stop)
+        puts, put_s = _produce(idx, cfg, template, q, ch)
         ch.reports.put(("gen", idx, puts, put_s))
+        ch.stop.wait()  # the subscriber keeps receiving until the last fan-out is done
     except Exception:
         ch.reports.put(("error", "gen", idx, traceback.format_exc()))
     finally:
@@ -150,11 +151,12 @@ def generator_main(idx: int, cfg: CellConfig, template, ch: Channels) -> None:
             q.close()
 
 
-def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, stop) -> tuple[int, float]:
-    puts, put_s, gid = 0, 0.0, f"gen-{idx}"
+def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, ch: Channels) -> tuple[int, float]:
+    """Put until the window ends (or a stop); returns (groups put, seconds spent in put)."""
+    puts, put_s, gid, stop = 0, 0.0, f"gen-{idx}", ch.stop
     interval = 1.0 / cfg.gen_rate if cfg.gen_rate > 0 else 0.0
     next_t = time.monotonic()
-    while not stop.is_set():
+    while not stop.is_set() and time.monotonic() < ch.window_end.value:
         if interval:
             next_t += interval
             pause = next_t - time.monotonic()
@@ -207,18 +209,20 @@ def _consume(q: RedisQueue, cfg: CellConfig, ch: Channels, pub, tensors) -> tupl
     uncommitted: list[tuple[str, str]] = []
     steps, version, last_pub = 0, 0, time.monotonic()
     while not ch.stop.is_set():
-        batch = []
-        while len(batch) < cfg.per_rank and not ch.stop.is_set():
+        n = 0
+        while n < cfg.per_rank and not ch.stop.is_set():  # this rank's share of a step
             try:
-                batch += q.get(cfg.per_rank - len(batch), timeout_s=0.5)
+                deliveries = q.get(cfg.per_rank - n, timeout_s=0.5)
             except QueueError:
                 if ch.stop.is_set():
                     break
                 raise
+            t = time.monotonic()
+            got += [(t, float(d.group.meta.get("t_put", t)), d.nbytes) for d in deliveries]
+            uncommitted += [(d.stream_id, d.group.group_id) for d in deliveries]
+            n += len(deliveries)
+            del deliveries
         now = time.monotonic()
-        got += [(now, float(d.group.meta.get("t_put", now)), d.nbytes) for d in batch]
-        uncommitted += [(d.stream_id, d.group.group_id) for d in batch]
-        del batch
         steps += 1
         if steps % cfg.commit_every == 0 and uncommitted:  # the checkpoint is on disk: commit its groups
             q.commit(uncommitted)

@@ -29,20 +29,24 @@ def test_percentile_interpolates_between_ranks():
 
 
 @pytest.mark.parametrize("redis, learner, gen, host, want", [
-    (0.95, 0.95, 0.95, 1.0, "redis-server"),  # a single-threaded server at a full core comes first
-    (0.50, 0.90, 0.95, 1.0, "learners"),
-    (0.50, 0.40, 0.90, 1.0, "generators"),
-    (0.50, 0.40, 0.10, 0.95, "host CPU"),  # nobody at a core, but every core busy (ours or others')
-    (0.50, 0.40, 0.10, 0.50, "none"),
-    (None, None, None, None, "none"),
+    ((0.95, 1.0), (0.95, 1.0), (0.95, 1.0), 1.0, "redis-server"),  # a single-threaded server at a full core first
+    ((0.50, 0.60), (0.90, 0.95), (0.95, 1.0), 1.0, "learners"),
+    ((0.50, 0.60), (0.40, 0.50), (0.90, 0.90), 1.0, "generators"),
+    ((0.40, 0.98), (0.40, 0.50), (0.10, 0.20), 1.0, "redis-server (CPU-starved)"),  # runnable all along, no core
+    ((0.50, 0.60), (0.40, 0.50), (0.10, 0.95), 1.0, "generators (CPU-starved)"),
+    ((0.50, 0.60), (0.40, 0.50), (0.10, 0.20), 0.95, "host CPU"),  # nobody at a core, every core busy
+    ((0.50, 0.60), (0.40, 0.50), (0.10, 0.20), 0.50, "none"),
+    ((None, None), (None, None), (None, None), None, "none"),
 ])
 def test_saturation_verdict(redis, learner, gen, host, want):
-    assert bc.saturation(redis, learner, gen, host) == want
+    roles = {"redis-server": redis, "learners": learner, "generators": gen}
+    assert bc.saturation(roles, host) == want
 
 
 def test_saturation_names_aof_fsync_stalls():
-    assert bc.saturation(0.2, 0.2, 0.2, 0.3, aof_delayed_fsync=3) == "none (+AOF fsync stalls)"
-    assert bc.saturation(0.9, 0.2, 0.2, 0.3, aof_delayed_fsync=0) == "redis-server"
+    idle = {"redis-server": (0.2, 0.2)}
+    assert bc.saturation(idle, 0.3, aof_delayed_fsync=3) == "none (+AOF fsync stalls)"
+    assert bc.saturation({"redis-server": (0.9, 0.9)}, 0.3) == "redis-server"
 
 
 def test_fanout_seconds_takes_versions_every_subscriber_got():
@@ -60,8 +64,11 @@ def test_fanout_seconds_takes_versions_every_subscriber_got():
 def test_cell_memory_estimate_grows_with_what_a_cell_holds():
     mb = 10 << 20
     base = bc.cell_memory_bytes(mb, 1, 1, 64, 8, 0, 0)
-    assert base == 2 * 65 * mb + 2 * 8 * mb + 2 * (bc.PROC_BASE_BYTES + mb)
-    assert bc.cell_memory_bytes(mb, 64, 1, 64, 8, 0, 0) > base
+    assert base == 2 * 64 * mb + 2 * 8 * mb + 2 * (bc.PROC_BASE_BYTES + mb)
+    many = bc.cell_memory_bytes(mb, 64, 1, 64, 8, 0, 0)
+    assert many - 65 * (bc.PROC_BASE_BYTES + mb) - 2 * 8 * mb == 2 * 64 * 64 * mb  # each producer may fill the bound
+    capped = bc.cell_memory_bytes(mb, 64, 1, 64, 8, 0, 0, redis_cap=1 << 30)
+    assert capped - 65 * (bc.PROC_BASE_BYTES + mb) - 2 * 8 * mb == 2 << 30
     w = 16 << 20
     assert bc.cell_memory_bytes(mb, 1, 1, 64, 8, w, 1) - base == (3 + bc.SUB_COPIES) * w
 
@@ -100,12 +107,15 @@ def test_table_rows_and_skipped_cells():
     assert all(ln.startswith("|") and ln.endswith("|") for ln in lines)
     assert {ln.count("|") for ln in lines} == {len(bc.TABLE_HEADER) + 1}
     row = bc.table_row(cells[0])
-    assert row[:5] == ["1", "2", "1", "100.0", "100.0"]
+    assert row[:7] == ["1", "2", "1", "100.0", "100.0", "55/100", "-"]
     assert row[7] == "0.300 (2; 3/4)" and row[8] == "0.60 (60%)"
     assert row[11] == "5%/20%" and row[12] == "60% (50%)" and row[-1] == "learners"
     assert lines[-1].endswith("| skipped: needs ~30 GiB |") and lines[-1].startswith("| 10 | 64 | 4 |")
     no_weights = bc.table_row(_cell(subscribers=0, fanout=([], 0)))
     assert no_weights[7] == "-"
+    early = {**_cell(), "queue_len_max": 900, "stopped_early": "redis held 7.0 GiB (limit 6.0 GiB)"}
+    assert bc.table_row(early)[6] == "900"
+    assert bc.table_row(early)[-1] == "learners [stopped early: redis held 7.0 GiB (limit 6.0 GiB)]"
 
 
 def test_figures_use_the_same_runs_1x1_cell_as_baseline():
