@@ -105,14 +105,15 @@ def saturation(roles: dict[str, tuple[float | None, float | None]], host_busy: f
 
 def cell_memory_bytes(msg_bytes: int, gens: int, learners: int, max_pending: int, per_rank: int,
                       weights_bytes: int, subscribers: int, redis_cap: int | None = None) -> int:
-    """A generous estimate of what one cell holds: Redis (each producer may put ``max_pending`` groups
-    on its own estimate of the depth before it reads the depth again, so up to ``gens * max_pending``;
-    at most ``redis_cap``, where the cell is stopped early; doubled for buffers and an AOF rewrite's
-    copy-on-write), the learners' batches (message and reply buffer), weight buffers (publisher's 3,
-    each subscriber's 3) and each process's own."""
+    """A generous estimate of what one cell holds. Redis: the stream (each producer may put
+    ``max_pending`` groups on its own estimate of the depth before it reads the depth again, so up to
+    ``gens * max_pending``; at most ``redis_cap``, where the cell is stopped early), one query buffer
+    per producer and the learners' replies (an AOF rewrite's copy-on-write is small: entries are
+    written once). Then the learners' batches, the weight buffers (publisher's 3, each subscriber's
+    ``SUB_COPIES``) and each process's own memory."""
     held = gens * max_pending * msg_bytes
-    redis = 2 * (held if redis_cap is None else min(held, redis_cap))
-    learners_b = learners * 2 * per_rank * msg_bytes
+    redis = (held if redis_cap is None else min(held, redis_cap)) + gens * msg_bytes + learners * per_rank * msg_bytes
+    learners_b = learners * per_rank * msg_bytes
     weights = (3 + SUB_COPIES * subscribers) * weights_bytes if weights_bytes else 0
     return redis + learners_b + weights + (gens + learners) * (PROC_BASE_BYTES + msg_bytes)
 

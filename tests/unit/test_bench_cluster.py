@@ -63,12 +63,13 @@ def test_fanout_seconds_takes_versions_every_subscriber_got():
 
 def test_cell_memory_estimate_grows_with_what_a_cell_holds():
     mb = 10 << 20
+    procs = 2 * (bc.PROC_BASE_BYTES + mb)
     base = bc.cell_memory_bytes(mb, 1, 1, 64, 8, 0, 0)
-    assert base == 2 * 64 * mb + 2 * 8 * mb + 2 * (bc.PROC_BASE_BYTES + mb)
+    assert base == 64 * mb + mb + 8 * mb + 8 * mb + procs
     many = bc.cell_memory_bytes(mb, 64, 1, 64, 8, 0, 0)
-    assert many - 65 * (bc.PROC_BASE_BYTES + mb) - 2 * 8 * mb == 2 * 64 * 64 * mb  # each producer may fill the bound
+    assert many - base == 63 * 64 * mb + 63 * mb + 63 * (bc.PROC_BASE_BYTES + mb)  # each producer may fill the bound
     capped = bc.cell_memory_bytes(mb, 64, 1, 64, 8, 0, 0, redis_cap=1 << 30)
-    assert capped - 65 * (bc.PROC_BASE_BYTES + mb) - 2 * 8 * mb == 2 << 30
+    assert many - capped == 64 * 64 * mb - (1 << 30)
     w = 16 << 20
     assert bc.cell_memory_bytes(mb, 1, 1, 64, 8, w, 1) - base == (3 + bc.SUB_COPIES) * w
 
