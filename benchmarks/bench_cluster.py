@@ -493,7 +493,7 @@ def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int,
     ch = Channels(ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", math.inf))
     subs = min(gens, a.subscribers if a.subscribers >= 0 else gens) if a.weights_mib > 0 else 0
     cfg = CellConfig("", a.max_pending, max(1, a.groups_per_step // learners), a.commit_every, a.gen_rate,
-                     a.weights_mib, a.weights_every, subs)
+                     a.weights_mib, a.weights_every, subs, a.fresh_depth)
     procs: dict[str, list] = {"gen": [], "learner": []}
     col = Collector(ch.reports, [])
     t_cell = time.monotonic()
@@ -542,6 +542,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--groups-per-step", type=int, default=8, help="groups per learner step, all ranks together")
     ap.add_argument("--commit-every", type=int, default=1, help="learner steps between commits (checkpoints)")
     ap.add_argument("--max-pending", type=int, default=64, help="queue.max_pending (backpressure bound)")
+    ap.add_argument("--fresh-depth", action="store_true",
+                    help="generators read the queue depth before every put (one more round trip), so max_pending "
+                         "holds across producers; without it each producer counts only its own puts between reads")
     ap.add_argument("--gen-rate", type=float, default=0.0, help="groups/s per generator (0: as fast as possible)")
     ap.add_argument("--fanout-grace", type=float, default=10.0, help="seconds after the window to finish a fan-out")
     ap.add_argument("--redis-max-gib", type=float, default=0.0,

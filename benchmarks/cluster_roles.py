@@ -55,6 +55,7 @@ class CellConfig:
     weights_mib: float  # 0: no weight fan-out
     weights_every_s: float
     subscribers: int  # generators 0..subscribers-1 run a WeightSubscriber
+    fresh_depth: bool = False  # read the depth before every put (holds max_pending across producers)
     pub_port: int = 0
     snapshot_port: int = 0
 
@@ -165,6 +166,8 @@ def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, ch: Channels) -
         t = time.monotonic()
         g = dataclasses.replace(template, group_id=uuid.uuid4().hex, generator_id=gid, meta={"t_put": t})
         try:
+            if cfg.fresh_depth:
+                q.depth()  # put() then waits on this depth, not on its own count since its last read
             q.put(g, timeout_s=0.5)
         except QueueFull:
             continue  # backpressure: try again (or stop)
