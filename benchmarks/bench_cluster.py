@@ -14,7 +14,8 @@ redis-server (AOF everysec, as ``streamgrpo up`` runs it) and N + M processes fo
   after a step once ``--weights-every`` seconds have passed; generators 0..K-1 (``--subscribers``,
   default all) run a ``WeightSubscriber`` and report when ``poll()`` returned each version.
 
-Per cell, over a window of ``--seconds`` after a warm-up: groups/s consumed, MB/s, queue latency
+Per cell, over a window of ``--seconds`` after a warm-up: groups/s put and consumed, MB/s, the
+stream's peak length (``max_pending`` is the bound generators should hold), queue latency
 p50/p99 (``put()`` called -> ``get()`` returned it: encoding, backpressure waits and time queued),
 weight fan-out (``publish()`` called -> the last subscriber's ``poll()`` returned that version;
 median over versions every subscriber got), CPU seconds per role from /proc/<pid>/stat (generator
@@ -37,24 +38,21 @@ import argparse
 import math
 import multiprocessing as mp
 import os
-import queue as queue_mod
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
-from benchmarks.cluster_roles import (
-    MAX_MESSAGE_BYTES,
-    NAMESPACE,
-    CellConfig,
-    Channels,
-    consumer_main,
-    generator_main,
-    host_cpu_ticks,
+from benchmarks.cluster_roles import MAX_MESSAGE_BYTES, CellConfig, Channels, consumer_main, generator_main
+from benchmarks.cluster_watch import (
+    Collector,
+    RedisProbe,
+    aof_delayed_fsync,
+    cpu_delta,
+    cpu_snapshot,
     mem_available_bytes,
-    proc_cpu_seconds,
-    proc_wait_seconds,
+    stop_all,
 )
 from benchmarks.common import emit, figure, machine_info, make_group, write_result
 from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version
@@ -155,7 +153,7 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-TABLE_HEADER = ["size MB", "gens", "learners", "groups/s", "MB/s", "latency p50/p99 ms", "queue peak",
+TABLE_HEADER = ["size MB", "gens", "learners", "put/s", "groups/s", "MB/s", "latency p50/p99 ms", "queue peak",
                 "fan-out s (subs; ok/pub)",
                 "gen CPU s (core%)", "learner CPU s", "redis CPU s", "waited for CPU redis/learner", "host busy (ours)",
                 "saturated"]
@@ -171,8 +169,9 @@ def table_row(c: dict[str, Any]) -> list[str]:
     if c["subscribers"]:
         fan = f"{_num(c['fanout_s_median'], '.3f')} ({c['subscribers']}; {c['fanout_versions']}/{c['versions_published']})"
     return head + [
-        _num(c["groups_per_s"], ".1f"), _num(c["MBps"], ".1f"),
-        f"{_num(c['latency_p50_ms'], '.0f')}/{_num(c['latency_p99_ms'], '.0f')}", _num(c.get("queue_len_max"), "d"), fan, _pct_core(c["gen_cpu_s_mean"], w),
+        _num(c.get("put_per_s"), ".1f"), _num(c["groups_per_s"], ".1f"), _num(c["MBps"], ".1f"),
+        f"{_num(c['latency_p50_ms'], '.0f')}/{_num(c['latency_p99_ms'], '.0f')}", _num(c.get("queue_len_max"), "d"),
+        fan, _pct_core(c["gen_cpu_s_mean"], w),
         _pct_core(c["learner_cpu_s_mean"], w), _pct_core(c["redis_cpu_s"], w),
         f"{_share(c.get('redis_wait_s'), w)}/{_share(c.get('learner_wait_s_mean'), w)}",
         _busy(c["host_busy"], c.get("ours_busy")),
@@ -291,145 +290,10 @@ def host_note(cores: int | None, cells: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------ one cell
-class RedisProbe:
-    """Samples the stream's length and Redis's memory (every ``every_s``, from the parent) while a cell
-    runs; returns a reason to stop the cell early once Redis holds more than ``limit_bytes``."""
-
-    def __init__(self, url: str, limit_bytes: int, every_s: float = 0.25) -> None:
-        import redis
-
-        self._r = redis.Redis.from_url(url, socket_timeout=30.0)
-        self.limit, self.every_s, self._next = limit_bytes, every_s, 0.0
-        self.xlen_max, self.mem_max = 0, 0
-
-    def __call__(self) -> str | None:
-        now = time.monotonic()
-        if now < self._next:
-            return None
-        p = self._r.pipeline(transaction=False)
-        p.xlen(f"{NAMESPACE}:groups")
-        p.info("memory")
-        xlen, mem = p.execute()
-        self._next = time.monotonic() + self.every_s
-        self.xlen_max = max(self.xlen_max, int(xlen))
-        self.mem_max = max(self.mem_max, int(mem["used_memory"]))
-        if self.mem_max > self.limit:
-            return f"redis held {self.mem_max / 2**30:.1f} GiB (limit {self.limit / 2**30:.1f} GiB)"
-        return None
-
-    def close(self) -> None:
-        self._r.close()
-
-
-class Collector:
-    """Drains the roles' reports while the parent waits; fails fast when a role dies; runs the probe."""
-
-    def __init__(self, reports, procs: list) -> None:
-        self.reports, self.procs = reports, procs
-        self.ready: set[tuple[str, int]] = set()
-        self.ports: tuple[int, int] | None = None
-        self.published: dict[int, float] = {}
-        self.publish_s: list[float] = []
-        self.received: dict[int, dict[int, float]] = {}
-        self.finals: dict[tuple[str, int], tuple] = {}
-        self.probe: RedisProbe | None = None
-        self.probe_stats: dict[str, int] = {}
-        self.abort: str | None = None  # why the cell was stopped early
-
-    def _take(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            self.ready.add((msg[1], msg[2]))
-        elif kind == "ports":
-            self.ports = (msg[1], msg[2])
-        elif kind == "pub":
-            self.published[msg[1]] = msg[2]
-            self.publish_s.append(msg[3])
-        elif kind == "ver":
-            self.received.setdefault(msg[2], {})[msg[1]] = msg[3]
-        elif kind in ("gen", "learner"):
-            self.finals[(kind, msg[1])] = msg
-        elif kind == "error":
-            raise RuntimeError(f"{msg[1]} {msg[2]} failed:\n{msg[3]}")
-
-    def pump(self, until: float, done=None) -> bool:
-        """Take reports until monotonic ``until`` or until ``done()`` is true or the probe says stop (True)."""
-        while True:
-            if done is not None and done():
-                return True
-            if self.probe is not None:
-                self.abort = self.abort or self.probe()
-                if self.abort is not None:
-                    return True
-            left = until - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                self._take(self.reports.get(timeout=min(left, 0.1)))
-            except queue_mod.Empty:
-                dead = [p for p in self.procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{dead[0].name} (pid {dead[0].pid}) exited with {dead[0].exitcode}") from None
-
-    def subscribers_have(self, version: int, n_subs: int) -> bool:
-        """Every subscriber (generators 0..n_subs-1) got ``version`` or a newer one."""
-        return len({i for v, got in self.received.items() if v >= version for i in got}) >= n_subs
-
-
-def _cpu_snapshot(procs: dict[str, list], redis_pid: int) -> dict[str, Any]:
-    return {"t": time.monotonic(), "host": host_cpu_ticks(),
-            "roles": {role: [proc_cpu_seconds(p.pid)[0] for p in ps] for role, ps in procs.items()},
-            "wait": {role: [proc_wait_seconds(p.pid) for p in ps] for role, ps in procs.items()},
-            "redis": proc_cpu_seconds(redis_pid), "redis_wait": proc_wait_seconds(redis_pid)}
-
-
-def _cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    busy, total = b["host"][0] - a["host"][0], b["host"][1] - a["host"][1]
-    out: dict[str, Any] = {"host_busy": busy / total if total > 0 else None}
-    for role in a["roles"]:
-        out[role] = [y - x for x, y in zip(a["roles"][role], b["roles"][role])]
-    out["redis"] = b["redis"][0] - a["redis"][0]
-    out["redis_children"] = b["redis"][1] - a["redis"][1]
-    ours = sum(x for xs in out.values() if isinstance(xs, list) for x in xs if not math.isnan(x)) + out["redis"]
-    out["ours_busy"] = ours / ((b["t"] - a["t"]) * (os.cpu_count() or 1))
-    out["wait"] = {role: [y - x for x, y in zip(a["wait"][role], b["wait"][role])] for role in a["wait"]}
-    out["wait"]["redis"] = b["redis_wait"] - a["redis_wait"]
-    return out
-
-
-def _aof_delayed(url: str) -> int | None:
-    """Redis's count of AOF writes it had to make without waiting for a slow fsync (None: no answer)."""
-    import redis
-
-    r = redis.Redis.from_url(url, socket_timeout=30.0)
-    try:
-        return int(r.info("persistence").get("aof_delayed_fsync", 0))
-    except redis.RedisError:
-        return None
-    finally:
-        r.close()
-
-
 def _redis_kw(a: argparse.Namespace) -> dict[str, Any]:
     if a.aof == "no":
         return {"extra_config": {"appendonly": "no"}}
     return {"appendfsync": a.aof}
-
-
-def _stop_all(procs: list, ch: Channels, grace_s: float = 10.0) -> None:
-    """Ask every role to stop, then end what is left by PID (SIGTERM, then SIGKILL)."""
-    ch.stop.set()
-    ch.go.set()  # roles still waiting for the start see the stop at once
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(3.0)
-        if p.is_alive():
-            p.kill()
-            p.join(3.0)
 
 
 def _start_roles(ctx, cfg: CellConfig, template, ch: Channels, col: Collector, procs: dict[str, list],
@@ -472,9 +336,9 @@ def _run_window(a: argparse.Namespace, ch: Channels, col: Collector, procs: dict
     ch.window_end.value = t_go + warm + a.seconds
     ch.go.set()
     col.pump(t_go + warm)
-    snap0 = _cpu_snapshot(procs, srv.pid)
+    snap0 = cpu_snapshot(procs, srv.pid)
     col.pump(t_go + warm + a.seconds)
-    snap1 = _cpu_snapshot(procs, srv.pid)
+    snap1 = cpu_snapshot(procs, srv.pid)
     ch.window_end.value = min(ch.window_end.value, snap1["t"])  # stopped early: generators stop putting now
     col.probe, probe = None, col.probe
     probe.close()
@@ -507,17 +371,18 @@ def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int,
         finally:
             if col.probe is not None:
                 col.probe.close()
-            _stop_all(procs["gen"] + procs["learner"], ch)
-        aof_delayed = _aof_delayed(srv.url) if a.aof != "no" else None
+            stop_all(procs["gen"] + procs["learner"], ch)
+        aof_delayed = aof_delayed_fsync(srv.url) if a.aof != "no" else None
     consumed = [r for (kind, _), m in col.finals.items() if kind == "learner" for r in m[2]]
-    cpu = _cpu_delta(snap0, snap1)
+    cpu = cpu_delta(snap0, snap1)
     fan = fanout_seconds(col.published, col.received, subs)
     cell = summarise_cell(size_mb, gens, learners, (snap0["t"], snap1["t"]), consumed, cpu, fan,
                           len([v for v in col.published if v >= 1]), subs, aof_delayed or 0)
-    puts = [m[2] for (kind, _), m in col.finals.items() if kind == "gen"]
+    puts = [t for (kind, _), m in col.finals.items() if kind == "gen" for t in m[2]]
+    t0, t1 = snap0["t"], snap1["t"]
     cell.update(message_bytes=msg_bytes, per_rank=cfg.per_rank, redis_children_cpu_s=cpu["redis_children"],
                 publish_call_s_median=statistics.median(col.publish_s) if col.publish_s else None,
-                puts_total=sum(puts), cell_s=time.monotonic() - t_cell, stopped_early=col.abort,
+                puts_total=len(puts), put_per_s=sum(t0 <= t < t1 for t in puts) / max(1e-9, t1 - t0), cell_s=time.monotonic() - t_cell, stopped_early=col.abort,
                 setup_s=t_ready - t_cell, run_s=t_done - t_ready, stop_s=time.monotonic() - t_done,
                 max_pending=a.max_pending, **col.probe_stats,
                 gen_cpu_s=cpu["gen"], learner_cpu_s=cpu["learner"])

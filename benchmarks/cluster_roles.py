@@ -1,4 +1,5 @@
-"""The processes of ``benchmarks/bench_cluster.py``: synthetic generators, learner consumers, /proc readers.
+"""The processes of ``benchmarks/bench_cluster.py``: synthetic generators and learner consumers (the parent's
+side: ``benchmarks/cluster_watch.py``).
 
 Every role runs in a process forked from the benchmark (``multiprocessing`` fork context), so it
 inherits the parent's imported modules and the group template for free. A role talks to the parent
@@ -8,7 +9,7 @@ only through :class:`Channels`: live events and its final report go up ``reports
     ("ports", pub_port, snapshot_port)          learner 0: where its WeightPublisher listens
     ("pub", version, t_called, publish_s)       learner 0: publish() called at t_called (monotonic)
     ("ver", generator, version, t)              a subscriber's poll() returned that version at t
-    ("gen", index, puts, put_seconds)           a generator's final report
+    ("gen", index, [t_done of each put], put_seconds)   a generator's final report
     ("learner", rank, [(t_got, t_put, nbytes)], steps)   a consumer's final report
     ("error", role, index, text)                a role failed
 
@@ -20,7 +21,7 @@ msgpack and redis only.
 from __future__ import annotations
 
 import dataclasses
-import os
+import random
 import threading
 import time
 import traceback
@@ -32,7 +33,6 @@ from streamgrpo.transport.queue import QueueError, QueueFull, RedisQueue
 
 NAMESPACE = "cluster"
 MAX_MESSAGE_BYTES = 64 << 20
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass
@@ -58,47 +58,6 @@ class CellConfig:
     fresh_depth: bool = False  # read the depth before every put (holds max_pending across producers)
     pub_port: int = 0
     snapshot_port: int = 0
-
-
-# ------------------------------------------------------------------------------------ /proc readers
-def proc_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(utime + stime, cutime + cstime) of ``pid`` in seconds, from /proc/<pid>/stat; (nan, nan) if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return float("nan"), float("nan")
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces: split after it
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime) / _CLK_TCK, (cutime + cstime) / _CLK_TCK
-
-
-def proc_wait_seconds(pid: int) -> float:
-    """Seconds ``pid``'s main thread was runnable but waiting for a CPU (/proc/<pid>/schedstat); nan if unknown."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def host_cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores from /proc/stat (busy = total - idle - iowait)."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    total = sum(parts)
-    return total - parts[3] - parts[4], total
-
-
-def mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -152,17 +111,18 @@ def generator_main(idx: int, cfg: CellConfig, template, ch: Channels) -> None:
             q.close()
 
 
-def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, ch: Channels) -> tuple[int, float]:
-    """Put until the window ends (or a stop); returns (groups put, seconds spent in put)."""
-    puts, put_s, gid, stop = 0, 0.0, f"gen-{idx}", ch.stop
+def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, ch: Channels) -> tuple[list[float], float]:
+    """Put until the window ends (or a stop); returns (the time each put returned, seconds spent in put)."""
+    puts: list[float] = []
+    put_s, gid, stop = 0.0, f"gen-{idx}", ch.stop
     interval = 1.0 / cfg.gen_rate if cfg.gen_rate > 0 else 0.0
-    next_t = time.monotonic()
+    next_t = time.monotonic() + interval * random.Random(idx).random()  # generators out of phase
     while not stop.is_set() and time.monotonic() < ch.window_end.value:
         if interval:
-            next_t += interval
             pause = next_t - time.monotonic()
             if pause > 0:
                 stop.wait(pause)
+            next_t += interval
         t = time.monotonic()
         g = dataclasses.replace(template, group_id=uuid.uuid4().hex, generator_id=gid, meta={"t_put": t})
         try:
@@ -171,8 +131,8 @@ def _produce(idx: int, cfg: CellConfig, template, q: RedisQueue, ch: Channels) -
             q.put(g, timeout_s=0.5)
         except QueueFull:
             continue  # backpressure: try again (or stop)
-        puts += 1
-        put_s += time.monotonic() - t
+        puts.append(time.monotonic())
+        put_s += puts[-1] - t
     return puts, put_s
 
 

@@ -107,16 +107,19 @@ def test_table_rows_and_skipped_cells():
     assert lines[0] == "| " + " | ".join(bc.TABLE_HEADER) + " |"
     assert all(ln.startswith("|") and ln.endswith("|") for ln in lines)
     assert {ln.count("|") for ln in lines} == {len(bc.TABLE_HEADER) + 1}
-    row = bc.table_row(cells[0])
-    assert row[:7] == ["1", "2", "1", "100.0", "100.0", "55/100", "-"]
-    assert row[7] == "0.300 (2; 3/4)" and row[8] == "0.60 (60%)"
-    assert row[11] == "5%/20%" and row[12] == "60% (50%)" and row[-1] == "learners"
+    row = dict(zip(bc.TABLE_HEADER, bc.table_row(cells[0])))
+    assert [row[k] for k in ("size MB", "gens", "learners", "put/s", "groups/s", "MB/s")] == ["1", "2", "1", "-", "100.0", "100.0"]
+    assert row["latency p50/p99 ms"] == "55/100" and row["queue peak"] == "-"
+    assert row["fan-out s (subs; ok/pub)"] == "0.300 (2; 3/4)" and row["gen CPU s (core%)"] == "0.60 (60%)"
+    assert row["waited for CPU redis/learner"] == "5%/20%" and row["host busy (ours)"] == "60% (50%)"
+    assert row["saturated"] == "learners"
     assert lines[-1].endswith("| skipped: needs ~30 GiB |") and lines[-1].startswith("| 10 | 64 | 4 |")
-    no_weights = bc.table_row(_cell(subscribers=0, fanout=([], 0)))
-    assert no_weights[7] == "-"
-    early = {**_cell(), "queue_len_max": 900, "stopped_early": "redis held 7.0 GiB (limit 6.0 GiB)"}
-    assert bc.table_row(early)[6] == "900"
-    assert bc.table_row(early)[-1] == "learners [stopped early: redis held 7.0 GiB (limit 6.0 GiB)]"
+    no_weights = dict(zip(bc.TABLE_HEADER, bc.table_row(_cell(subscribers=0, fanout=([], 0)))))
+    assert no_weights["fan-out s (subs; ok/pub)"] == "-"
+    early = dict(zip(bc.TABLE_HEADER, bc.table_row({**_cell(), "queue_len_max": 900, "put_per_s": 250.0,
+                                                     "stopped_early": "redis held 7.0 GiB (limit 6.0 GiB)"})))
+    assert (early["queue peak"], early["put/s"]) == ("900", "250.0")
+    assert early["saturated"] == "learners [stopped early: redis held 7.0 GiB (limit 6.0 GiB)]"
 
 
 def test_figures_use_the_same_runs_1x1_cell_as_baseline():
