@@ -5,8 +5,9 @@ and each cell (N generators in ``--gens``, M learner ranks in ``--learners``), o
 redis-server (AOF everysec, as ``streamgrpo up`` runs it) and N + M processes forked from this one:
 
 * generator ``i``: ``RedisQueue.put`` of a copy of the group (fresh group id, the send time in
-  ``meta["t_put"]``) as fast as the queue takes it (``--gen-rate`` caps it), blocking under
-  backpressure (``--max-pending``) like a real generator;
+  ``meta["t_put"]``) as fast as the queue takes it (``--gen-rate`` paces it), blocking under
+  backpressure (``--max-pending``) like a real generator, until the window ends (``--fresh-depth``:
+  read the depth before every put, so the bound holds across producers);
 * learner rank ``r`` (consumer ``learner-<r>`` of the one consumer group): ``get`` its share of a
   step (``--groups-per-step`` / M), then ``commit`` the step's ``(stream_id, group_id)`` entries as
   ``checkpoint_and_commit`` does (every ``--commit-every`` steps);
@@ -19,9 +20,12 @@ stream's peak length (``max_pending`` is the bound generators should hold), queu
 p50/p99 (``put()`` called -> ``get()`` returned it: encoding, backpressure waits and time queued),
 weight fan-out (``publish()`` called -> the last subscriber's ``poll()`` returned that version;
 median over versions every subscriber got), CPU seconds per role from /proc/<pid>/stat (generator
-mean, learner mean, redis-server), the host's busy share from /proc/stat (other load included) and
-what saturated first: redis-server at a full core, a learner consumer at a full core, a generator
-at a full core, the host's cores all busy, or none. Cells that would not fit in memory are skipped.
+mean, learner mean, redis-server), how long redis-server and the learners waited for a core
+(/proc/<pid>/schedstat), the host's busy share from /proc/stat (other load included) and what
+saturated first (:func:`saturation`): redis-server, a learner, the generators (a full core, or
+runnable all along without getting one: "CPU-starved"), the host's cores all busy, or none. Cells
+that would not fit in memory are skipped, and a cell whose Redis passes ``--redis-max-gib`` stops
+early; both are said in the table.
 
 Figures (``benchmarks/results/bench_cluster.json``): ``cluster_<size>MB_<N>gen_<M>learn_groups_per_s``
 and ``..._p99_ms`` against the same size's 1-generator x 1-learner cell of this run (the smallest

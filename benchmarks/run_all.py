@@ -7,7 +7,7 @@ Markdown to ``benchmarks/results/table.md``).
 
 Budget (``make bench``, the default; about 27 minutes on 2 cores, setup excluded): the
 microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_cluster`` on 1 MB groups only, N in
-{1, 4, 16, 64} generators x M in {1, 2} learners (~2 minutes; ``--full``: its own 3 sizes x 4 x 3
+{1, 4, 16, 64} generators x M in {1, 2} learners (~1 minute; ``--full``: its own 3 sizes x 4 x 3
 grid); ``bench_e2e`` at its default 100 steps (800 groups per run; async, sync, TRL: ~10 minutes);
 ``bench_staleness`` at its default (k in {0, 1, 2, 4, 8} x clipped/naive, 100 steps, two lockstep
 runs at a time: ~10 minutes). ``--full`` runs the
