@@ -7,7 +7,8 @@ redis-server (AOF everysec, as ``streamgrpo up`` runs it) and N + M processes fo
 * generator ``i``: ``RedisQueue.put`` of a copy of the group (fresh group id, the send time in
   ``meta["t_put"]``) as fast as the queue takes it (``--gen-rate`` paces it), blocking under
   backpressure (``--max-pending``) like a real generator, until the window ends (``--fresh-depth``:
-  read the depth before every put, so the bound holds across producers);
+  also read the depth before every put, one more round trip; ``put`` itself holds the bound across
+  producers since the fix this benchmark led to);
 * learner rank ``r`` (consumer ``learner-<r>`` of the one consumer group): ``get`` its share of a
   step (``--groups-per-step`` / M), then ``commit`` the step's ``(stream_id, group_id)`` entries as
   ``checkpoint_and_commit`` does (every ``--commit-every`` steps);
@@ -412,8 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--commit-every", type=int, default=1, help="learner steps between commits (checkpoints)")
     ap.add_argument("--max-pending", type=int, default=64, help="queue.max_pending (backpressure bound)")
     ap.add_argument("--fresh-depth", action="store_true",
-                    help="generators read the queue depth before every put (one more round trip), so max_pending "
-                         "holds across producers; without it each producer counts only its own puts between reads")
+                    help="generators also read the queue depth before every put (one more round trip; put() itself "
+                         "reads it in the same pipeline as its XADD)")
     ap.add_argument("--gen-rate", type=float, default=0.0, help="groups/s per generator (0: as fast as possible)")
     ap.add_argument("--fanout-grace", type=float, default=10.0, help="seconds after the window to finish a fan-out")
     ap.add_argument("--redis-max-gib", type=float, default=0.0,
