@@ -89,14 +89,24 @@ def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
 
 
 # ------------------------------------------------------------------------------------ learner side
+class ShmUnavailable(RuntimeError):
+    """weights.shm_dir is missing or cannot hold another version file (a one-line error for the user)."""
+
+
 class ShmFile:
     """One mapped file the learner writes versions into (``tensor``: the whole file as uint8)."""
 
     def __init__(self, path: Path, nbytes: int):
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, max(1, nbytes))
         self.size = max(1, nbytes)
+        try:  # reserve the pages now: a tmpfs that runs out later would kill the writer with SIGBUS
+            os.posix_fallocate(self.fd, 0, self.size)
+        except OSError as exc:
+            os.close(self.fd)
+            path.unlink(missing_ok=True)
+            raise ShmUnavailable(f"weights.shm_dir {str(path.parent)!r} has no room for a {self.size / 1e9:.2f} GB "
+                          f"version ({exc.strerror}): give it more (Docker: shm_size) or use weights.transport=ipc") from None
         self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
 
@@ -152,7 +162,7 @@ class ShmPool:
     def __init__(self, shm_dir: str | os.PathLike, src: int, max_files: int = 4):
         self.dir = Path(shm_dir)
         if not self.dir.is_dir():
-            raise ValueError(f"weights.shm_dir {str(self.dir)!r} is not a directory")
+            raise ShmUnavailable(f"weights.shm_dir {str(self.dir)!r} is not a directory (weights.transport=shm)")
         sweep_stale(self.dir)
         self.src, self.max_files = src, max_files
         self.files: list[ShmFile] = []

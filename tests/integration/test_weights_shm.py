@@ -207,7 +207,9 @@ def test_config_selects_shared_memory(tmp_path):
             assert sub.shm_dir == str(tmp_path)
         finally:
             sub.close()
-    with pytest.raises(ValueError, match="not a directory"):
+    from streamgrpo.transport.weights_shm import ShmUnavailable
+
+    with pytest.raises(ShmUnavailable, match="not a directory"):
         WeightPublisher("127.0.0.1", 0, 0, shm_dir=tmp_path / "missing")
 
 
@@ -229,3 +231,17 @@ def test_a_reader_maps_each_learner_file_once_and_again_when_it_is_replaced(tmp_
     finally:
         a.close()
         b.close()
+
+
+def test_a_full_shared_memory_directory_is_a_one_line_error(tmp_path, monkeypatch):
+    import errno
+
+    from streamgrpo.transport.weights_shm import ShmUnavailable
+
+    def no_room(fd, offset, length):  # what posix_fallocate says on a full tmpfs
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(ShmUnavailable, match=r"has no room for a 0\.00 GB version .*shm_size.*transport=ipc"):
+        ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 4096)
+    assert _files(tmp_path) == []  # nothing left behind

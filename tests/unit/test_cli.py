@@ -114,3 +114,11 @@ def test_eval_shuffle_frames_flags(capsys):
     assert main(["eval", "--model", "no/such/model", "--data", "none.jsonl", "--shuffle-frames",
                  "--shuffle-seed", "-1"]) == 2
     assert "--shuffle-seed must be >= 0" in capsys.readouterr().err
+
+
+def test_an_unusable_shared_memory_directory_is_a_usage_error():
+    from streamgrpo.cli import USAGE_EXIT, _user_error
+    from streamgrpo.transport.weights_shm import ShmUnavailable
+
+    assert _user_error(ShmUnavailable("weights.shm_dir '/nowhere' is not a directory")) == USAGE_EXIT
+    assert _user_error(RuntimeError("a bug")) is None  # anything else keeps its traceback
