@@ -53,6 +53,7 @@ import torch
 import zmq
 
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
+from streamgrpo.transport import weights_shm as shm_wire
 from streamgrpo.transport.keys import authorised_dir, server_keys
 from streamgrpo.transport.weight_sync import VersionWriter, WeightSync
 from streamgrpo.transport.weights_codec import (
@@ -73,7 +74,7 @@ from streamgrpo.transport.weights_codec import (
     report_error,
 )
 from streamgrpo.transport.weights_layout import Layout, TensorSpec, plan_layout, view_of
-from streamgrpo.transport.weights_shm import TOPIC_SHM, ShmFile, ShmPool, encode_announcement
+from streamgrpo.transport.weights_shm import ShmFile, ShmPool
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -350,6 +351,8 @@ class WeightPublisher(WeightSync):
                 self._recycle(replaced)
                 self.superseded += 1
         shm = self._take_shm(layout.nbytes) if self._shm is not None else None
+        if shm is not None:
+            shm.stamp(self.src, version)  # before any byte of this version (readers check it)
         base = shm.tensor if shm is not None else self._take_buffer(layout.nbytes, pinned=cuda)
         meta = VersionMeta(version, self.src, layout.nbytes, self.chunk_bytes,
                            n_chunks_for(layout.nbytes, self.chunk_bytes), time.time(), self.algo)
@@ -528,6 +531,10 @@ class WeightPublisher(WeightSync):
             start, end = chunk_span(meta, seq)
             digest = futures.pop(seq).result()
             job.digests.append(digest)
+            if job.shm is not None:  # same-host readers hash this chunk now, while later ones are written
+                if seq == 0:
+                    self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_begin(job.meta_bytes, str(job.shm.path))])
+                self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_chunk(meta.src, meta.version, seq, digest)])
             header = encode_header(make_header(meta, seq, job.meta_bytes, digest))
             job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out
@@ -545,7 +552,7 @@ class WeightPublisher(WeightSync):
             self._cv.notify_all()
         if job.shm is not None:  # readers may lock it now; then tell same-host generators where it is
             job.shm.unlock()
-            self._pub.send_multipart([TOPIC_SHM, encode_announcement(job.meta_bytes, job.digests, str(job.shm.path))])
+            self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_announcement(job.meta_bytes, job.digests, str(job.shm.path))])
         self._beat()
 
     def _give_up(self, job: _Version) -> None:

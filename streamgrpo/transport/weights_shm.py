@@ -9,7 +9,15 @@ hashed, the learner sends one small message on its PUB socket::
 
 and a subscriber in shm mode (it subscribes to that topic instead of the chunk topic) maps the
 file, verifies every chunk digest (a thread pool; one pass over the bytes, nothing copied), and
-hands out tensors that are views of the mapping. Remote (TCP) subscribers get the same version as
+hands out tensors that are views of the mapping. So that this pass overlaps the learner's writing,
+the learner also sends ``{"b": 1, "m", "p"}`` when it starts a version and ``{"c": seq, "d": digest,
+"s", "v"}`` as each chunk's digest is known (its bytes are final then); a reader hashes each chunk as
+it is announced and, at the last message, only what it has not hashed yet.
+
+Each file ends in a 4 KiB trailer page whose last 16 bytes name the version it holds (publisher
+id, version), written before any byte of that version. A reader checks it after taking its lock:
+chunks hashed before the lock then provably belong to the announced version (a file taken for a
+newer one carries the newer stamp). Remote (TCP) subscribers get the same version as
 chunks, as before; late joiners use the snapshot endpoint, as before.
 
 Who may overwrite a file: a reader holds a shared ``flock`` on it from before it verifies until it
@@ -31,6 +39,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -57,6 +66,10 @@ PREFIX = "streamgrpo-w-"
 _NAME = re.compile(r"^streamgrpo-w-(\d+)-(\d+)-(\d+)$")
 
 
+TRAILER = 4096  # bytes after the largest version a file may hold; its last 16 name the version in it
+_STAMP = struct.Struct("<QQ")
+
+
 # ------------------------------------------------------------------------------------ messages
 @dataclass(frozen=True)
 class Announcement:
@@ -68,6 +81,14 @@ class Announcement:
 
 def encode_announcement(meta_bytes: bytes, digests: list[bytes], path: str) -> bytes:
     return msgpack.packb({"m": meta_bytes, "d": digests, "p": path}, use_bin_type=True)
+
+
+def encode_begin(meta_bytes: bytes, path: str) -> bytes:
+    return msgpack.packb({"b": 1, "m": meta_bytes, "p": path}, use_bin_type=True)
+
+
+def encode_chunk(src: int, version: int, seq: int, digest: bytes) -> bytes:
+    return msgpack.packb({"c": seq, "d": digest, "s": src, "v": version}, use_bin_type=True)
 
 
 def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
@@ -82,10 +103,15 @@ def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
     digests = d.get("d")
     if not (isinstance(digests, list) and len(digests) == meta.n_chunks and all(isinstance(x, bytes) for x in digests)):
         raise WeightsFormatError(f"weights shm announcement v{meta.version}: expected {meta.n_chunks} chunk digests")
-    path = Path(d["p"])
-    if path.parent != Path(shm_dir) or not _NAME.match(path.name):
-        raise WeightsFormatError(f"weights shm announcement v{meta.version}: {str(path)!r} is not a weights file in {shm_dir}")
-    return Announcement(meta, d["m"], digests, str(path))
+    return Announcement(meta, d["m"], digests, _checked_path(d["p"], shm_dir, meta.version))
+
+
+def _checked_path(path: str, shm_dir: str | os.PathLike, version: int) -> str:
+    """The file must be one of ours, directly in ``shm_dir``."""
+    p = Path(path)
+    if p.parent != Path(shm_dir) or not _NAME.match(p.name):
+        raise WeightsFormatError(f"weights shm announcement v{version}: {path!r} is not a weights file in {shm_dir}")
+    return str(p)
 
 
 # ------------------------------------------------------------------------------------ learner side
@@ -94,12 +120,13 @@ class ShmUnavailable(RuntimeError):
 
 
 class ShmFile:
-    """One mapped file the learner writes versions into (``tensor``: the whole file as uint8)."""
+    """One mapped file the learner writes versions into (``tensor``: the whole file as uint8; a
+    version's payload starts at 0, the trailer page is the last :data:`TRAILER` bytes)."""
 
     def __init__(self, path: Path, nbytes: int):
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self.size = max(1, nbytes)
+        self.size = max(1, nbytes) + TRAILER
         try:  # reserve the pages now: a tmpfs that runs out later would kill the writer with SIGBUS
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
@@ -109,6 +136,15 @@ class ShmFile:
                           f"version ({exc.strerror}): give it more (Docker: shm_size) or use weights.transport=ipc") from None
         self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return self.size - TRAILER
+
+    def stamp(self, src: int, version: int) -> None:
+        """Name the version this file holds from now on (before any byte of it is written; x86 and
+        the syscalls around a reader's lock keep that order visible to readers)."""
+        self.map[self.size - _STAMP.size:] = _STAMP.pack(src, version)
 
     def try_lock(self) -> bool:
         """Exclusive lock without waiting: False while a reader holds it."""
@@ -172,7 +208,7 @@ class ShmPool:
     def take(self, nbytes: int) -> ShmFile:
         """An exclusively locked file of a fitting size (the caller unlocks it when the version is out)."""
         for f in list(self.idle):
-            if nbytes <= f.size <= 2 * nbytes + (1 << 16) and f.try_lock():
+            if nbytes <= f.capacity <= 2 * nbytes + (1 << 16) and f.try_lock():
                 self.idle.remove(f)
                 return f
         if len(self.files) >= self.max_files:  # make room: drop an idle file nobody reads (else grow past the cap)
@@ -255,8 +291,15 @@ def _map_readonly(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | None = None) -> tuple[Completed, Lease] | str:
-    """Map and verify the announced version: ``(completed, lease)``, or a one-line reason it was dropped."""
+def stamp_of(view: mmap.mmap) -> tuple[int, int]:
+    """(publisher id, version) a mapped file says it holds."""
+    return _STAMP.unpack(view[len(view) - _STAMP.size:])
+
+
+def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | None = None,
+                 early: EarlyHashes | None = None) -> tuple[Completed, Lease] | str:
+    """Map and verify the announced version: ``(completed, lease)``, or a one-line reason it was dropped.
+    ``early``: digests of chunks already hashed while the learner was still writing (see module doc)."""
     try:
         fd = os.open(a.path, os.O_RDONLY)
     except OSError as exc:
@@ -268,17 +311,22 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
         return f"weights version {a.meta.version}: its shared-memory file is being rewritten (superseded)"
     try:
         st = os.fstat(fd)
-        if st.st_size < a.meta.nbytes:
-            raise WeightsFormatError(f"file has {st.st_size} bytes, the version {a.meta.nbytes}")
+        if st.st_size < a.meta.nbytes + TRAILER:
+            raise WeightsFormatError(f"file has {st.st_size} bytes, the version {a.meta.nbytes} and a trailer")
         view = maps.get(a.path, st.st_ino, st.st_size) if maps is not None else _map_readonly(a.path, st.st_size)
+        if stamp_of(view) != (a.meta.src, a.meta.version):
+            raise WeightsFormatError("the file now holds another version (rewritten)")
         with warnings.catch_warnings():  # a read-only mapping: torch warns, nothing here writes to it
             warnings.simplefilter("ignore")
             buf_N = torch.frombuffer(view, dtype=torch.uint8)[: a.meta.nbytes]
         mv = memoryview(view)[: a.meta.nbytes]
-        jobs = [(mv[s:e], a.meta_bytes if seq == 0 else None) for seq, (s, e) in
-                enumerate(chunk_span(a.meta, q) for q in range(a.meta.n_chunks))]
+        done = early.take(a) if early is not None else {}
+        todo = [q for q in range(a.meta.n_chunks) if q not in done]
+        spans = {q: chunk_span(a.meta, q) for q in todo}
         run = pool.map if pool is not None else map
-        got = list(run(lambda j: chunk_digest(a.meta.algo, j[0], j[1]), jobs))
+        rest = run(lambda q: chunk_digest(a.meta.algo, mv[spans[q][0]:spans[q][1]], a.meta_bytes if q == 0 else None), todo)
+        got_by = {**{q: f.result() if hasattr(f, "result") else f for q, f in done.items()}, **dict(zip(todo, rest))}
+        got = [got_by[q] for q in range(a.meta.n_chunks)]
         bad = [i for i, (x, y) in enumerate(zip(got, a.digests)) if x != y]
         if bad:
             raise WeightsFormatError(f"digest mismatch ({a.meta.algo}) in chunk {bad[0]}: rewritten or tampered")
@@ -287,3 +335,74 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
         os.close(fd)
         return f"weights version {a.meta.version} (shared memory): {exc}, discarded"
     return Completed(a.meta, buf_N, entries), Lease(fd, buf_N)
+
+
+class EarlyHashes:
+    """A reader's chunk hashes started before a version is complete (the learner's begin and chunk
+    messages), so that verifying overlaps the learner's writing. Only the version in progress is
+    kept; its hashes are used only if the final announcement names the same (publisher, version,
+    file) and the file's stamp, read under the reader's lock, still names it."""
+
+    def __init__(self, shm_dir: str | os.PathLike, pool: Executor | None = None, maps: Maps | None = None):
+        self.dir, self.pool, self.maps = shm_dir, pool, maps
+        self._key: tuple[int, int, str] | None = None
+        self._meta: VersionMeta | None = None
+        self._meta_bytes = b""
+        self._view: memoryview | None = None
+        self._futures: dict[int, object] = {}
+        self.used = 0  # chunks whose early hash a verified version used
+
+    def begin(self, raw_meta: bytes, path: str) -> None:
+        meta = decode_meta(raw_meta)
+        path = _checked_path(path, self.dir, meta.version)
+        self.reset()
+        try:
+            st = os.stat(path)
+            view = self.maps.get(path, st.st_ino, st.st_size) if self.maps is not None else _map_readonly(path, st.st_size)
+        except (OSError, ValueError):
+            return  # the final announcement verifies everything instead
+        self._key, self._meta, self._meta_bytes = (meta.src, meta.version, path), meta, raw_meta
+        self._view = memoryview(view)
+
+    def chunk(self, src: int, version: int, seq: int) -> None:
+        meta, view = self._meta, self._view
+        if meta is None or view is None or (src, version) != (meta.src, meta.version) or not 0 <= seq < meta.n_chunks:
+            return
+        s, e = chunk_span(meta, seq)
+        if e > len(view):
+            return
+        args = (meta.algo, view[s:e], self._meta_bytes if seq == 0 else None)
+        self._futures[seq] = self.pool.submit(chunk_digest, *args) if self.pool is not None else chunk_digest(*args)
+
+    def take(self, a: Announcement) -> dict[int, object]:
+        """The hashes started for ``a`` (then forgotten); {} if they were for something else."""
+        out = self._futures if self._key == (a.meta.src, a.meta.version, a.path) else {}
+        self._futures = {}  # handed over: the caller waits for them
+        self.reset()
+        self.used += len(out)
+        return out
+
+    def reset(self) -> None:
+        for f in self._futures.values():  # never leave a worker reading a mapping we let go of
+            if hasattr(f, "result"):
+                f.result()
+        self._key, self._meta, self._view, self._futures = None, None, None, {}
+
+
+def decode_early(raw: bytes) -> dict:
+    """A begin (``{"b", "m", "p"}``) or chunk (``{"c", "d", "s", "v"}``) message, type-checked; {} if neither."""
+    try:
+        d = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:
+        raise WeightsFormatError(f"weights shm message: not msgpack ({exc})") from None
+    if not isinstance(d, dict):
+        raise WeightsFormatError("weights shm message: not a map")
+    if "b" in d:
+        if not (isinstance(d.get("m"), bytes) and isinstance(d.get("p"), str)):
+            raise WeightsFormatError("weights shm begin: expected meta bytes 'm' and a path 'p'")
+        return d
+    if "c" in d:
+        if not all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in ("c", "s", "v")):
+            raise WeightsFormatError("weights shm chunk: expected integers 'c', 's', 'v'")
+        return d
+    return {}

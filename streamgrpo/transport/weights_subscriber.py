@@ -25,6 +25,7 @@ from streamgrpo.transport.weights_codec import (
     VersionMeta,
     WeightsFormatError,
     decode_header,
+    decode_meta,
     default_hash_threads,
     endpoint,
     ipc_endpoints,
@@ -34,7 +35,15 @@ from streamgrpo.transport.weights_codec import (
     select_chunks,
 )
 from streamgrpo.transport.weights_links import Links
-from streamgrpo.transport.weights_shm import TOPIC_SHM, Lease, Maps, decode_announcement, read_version
+from streamgrpo.transport.weights_shm import (
+    TOPIC_SHM,
+    EarlyHashes,
+    Lease,
+    Maps,
+    decode_announcement,
+    decode_early,
+    read_version,
+)
 
 log = logging.getLogger("streamgrpo.transport.weights")
 
@@ -142,6 +151,8 @@ class WeightSubscriber(WeightSyncClient):
         self._rid = 0
         self._leases: dict[int, Lease] = {}  # shm mode: data_ptr of a version's buffer -> its file lock
         self._maps = Maps()  # shm mode: the learner's files, mapped once each
+        # shm mode: chunk hashes started while the learner still writes the version
+        self._early = EarlyHashes(shm_dir, self._pool, self._maps) if shm_dir is not None else None
         self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_shm": 0, "discarded": 0,
                       "snapshot_requests": 0, "beats": 0}
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
@@ -347,10 +358,20 @@ class WeightSubscriber(WeightSyncClient):
     def _read_shm(self, raw: bytes) -> None:
         """A version announced in shared memory: map, verify and offer it (a malformed announcement
         raises WeightsFormatError for the caller to count)."""
+        early = decode_early(raw)
+        if "b" in early:
+            if newer(decode_meta(early["m"]), self._have):
+                self._early.begin(early["m"], early["p"])
+            return
+        if "c" in early:
+            self._early.chunk(early["s"], early["v"], early["c"])
+            return
         a = decode_announcement(raw, self.shm_dir)
         if not newer(a.meta, self._have):
+            self._early.reset()
             return
-        got = read_version(a, self._pool, self._maps)
+        got = read_version(a, self._pool, self._maps, self._early)
+        self.stats["shm_early_chunks"] = self._early.used
         if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
             self._dropped(got, repair=False)
             return

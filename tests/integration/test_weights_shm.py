@@ -80,6 +80,7 @@ def test_same_host_generator_reads_versions_from_shared_memory_and_tcp_ones_stil
                     assert got_version == version and _same(got, _tensors(version))
                     sub.mark_applied()
             assert local.stats["from_shm"] >= 2 and local.stats["from_pub"] == 0
+            assert local.stats["shm_early_chunks"] > 0  # chunks verified while the learner still wrote
             assert remote.stats["from_shm"] == 0 and remote.stats["from_pub"] >= 2
             assert _files(shm)  # the versions live there while the learner runs
         finally:
@@ -111,6 +112,7 @@ def test_a_version_a_generator_holds_is_never_rewritten(dirs):
 
 def _announce_for(f: ShmFile, version: int, tensors: dict) -> Announcement:
     meta, meta_bytes, buf_N = build_version(version, tensors, chunk_bytes=4096, src=7)
+    f.stamp(7, version)
     f.tensor[: meta.nbytes].copy_(buf_N)
     digests = [chunk_digest(meta.algo, memoryview(buf_N.numpy())[s:e], meta_bytes if q == 0 else None)
                for q, (s, e) in enumerate(chunk_span(meta, i) for i in range(meta.n_chunks))]
@@ -132,6 +134,10 @@ def test_read_version_verifies_digests_and_refuses_a_file_being_rewritten(tmp_pa
         f.tensor[100] ^= 0xFF  # a byte changed after the digests were taken
         why = read_version(a)
         assert isinstance(why, str) and "digest mismatch" in why
+        f.tensor[100] ^= 0xFF
+        f.stamp(7, 5)  # the learner took the file for version 5 after these digests were announced
+        why = read_version(a)
+        assert isinstance(why, str) and "now holds another version" in why
     finally:
         f.close()
 
@@ -245,3 +251,30 @@ def test_a_full_shared_memory_directory_is_a_one_line_error(tmp_path, monkeypatc
     with pytest.raises(ShmUnavailable, match=r"has no room for a 0\.00 GB version .*shm_size.*transport=ipc"):
         ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 4096)
     assert _files(tmp_path) == []  # nothing left behind
+
+
+def test_early_hashes_count_only_for_the_version_they_were_taken_for(tmp_path):
+    from streamgrpo.transport.weights_shm import EarlyHashes
+
+    f = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 1 << 20)
+    try:
+        a = _announce_for(f, 3, _tensors(3))
+        early = EarlyHashes(tmp_path)
+        early.begin(a.meta_bytes, a.path)
+        for seq in range(a.meta.n_chunks):
+            early.chunk(7, 3, seq)
+        early.chunk(7, 2, 0)  # another version's chunk: ignored
+        done, lease = read_version(a, early=early)
+        lease.release()
+        assert early.used == a.meta.n_chunks and _same(done.tensors(), _tensors(3))
+        early.begin(a.meta_bytes, a.path)
+        early.chunk(7, 3, 0)
+        other = Announcement(a.meta, a.meta_bytes, a.digests, str(tmp_path / f"{PREFIX}{os.getpid()}-7-9"))
+        assert early.take(other) == {}  # named another file: not used
+        f.tensor[10] ^= 0xFF  # bytes hashed early that changed are still caught (all digests are compared)
+        early.begin(a.meta_bytes, a.path)
+        early.chunk(7, 3, 0)
+        why = read_version(a, early=early)
+        assert isinstance(why, str) and "digest mismatch" in why
+    finally:
+        f.close()
