@@ -477,3 +477,30 @@ def test_tls_rediss_url(tmp_path, redis_factory, redis_ns):
     q.put(group(1))
     assert q.get(1, timeout_s=1.0)[0].group.prompt_id == "p1"
     q.close()
+
+
+def test_generator_sends_a_batch_in_one_xadd_trip_and_skips_only_an_invalid_group(redis_server, redis_ns, queues):
+    from streamgrpo.generator import _send
+    from streamgrpo.runtime import StopFlag
+
+    class Audit:
+        rows: list = []
+
+        def write(self, row):
+            self.rows.append(row)
+
+    q = queues(redis_server.url, namespace=redis_ns, consumer="gen-0")
+    consumer = queues(redis_server.url, namespace=redis_ns)
+    trips = []
+    send_raw = q._send_raw
+    q._send_raw = lambda chunks, n: trips.append(n) or send_raw(chunks, n)  # counts writes to the socket
+    invalid0 = value(metrics.GROUPS_DROPPED, reason="invalid")
+    audit = Audit()
+    batch = [group(i) for i in range(3)]
+    assert _send(q, batch, StopFlag(), "gen-0", audit) == (3, False)
+    assert consumer.depth() == 3 and [row["group_id"] for row in audit.rows] == [g.group_id for g in batch]
+    assert trips == [2 + 3]  # one trip: the depth read and three XADDs
+    bad = [group(10), group(11), group(12)]
+    bad[1].completions[0].logprobs[0] = np.nan  # the wire contract refuses it: only it is skipped
+    assert _send(q, bad, StopFlag(), "gen-0", audit) == (2, False)
+    assert consumer.depth() == 5 and value(metrics.GROUPS_DROPPED, reason="invalid") == invalid0 + 1
