@@ -150,14 +150,20 @@ def encode_header(h: ChunkHeader) -> bytes:
     return msgpack.packb(d, use_bin_type=True)
 
 
-def decode_header(raw: bytes) -> ChunkHeader:
+def unpack_map(raw: bytes, where: str) -> dict:
+    """A msgpack map from untrusted bytes, or WeightsFormatError naming ``where``."""
     try:
         d = msgpack.unpackb(raw, raw=False)
     except Exception as exc:
-        raise WeightsFormatError(f"weights chunk header: not msgpack ({exc})") from None
+        raise WeightsFormatError(f"{where}: not msgpack ({exc})") from None
     if not isinstance(d, dict):
-        raise WeightsFormatError("weights chunk header: not a map")
+        raise WeightsFormatError(f"{where}: not a map")
+    return d
+
+
+def decode_header(raw: bytes) -> ChunkHeader:
     where = "weights chunk header"
+    d = unpack_map(raw, where)
     v, s, q = _int(d, "v", where), _int(d, "s", where), _int(d, "q", where)
     n, o, size = _int(d, "n", where, lo=1), _int(d, "o", where), _int(d, "l", where)
     meta, digest, req = d.get("m"), d.get("d"), d.get("r")

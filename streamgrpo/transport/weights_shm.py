@@ -55,6 +55,7 @@ from streamgrpo.transport.weights_codec import (
     chunk_digest,
     chunk_span,
     decode_meta,
+    unpack_map,
 )
 from streamgrpo.transport.weights_layout import parse_layout
 
@@ -93,11 +94,8 @@ def encode_chunk(src: int, version: int, seq: int, digest: bytes) -> bytes:
 
 def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
     """Parse and check an announcement; the file must be one of ours, directly in ``shm_dir``."""
-    try:
-        d = msgpack.unpackb(raw, raw=False)
-    except Exception as exc:
-        raise WeightsFormatError(f"weights shm announcement: not msgpack ({exc})") from None
-    if not isinstance(d, dict) or not isinstance(d.get("m"), bytes) or not isinstance(d.get("p"), str):
+    d = unpack_map(raw, "weights shm announcement")
+    if not isinstance(d.get("m"), bytes) or not isinstance(d.get("p"), str):
         raise WeightsFormatError("weights shm announcement: expected a map with meta bytes 'm' and a path 'p'")
     meta = decode_meta(d["m"])
     digests = d.get("d")
@@ -391,12 +389,7 @@ class EarlyHashes:
 
 def decode_early(raw: bytes) -> dict:
     """A begin (``{"b", "m", "p"}``) or chunk (``{"c", "d", "s", "v"}``) message, type-checked; {} if neither."""
-    try:
-        d = msgpack.unpackb(raw, raw=False)
-    except Exception as exc:
-        raise WeightsFormatError(f"weights shm message: not msgpack ({exc})") from None
-    if not isinstance(d, dict):
-        raise WeightsFormatError("weights shm message: not a map")
+    d = unpack_map(raw, "weights shm message")
     if "b" in d:
         if not (isinstance(d.get("m"), bytes) and isinstance(d.get("p"), str)):
             raise WeightsFormatError("weights shm begin: expected meta bytes 'm' and a path 'p'")
