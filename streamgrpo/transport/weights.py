@@ -534,7 +534,7 @@ class WeightPublisher(WeightSync):
             if job.shm is not None:  # same-host readers hash this chunk now, while later ones are written
                 if seq == 0:
                     self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_begin(job.meta_bytes, str(job.shm.path))])
-                self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_chunk(meta.src, meta.version, seq, digest)])
+                self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_chunk(meta.src, meta.version, seq)])
             header = encode_header(make_header(meta, seq, job.meta_bytes, digest))
             job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out

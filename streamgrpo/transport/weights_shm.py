@@ -10,9 +10,10 @@ hashed, the learner sends one small message on its PUB socket::
 and a subscriber in shm mode (it subscribes to that topic instead of the chunk topic) maps the
 file, verifies every chunk digest (a thread pool; one pass over the bytes, nothing copied), and
 hands out tensors that are views of the mapping. So that this pass overlaps the learner's writing,
-the learner also sends ``{"b": 1, "m", "p"}`` when it starts a version and ``{"c": seq, "d": digest,
-"s", "v"}`` as each chunk's digest is known (its bytes are final then); a reader hashes each chunk as
-it is announced and, at the last message, only what it has not hashed yet.
+the learner also sends ``{"b": 1, "m", "p"}`` when it starts a version and ``{"c": seq, "s", "v"}``
+as each chunk's digest is known (its bytes are final then); a reader hashes each chunk as it is
+announced and, at the last message, only what it has not hashed yet, then compares every digest
+with the last message's list.
 
 Each file ends in a 4 KiB trailer page whose last 16 bytes name the version it holds (publisher
 id, version), written before any byte of that version. A reader checks it after taking its lock:
@@ -88,8 +89,8 @@ def encode_begin(meta_bytes: bytes, path: str) -> bytes:
     return msgpack.packb({"b": 1, "m": meta_bytes, "p": path}, use_bin_type=True)
 
 
-def encode_chunk(src: int, version: int, seq: int, digest: bytes) -> bytes:
-    return msgpack.packb({"c": seq, "d": digest, "s": src, "v": version}, use_bin_type=True)
+def encode_chunk(src: int, version: int, seq: int) -> bytes:
+    return msgpack.packb({"c": seq, "s": src, "v": version}, use_bin_type=True)
 
 
 def decode_announcement(raw: bytes, shm_dir: str | os.PathLike) -> Announcement:
@@ -230,12 +231,6 @@ class ShmPool:
         if f in self.files and f not in self.idle:
             self.idle.append(f)
 
-    def owner_of(self, base: torch.Tensor) -> ShmFile | None:
-        for f in self.files:
-            if f.tensor.data_ptr() == base.data_ptr():
-                return f
-        return None
-
     def close(self) -> None:
         for f in self.files:
             f.close()
@@ -246,9 +241,8 @@ class ShmPool:
 class Lease:
     """A reader's hold on one version's file: a shared lock until :meth:`release`."""
 
-    def __init__(self, fd: int, buf_N: torch.Tensor):
+    def __init__(self, fd: int):
         self.fd: int | None = fd
-        self.buf_N = buf_N
 
     def release(self) -> None:
         if self.fd is not None:
@@ -311,7 +305,7 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
         st = os.fstat(fd)
         if st.st_size < a.meta.nbytes + TRAILER:
             raise WeightsFormatError(f"file has {st.st_size} bytes, the version {a.meta.nbytes} and a trailer")
-        view = maps.get(a.path, st.st_ino, st.st_size) if maps is not None else _map_readonly(a.path, st.st_size)
+        view = (maps or Maps()).get(a.path, st.st_ino, st.st_size)
         if stamp_of(view) != (a.meta.src, a.meta.version):
             raise WeightsFormatError("the file now holds another version (rewritten)")
         with warnings.catch_warnings():  # a read-only mapping: torch warns, nothing here writes to it
@@ -332,7 +326,7 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
     except (WeightsFormatError, OSError, ValueError) as exc:
         os.close(fd)
         return f"weights version {a.meta.version} (shared memory): {exc}, discarded"
-    return Completed(a.meta, buf_N, entries), Lease(fd, buf_N)
+    return Completed(a.meta, buf_N, entries), Lease(fd)
 
 
 class EarlyHashes:
@@ -342,7 +336,7 @@ class EarlyHashes:
     file) and the file's stamp, read under the reader's lock, still names it."""
 
     def __init__(self, shm_dir: str | os.PathLike, pool: Executor | None = None, maps: Maps | None = None):
-        self.dir, self.pool, self.maps = shm_dir, pool, maps
+        self.dir, self.pool, self.maps = shm_dir, pool, maps or Maps()
         self._key: tuple[int, int, str] | None = None
         self._meta: VersionMeta | None = None
         self._meta_bytes = b""
@@ -356,7 +350,7 @@ class EarlyHashes:
         self.reset()
         try:
             st = os.stat(path)
-            view = self.maps.get(path, st.st_ino, st.st_size) if self.maps is not None else _map_readonly(path, st.st_size)
+            view = self.maps.get(path, st.st_ino, st.st_size)
         except (OSError, ValueError):
             return  # the final announcement verifies everything instead
         self._key, self._meta, self._meta_bytes = (meta.src, meta.version, path), meta, raw_meta
@@ -388,7 +382,7 @@ class EarlyHashes:
 
 
 def decode_early(raw: bytes) -> dict:
-    """A begin (``{"b", "m", "p"}``) or chunk (``{"c", "d", "s", "v"}``) message, type-checked; {} if neither."""
+    """A begin (``{"b", "m", "p"}``) or chunk (``{"c", "s", "v"}``) message, type-checked; {} if neither."""
     d = unpack_map(raw, "weights shm message")
     if "b" in d:
         if not (isinstance(d.get("m"), bytes) and isinstance(d.get("p"), str)):
