@@ -73,7 +73,7 @@ from streamgrpo.transport.weights_codec import (
     n_chunks_for,
     report_error,
 )
-from streamgrpo.transport.weights_layout import Layout, TensorSpec, plan_layout, view_of
+from streamgrpo.transport.weights_layout import Layout, LayoutMemo, TensorSpec, view_of
 from streamgrpo.transport.weights_shm import ShmFile, ShmPool
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,7 @@ class WeightPublisher(WeightSync):
         self._hash_threads = hash_threads or default_hash_threads()
         self._hash_pool = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="weights-hash")
         self._stream = None
+        self._plan = LayoutMemo()
         # shm mode: versions live in shared-memory files that same-host generators map (weights_shm)
         self._shm = ShmPool(shm_dir, self.src, max_files=max(2, host_buffers) + 1) if shm_dir is not None else None
 
@@ -342,7 +343,7 @@ class WeightPublisher(WeightSync):
             raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")
         if self._closing:
             raise RuntimeError("weights: publish() after close()")
-        layout = plan_layout(specs)
+        layout = self._plan(specs)
         cuda = cuda and torch.cuda.is_available()
         with self._cv:  # a queued version that has not started is replaced: subscribers only want the newest
             replaced, self._pending = self._pending, None

@@ -129,6 +129,21 @@ def plan_layout(specs: Sequence[TensorSpec]) -> Layout:
     return Layout(entries, data, header, base + pos)
 
 
+class LayoutMemo:
+    """The last layout planned, reused while the specs stay equal: a model keeps its names, shapes,
+    dtypes and storages from step to step, so only the first version pays for planning."""
+
+    def __init__(self) -> None:
+        self._specs: list[TensorSpec] | None = None
+        self._layout: Layout | None = None
+
+    def __call__(self, specs: Sequence[TensorSpec]) -> Layout:
+        specs = list(specs)
+        if self._layout is None or specs != self._specs:
+            self._layout, self._specs = plan_layout(specs), specs
+        return self._layout
+
+
 _MAX_DIM = 1 << 48
 _MAX_NDIM = 32
 

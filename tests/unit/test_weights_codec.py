@@ -31,7 +31,14 @@ from streamgrpo.transport.weights_codec import (
     newer,
     select_chunks,
 )
-from streamgrpo.transport.weights_layout import ALIGN, parse_layout, plan_layout, specs_of, unpack_tensors
+from streamgrpo.transport.weights_layout import (
+    ALIGN,
+    LayoutMemo,
+    parse_layout,
+    plan_layout,
+    specs_of,
+    unpack_tensors,
+)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -89,6 +96,19 @@ def test_layout_is_a_safetensors_image_aligned_with_tied_weights_once():
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
     opened = safetensors.torch.load(bytes(buf.numpy()))  # the payload is a safetensors file as it is
     assert sorted(opened) == ["embed.weight", "odd", "x"] and torch.equal(opened["embed.weight"], w)
+
+
+def test_layout_memo_replans_only_when_a_spec_changes():
+    memo = LayoutMemo()
+    w = {"a.weight": torch.zeros(4, 3), "b.bias": torch.zeros(5)}
+    first = memo(specs_of(w))
+    assert memo(specs_of(w)) is first  # same names, shapes, dtypes, storages: no new plan
+    w["b.bias"] = torch.zeros(6)  # a new shape (and storage)
+    second = memo(specs_of(w))
+    assert second is not first and second == plan_layout(specs_of(w))
+    assert [e.shape for e in second.entries] == [(4, 3), (6,)]
+    w["b.bias"] = w["a.weight"]  # now tied: the alias must be planned, not the old entry reused
+    assert len(memo(specs_of(w)).data) == 1
 
 
 def test_export_dtype_casts_floating_tensors_only():
