@@ -131,8 +131,8 @@ class LossConfig(_Section):
     """Dynamic sampling (DAPO): drop groups whose G rewards are all equal (no gradient) before the step and take further groups instead (counted as groups_dropped{reason=zero_variance})."""
     fill_timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
     """With drop_zero_variance: how long a step waits for enough informative groups before it trains on what it has (at least one per rank)."""
-    ratio_mode: Literal["behaviour", "current"] = "behaviour"
-    """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline)."""
+    ratio_mode: Literal["behaviour", "current", "decoupled"] = "behaviour"
+    """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline); `decoupled` = decoupled PPO (AReaL): clip around the learner's own policy at the step, times the behaviour weight exp(logp - behaviour logp) (truncated at tis_cap when set)."""
 
 
 # ------------------------------------------------------------------------------------- learner

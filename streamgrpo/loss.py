@@ -9,9 +9,10 @@ Per-token objective (pessimistic PPO form, Schulman et al. 2017; asymmetric "cli
 from DAPO, Yu et al. 2025)::
 
     rho_t  = exp(p_t - q_t)                                  ratio_mode="behaviour"
-    rho_t  = exp(p_t - sg(p_t))   (value 1, gradient of p)   ratio_mode="current"
+    rho_t  = exp(p_t - sg(p_t))   (value 1, gradient of p)   ratio_mode="current" or "decoupled"
     J_t    = min(rho_t * A_b, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A_b)
-    J_t   *= min(sg(exp(p_t - q_t)), tis_cap)                 only when tis_cap is set
+    J_t   *= min(sg(exp(p_t - q_t)), tis_cap)                 when tis_cap is set, or with "decoupled"
+                                                             (no cap there when tis_cap is None)
     J_t    = 0 where the IS ratio w = exp(p - q) leaves [lo, hi]  only with is_mask (masked IS, MIS):
              is_mask="token": per token; "sequence": whole rows, by the row's geometric-mean ratio
              exp(mean_t(p_t - q_t)) (the normaliser still counts masked tokens: they add nothing)
@@ -26,6 +27,16 @@ staleness; a baseline for the staleness benchmark). The truncated importance wei
 behaviour log-probs; it is the natural correction to pair with ``ratio_mode="current"`` (truncated
 importance-sampled PG), while with ``ratio_mode="behaviour"`` it multiplies the already
 importance-weighted PPO term (exactly as the design's section 3 specifies).
+
+``ratio_mode="decoupled"`` is decoupled PPO (AReaL; Fu et al. 2025): the trust region is taken
+around a *proximal* policy, and the behaviour policy enters only through the importance weight
+pi_prox / pi_behav. The proximal policy here is the learner's own parameters at the step that
+trains the group (``sg(p)``): streamgrpo takes one optimizer step per batch, so a recomputed
+snapshot of the version current when the group is consumed would give the same log-probs at the
+cost of an extra forward pass. The clip then binds only inside a step (it is value 1), and the
+correction is the weight exp(sg(p) - q), truncated at ``tis_cap`` when one is set (AReaL's
+behaviour-weight cap). With one update per batch this equals ``current`` + ``tis_cap``, written as
+the named method the field compares against.
 
 Aggregation of l over tokens (``loss_type``), with M the mask and L = ``max_completion_length``::
 
@@ -64,9 +75,9 @@ if TYPE_CHECKING:
     from streamgrpo.config import LossConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-RatioMode = Literal["behaviour", "current"]
+RatioMode = Literal["behaviour", "current", "decoupled"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
-RATIO_MODES: tuple[str, ...] = ("behaviour", "current")
+RATIO_MODES: tuple[str, ...] = ("behaviour", "current", "decoupled")
 
 __all__ = [
     "LOSS_TYPES",
@@ -152,7 +163,7 @@ def compute_loss(
     ``advantages`` (B,). ``ref_logprobs`` is never read when ``beta == 0`` (it may be None).
     ``max_completion_length`` is required for ``dr_grpo``; ``token_normaliser`` (the global token
     count of the optimizer step) is only accepted for ``dapo``. ``behaviour_logprobs`` may be None
-    only with ``ratio_mode="current"`` and no ``tis_cap``.
+    only with ``ratio_mode="current"``, no ``tis_cap`` and no ``is_mask``.
 
     Returns ``(loss, metrics)``: a 0-d loss (float32 or wider) and detached 0-d tensors
     ``clip_frac_low`` (A<0, ratio<1-epsilon), ``clip_frac_high`` (A>0, ratio>1+epsilon_high),
@@ -183,7 +194,7 @@ def compute_loss(
     log_ratio = log_is if ratio_mode == "behaviour" else p - p.detach()
     ratio = torch.exp(log_ratio)
     objective, kept = _objective(ratio, A, log_is, m, epsilon=epsilon, epsilon_high=epsilon_high, tis_cap=tis_cap,
-                                 is_mask=is_mask, is_mask_band=is_mask_band)
+                                 is_mask=is_mask, is_mask_band=is_mask_band, weight=ratio_mode == "decoupled" or tis_cap is not None)
     per_token = -objective
     kl_t = kl_k3(p, clean(ref_logprobs.detach())) if beta > 0 else None
     if kl_t is not None:
@@ -253,10 +264,10 @@ def _check_behaviour(behaviour_logprobs: Optional[Tensor], shape: torch.Size, *,
         raise _bad(f"is_mask={is_mask!r}: must be None, 'token' or 'sequence'")
     if is_mask is not None and not 0 <= is_mask_band[0] < 1 < is_mask_band[1]:
         raise _bad(f"is_mask_band={tuple(is_mask_band)}: needs 0 <= low < 1 < high")
-    need_behaviour = ratio_mode == "behaviour" or tis_cap is not None or is_mask is not None
+    need_behaviour = ratio_mode != "current" or tis_cap is not None or is_mask is not None
     if behaviour_logprobs is None:
         if need_behaviour:
-            raise _bad("behaviour_logprobs is None but ratio_mode='behaviour', tis_cap or is_mask needs it")
+            raise _bad(f"behaviour_logprobs is None but ratio_mode={ratio_mode!r}, tis_cap or is_mask needs it")
     else:
         _check_bt("behaviour_logprobs", behaviour_logprobs, shape)
 
@@ -264,13 +275,15 @@ def _check_behaviour(behaviour_logprobs: Optional[Tensor], shape: torch.Size, *,
 # ------------------------------------------------------------------------------- the steps
 def _objective(ratio: Tensor, A: Tensor, log_is: Optional[Tensor], m: Tensor, *, epsilon: float,
                epsilon_high: float, tis_cap: Optional[float], is_mask: Optional[str],
-               is_mask_band: tuple[float, float]) -> tuple[Tensor, Tensor]:
-    """J_t (pessimistic clipped PPO term, times the truncated IS weight, zero where masked IS drops the
-    token) and the mask of the tokens it keeps."""
+               is_mask_band: tuple[float, float], weight: bool) -> tuple[Tensor, Tensor]:
+    """J_t (pessimistic clipped PPO term, times the importance weight exp(sg(p) - q) when ``weight``,
+    truncated at ``tis_cap`` when set; zero where masked IS drops the token) and the mask of the tokens
+    it keeps."""
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     objective = torch.minimum(ratio * A, clipped * A)
-    if tis_cap is not None:
-        objective = objective * torch.clamp(torch.exp(log_is.detach()), max=tis_cap)
+    if weight:
+        w = torch.exp(log_is.detach())
+        objective = objective * (w if tis_cap is None else torch.clamp(w, max=tis_cap))
     kept = m
     if is_mask is not None:
         lo, hi = is_mask_band

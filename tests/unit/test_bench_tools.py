@@ -227,6 +227,22 @@ def test_staleness_table_and_overrides():
     assert steps == [2, 3, 4, 5] and means == [1.0] * 4
 
 
+def test_staleness_corrections_and_their_figures():
+    from benchmarks.bench_staleness import LOSSES, run_sets, staleness_figures
+
+    assert set(LOSSES) == {"clipped", "tis", "decoupled", "mis", "naive"}
+    assert {"loss.ratio_mode=decoupled", "loss.tis_cap=5.0"} <= set(run_sets(8, "decoupled", 5))
+    assert "loss.is_mask=token" in run_sets(8, "mis", 5) and "loss.tis_cap=2.0" in run_sets(8, "tis", 5)
+    results = {f"k{k}_{loss}": {"final_accuracy": acc, "steps_to_target": None}
+               for (k, loss, acc) in [(0, "naive", 0.9), (8, "naive", 0.5), (0, "mis", 0.9), (8, "mis", 0.81),
+                                      (0, "clipped", 0.9), (8, "clipped", 0.72)]}
+    figs = {f["name"]: f for f in staleness_figures(results, [0, 8, 16], ["clipped", "mis", "naive"])}
+    assert figs["staleness_k8_final_accuracy"]["value"] == 0.72  # clipped keeps the historical name
+    assert figs["staleness_k8_mis_final_accuracy"]["baseline"] == 0.5
+    assert figs["staleness_mis_k8_vs_k0"]["ratio"] == pytest.approx(0.9)  # k=8 is the goal's lag, not 16
+    assert figs["staleness_k16_mis_final_accuracy"]["value"] is None  # a missing run: no crash
+
+
 def test_staleness_seeds_aggregate():
     from benchmarks.bench_staleness import aggregate, mean_curve, run_key, staleness_table
 

@@ -264,6 +264,41 @@ def test_tis_cap(ratio, mode, exp_loss, exp_grad):
     assert leaf.grad.item() == pytest.approx(exp_grad, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    "ratio,adv,cap,exp_loss,exp_grad",
+    [
+        # one token, behaviour logp -2, current logp -2 + log(ratio), A = adv, dapo over one token:
+        # J = A * w * rho with rho = exp(p - sg(p)) = 1 (grad: grad p), w = sg(exp(p - q)) = ratio
+        (2.0, 1.0, None, -2.0, -2.0),  # no cap: the plain behaviour weight; far beyond the clip band
+        (2.0, 1.0, 1.5, -1.5, -1.5),  # weight truncated at the cap
+        (0.25, -1.0, None, 0.25, 0.25),  # A < 0 and a ratio far below 1 - epsilon: still a gradient
+        (1.0, 1.0, None, -1.0, -1.0),  # on-policy: plain policy gradient
+    ],
+)
+def test_decoupled_weights_by_behaviour_and_clips_around_the_learner(ratio, adv, cap, exp_loss, exp_grad):
+    behaviour = torch.tensor([[-2.0]], dtype=torch.float64)
+    leaf = (behaviour + math.log(ratio)).requires_grad_(True)
+    loss, metrics = compute_loss(leaf, behaviour, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1),
+                                 tis_cap=cap, ratio_mode="decoupled")
+    loss.backward()
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-12)
+    assert leaf.grad.item() == pytest.approx(exp_grad, rel=1e-12)
+    assert metrics["ratio_mean"].item() == pytest.approx(ratio, rel=1e-12)  # the metric stays exp(p - q)
+    assert metrics["clip_frac"] == 0  # the proximal ratio is 1 within the step
+
+
+def test_decoupled_equals_current_with_the_cap_and_needs_behaviour():
+    logp, behaviour, _, adv, mask = make_batch(seed=7)
+    a, _ = compute_loss(logp, behaviour, adv, mask, ratio_mode="decoupled", tis_cap=1.05)
+    b, _ = compute_loss(logp, behaviour, adv, mask, ratio_mode="current", tis_cap=1.05)
+    assert a.item() == pytest.approx(b.item(), rel=1e-12)
+    assert (behaviour - logp)[mask.bool()].min() < -0.05  # some weights exceed the cap
+    c, _ = compute_loss(logp, behaviour, adv, mask, ratio_mode="decoupled")
+    assert c.item() != pytest.approx(b.item(), rel=1e-6)  # uncapped weights differ from the capped ones
+    with pytest.raises(LossError, match="behaviour_logprobs is None but ratio_mode='decoupled'"):
+        compute_loss(logp, None, adv, mask, ratio_mode="decoupled")
+
+
 # ------------------------------------------------------------------ KL (k3) and beta = 0
 class _Untouchable:
     def __getattr__(self, name):
