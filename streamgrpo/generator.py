@@ -323,12 +323,14 @@ def score_group(record, visuals, req, outs, rewards, *, version: int, generator_
         scored = with_bonus(scored, bonus)
         rewards.observe(scored)
         meta["temporal"] = {"p": bonus.p, "p_shuffled": bonus.p_shuffled, "applied": bonus.applied}
+    stamped = [c.versions for c in outs if c.versions is not None and len(c.versions)]
+    oldest = min([version] + [int(v.min()) for v in stamped])  # staleness counts from the oldest token
     return ScoredGroup(
-        prompt_id=record.id, generator_id=generator_id, policy_version=version, model_id=model_id,
+        prompt_id=record.id, generator_id=generator_id, policy_version=oldest, model_id=model_id,
         prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
         answer=record.answer, prompt_text=req.prompt_text, meta=meta,
         completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason, scored.for_completion(i),
-                                float(scored.totals[i])) for i, c in enumerate(outs)],
+                                float(scored.totals[i]), c.versions) for i, c in enumerate(outs)],
     )
 
 

@@ -129,6 +129,10 @@ class StepSummary:
     accuracy_G: list[float] | None = None
     """Mean ``accuracy`` reward per group (a completion without one counts 0); None: no completion has one."""
     staleness_G: list[int] = field(default_factory=list)
+    token_staleness_sum: float = 0.0
+    """Learner version minus each completion token's sampling version, summed over the step's tokens."""
+    completion_tokens: int = 0
+    """The completion tokens of ``token_staleness_sum``."""
     loss: float = 0.0
     stats: LossStats = field(default_factory=LossStats)
     adv_N: list[float] = field(default_factory=list)
@@ -159,7 +163,9 @@ class StepSummary:
             reward_sum=float(sum(c.reward for c in completions)), reward_fn=per_fn,
             accuracy_G=[float(np.mean([c.rewards.get("accuracy", 0.0) for c in a.group.completions]))
                         for a in batch] if has_acc else None,
-            staleness_G=[a.staleness for a in batch], loss=float(out.loss), stats=out.stats,
+            staleness_G=[a.staleness for a in batch], token_staleness_sum=_token_staleness_sum(batch),
+            completion_tokens=sum(len(c.token_ids) for c in completions),
+            loss=float(out.loss), stats=out.stats,
             adv_N=[float(x) for x in out.adv_N.reshape(-1).tolist()], zero_variance=int(out.zero_variance),
             seq_logprob_sum=float(out.seq_logprob_sum), rows=int(out.rows), drops=dict(drops),
             seq_tokens=int(out.seq_tokens), flops=float(out.flops), peak_flops=out.peak_flops,
@@ -195,6 +201,8 @@ class StepSummary:
             out.flops += p.flops
             out.group_ids += p.group_ids
             out.staleness_G += p.staleness_G
+            out.token_staleness_sum += p.token_staleness_sum
+            out.completion_tokens += p.completion_tokens
             out.adv_N += p.adv_N
             if p.accuracy_G is not None:
                 out.accuracy_G = (out.accuracy_G or []) + p.accuracy_G
@@ -238,6 +246,8 @@ class StepRecord:
     zero_variance_groups: int
     staleness_mean: float
     staleness_max: int
+    token_staleness_mean: float
+    """Per completion token (in-flight weight updates make a completion's tokens differ in age)."""
     groups_trained: int
     groups_dropped: dict[str, int]
     tokens: int
@@ -279,6 +289,7 @@ class StepRecord:
             policy_seq_log_prob=merged.seq_logprob_sum / max(merged.rows, 1),
             zero_variance_groups=merged.zero_variance,
             staleness_mean=float(np.mean(stale)), staleness_max=int(max(stale)),
+            token_staleness_mean=merged.token_staleness_sum / max(merged.completion_tokens, 1),
             groups_trained=state.groups_trained, groups_dropped=dict(state.dropped), tokens=w.tokens,
             completion_len_mean=w.tokens / completions, lr=lr, ranks=merged.ranks,
             micro_batches=out.micro_batches, seconds=step_s, wait_seconds=wait_s,
@@ -288,6 +299,16 @@ class StepRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _token_staleness_sum(batch: list[Accepted]) -> float:
+    total = 0.0
+    for a in batch:
+        learner_version = a.staleness + int(a.group.policy_version)
+        for c in a.group.completions:
+            n = len(c.token_ids)
+            total += a.staleness * n if c.versions is None else float(learner_version * n - np.sum(c.versions, dtype=np.int64))
+    return total
 
 
 def _or(x: float | None, default: float) -> float:

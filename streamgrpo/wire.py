@@ -23,45 +23,33 @@ raises :class:`WireError` and nothing else.
 from __future__ import annotations
 
 import math
-import struct
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
 
-from streamgrpo.dtypes import BY_NAME, NUMPY_NAMES
+from streamgrpo.wire_arrays import (
+    _ALIGN,
+    _HEAD,
+    _NATIVE,
+    _PAD,
+    WireError,
+    _ArrayRef,
+    _Body,
+    _is_torch,
+    _parse_ref,
+    _resolve,
+    _resolve_tree,
+)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-token policy versions (Completion.versions)
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
-_EXT_ARRAY = 1
-_ALIGN = 8
-_MAX_NDIM = 32
-_PAD = bytes(_ALIGN)
-_HEAD = struct.Struct("<4sIQ")  # magic, header length, body length
-
-# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart); one table: streamgrpo.dtypes
-_DTYPES: dict[str, np.dtype] = {name: BY_NAME[name].np for name in NUMPY_NAMES}
-_BF16 = "bfloat16"
-_NAME_OF = {dt: name for name, dt in _DTYPES.items()}  # dtype.name is slow; look dtypes up instead
-_NATIVE = {name: np.dtype(name) for name in _DTYPES}
-
-
-def _wire_name(dt: np.dtype) -> str | None:
-    name = _NAME_OF.get(dt)
-    if name is None and dt.byteorder == ">":
-        name = _NAME_OF.get(dt.newbyteorder("<"))
-    if name is None and dt.name == _BF16:
-        name = _BF16
-    return name
-
-
-class WireError(ValueError):
-    """A message could not be encoded or decoded; the message names the field."""
+__all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "ScoredGroup", "Visual", "WireError",
+           "decode", "encode", "encode_parts", "normalized", "validate"]
 
 
 @dataclass
@@ -82,13 +70,17 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     rewards: dict[str, float]  # per reward function
     reward: float  # weighted total
+    versions: np.ndarray | None = None
+    """int32 (L,): the policy version each token was sampled under (non-decreasing, none older than the
+    group's ``policy_version``; several with in-flight weight updates). None when building a message:
+    every token at the group's ``policy_version``; a decoded message always has it."""
 
 
 @dataclass
 class ScoredGroup:
     prompt_id: str
     generator_id: str
-    policy_version: int
+    policy_version: int  # the oldest version any token was sampled under (staleness counts from it)
     model_id: str
     prompt_ids: np.ndarray  # int32 (P,): the exact prompt token ids the engine used
     visuals: list[Visual]
@@ -106,118 +98,9 @@ class ScoredGroup:
         return int(
             self.prompt_ids.nbytes
             + sum(v.frames.nbytes + v.frame_indices.nbytes for v in self.visuals)
-            + sum(c.token_ids.nbytes + c.logprobs.nbytes for c in self.completions)
+            + sum(c.token_ids.nbytes + c.logprobs.nbytes + (0 if c.versions is None else c.versions.nbytes)
+                  for c in self.completions)
         )
-
-
-# ------------------------------------------------------------------------------ arrays (generic)
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
-
-
-def _to_numpy(x: Any) -> tuple[str, np.ndarray]:
-    """(wire dtype name, C-contiguous little-endian numpy array) of an array-like; bf16 as uint16 bits."""
-    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, without the lookups below
-        name = _NAME_OF.get(x.dtype)
-        if name is not None:
-            return name, x
-    if _is_torch(x):
-        import torch
-
-        t = x.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            return _BF16, t.view(torch.int16).numpy().view(np.uint16)
-        x = t.numpy()
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"not an array: {type(x).__name__}")
-    name = _wire_name(x.dtype)
-    if name == _BF16:  # ml_dtypes.bfloat16
-        return _BF16, x.astype(x.dtype, order="C", copy=False).view(np.uint16)
-    if name is None:
-        raise TypeError(f"dtype {x.dtype} is not supported on the wire (supported: {', '.join([*_DTYPES, _BF16])})")
-    return name, x.astype(_DTYPES[name], order="C", copy=False)  # keeps 0-d arrays 0-d
-
-
-class _Body:
-    """Collects array buffers for one message, each at an 8-byte aligned offset."""
-
-    def __init__(self) -> None:
-        self.parts: list[Any] = []
-        self.size = 0
-
-    def ext(self, x: Any) -> msgpack.ExtType:
-        name, arr = _to_numpy(x)
-        offset = self.size
-        if arr.nbytes:
-            self.parts.append(arr.reshape(-1).view(np.uint8))
-            self.size += arr.nbytes
-            pad = -self.size % _ALIGN
-            if pad:
-                self.parts.append(_PAD[:pad])
-                self.size += pad
-        return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([name, list(arr.shape), offset, arr.nbytes]))
-
-
-class _ArrayRef:
-    """Where one array lives in the body (a plain slotted class: a message holds ~20, parsed per message)."""
-
-    __slots__ = ("dtype", "shape", "offset", "nbytes")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int):
-        self.dtype, self.shape, self.offset, self.nbytes = dtype, shape, offset, nbytes
-
-
-def _parse_ref(code: int, data: bytes) -> _ArrayRef:
-    if code != _EXT_ARRAY:
-        raise WireError(f"header: unknown msgpack extension type {code}")
-    try:
-        ref = msgpack.unpackb(data, raw=False)
-    except Exception as exc:
-        raise WireError(f"header: corrupt array reference ({type(exc).__name__})") from None
-    if type(ref) is not list or len(ref) != 4:
-        raise WireError("header: array reference is not [dtype, shape, offset, nbytes]")
-    dtype, shape, offset, nbytes = ref
-    if dtype not in _DTYPES and dtype != _BF16:
-        raise WireError(f"header: unknown array dtype {dtype!r}")
-    # type(x) is int: msgpack yields exact ints (bools are their own type), so this is _is_int, faster
-    if type(shape) is not list or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-        raise WireError(f"header: bad array shape {shape!r}")
-    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
-        raise WireError(f"header: bad array offset/nbytes {offset!r}/{nbytes!r}")
-    return _ArrayRef(dtype, tuple(shape), offset, nbytes)
-
-
-def _resolve(ref: _ArrayRef, body: memoryview, path: str) -> Any:
-    itemsize = 2 if ref.dtype == _BF16 else _DTYPES[ref.dtype].itemsize
-    count = math.prod(ref.shape)
-    if count * itemsize != ref.nbytes:
-        raise WireError(f"{path}: shape {ref.shape} of {ref.dtype} needs {count * itemsize} bytes, header says {ref.nbytes}")
-    if ref.offset + ref.nbytes > len(body):
-        raise WireError(f"{path}: array bytes [{ref.offset}, {ref.offset + ref.nbytes}) run past the body ({len(body)} bytes)")
-    if count == 0:
-        if ref.dtype != _BF16:
-            return np.zeros(ref.shape, dtype=_DTYPES[ref.dtype])
-    if ref.dtype == _BF16:
-        import torch
-
-        if count == 0:
-            return torch.empty(ref.shape, dtype=torch.bfloat16)
-        with warnings.catch_warnings():  # read-only message buffer: torch warns, we never write to it
-            warnings.simplefilter("ignore")
-            return torch.frombuffer(body, dtype=torch.bfloat16, count=count, offset=ref.offset).view(ref.shape)
-    arr = np.frombuffer(body, dtype=_DTYPES[ref.dtype], count=count, offset=ref.offset)
-    return arr.reshape(ref.shape)
-
-
-def _resolve_tree(x: Any, body: memoryview, path: str) -> Any:
-    """Replace array references anywhere inside plain msgpack data (used for ``meta``)."""
-    if isinstance(x, _ArrayRef):
-        return _resolve(x, body, path)
-    if isinstance(x, dict):
-        return {k: _resolve_tree(v, body, f"{path}.{k}") for k, v in x.items()}
-    if isinstance(x, list):
-        return [_resolve_tree(v, body, f"{path}[{i}]") for i, v in enumerate(x)]
-    return x
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -266,22 +149,48 @@ def _check_array(x: Any, path: str, dtype: str, ndim: int) -> None:
         _fail(path, f"expected {ndim} dimension(s), got shape {x.shape}")
 
 
-def _all_values_ok(completions: list[Completion]) -> bool:
-    """No negative token id and no non-finite log-prob in any completion (arrays already well-typed)."""
+def _all_values_ok(completions: list[Completion], policy_version: int) -> bool:
+    """No negative token id, no non-finite log-prob, and token versions that never go back and start no
+    earlier than ``policy_version``, in any completion (arrays already well-typed)."""
     ids = [c.token_ids for c in completions if c.token_ids.size]
     lps = [c.logprobs for c in completions]
     if ids and int(np.concatenate(ids).min()) < 0:
         return False
+    vs = [c.versions for c in completions if c.versions.size]
+    if vs:
+        v = np.concatenate(vs)
+        starts = np.cumsum([len(x) for x in vs])[:-1]  # where one completion's versions follow another's
+        if int(v.min()) < policy_version or not np.isin(np.flatnonzero(np.diff(v) < 0) + 1, starts).all():
+            return False
     return bool(np.isfinite(np.concatenate(lps)).all()) if lps else True
 
 
 def _arrays_well_typed(completions: list[Any]) -> bool:
+    i32, f32 = _NATIVE["int32"], _NATIVE["float32"]
     return all(
-        isinstance(c, Completion) and type(c.token_ids) is np.ndarray and c.token_ids.dtype == _NATIVE["int32"]
-        and c.token_ids.ndim == 1 and type(c.logprobs) is np.ndarray and c.logprobs.dtype == _NATIVE["float32"]
+        isinstance(c, Completion) and type(c.token_ids) is np.ndarray and c.token_ids.dtype == i32
+        and c.token_ids.ndim == 1 and type(c.logprobs) is np.ndarray and c.logprobs.dtype == f32
         and c.logprobs.ndim == 1 and len(c.logprobs) == len(c.token_ids)
+        and type(c.versions) is np.ndarray and c.versions.dtype == i32 and c.versions.ndim == 1
+        and len(c.versions) == len(c.token_ids)
         for c in completions
     )
+
+
+def _check_schema(schema: Any) -> None:
+    if _is_int(schema) and schema == 1:
+        _fail("schema", "version 1 comes from a streamgrpo older than per-token policy versions; "
+                        f"upgrade the generator that sent it (this build reads {SCHEMA_VERSION})")
+    if not (_is_int(schema) and schema == SCHEMA_VERSION):
+        _fail("schema", f"version {schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+
+
+def _versions(c: Completion, policy_version: Any, path: str) -> Any:
+    """A completion's token versions as int32; None -> every token at the group's version."""
+    if c.versions is None:
+        n = len(c.token_ids) if hasattr(c.token_ids, "__len__") else 0
+        return np.full(n, policy_version if _is_int(policy_version) else 0, dtype=np.int32)
+    return _coerce(c.versions, path, "int32")
 
 
 def _check_visual(v: Any, p: str) -> None:
@@ -298,12 +207,12 @@ def _check_visual(v: Any, p: str) -> None:
         _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
 
 
-def _check_completion(c: Any, p: str, arrays: bool = True) -> None:
+def _check_completion(c: Any, p: str, policy_version: int, arrays: bool = True) -> None:
     """``arrays=False``: the arrays' types and values were already checked for all completions at once."""
     if not isinstance(c, Completion):
         _fail(p, f"expected a Completion, got {_tname(c)}")
     if arrays:
-        _check_completion_arrays(c, p)
+        _check_completion_arrays(c, p, policy_version)
     _check_str(c.text, f"{p}.text")
     _check_str(c.finish_reason, f"{p}.finish_reason")
     if not isinstance(c.rewards, dict):
@@ -314,7 +223,7 @@ def _check_completion(c: Any, p: str, arrays: bool = True) -> None:
     _check_num(c.reward, f"{p}.reward")
 
 
-def _check_completion_arrays(c: Completion, p: str) -> None:
+def _check_completion_arrays(c: Completion, p: str, policy_version: int) -> None:
     _check_array(c.token_ids, f"{p}.token_ids", "int32", 1)
     _check_array(c.logprobs, f"{p}.logprobs", "float32", 1)
     if len(c.logprobs) != len(c.token_ids):
@@ -324,14 +233,26 @@ def _check_completion_arrays(c: Completion, p: str) -> None:
     if not np.isfinite(c.logprobs).all():
         bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
         _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
+    if c.versions is None:  # not normalised yet: every token at the group's version
+        return
+    _check_array(c.versions, f"{p}.versions", "int32", 1)
+    if len(c.versions) != len(c.token_ids):
+        _fail(f"{p}.versions", f"{len(c.versions)} values but token_ids has {len(c.token_ids)}")
+    if c.versions.size and int(c.versions.min()) < policy_version:
+        _fail(f"{p}.versions", f"token version {int(c.versions.min())} is older than the group's policy_version "
+                               f"{policy_version} (which must be the oldest)")
+    back = np.flatnonzero(np.diff(c.versions) < 0)
+    if back.size:
+        i = int(back[0]) + 1
+        _fail(f"{p}.versions", f"token {i} has version {int(c.versions[i])} after version {int(c.versions[i - 1])} "
+                               "(versions never go back within a completion)")
 
 
 def validate(group: ScoredGroup) -> None:
     """Raise :class:`WireError` naming the first field of ``group`` that breaks the contract."""
     if not isinstance(group, ScoredGroup):
         _fail("message", f"expected a ScoredGroup, got {_tname(group)}")
-    if not (_is_int(group.schema) and group.schema == SCHEMA_VERSION):
-        _fail("schema", f"version {group.schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+    _check_schema(group.schema)
     _check_str(group.group_id, "group_id", nonempty=True)
     if len(group.group_id) > 128:
         _fail("group_id", f"longer than 128 characters ({len(group.group_id)})")
@@ -349,9 +270,9 @@ def validate(group: ScoredGroup) -> None:
         _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
     # Value checks over all completions at once (two reductions instead of two per completion); a
     # failure is then located completion by completion, so the error names the first bad one.
-    checked = _arrays_well_typed(group.completions) and _all_values_ok(group.completions)
+    checked = _arrays_well_typed(group.completions) and _all_values_ok(group.completions, group.policy_version)
     for i, c in enumerate(group.completions):
-        _check_completion(c, f"completions[{i}]", arrays=not checked)
+        _check_completion(c, f"completions[{i}]", group.policy_version, arrays=not checked)
     if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
         _fail("meta", "expected a mapping with string keys")
 
@@ -402,7 +323,7 @@ def normalized(group: ScoredGroup) -> ScoredGroup:
                 _coerce(c.logprobs, f"completions[{i}].logprobs", "float32"),
                 c.text, c.finish_reason,
                 {k: _scalar(v) for k, v in c.rewards.items()} if isinstance(c.rewards, dict) else c.rewards,
-                _scalar(c.reward),
+                _scalar(c.reward), _versions(c, group.policy_version, f"completions[{i}].versions"),
             )
             if isinstance(c, Completion) else c
             for i, c in enumerate(completions)
@@ -447,7 +368,8 @@ def encode_parts(group: ScoredGroup, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
             for v in g.visuals
         ],
         "completions": [
-            {"token_ids": body.ext(c.token_ids), "logprobs": body.ext(c.logprobs), "text": c.text,
+            {"token_ids": body.ext(c.token_ids), "logprobs": body.ext(c.logprobs),
+             "versions": body.ext(c.versions), "text": c.text,
              "finish_reason": c.finish_reason, "rewards": {k: float(r) for k, r in c.rewards.items()},
              "reward": float(c.reward)}
             for c in g.completions
@@ -527,8 +449,7 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
     if not isinstance(h, dict):
         _fail("header", f"expected a mapping, got {_tname(h)}")
     schema = _get(h, "schema", "")
-    if not (_is_int(schema) and schema == SCHEMA_VERSION):
-        _fail("schema", f"version {schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+    _check_schema(schema)
     for key in _FIELDS:
         _get(h, key, "")
     body = mv[body_start:]
@@ -545,6 +466,7 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
         completions.append(Completion(
             token_ids=_arr(_get(c, "token_ids", p), body, f"{p}.token_ids"),
             logprobs=_arr(_get(c, "logprobs", p), body, f"{p}.logprobs"),
+            versions=_arr(_get(c, "versions", p), body, f"{p}.versions"),
             text=_get(c, "text", p), finish_reason=_get(c, "finish_reason", p),
             rewards=_get(c, "rewards", p), reward=_get(c, "reward", p),
         ))

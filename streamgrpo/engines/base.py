@@ -52,6 +52,8 @@ class SampledCompletion:
     text: str
     finish_reason: str  # "stop" | "length"
     extra: dict[str, Any] = field(default_factory=dict)
+    versions: np.ndarray | None = None
+    """int32 (L,): the weights version each token was sampled under (stamped by the engine)."""
 
 
 class Engine(Protocol):

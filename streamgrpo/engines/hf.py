@@ -184,7 +184,8 @@ class HFEngine:
                 text = self.tokenizer.decode(ids_np[row, :n], skip_special_tokens=True)
                 if reason == "length" and sampling.stop and any(s in text for s in sampling.stop):
                     reason = "stop"
-                group.append(SampledCompletion(ids_np[row, :n].copy(), lp_np[row, :n].copy(), text, reason))
+                group.append(SampledCompletion(ids_np[row, :n].copy(), lp_np[row, :n].copy(), text, reason,
+                                               versions=np.full(n, self.version, dtype=np.int32)))
             results.append(group)
         return results
 

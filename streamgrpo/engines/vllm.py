@@ -381,10 +381,15 @@ class VLLMEngine:
         prompts = [build_request(r) for r in requests]
         params = vllm.SamplingParams(**sampling_kwargs(sampling, suppress_ids=self.suppress_ids,
                                                        stop_ids=self.stop_ids))
+        version = self.version  # weights change only between generate calls here
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return parse_outputs(outs, sampling.n, greedy=sampling.temperature == 0,
-                             prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
-                             request_ids=[r.request_id or str(i) for i, r in enumerate(requests)])
+        results = parse_outputs(outs, sampling.n, greedy=sampling.temperature == 0,
+                                prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
+                                request_ids=[r.request_id or str(i) for i, r in enumerate(requests)])
+        for group in results:
+            for c in group:
+                c.versions = np.full(len(c.token_ids), version, dtype=np.int32)
+        return results
 
     # ---- weights
     def param_names(self) -> list[str]:

@@ -68,11 +68,16 @@ def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, ti
     vocab.completions[1].token_ids[2] = 10**9  # passes the wire contract, outside any Qwen vocabulary
     nan = copy.deepcopy(groups[8])
     nan.group_id = "poison-nan"
+    old = copy.deepcopy(groups[8])
+    old.group_id = "poison-old-schema"
+    old_message = encode(old).replace(b"\xa6schema\x02", b"\xa6schema\x01", 1)  # as a pre-v2 generator wrote it
+    assert old_message != encode(old)
     q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")
     try:
         q.put_many(good[:3])
         vocab_sid = q.put(vocab)
         nan_sid = q.client.xadd(q.stream, {b"g": nan.group_id.encode(), b"d": _nan_logprob_message(nan)}).decode()
+        old_sid = q.client.xadd(q.stream, {b"g": old.group_id.encode(), b"d": old_message}).decode()
         q.put_many(good[3:])
         invalid0, malformed0 = value(metrics.GROUPS_DROPPED, reason="invalid"), value(metrics.GROUPS_DROPPED,
                                                                                      reason="malformed")
@@ -87,9 +92,11 @@ def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, ti
         assert "token id 1000000000 is outside the model's vocabulary" in dead["poison-vocab"]["reason"]
         assert "poison-vocab" in dead["poison-vocab"]["reason"]
         assert dead["poison-nan"]["stream_id"] == nan_sid and "not finite" in dead["poison-nan"]["reason"]
+        assert dead["poison-old-schema"]["stream_id"] == old_sid
+        assert "upgrade the generator" in dead["poison-old-schema"]["reason"]
         assert dead["poison-vocab"]["data"] > 0  # the message is kept for inspection
         assert value(metrics.GROUPS_DROPPED, reason="invalid") == invalid0 + 1
-        assert value(metrics.GROUPS_DROPPED, reason="malformed") == malformed0 + 1
+        assert value(metrics.GROUPS_DROPPED, reason="malformed") == malformed0 + 2
         assert q.depth() == 0 and q.held_count() == 0  # trained ones committed, poison ones out of the stream
         assert q.is_trained([g.group_id for g in good]) == [True] * 8
     finally:

@@ -90,3 +90,27 @@ def test_the_contrast_group_sees_shuffled_frames_and_image_prompts_are_skipped(s
     image = PromptRequest("x", [Visual("image", np.zeros((1, 56, 56, 3), np.uint8))], None, "img")
     # image-only prompts: nothing is sampled (the engine is not even called)
     assert sample_shuffled(None, processor, [image], sampling, TemporalContrastConfig(), np.random.default_rng(0)) == {}
+
+
+def test_a_group_is_as_old_as_its_oldest_token(setup):
+    """Per-token versions from the engine reach the wire; staleness (and max_staleness) counts from the oldest."""
+    import copy
+
+    from streamgrpo.generator import score_group
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.wire import decode, encode
+
+    cfg, _, engine, chunk, requests, _, outs = setup
+    assert all(c.versions.tolist() == [engine.version] * len(c.token_ids) for c in outs[0])  # HF: the batch's version
+    out = copy.deepcopy(outs[0])
+    n = len(out[1].token_ids)
+    out[1].versions = np.array([4] * (n // 2) + [6] * (n - n // 2), dtype=np.int32)  # as if updated mid-completion
+    for c in [c for i, c in enumerate(out) if i != 1]:
+        c.versions = np.full(len(c.token_ids), 6, dtype=np.int32)
+    (record, visuals), req = chunk[0], requests[0]
+    g = score_group(record, visuals, req, out, RewardSet(cfg), version=6, generator_id="g", model_id="m",
+                    temperature=1.0)
+    assert g.policy_version == 4  # not the version the batch ended on
+    back = decode(encode(g))
+    assert back.completions[1].versions.tolist() == out[1].versions.tolist()
+    assert back.completions[0].versions.tolist() == [6] * len(out[0].token_ids)

@@ -88,6 +88,20 @@ def test_seed_makes_sampling_reproducible(engine):
     assert [c.token_ids.tolist() for c in a[0]] == [c.token_ids.tolist() for c in b[0]]
 
 
+def test_every_token_is_stamped_with_the_version_it_was_sampled_under(engine):
+    req = [_request(engine.processor, 4, (220, 30, 30), "Colour?")]
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=0)
+    before = engine.version
+    first = engine.generate(req, sampling)[0]
+    name, p = next(iter(engine.model.named_parameters()))
+    engine.load_weights(before + 3, {name: p.detach().clone()})  # same values, a newer version
+    second = engine.generate(req, sampling)[0]
+    for c in first:
+        assert c.versions.dtype == np.int32 and c.versions.tolist() == [before] * len(c.token_ids)
+    for c in second:
+        assert c.versions.tolist() == [before + 3] * len(c.token_ids)
+
+
 def test_load_weights_in_place_and_checks(engine):
     name, p = next(iter(engine.model.named_parameters()))
     ptr = p.data_ptr()

@@ -18,7 +18,7 @@ RECORD_KEYS = [
     "step", "version", "time", "reward", "rewards", "accuracy", "group_accuracy", "loss", "kl", "entropy",
     "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "ratio_min", "grad_norm", "ess",
     "kl_behaviour", "is_masked_frac", "adv_mean", "adv_std", "policy_seq_log_prob", "zero_variance_groups",
-    "staleness_mean", "staleness_max", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
+    "staleness_mean", "staleness_max", "token_staleness_mean", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
     "ranks", "micro_batches", "seconds", "wait_seconds", "seq_tokens", "tokens_per_second", "model_flops", "mfu",
 ]
 
@@ -39,6 +39,14 @@ def _out(tokens, adv, work=None, **stats):
     return StepOutput(loss=0.25, grad_norm=1.5, tokens_global=40, zero_variance=1, adv_N=torch.tensor(adv),
                       micro_batches=2, seq_logprob_sum=-12.0, rows=len(adv),
                       stats=LossStats(tokens=tokens, **{**base, **stats}), **(work or {}))
+
+
+def test_token_staleness_counts_each_token_from_its_own_version():
+    a = _group("g0", [1.0, 0.0], [4, 2], staleness=3)  # learner at v3, group policy_version 0
+    a.group.completions[0].versions = np.array([0, 0, 2, 3], dtype=np.int32)  # updated in flight twice
+    s = StepSummary.of_rank([a], _out(6, [1.0, -1.0]), {})
+    assert s.completion_tokens == 6
+    assert s.token_staleness_sum == (3 + 3 + 1 + 0) + 2 * 3  # the untouched completion: all at v0
 
 
 def test_two_ranks_merge_into_one_metrics_line():
@@ -67,6 +75,8 @@ def test_two_ranks_merge_into_one_metrics_line():
     assert line["tokens"] == 40 and line["completion_len_mean"] == 5.0 and line["ranks"] == 2
     assert line["loss"] == 0.5 and line["zero_variance_groups"] == 2 and line["policy_seq_log_prob"] == -24.0 / 8
     assert (line["staleness_mean"], line["staleness_max"]) == (1.5, 3)
+    # no token versions given: every token as old as its group; (5+4)*1 + 0 + 12*2 + 11*3 over 40 tokens
+    assert line["token_staleness_mean"] == pytest.approx((9 * 1 + 24 + 33) / 40)
     adv = np.array([1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 1.5, -1.5])
     assert line["adv_mean"] == pytest.approx(adv.mean()) and line["adv_std"] == pytest.approx(adv.std(ddof=1))
     assert line["groups_dropped"] == {"stale": 4} and line["micro_batches"] == 2 and line["grad_norm"] == 1.5

@@ -70,6 +70,8 @@ def assert_same_group(a: ScoredGroup, b: ScoredGroup) -> None:
     for ca, cb in zip(a.completions, b.completions):
         assert_same_array(ca.token_ids, cb.token_ids)
         assert_same_array(ca.logprobs, cb.logprobs)
+        if ca.versions is not None:
+            assert_same_array(ca.versions, cb.versions)
         assert (ca.text, ca.finish_reason, ca.rewards, ca.reward) == (cb.text, cb.finish_reason, cb.rewards, cb.reward)
 
 
@@ -190,7 +192,8 @@ def test_decode_names_the_bad_field():
             decode(_frame(h, body))
         return str(info.value)
 
-    assert bad({**header, "schema": 2}).startswith("schema: version 2 is not supported")
+    assert bad({**header, "schema": 3}).startswith("schema: version 3 is not supported")
+    assert bad({**header, "schema": 1}).startswith("schema: version 1 comes from a streamgrpo older than per-token")
     assert bad({k: v for k, v in header.items() if k != "answer"}) == "answer: missing"
     assert bad({**header, "policy_version": "7"}).startswith("policy_version:")
     comps = [dict(c) for c in header["completions"]]
@@ -201,6 +204,39 @@ def test_decode_names_the_bad_field():
     vis[0]["frames"] = msgpack.ExtType(1, msgpack.packb([ref[0], ref[1], blen, ref[3]]))  # points past the body
     assert bad({**header, "visuals": vis}).startswith("visuals[0].frames: array bytes")
     assert "over the limit" in str(pytest.raises(WireError, decode, data, max_bytes=len(data) - 1).value)
+
+
+def test_token_versions_round_trip_and_default_to_the_group_version():
+    g = make_group(g=3)
+    g.completions[1].versions = np.array([42, 42, 43, 43, 45, 45], dtype=np.int64)  # two in-flight updates
+    out = decode(encode(g))
+    assert out.schema == SCHEMA_VERSION == 2
+    assert out.completions[0].versions.tolist() == [42] * 5  # not given: every token at policy_version
+    assert out.completions[1].versions.dtype == np.int32
+    assert out.completions[1].versions.tolist() == [42, 42, 43, 43, 45, 45]
+    assert g.nbytes < out.nbytes  # the decoded group carries every completion's versions
+
+
+@pytest.mark.parametrize("versions,msg", [
+    ([42, 43, 42, 43, 43, 43], "completions[1].versions: token 2 has version 42 after version 43"),
+    ([41, 42, 42, 42, 42, 42], "completions[1].versions: token version 41 is older than the group's policy_version 42"),
+    ([42, 42], "completions[1].versions: 2 values but token_ids has 6"),
+])
+def test_bad_token_versions_are_named(versions, msg):
+    g = make_group(g=3)
+    g.completions[1].versions = np.array(versions, dtype=np.int32)
+    with pytest.raises(WireError) as info:
+        encode(g)
+    assert str(info.value).startswith(msg)
+    ok = make_group(g=3)  # the same bytes arriving from elsewhere: decode says the same
+    ok.completions[1].versions = np.full(6, 50, dtype=np.int32)
+    data = bytearray(encode(ok))
+    needle = np.full(6, 50, dtype=np.int32).tobytes()
+    at = bytes(data).index(needle)
+    if len(versions) == 6:
+        data[at:at + 24] = np.array(versions, dtype=np.int32).tobytes()
+        with pytest.raises(WireError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            decode(bytes(data))
 
 
 def test_size_limit_on_encode():
