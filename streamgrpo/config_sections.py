@@ -133,6 +133,8 @@ class RolloutConfig(_Section):
     """Shuffle the shard each epoch (seeded by the top-level seed, the generator id and the epoch)."""
     sync: bool = False
     """On-policy mode: produce a group for version v only once weights v are applied (for comparisons)."""
+    inflight_updates: bool = False
+    """vLLM only: apply a new weight version between two decoding steps of a batch (the engine pauses with its requests kept, reloads, resumes; PipelineRL-style), not only between batches; every token is stamped with the version it was sampled under. Off by default until measured; the HF engine always applies between batches."""
     weight_apply_delay: int = Field(0, ge=0, le=1000)
     """Benchmarks only: apply a received weight version this many versions late (forces staleness)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -135,6 +135,11 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                        np.random.default_rng([cfg.seed, generator_id, 7]))
     apply_newest = _Applier(weights, make_weight_applier(cfg, engine), audit, cfg.rollout.weight_apply_delay, name)
     watch = WeightsWatch.from_config(weights, cfg.weights, name)
+    if cfg.rollout.inflight_updates:  # new versions also between the decoding steps of a batch (vLLM)
+        sampler.between_steps = apply_newest
+        if cfg.rollout.engine != "vllm":
+            log.warning("%s: rollout.inflight_updates needs rollout.engine=vllm; the HF engine applies weights "
+                        "between batches", name)
     apply_newest.snapshot(min(10.0, cfg.weights.max_wait_s or 10.0))  # a (re)started generator catches up first
     log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name,
              (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
@@ -245,6 +250,7 @@ class _Sampler:
     def __init__(self, engine, processor, cfg: Config, sampling, rewards, name: str, shuffle_rng):
         self.engine, self.processor, self.cfg, self.sampling = engine, processor, cfg, sampling
         self.rewards, self.name, self.shuffle_rng = rewards, name, shuffle_rng
+        self.between_steps = None  # rollout.inflight_updates: the weight applier, called between decoding steps
 
     def groups(self, chunk: list) -> list:
         from streamgrpo.data.prompts import build_prompt_text, processor_inputs
@@ -257,7 +263,7 @@ class _Sampler:
             requests.append(PromptRequest(text, visuals, processor_inputs(self.processor, text, visuals), record.id))
         version = self.engine.version
         t0 = time.perf_counter()
-        outs = self.engine.generate(requests, self.sampling)
+        outs = self.engine.generate(requests, self.sampling, between_steps=self.between_steps)
         contrast = sample_shuffled(self.engine, self.processor, requests, self.sampling, tc, self.shuffle_rng) \
             if tc else {}
         log.debug("%s: %d groups at v%d in %.2fs", self.name, len(chunk), version, time.perf_counter() - t0)

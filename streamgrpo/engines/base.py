@@ -8,6 +8,7 @@ weights between generation calls. Engines know nothing about rewards, queues or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,13 +60,46 @@ class SampledCompletion:
 class Engine(Protocol):
     version: int
 
-    def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
-        """G completions for each request, in request order."""
+    def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
+                 between_steps: Callable[[], None] | None = None) -> list[list[SampledCompletion]]:
+        """G completions for each request, in request order. An engine that can update weights in
+        flight calls ``between_steps`` at safe points between decoding steps (it may call
+        :meth:`load_weights`); others never call it."""
         ...
 
     def load_weights(self, version: int, tensors: dict[str, Any]) -> None:
-        """Apply a complete weight version (between generate calls)."""
+        """Apply a complete weight version (between generate calls, or from ``between_steps``)."""
         ...
+
+
+class TokenVersions:
+    """Which weights version sampled each token of each sequence of a batch, from the sequence
+    lengths the engine reported when the weights changed (pure bookkeeping).
+
+    ``seen(key, n)``: sequence ``key`` has ``n`` tokens so far; ``update(v)``: tokens from now on are
+    sampled under ``v``; ``of(key, n)``: the int32 versions of that sequence's ``n`` tokens.
+    """
+
+    def __init__(self, version: int):
+        self.start = int(version)
+        self.lengths: dict[Any, int] = {}
+        self.marks: list[tuple[int, dict[Any, int]]] = []
+
+    def seen(self, key: Any, n: int) -> None:
+        self.lengths[key] = int(n)
+
+    def update(self, version: int) -> None:
+        self.marks.append((int(version), dict(self.lengths)))
+
+    def started(self, keys: list[Any]) -> bool:
+        """Every sequence in ``keys`` has sampled at least one token (all are past their prefill)."""
+        return all(self.lengths.get(k, 0) > 0 for k in keys)
+
+    def of(self, key: Any, n: int) -> np.ndarray:
+        out = np.full(int(n), self.start, dtype=np.int32)
+        for version, lengths in self.marks:
+            out[min(lengths.get(key, 0), int(n)):] = version
+        return out
 
 
 def cut_at_stop(token_ids: np.ndarray, stop_ids: set[int]) -> tuple[int, str]:

@@ -143,7 +143,9 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     @torch.no_grad()
-    def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
+    def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
+                 between_steps=None) -> list[list[SampledCompletion]]:
+        """``between_steps`` is never called: this engine applies weights between batches only."""
         if not requests:
             return []
         batch = collate_prompts([r.inputs for r in requests], self.pad_id)

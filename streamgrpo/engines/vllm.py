@@ -53,6 +53,16 @@ vLLM API used (0.32; names checked against the installed package):
   ``q_proj``/``v_proj``: no ``k_proj``, no biases) is completed with the untouched tensors of the
   same layers from the checkpoint (:func:`.vllm_worker.missing_for_reload`); a module whose other
   part an earlier version already changed is refused rather than reverted.
+* In-flight updates (``rollout.inflight_updates``): the engine core then runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and :meth:`VLLMEngine.generate` drives it step by step
+  (``llm_engine.add_request`` / ``step`` with ``RequestOutputKind.CUMULATIVE``, as ``LLM._run_engine``
+  does). Between two steps nothing runs: that is the pause, with every request and its KV cache
+  kept. There the generator may apply a new version (the same RPC), then stepping resumes; the
+  lengths seen at that moment say which tokens each version sampled (:class:`~.base.TokenVersions`).
+  Updates wait until every sequence of the batch has its first token (past prefill: no encoder
+  output is needed any more), the caches are reset once the batch is done, and tokens sampled after
+  an update attend to keys and values computed under the older weights, as in PipelineRL and
+  AReaL's partial rollouts: their behaviour log-probs are what the engine sampled with.
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams
+from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams, TokenVersions
 from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
 from streamgrpo.wire import Visual
@@ -259,6 +269,13 @@ def parse_outputs(outputs: Sequence[Any], n: int, *, greedy: bool = False,
     return results
 
 
+class _Collected:
+    """A request's final outputs gathered from a stepwise run (what :func:`parse_outputs` reads)."""
+
+    def __init__(self, prompt_token_ids, outputs):
+        self.prompt_token_ids, self.outputs = prompt_token_ids, outputs
+
+
 # --------------------------------------------------------------------------- engine args (pure)
 def mm_limits(counts: Iterable[tuple[int, int]], *, max_frames: int, max_pixels: int,
               factor: int = 28) -> dict[str, dict[str, int]]:
@@ -334,6 +351,9 @@ class VLLMEngine:
         self._checkpoint_names: list[str] | None = None
         self._base: dict[str, Any] = {}  # checkpoint tensors read to complete partial updates
         self._changed: set[tuple[str, object]] = set()  # (vLLM param, shard) ever reloaded
+        self.inflight = False  # rollout.inflight_updates: the engine core runs in this process
+        self._in_flight = False  # inside a stepwise batch: a reload must leave the caches alone
+        self._batches = 0
 
     @classmethod
     def from_config(cls, cfg, processor) -> VLLMEngine:
@@ -358,6 +378,8 @@ class VLLMEngine:
         if vc.cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vc.cpu_kv_cache_gib:g}")
         kwargs = llm_kwargs(cfg, limits=limits, seed=torch.initial_seed() % (2**31 - 1))
+        if cfg.rollout.inflight_updates:  # step() must run exactly one engine step (see the module docstring)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         log.info("vLLM %s engine for %s started in %.1fs", vllm.__version__, cfg.model.name_or_path,
@@ -370,18 +392,25 @@ class VLLMEngine:
         hf_cfg = llm.llm_engine.model_config.hf_config
         tied = bool(getattr(hf_cfg, "tie_word_embeddings", False) or getattr(
             getattr(hf_cfg, "text_config", None), "tie_word_embeddings", False))
-        return cls(llm, processor, arch=arch, dtype=cfg.model.dtype, checkpoint=cfg.model.name_or_path,
-                   tied_lm_head=tied)
+        engine = cls(llm, processor, arch=arch, dtype=cfg.model.dtype, checkpoint=cfg.model.name_or_path,
+                     tied_lm_head=tied)
+        engine.inflight = cfg.rollout.inflight_updates
+        return engine
 
     # ---- sampling
-    def generate(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[list[SampledCompletion]]:
+    def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
+                 between_steps=None) -> list[list[SampledCompletion]]:
+        """``between_steps`` (with ``inflight``) is called between decoding steps; it may call
+        :meth:`load_weights`. Without ``inflight`` weights change only between calls."""
         if not requests:
             return []
         vllm = import_vllm()
         prompts = [build_request(r) for r in requests]
         params = vllm.SamplingParams(**sampling_kwargs(sampling, suppress_ids=self.suppress_ids,
                                                        stop_ids=self.stop_ids))
-        version = self.version  # weights change only between generate calls here
+        if between_steps is not None and self.inflight:
+            return self._generate_stepwise(requests, prompts, params, sampling, between_steps)
+        version = self.version
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         results = parse_outputs(outs, sampling.n, greedy=sampling.temperature == 0,
                                 prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
@@ -389,6 +418,51 @@ class VLLMEngine:
         for group in results:
             for c in group:
                 c.versions = np.full(len(c.token_ids), version, dtype=np.int32)
+        return results
+
+    def _generate_stepwise(self, requests, prompts, params, sampling, between_steps) -> list[list[SampledCompletion]]:
+        """One batch, driven step by step so weights can change between steps (module docstring)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.CUMULATIVE  # every step reports each sequence's length
+        engine = self.llm.llm_engine
+        self._batches += 1
+        rids = [f"sg{self._batches}-{i}" for i in range(len(requests))]
+        greedy = sampling.temperature == 0
+        keys = [(rid, j) for rid in rids for j in range(1 if greedy else sampling.n)]
+        versions = TokenVersions(self.version)
+        latest: dict[tuple[str, int], Any] = {}
+        prompt_ids: dict[str, Any] = {}
+        for rid, prompt in zip(rids, prompts):
+            engine.add_request(rid, prompt, params)
+        self._in_flight = True
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    prompt_ids[out.request_id] = out.prompt_token_ids
+                    for c in out.outputs:
+                        latest[(out.request_id, c.index)] = c
+                        versions.seen((out.request_id, c.index), len(c.token_ids))
+                if engine.has_unfinished_requests() and versions.started(keys):
+                    before = self.version
+                    between_steps()  # the pause: nothing runs until the next step()
+                    if self.version != before:
+                        versions.update(self.version)
+        except BaseException:
+            engine.abort_request(rids)
+            raise
+        finally:
+            self._in_flight = False
+        if versions.marks:  # now idle: forget what the older weights computed
+            self._reset_caches()
+        outs = [_Collected(prompt_ids.get(rid), [c for (r, _), c in sorted(latest.items()) if r == rid])
+                for rid in rids]
+        results = parse_outputs(outs, sampling.n, greedy=greedy,
+                                prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
+                                request_ids=[r.request_id or str(i) for i, r in enumerate(requests)])
+        for rid, group in zip(rids, results):
+            for j, c in enumerate(group):
+                c.versions = versions.of((rid, 0 if greedy else j), len(c.token_ids))
         return results
 
     # ---- weights
@@ -417,7 +491,8 @@ class VLLMEngine:
         dtype = getattr(torch, self.dtype)
         packed = [(n, *pack_tensor(torch.as_tensor(full[n]).to(dtype))) for n in [*names, *extra]]
         self.llm.collective_rpc("streamgrpo_load_weights", args=(packed,))
-        self._reset_caches()
+        if not self._in_flight:  # in flight: running requests hold their blocks; reset after the batch
+            self._reset_caches()
         self._changed.update(vllm_param_name(n, self.arch) for n in names)
         self.version = int(version)
         log.debug("applied weights v%d (%d tensors, %d completed from the checkpoint) in %.3fs", version,

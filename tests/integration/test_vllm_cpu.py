@@ -58,9 +58,8 @@ def _perturbed(model_dir: Path, seed: int, scale: float):
     return model
 
 
-def _gap(model, processor, group) -> float:
-    """Largest |behaviour - learner| log-prob over the group's tokens (the learner's computation)."""
-    import numpy as np
+def _learner_logprobs(model, processor, group) -> list:
+    """The learner's log-probs of every completion's tokens (one float array per completion)."""
     import torch
 
     from streamgrpo.data.prompts import processor_inputs
@@ -73,8 +72,15 @@ def _gap(model, processor, group) -> float:
     with torch.no_grad():
         lp, _ = completion_logprobs(model, tb, temperature=float(group.meta["temperature"]),
                                     suppress_token_ids=vision_token_ids(processor))
-    return max(float((lp[i, : len(c.logprobs)] - torch.from_numpy(np.array(c.logprobs))).abs().max())
-               for i, c in enumerate(group.completions))
+    return [lp[i, : len(c.logprobs)].double().numpy() for i, c in enumerate(group.completions)]
+
+
+def _gap(model, processor, group) -> float:
+    """Largest |behaviour - learner| log-prob over the group's tokens (the learner's computation)."""
+    import numpy as np
+
+    return max(float(np.abs(lp - c.logprobs).max())
+               for lp, c in zip(_learner_logprobs(model, processor, group), group.completions))
 
 
 def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server, weight_publisher, tmp_path, redis_ns):
@@ -171,3 +177,75 @@ def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server,
     print(f"\nvLLM CPU: engine start {started.group(1) if started else '?'}s, first group after {first_group_s:.1f}s "
           f"(process start), {len(groups)} groups, max |behaviour - learner| v0 {max(gaps[0]):.2e}, "
           f"v1 {max(gaps[1]):.2e}; v1 outputs under v0 weights: min gap {min(old):.3f}")
+
+
+def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, demo_data_dir, tmp_path, monkeypatch):
+    """rollout.inflight_updates: a new version lands between two decoding steps of one batch. Only the
+    LM head changes (keys and values do not depend on it), so each token's behaviour log-prob must be
+    exactly the learner's under the weights of the version stamped on that token."""
+    import numpy as np
+    import torch
+
+    from streamgrpo.config import load_config
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.prompts import build_prompt_text, processor_inputs, vision_factors
+    from streamgrpo.data.records import load_records
+    from streamgrpo.engines.base import PromptRequest, SamplingParams
+    from streamgrpo.engines.vllm import VLLMEngine
+    from streamgrpo.generator import score_group
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.wire import decode, encode
+
+    demo = Path(demo_data_dir)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # what inflight_updates sets; undone afterwards
+    cfg = load_config("demo", [
+        f"run_dir={tmp_path}", f"model.name_or_path={tiny_model_dir}", "model.tiny_if_missing=false",
+        f"data.train_path={_records(demo, tmp_path / 'records.jsonl', n_video=4, n_image=0)}",
+        f"data.media_root={demo}", "data.make_demo_if_missing=false", "data.kinds=null",
+        "rollout.engine=vllm", "rollout.num_generations=2", "rollout.max_completion_length=10",
+        "rollout.vllm.max_model_len=2048", "rollout.vllm.cpu_kv_cache_gib=1", "rollout.vllm.enforce_eager=true",
+        "rollout.inflight_updates=true",
+    ])
+    processor = load_processor(str(tiny_model_dir))
+    factor, temporal = vision_factors(processor)
+    samples = iter_samples(load_records(cfg.data.train_path, cfg.data), cfg.data, shard=0, num_shards=1, seed=0,
+                           epochs=None, factor=factor, temporal_patch=temporal)
+    chunk = [next(samples) for _ in range(2)]
+    requests = []
+    for record, visuals in chunk:
+        text = build_prompt_text(processor, record, cfg.data)
+        requests.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
+    v0 = _perturbed(tiny_model_dir, 0, 0.0)
+    v1 = _perturbed(tiny_model_dir, 0, 0.0)
+    with torch.no_grad():  # a new LM head: the random tiny model's near-uniform tokens become peaked
+        v1.lm_head.weight.add_(torch.randn(v1.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    engine = VLLMEngine.from_config(cfg, processor)
+    try:
+        assert engine.inflight
+        calls = []
+
+        def between_steps():  # what the generator's weight applier does at a safe point
+            calls.append(engine.version)
+            if len(calls) == 3:
+                engine.load_weights(1, {"lm_head.weight": v1.lm_head.weight.detach().clone()})
+
+        outs = engine.generate(requests, SamplingParams.from_config(cfg.rollout), between_steps=between_steps)
+        assert len(calls) >= 3 and engine.version == 1
+        again = engine.generate(requests[:1], SamplingParams.from_config(cfg.rollout), between_steps=lambda: None)
+    finally:
+        engine.close()
+    assert all(c.versions.tolist() == [1] * len(c.token_ids) for c in again[0])  # the next batch: all v1
+    rewards = RewardSet(cfg)
+    for (record, visuals), req, out in zip(chunk, requests, outs):
+        group = decode(encode(score_group(record, visuals, req, out, rewards, version=0, generator_id="g",
+                                          model_id="m", temperature=1.0)))  # the versions travel on the wire
+        assert group.policy_version == 0
+        old, new = _learner_logprobs(v0, processor, group), _learner_logprobs(v1, processor, group)
+        for c, lp0, lp1 in zip(group.completions, old, new):
+            n = len(c.token_ids)
+            assert n > 3, "the random tiny model should use its token budget"
+            assert c.versions.tolist() == [0, 0, 0] + [1] * (n - 3)  # 3 steps, then the update
+            assert np.abs(c.logprobs[:3] - lp0[:3]).max() < GAP_TOL  # sampled under v0
+            assert np.abs(c.logprobs[3:] - lp1[3:]).max() < GAP_TOL  # sampled under v1, in the same batch
+            assert np.abs(c.logprobs[3:] - lp0[3:]).max() > 10 * GAP_TOL  # and v0 would not explain them

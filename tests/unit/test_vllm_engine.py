@@ -413,3 +413,26 @@ def test_cpu_compat_hook_is_idempotent_and_inert():
     finally:
         for h in hooks:
             sys.meta_path.remove(h)
+
+
+def test_token_versions_split_each_sequence_where_the_weights_changed():
+    from streamgrpo.engines.base import TokenVersions
+
+    tv = TokenVersions(3)
+    keys = [("a", 0), ("a", 1), ("b", 0)]
+    tv.seen(("a", 0), 2)
+    tv.seen(("a", 1), 2)
+    assert not tv.started(keys)  # b has not sampled a token yet (still in prefill)
+    tv.seen(("b", 0), 1)
+    assert tv.started(keys)
+    tv.update(5)  # after a's 2 tokens and b's 1
+    tv.seen(("a", 0), 3)  # a/0 finishes with 3 tokens; the others go on
+    tv.seen(("a", 1), 4)
+    tv.seen(("b", 0), 3)
+    tv.update(6)
+    assert tv.of(("a", 0), 3).tolist() == [3, 3, 5]  # it stopped before v6
+    assert tv.of(("a", 1), 6).tolist() == [3, 3, 5, 5, 6, 6]
+    assert tv.of(("b", 0), 4).tolist() == [3, 5, 5, 6]
+    assert tv.of(("c", 0), 2).tolist() == [6, 6]  # never seen before an update: every token is new
+    assert tv.of(("a", 1), 6).dtype == np.int32
+    assert TokenVersions(7).of(("a", 0), 3).tolist() == [7, 7, 7]  # no update: the batch's version
