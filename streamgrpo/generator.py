@@ -136,7 +136,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     apply_newest = _Applier(weights, make_weight_applier(cfg, engine), audit, cfg.rollout.weight_apply_delay, name)
     watch = WeightsWatch.from_config(weights, cfg.weights, name)
     if cfg.rollout.inflight_updates:  # new versions also between the decoding steps of a batch (vLLM)
-        sampler.between_steps = apply_newest
+        sampler.between_steps = lambda: apply_newest(not_below=engine.version)
         if cfg.rollout.engine != "vllm":
             log.warning("%s: rollout.inflight_updates needs rollout.engine=vllm; the HF engine applies weights "
                         "between batches", name)
@@ -222,7 +222,9 @@ class _Applier:
             self.weights.mark_applied()
             self.snapped = True
 
-    def __call__(self, block_s: float = 0.0) -> None:
+    def __call__(self, block_s: float = 0.0, not_below: int | None = None) -> None:
+        """``not_below`` (in flight): a version numbered lower than that (a restarted learner rolled
+        back) waits for the end of the batch, so a completion's token versions never go back."""
         got = self.weights.poll(timeout_s=block_s)
         while got is not None:
             self.pending.append(got)
@@ -230,6 +232,8 @@ class _Applier:
         if len(self.pending) <= self.delay:
             return
         target = self.pending[-1 - self.delay]
+        if not_below is not None and target[0] < not_below:
+            return
         while self.pending and self.pending[0] is not target:
             self.pending.popleft()
         self.pending.popleft()

@@ -282,7 +282,7 @@ def _objective(ratio: Tensor, A: Tensor, log_is: Optional[Tensor], m: Tensor, *,
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     objective = torch.minimum(ratio * A, clipped * A)
     if weight:
-        w = torch.exp(log_is.detach())
+        w = torch.exp(log_is.detach().clamp(max=80.0))  # finite (inf x a zero advantage would be nan)
         objective = objective * (w if tis_cap is None else torch.clamp(w, max=tis_cap))
     kept = m
     if is_mask is not None:

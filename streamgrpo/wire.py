@@ -48,6 +48,7 @@ from streamgrpo.wire_arrays import (
 SCHEMA_VERSION = 2  # 2: per-token policy versions (Completion.versions)
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
+_MAX_VERSION = 2**31 - 1  # versions travel as int32
 __all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "ScoredGroup", "Visual", "WireError",
            "decode", "encode", "encode_parts", "normalized", "validate"]
 
@@ -185,12 +186,20 @@ def _check_schema(schema: Any) -> None:
         _fail("schema", f"version {schema!r} is not supported (this build reads {SCHEMA_VERSION})")
 
 
-def _versions(c: Completion, policy_version: Any, path: str) -> Any:
-    """A completion's token versions as int32; None -> every token at the group's version."""
-    if c.versions is None:
-        n = len(c.token_ids) if hasattr(c.token_ids, "__len__") else 0
-        return np.full(n, policy_version if _is_int(policy_version) else 0, dtype=np.int32)
-    return _coerce(c.versions, path, "int32")
+def _normalized_completion(c: Completion, i: int, policy_version: Any) -> Completion:
+    """``c`` with contract dtypes; versions None -> every token at the group's version (a bad
+    ``policy_version`` or ``token_ids`` is left for :func:`validate` to name)."""
+    token_ids = _coerce(c.token_ids, f"completions[{i}].token_ids", "int32")
+    if c.versions is not None:
+        versions = _coerce(c.versions, f"completions[{i}].versions", "int32")
+    else:
+        pv = _scalar(policy_version)
+        n = token_ids.shape[0] if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 else 0
+        versions = np.full(n, pv if _is_int(pv) and 0 <= pv <= _MAX_VERSION else 0, dtype=np.int32)
+    return Completion(token_ids, _coerce(c.logprobs, f"completions[{i}].logprobs", "float32"), c.text,
+                      c.finish_reason,
+                      {k: _scalar(v) for k, v in c.rewards.items()} if isinstance(c.rewards, dict) else c.rewards,
+                      _scalar(c.reward), versions)
 
 
 def _check_visual(v: Any, p: str) -> None:
@@ -258,8 +267,8 @@ def validate(group: ScoredGroup) -> None:
         _fail("group_id", f"longer than 128 characters ({len(group.group_id)})")
     for name in ("prompt_id", "generator_id", "model_id", "answer", "prompt_text"):
         _check_str(getattr(group, name), name)
-    if not (_is_int(group.policy_version) and group.policy_version >= 0):
-        _fail("policy_version", f"expected an integer >= 0, got {group.policy_version!r}")
+    if not (_is_int(group.policy_version) and 0 <= group.policy_version <= _MAX_VERSION):
+        _fail("policy_version", f"expected an integer in [0, 2**31 - 1], got {group.policy_version!r}")
     _check_num(group.created_at, "created_at")
     _check_array(group.prompt_ids, "prompt_ids", "int32", 1)
     if not isinstance(group.visuals, list):
@@ -317,17 +326,8 @@ def normalized(group: ScoredGroup) -> ScoredGroup:
         ]
     completions = group.completions
     if isinstance(completions, list):
-        completions = [
-            Completion(
-                _coerce(c.token_ids, f"completions[{i}].token_ids", "int32"),
-                _coerce(c.logprobs, f"completions[{i}].logprobs", "float32"),
-                c.text, c.finish_reason,
-                {k: _scalar(v) for k, v in c.rewards.items()} if isinstance(c.rewards, dict) else c.rewards,
-                _scalar(c.reward), _versions(c, group.policy_version, f"completions[{i}].versions"),
-            )
-            if isinstance(c, Completion) else c
-            for i, c in enumerate(completions)
-        ]
+        completions = [_normalized_completion(c, i, group.policy_version) if isinstance(c, Completion) else c
+                       for i, c in enumerate(completions)]
     return ScoredGroup(
         prompt_id=group.prompt_id, generator_id=group.generator_id, policy_version=_scalar(group.policy_version),
         model_id=group.model_id, prompt_ids=_coerce(group.prompt_ids, "prompt_ids", "int32"), visuals=visuals,

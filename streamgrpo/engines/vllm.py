@@ -63,6 +63,10 @@ vLLM API used (0.32; names checked against the installed package):
   output is needed any more), the caches are reset once the batch is done, and tokens sampled after
   an update attend to keys and values computed under the older weights, as in PipelineRL and
   AReaL's partial rollouts: their behaviour log-probs are what the engine sampled with.
+  ``async_scheduling`` is off then (a step dispatched ahead would sample under the old weights but
+  be stamped with the new version). Not covered: a sequence preempted (KV cache full) after an
+  in-flight update is recomputed under the new weights and may need an encoder output the reload
+  dropped; give the KV cache room for a whole batch.
 """
 
 from __future__ import annotations
@@ -308,6 +312,8 @@ def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | N
     }
     if vc.max_model_len is not None:
         kw["max_model_len"] = vc.max_model_len
+    if cfg.rollout.inflight_updates:  # a step dispatched ahead would sample under the old weights unstamped
+        kw["async_scheduling"] = False
     return kw
 
 
@@ -353,6 +359,7 @@ class VLLMEngine:
         self._changed: set[tuple[str, object]] = set()  # (vLLM param, shard) ever reloaded
         self.inflight = False  # rollout.inflight_updates: the engine core runs in this process
         self._in_flight = False  # inside a stepwise batch: a reload must leave the caches alone
+        self._reloaded = False  # a version was applied in flight: reset the caches after the batch
         self._batches = 0
 
     @classmethod
@@ -433,10 +440,10 @@ class VLLMEngine:
         versions = TokenVersions(self.version)
         latest: dict[tuple[str, int], Any] = {}
         prompt_ids: dict[str, Any] = {}
-        for rid, prompt in zip(rids, prompts):
-            engine.add_request(rid, prompt, params)
-        self._in_flight = True
+        self._in_flight, self._reloaded = True, False
         try:
+            for rid, prompt in zip(rids, prompts):
+                engine.add_request(rid, prompt, params)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     prompt_ids[out.request_id] = out.prompt_token_ids
@@ -453,8 +460,8 @@ class VLLMEngine:
             raise
         finally:
             self._in_flight = False
-        if versions.marks:  # now idle: forget what the older weights computed
-            self._reset_caches()
+            if self._reloaded:  # now idle: forget what the older weights computed
+                self._reset_caches()
         outs = [_Collected(prompt_ids.get(rid), [c for (r, _), c in sorted(latest.items()) if r == rid])
                 for rid in rids]
         results = parse_outputs(outs, sampling.n, greedy=greedy,
@@ -491,7 +498,9 @@ class VLLMEngine:
         dtype = getattr(torch, self.dtype)
         packed = [(n, *pack_tensor(torch.as_tensor(full[n]).to(dtype))) for n in [*names, *extra]]
         self.llm.collective_rpc("streamgrpo_load_weights", args=(packed,))
-        if not self._in_flight:  # in flight: running requests hold their blocks; reset after the batch
+        if self._in_flight:  # running requests hold their blocks: reset once the batch is done
+            self._reloaded = True
+        else:
             self._reset_caches()
         self._changed.update(vllm_param_name(n, self.arch) for n in names)
         self.version = int(version)

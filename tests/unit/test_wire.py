@@ -217,6 +217,17 @@ def test_token_versions_round_trip_and_default_to_the_group_version():
     assert g.nbytes < out.nbytes  # the decoded group carries every completion's versions
 
 
+def test_default_token_versions_follow_any_integer_policy_version_and_list_ids():
+    g = make_group(g=2)
+    g.policy_version = np.int64(5)  # a numpy scalar, unboxed by the encoder
+    g.completions[0].token_ids = g.completions[0].token_ids.tolist()  # a list, coerced to int32
+    out = decode(encode(g))
+    assert out.policy_version == 5 and out.completions[0].versions.tolist() == [5] * len(g.completions[0].token_ids)
+    g.policy_version = 2**31  # versions travel as int32
+    with pytest.raises(WireError, match=r"policy_version: expected an integer in \[0, 2\*\*31 - 1\]"):
+        encode(g)
+
+
 @pytest.mark.parametrize("versions,msg", [
     ([42, 43, 42, 43, 43, 43], "completions[1].versions: token 2 has version 42 after version 43"),
     ([41, 42, 42, 42, 42, 42], "completions[1].versions: token version 41 is older than the group's policy_version 42"),

@@ -1,0 +1,43 @@
+"""The generator's weight applier (pure logic with a stand-in subscriber): what it applies, and when."""
+
+from __future__ import annotations
+
+from streamgrpo.generator import _Applier
+
+
+class _Subscriber:
+    def __init__(self, versions):
+        self.queue = [(v, {"w": v}) for v in versions]
+        self.marked = 0
+
+    def poll(self, timeout_s=0.0):
+        return self.queue.pop(0) if self.queue else None
+
+    def mark_applied(self):
+        self.marked += 1
+        return 0.01
+
+
+class _Audit:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, row):
+        self.rows.append(row)
+
+
+def test_in_flight_a_lower_version_waits_for_the_batch_boundary():
+    applied = []
+    sub = _Subscriber([3])  # a restarted learner rolled back to v3 while the engine runs v5
+    apply = _Applier(sub, lambda v, t: applied.append(v), _Audit(), 0, "g")
+    apply(not_below=5)  # between decoding steps: token versions must not go back
+    assert applied == [] and len(apply.pending) == 1
+    apply()  # the next batch boundary
+    assert applied == [3] and sub.marked == 1 and not apply.pending
+
+
+def test_the_newest_version_is_applied_and_older_ones_skipped():
+    applied = []
+    apply = _Applier(_Subscriber([6, 7, 8]), lambda v, t: applied.append(v), _Audit(), 0, "g")
+    apply(not_below=5)
+    assert applied == [8] and not apply.pending
