@@ -4,13 +4,12 @@ For k in ``--ks`` and each correction in ``--losses``, the demo trains for a fix
 optimizer steps (so a fixed number of groups) on rollouts that are exactly k policy versions old
 (w = exp(logp - behaviour logp), the importance weight):
 
-* ``clipped``: ``loss.ratio_mode=behaviour``: PPO's ratio w, clipped to [1 - epsilon, 1 + epsilon_high]
-  (the default loss);
+* ``clipped``: ``loss.ratio_mode=behaviour``: PPO's ratio w, clipped to [1 - epsilon, 1 + epsilon_high];
 * ``tis``: ``clipped`` times the truncated weight min(w, 2) (``loss.tis_cap=2``);
 * ``decoupled``: decoupled PPO (``loss.ratio_mode=decoupled``): clip around the learner's own
   policy, times the behaviour weight min(w, 5) (``loss.tis_cap=5``, AReaL's behaviour-weight cap);
 * ``mis``: ``clipped`` with token-level masked IS (``loss.is_mask=token``: tokens whose w leaves
-  [0.5, 2] add nothing);
+  [0.5, 2] add nothing): the default loss since this study;
 * ``naive``: ``loss.ratio_mode=current``: the same objective with the ratio taken against the
   current policy only (value 1), i.e. plain policy gradient on stale samples.
 
@@ -64,12 +63,12 @@ from benchmarks.loop_runs import (
 )
 
 # correction name -> its loss overrides (on top of the demo config)
-LOSSES: dict[str, tuple[str, ...]] = {
-    "clipped": ("loss.ratio_mode=behaviour",),
-    "tis": ("loss.ratio_mode=behaviour", "loss.tis_cap=2.0"),
-    "decoupled": ("loss.ratio_mode=decoupled", "loss.tis_cap=5.0"),
-    "mis": ("loss.ratio_mode=behaviour", "loss.is_mask=token"),
-    "naive": ("loss.ratio_mode=current",),
+LOSSES: dict[str, tuple[str, ...]] = {  # each spells out every option, whatever the defaults are
+    "clipped": ("loss.ratio_mode=behaviour", "loss.tis_cap=null", "loss.is_mask=null"),
+    "tis": ("loss.ratio_mode=behaviour", "loss.tis_cap=2.0", "loss.is_mask=null"),
+    "decoupled": ("loss.ratio_mode=decoupled", "loss.tis_cap=5.0", "loss.is_mask=null"),
+    "mis": ("loss.ratio_mode=behaviour", "loss.tis_cap=null", "loss.is_mask=token"),
+    "naive": ("loss.ratio_mode=current", "loss.tis_cap=null", "loss.is_mask=null"),
 }
 DEFAULT_KS = "0,2,4,8,16"
 
