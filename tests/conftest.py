@@ -179,6 +179,18 @@ def weight_subscriber_factory():
         sub.close()
 
 
+def wait_weights_version(sub, version: int, timeout: float = 30.0):
+    """Poll ``sub`` until it returns ``version`` or newer: ``(version, tensors)``; fails the test after ``timeout``."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = sub.poll(0.2)
+        if got is not None and got[0] >= version:
+            return got
+    raise AssertionError(f"subscriber never got version {version} (stats {sub.stats}; status: {sub.status()})")
+
+
 @pytest.fixture
 def curve_keys_dir(tmp_path):
     """A `streamgrpo keys` directory with two client key pairs."""

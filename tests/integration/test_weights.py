@@ -22,12 +22,13 @@ import msgpack
 import pytest
 import torch
 import zmq
+from conftest import wait_weights_version as _wait_version
 from prometheus_client import REGISTRY
 
 from streamgrpo.config import WeightsConfig
 from streamgrpo.models.apply import apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora
-from streamgrpo.transport.weights import WeightPublisher, WeightSubscriber
+from streamgrpo.transport.weights import WeightPublisher
 from streamgrpo.transport.weights_codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,15 +78,6 @@ def _until(pred, what: str, timeout: float = WAIT_S):
             return out
         time.sleep(0.02)
     raise AssertionError(f"gave up waiting for {what}")
-
-
-def _wait_version(sub: WeightSubscriber, version: int, timeout: float = WAIT_S):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = sub.poll(0.2)
-        if got is not None and got[0] >= version:
-            return got
-    raise AssertionError(f"subscriber never got version {version} (stats {sub.stats})")
 
 
 # ------------------------------------------------------------------------------- round trips

@@ -11,10 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from conftest import wait_weights_version as _wait_version
 
 from streamgrpo.config import WeightsConfig
 from streamgrpo.transport.weights import WeightPublisher
@@ -42,15 +42,6 @@ def _tensors(seed: int, n: int = 40_000) -> dict[str, torch.Tensor]:
 
 def _same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _wait_version(sub, version: int):
-    end = time.monotonic() + WAIT_S
-    while time.monotonic() < end:
-        got = sub.poll(0.2)
-        if got is not None and got[0] >= version:
-            return got
-    raise AssertionError(f"subscriber never got version {version} (stats {sub.stats})")
 
 
 def _files(d) -> list[str]:

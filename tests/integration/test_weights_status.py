@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_weights_version as _version
 from prometheus_client import REGISTRY
 
 from streamgrpo.generator import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
@@ -40,15 +41,6 @@ def _state(sub, want: WeightsState, timeout: float = WAIT_S):
             return status
         time.sleep(0.05)
     raise AssertionError(f"status never became {want.value}; last: {status}")
-
-
-def _version(sub, version: int, timeout: float = WAIT_S):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = sub.poll(0.2)
-        if got is not None and got[0] >= version:
-            return got
-    raise AssertionError(f"subscriber never got version {version}; status: {sub.status()}")
 
 
 def _errors(kind: str) -> float:
