@@ -48,7 +48,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     from streamgrpo.data.records import load_records
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.engines.hf import HFEngine
-    from streamgrpo.generator import score_group
+    from streamgrpo.generator import sample_shuffled, score_group
     from streamgrpo.models.loading import load_model
     from streamgrpo.rewards import RewardSet
     from streamgrpo.training import Accepted, Learner
@@ -69,6 +69,8 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
                            factor=vp.patch_size * vp.merge_size, temporal_patch=vp.temporal_patch_size)
     rewards = RewardSet(cfg)
     sampling = SamplingParams.from_config(cfg.rollout)
+    contrast = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups decide the `temporal` bonus
+    shuffle_rng = np.random.default_rng(seed)
     history: collections.deque = collections.deque(maxlen=lag + 1)  # (version, tensors) of the last lag+1 versions
     history.append((0, {k: v.clone() for k, v in learner.policy_tensors().items()}))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,10 +95,12 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
             for record, visuals in chunk:
                 text = build_prompt_text(processor, record, cfg.data)
                 reqs.append(PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id))
-            for (record, visuals), req, outs in zip(chunk, reqs, engine.generate(reqs, sampling)):
+            outs_all = engine.generate(reqs, sampling)
+            shuffled = sample_shuffled(engine, processor, reqs, sampling, contrast, shuffle_rng) if contrast else {}
+            for i, ((record, visuals), req, outs) in enumerate(zip(chunk, reqs, outs_all)):
                 groups.append(score_group(record, visuals, req, outs, rewards, version=version,
                                           generator_id="lockstep", model_id=str(model),
-                                          temperature=sampling.temperature))
+                                          temperature=sampling.temperature, shuffled=shuffled.get(i), contrast=contrast))
         gen_s = time.perf_counter() - t0
         batch = [Accepted(g.group_id, g, processor_inputs(processor, g.prompt_text, g.visuals), step - 1 - version)
                  for g in groups]
@@ -107,12 +111,16 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
         learner.state.step = step
         history.append((step, {k: v.clone() for k, v in learner.policy_tensors().items()}))
         acc = [float(np.mean([c.rewards.get("accuracy", c.reward) for c in g.completions])) for g in groups]
+        temporal = [g.meta["temporal"] for g in groups if "temporal" in g.meta]
         recent.extend(acc)
         row = {"step": step, "time": time.time(), "group_accuracy": acc, "answers": [g.answer for g in groups],
                "seconds": train_s, "generate_s": gen_s,
                "groups_trained": trained, "staleness_mean": float(step - 1 - version),
                "loss": None if result is None else result.loss, "kl": None if result is None else result.stats.kl,
                "skipped": result is None}
+        if temporal:
+            row["temporal_applied"] = sum(bool(t["applied"]) for t in temporal) / len(temporal)
+            row["p_shuffled"] = float(np.mean([t["p_shuffled"] for t in temporal]))
         out.write(json.dumps(row) + "\n")
         out.flush()
         if step % 10 == 0 or step == steps:

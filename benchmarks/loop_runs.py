@@ -2,7 +2,7 @@
 
 * :func:`prepare_assets` builds the demo data set and the warm-started tiny Qwen2.5-VL once, under
   ``benchmarks/.work/`` (gitignored); every run gets its own copy of that model.
-* :func:`run_up` runs ``streamgrpo up --config demo`` in a subprocess with a wall-clock cap
+* :func:`run_up` runs ``streamgrpo up --config demo`` (or another config) in a subprocess with a wall-clock cap
   (SIGINT to ``up`` by PID when the cap is hit: it stops its children and still writes
   ``summary.json``), then reads ``metrics.jsonl`` and the generator audit.
 * Pure functions over the rows of ``metrics.jsonl`` (``{"step", "time", "group_accuracy", "seconds",
@@ -179,14 +179,14 @@ def data_paths(work: Path = WORK) -> dict[str, Path]:
             "model": work / "model"}
 
 
-def prepare_assets(work: Path = WORK) -> dict[str, Path]:
-    """Build the demo data set and the warm-started tiny model once (in a subprocess, one thread)."""
+def prepare_assets(work: Path = WORK, config: str = "demo") -> dict[str, Path]:
+    """Build ``config``'s demo data set and warm-started tiny model once (in a subprocess, one thread)."""
     paths = data_paths(work)
     if (paths["model"] / "config.json").exists() and paths["train"].exists() and paths["train_image"].exists():
         return paths
     work.mkdir(parents=True, exist_ok=True)
     code = ("from streamgrpo.config import load_config; from streamgrpo.orchestrate import prepare_assets; "
-            f"prepare_assets(load_config('demo', ['model.name_or_path={paths['model']}', "
+            f"prepare_assets(load_config({config!r}, ['model.name_or_path={paths['model']}', "
             f"'data.train_path={paths['train']}']))")
     subprocess.run([sys.executable, "-c", code], check=True, env=bench_env(), cwd=ROOT)
     return paths
@@ -254,10 +254,10 @@ def run_capped(argv: Sequence[str], log_path: Path, cap_s: float, *, threads: in
 
 
 def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence[str] = (), sync: bool = False,
-           generators: int = 1, cap_s: float = 600.0, threads: int = 1) -> LoopRun:
-    """``streamgrpo up --config demo`` on a fresh copy of ``model``, capped at ``cap_s`` seconds."""
+           generators: int = 1, cap_s: float = 600.0, threads: int = 1, config: str = "demo") -> LoopRun:
+    """``streamgrpo up --config <config>`` on a fresh copy of ``model``, capped at ``cap_s`` seconds."""
     model_copy = fresh_run_dir(run_dir, model)
-    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", config, "--run-dir", str(run_dir),
             "--generators", str(generators)]
     if sync:
         argv.append("--sync")

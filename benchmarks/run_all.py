@@ -5,14 +5,15 @@ Each script runs in its own process (``OMP_NUM_THREADS=1``), prints its
 this script then reads every ``benchmarks/results/*.json`` and prints the table (and writes it as
 Markdown to ``benchmarks/results/table.md``).
 
-Budget (``make bench``, the default; about 42 minutes on 2 cores, setup excluded): the
+Budget (``make bench``, the default; about 50 minutes on 2 cores, setup excluded): the
 microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_cluster`` on 1 MB groups only, N in
 {1, 4, 16, 64} generators x M in {1, 2} learners (~1 minute; ``--full``: its own 3 sizes x 4 x 3
 grid); ``bench_e2e`` at its default 100 steps (800 groups per run; async, sync, TRL: ~10 minutes);
 ``bench_staleness`` at its default (k in {0, 2, 4, 8, 16} x five losses, 100 steps, two lockstep
-runs at a time: ~25 minutes). ``--full`` runs the
-microbenchmarks at their own defaults, ``bench_e2e`` at 200 steps and the staleness study over three
-seeds (about two hours).
+runs at a time: ~25 minutes); ``bench_motion``: one ``up --config demo-motion`` run and its
+shuffled-frame probe (~8 minutes). ``--full`` runs the microbenchmarks at their own defaults,
+``bench_e2e`` at 200 steps, the staleness study over three seeds and the motion demo over three
+seeds with and without T-GRPO (about three hours).
 
     .venv/bin/python -m benchmarks.run_all [--full] [--only e2e,wire] [--skip staleness] [--table-only]
 """
@@ -39,6 +40,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "cluster": ("bench_cluster", ["--gens", "1,4,16,64", "--learners", "1,2", "--sizes", "1", "--seconds", "2"], [], 600),
     "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 2700),
+    "motion": ("bench_motion", [], ["--seeds", "0,1,2", "--tgrpo"], 900),
 }
 
 

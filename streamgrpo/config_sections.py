@@ -37,6 +37,8 @@ class DataConfig(_Section):
     """Create the synthetic demo data set at train_path's directory when train_path does not exist."""
     demo_size: int = Field(2000, ge=10, le=1_000_000)
     """Records in the synthetic demo data set made on the fly."""
+    demo_motion: Literal["mirror", "reverse"] = "mirror"
+    """Demo data set made on the fly: `reverse` makes every left/up clip its right/down twin played backwards (the same frames, so only their order tells the direction); `mirror` mirrors it."""
     kinds: Optional[list[str]] = None
     """Only use records whose meta.kind is in this list (the demo data set tags colour/direction/numeric/multi_video)."""
     fps: float = Field(2.0, gt=0.0, le=60.0)

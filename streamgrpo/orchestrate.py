@@ -43,7 +43,7 @@ def prepare_assets(cfg: Config) -> None:
         from streamgrpo.data.demo import make_demo
 
         print(f"making the demo data set in {train.parent} ({cfg.data.demo_size} records) ...", flush=True)
-        make_demo(train.parent, n=cfg.data.demo_size, seed=cfg.seed)
+        make_demo(train.parent, n=cfg.data.demo_size, seed=cfg.seed, motion=cfg.data.demo_motion)
     model_dir = Path(cfg.model.name_or_path)
     if cfg.model.tiny_if_missing and not (model_dir / "config.json").exists():
         from streamgrpo.models.tiny import build_tiny

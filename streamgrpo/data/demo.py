@@ -45,6 +45,7 @@ SQUARE = 28  # pixels at size=56: half the side (at 14 px the tiny model needed 
 KINDS = ("colour", "direction", "numeric", "multi_video")
 KIND_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 N_STARTS = 12
+MOTIONS = ("mirror", "reverse")
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -57,8 +58,16 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> N
     os.replace(tmp, path)
 
 
-def trajectory(direction: str, start: int, size: int = 56, frames: int = 8) -> list[tuple[int, int]]:
-    """Top-left ``(y, x)`` of the square in every frame of clip (direction, start)."""
+def trajectory(direction: str, start: int, size: int = 56, frames: int = 8, motion: str = "mirror") -> list[tuple[int, int]]:
+    """Top-left ``(y, x)`` of the square in every frame of clip (direction, start).
+
+    ``motion="mirror"``: a left (up) clip is the right (down) clip mirrored, so every clip ends at
+    the edge it moves towards (the streak's position alone gives the direction away for phases > 0).
+    ``motion="reverse"``: a left (up) clip is the right (down) clip played backwards, so the two show
+    the same frames and only their order tells the direction (an order-blind model gets 0.5).
+    """
+    if motion not in MOTIONS:
+        raise ValueError(f"motion must be one of {MOTIONS}, got {motion!r}")
     sq = max(2, round(size * SQUARE / 56))
     span = size - sq
     lane, phase = divmod(start, 4)
@@ -66,25 +75,25 @@ def trajectory(direction: str, start: int, size: int = 56, frames: int = 8) -> l
     p0 = round(phase * span / 7)  # phases 0..3 start 0/7 .. 3/7 of the way along
     along = [round(p0 + (span - p0) * t / max(1, frames - 1)) for t in range(frames)]
     if direction in ("left", "up"):
-        along = [span - a for a in along]
+        along = along[::-1] if motion == "reverse" else [span - a for a in along]
     if direction in ("left", "right"):
         return [(across, a) for a in along]
     return [(a, across) for a in along]
 
 
-def render(colour: str, direction: str, start: int, size: int = 56, frames: int = 8) -> np.ndarray:
+def render(colour: str, direction: str, start: int, size: int = 56, frames: int = 8, motion: str = "mirror") -> np.ndarray:
     """The clip as uint8 frames (T, size, size, 3)."""
     sq = max(2, round(size * SQUARE / 56))
     out = np.full((frames, size, size, 3), BACKGROUND, dtype=np.uint8)
-    for t, (y, x) in enumerate(trajectory(direction, start, size, frames)):
+    for t, (y, x) in enumerate(trajectory(direction, start, size, frames, motion)):
         out[t, y : y + sq, x : x + sq] = COLOURS[colour]
     return out
 
 
-def left_half_percent(direction: str, start: int, size: int = 56, frames: int = 8) -> float:
+def left_half_percent(direction: str, start: int, size: int = 56, frames: int = 8, motion: str = "mirror") -> float:
     """Percentage of frames in which the square's centre is in the left half (the numeric answer)."""
     sq = max(2, round(size * SQUARE / 56))
-    inside = sum(1 for _y, x in trajectory(direction, start, size, frames) if x + sq / 2 < size / 2)
+    inside = sum(1 for _y, x in trajectory(direction, start, size, frames, motion) if x + sq / 2 < size / 2)
     return round(100.0 * inside / frames, 1)
 
 
@@ -125,23 +134,24 @@ def write_mp4(path: str | os.PathLike, frames_THWC: np.ndarray, fps: int = DEMO_
 class _Clips:
     """Writes each distinct clip (and its PNG) once; returns paths relative to the data set root."""
 
-    def __init__(self, root: Path, size: int, frames: int):
-        self.root, self.size, self.frames = root, size, frames
+    def __init__(self, root: Path, size: int, frames: int, motion: str = "mirror"):
+        self.root, self.size, self.frames, self.motion = root, size, frames, motion
+        self.tag = "" if motion == "mirror" else "r"  # a reversed left/up clip never reuses a mirrored file
         (root / "videos").mkdir(parents=True, exist_ok=True)
         (root / "images").mkdir(parents=True, exist_ok=True)
 
     def video(self, colour: str, direction: str, start: int) -> str:
-        rel = f"videos/v_{colour}_{direction}_{start}.mp4"
+        rel = f"videos/v_{colour}_{direction}_{start}{self.tag}.mp4"
         if not (self.root / rel).exists():
-            write_mp4(self.root / rel, render(colour, direction, start, self.size, self.frames))
+            write_mp4(self.root / rel, render(colour, direction, start, self.size, self.frames, self.motion))
         return rel
 
     def image(self, colour: str, direction: str, start: int) -> str:
         from PIL import Image
 
-        rel = f"images/i_{colour}_{direction}_{start}.png"
+        rel = f"images/i_{colour}_{direction}_{start}{self.tag}.png"
         if not (self.root / rel).exists():
-            frame = render(colour, direction, start, self.size, self.frames)[self.frames // 2]
+            frame = render(colour, direction, start, self.size, self.frames, self.motion)[self.frames // 2]
             tmp = self.root / (rel + f".tmp{os.getpid()}.png")
             Image.fromarray(frame).save(tmp, format="PNG")
             os.replace(tmp, self.root / rel)
@@ -179,7 +189,7 @@ def _record(rng: np.random.Generator, rid: str, clips: _Clips) -> tuple[dict, di
                "video": clips.video(colour, direction, start), "meta": meta}
         return row, None
     if kind == "numeric":
-        pct = left_half_percent(direction, start, clips.size, clips.frames)
+        pct = left_half_percent(direction, start, clips.size, clips.frames, clips.motion)
         q = "In what percentage of the frames is the centre of the square in the left half? Answer with a number."
         value = f"{pct:g}"
         row = {"id": rid, "conversations": _turns("<video>\n" + q, f"I count the frames: {value}%.", value),
@@ -199,15 +209,20 @@ def _record(rng: np.random.Generator, rid: str, clips: _Clips) -> tuple[dict, di
     return row, None
 
 
-def make_demo(out_dir: str | os.PathLike, n: int = 2000, seed: int = 0, size: int = 56, frames: int = 8) -> Path:
-    """Write the demo data set to ``out_dir`` (``n`` train records, ``max(10, n // 10)`` test); return it."""
-    if n < 1 or size < 16 or size % 2 or frames < 1:
-        raise ValueError(f"make_demo: need n >= 1, an even size >= 16 and frames >= 1 (got {n}, {size}, {frames})")
+def make_demo(out_dir: str | os.PathLike, n: int = 2000, seed: int = 0, size: int = 56, frames: int = 8,
+              motion: str = "mirror") -> Path:
+    """Write the demo data set to ``out_dir`` (``n`` train records, ``max(10, n // 10)`` test); return it.
+
+    ``motion``: how a left/up clip relates to its right/down twin (see :func:`trajectory`).
+    """
+    if n < 1 or size < 16 or size % 2 or frames < 1 or motion not in MOTIONS:
+        raise ValueError(f"make_demo: need n >= 1, an even size >= 16, frames >= 1 and motion in {MOTIONS} "
+                         f"(got {n}, {size}, {frames}, {motion!r})")
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".demo.lock", "w") as lock:  # several processes may start on a missing data set
         fcntl.flock(lock, fcntl.LOCK_EX)
-        clips = _Clips(root, size, frames)
+        clips = _Clips(root, size, frames, motion)
         rng = np.random.default_rng(seed)
         for split, count in (("train", n), ("test", max(10, n // 10))):
             rows, image_rows = [], []

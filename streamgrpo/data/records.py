@@ -81,7 +81,7 @@ def require_data_path(path: str | os.PathLike, cfg: DataConfig) -> Path:
     if not path.exists() and cfg.make_demo_if_missing:
         from streamgrpo.data.demo import make_demo
 
-        make_demo(path.parent, n=cfg.demo_size, seed=0)
+        make_demo(path.parent, n=cfg.demo_size, seed=0, motion=cfg.demo_motion)
     if not path.exists():
         raise DataFileNotFound(path)
     return path

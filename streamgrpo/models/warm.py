@@ -44,7 +44,7 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
     data_cfg = data_cfg or load_config("demo").data
     train = Path(data_cfg.train_path)
     if not train.exists():
-        make_demo(train.parent, n=data_cfg.demo_size, seed=seed)
+        make_demo(train.parent, n=data_cfg.demo_size, seed=seed, motion=data_cfg.demo_motion)
     records = [r for r in load_records(train, data_cfg) if data_cfg.kinds is None or r.kind in data_cfg.kinds]
     rng = random.Random(seed)
     rng.shuffle(records)

@@ -21,3 +21,15 @@ def test_lockstep_trains_on_exactly_lagged_rollouts(tmp_path, tiny_model_dir, de
     assert summary["groups_trained"] == 8
     stats = summarise_rows(rows, window=4)
     assert stats["groups_trained"] == 8 and stats["steps"] == 4 and 0.0 <= stats["final_accuracy"] <= 1.0
+
+
+def test_lockstep_scores_the_temporal_contrast_when_asked(tmp_path, tiny_model_dir, demo_data_dir):
+    from benchmarks.lockstep import run
+
+    run(tmp_path / "run", Path(tiny_model_dir), Path(demo_data_dir) / "train.jsonl", lag=0, steps=2,
+        sets=["learner.groups_per_step=2", "rollout.prompts_per_batch=2", "rollout.num_generations=3",
+              "data.kinds=[direction]", "rollout.temporal_contrast={num_generations: 2}"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:  # every direction group got a shuffled contrast group, scored
+        assert 0.0 <= r["temporal_applied"] <= 1.0 and 0.0 <= r["p_shuffled"] <= 1.0

@@ -313,3 +313,26 @@ def test_gpu_weights_waits_for_the_generator_end_with_a_clear_error():
     child.lines.put(None)
     with pytest.raises(RuntimeError, match=r"ended \(rc 3\) before 'applied'"):
         _read(child, "applied", timeout_s=1.0)
+
+
+def test_motion_figures_and_probe_accuracy():
+    from benchmarks.bench_motion import mean_of, motion_figures, probe_accuracy
+
+    result = {"model": {"metrics": {"accuracy": 0.9, "by_kind": {"direction": {"accuracy": 0.95, "records": 40}}},
+                        "shuffled": {"accuracy": 0.5, "by_kind": {"direction": {"accuracy": 0.45, "records": 40}}}}}
+    assert probe_accuracy(result) == {"ordered": 0.95, "shuffled": 0.45}
+    assert probe_accuracy({"model": {"metrics": {}}}) == {"ordered": None, "shuffled": None}
+    plain = [{"time_to_target_s": 200.0, "final_accuracy": 0.92, "ordered": 0.95, "shuffled": 0.45},
+             {"time_to_target_s": 280.0, "final_accuracy": 0.9, "ordered": 0.9, "shuffled": 0.55}]
+    assert mean_of(plain, "time_to_target_s") == 240.0
+    assert mean_of(plain + [{"time_to_target_s": None}], "time_to_target_s") is None  # one seed never got there
+    figs = {f["name"]: f for f in motion_figures(plain, None)}
+    assert figs["motion_time_to_0.9_s"]["ratio"] == pytest.approx(0.8)  # of the 300 s budget
+    assert figs["motion_final_accuracy"]["baseline"] == 0.5
+    assert figs["motion_ordered_vs_shuffled_accuracy"]["value"] == pytest.approx(0.925)
+    assert figs["motion_ordered_vs_shuffled_accuracy"]["baseline"] == pytest.approx(0.5)
+    assert not any(name.startswith("motion_tgrpo") for name in figs)
+    tgrpo = [dict(p, time_to_target_s=None) for p in plain]
+    figs = {f["name"]: f for f in motion_figures(plain, tgrpo)}
+    assert figs["motion_tgrpo_vs_plain_time_to_0.9_s"]["value"] is None
+    assert figs["motion_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(1.0)

@@ -213,3 +213,36 @@ def test_demo_clip_geometry():
     assert [y for y, _x in trajectory("down", 5)] == sorted(y for y, _x in trajectory("down", 5))
     assert left_half_percent("right", 0) == 50.0 and left_half_percent("left", 0) == 50.0
     assert left_half_percent("up", 0) == 100.0 and left_half_percent("up", 8) == 0.0
+
+
+def test_reverse_motion_shows_the_same_frames_in_the_opposite_order():
+    for start in range(12):
+        for fwd, back in (("right", "left"), ("down", "up")):
+            a = render("red", fwd, start, motion="reverse")
+            b = render("red", back, start, motion="reverse")
+            assert np.array_equal(a[::-1], b)  # only the order tells left from right
+            assert not np.array_equal(a, b)
+    # the default (mirror) left clip is not the reversed right clip once the phase is past 0
+    assert trajectory("left", 3) != trajectory("right", 3)[::-1]
+    assert trajectory("left", 3, motion="reverse") == trajectory("right", 3)[::-1]
+    assert left_half_percent("left", 3, motion="reverse") == left_half_percent("right", 3)
+    with pytest.raises(ValueError, match="motion"):
+        trajectory("left", 0, motion="sideways")
+
+
+def test_reverse_demo_data_set_uses_its_own_clip_files(tmp_path):
+    import av
+
+    root = make_demo(tmp_path / "rev", n=40, seed=0, motion="reverse")
+    records = load_records(root / "train.jsonl", DataConfig())
+    videos = sorted({v for r in records for v in r.videos})
+    assert videos and all(Path(v).stem.endswith("r") for v in videos)
+    left = next(r for r in records if r.kind == "direction" and r.answer.endswith("left"))
+    with av.open(str(root / left.videos[0])) as c:
+        decoded = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    colour = Path(left.videos[0]).stem.split("_")[1]
+    _d, start = Path(left.videos[0]).stem.rsplit("_", 1)
+    expected = render(colour, "left", int(start[:-1]), motion="reverse")
+    assert np.abs(decoded.astype(int) - expected.astype(int)).mean() < 4  # lossy codec, same picture
+    with pytest.raises(ValueError, match="motion"):
+        make_demo(tmp_path / "bad", n=10, motion="sideways")
