@@ -38,7 +38,8 @@ def lagged_version(step: int, lag: int) -> int:
     return max(0, step - 1 - lag)
 
 
-def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: list[str], seed: int = 0) -> dict[str, Any]:
+def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: list[str], seed: int = 0,
+        config: str = "demo") -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -54,7 +55,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     from streamgrpo.training import Accepted, Learner
 
     torch.set_num_threads(1)
-    cfg = load_config("demo", [f"model.name_or_path={model}", "model.tiny_if_missing=false",
+    cfg = load_config(config, [f"model.name_or_path={model}", "model.tiny_if_missing=false",
                                f"data.train_path={data}", "data.make_demo_if_missing=false", f"seed={seed}",
                                f"run_dir={run_dir}", *sets])
     torch.manual_seed(seed)
@@ -141,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lag", type=int, default=0, help="forced staleness k: groups of step v come from policy v-1-k")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default="demo", help="shipped config name or YAML file (demo, demo-motion)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override, e.g. learner.learning_rate=1e-3")
     args = ap.parse_args(argv)
     if args.lag < 0 or args.steps < 1:
         ap.error("--lag must be >= 0 and --steps >= 1")
-    run(args.run_dir, args.model, args.data, lag=args.lag, steps=args.steps, sets=args.sets, seed=args.seed)
+    run(args.run_dir, args.model, args.data, lag=args.lag, steps=args.steps, sets=args.sets, seed=args.seed,
+        config=args.config)
     return 0
 
 

@@ -152,7 +152,8 @@ def cmd_model_tiny(args) -> int:
     if args.warm_format:
         from streamgrpo.models.warm import warm_format
 
-        warm_format(out, seed=args.seed, steps=args.warm_steps)
+        data_cfg = _load(args).data if args.config else None  # default: the colour demo's prompts
+        warm_format(out, data_cfg=data_cfg, seed=args.seed, steps=args.warm_steps)
     print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0
 
@@ -274,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "3b", "7b"], default="tiny",
                    help="tiny (tests, demo) or Qwen2.5-VL's real 3B/7B layer sizes with random weights (GPU measurements)")
-    p.add_argument("--warm-format", action="store_true", help="teach the answer format (not the answers) on demo prompts")
+    p.add_argument("--warm-format", action="store_true",
+                   help="teach the answer format (not the answers) on the prompts of --config's data (default: demo)")
     p.add_argument("--warm-steps", type=int, default=60)
+    _add_config_args(p)
     p.set_defaults(func=cmd_model_tiny)
     p = model.add_parser("merge", help="merge a LoRA adapter into its base model")
     p.add_argument("--adapter", required=True)

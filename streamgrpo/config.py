@@ -161,6 +161,8 @@ class LearnerConfig(_Section):
     """AdamW beta1."""
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
     """AdamW beta2."""
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    """AdamW epsilon (TRL's ``adam_epsilon``)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"

@@ -57,6 +57,6 @@ def make_optimizer(model: torch.nn.Module, cfg: Config):
         raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
     lc = cfg.learner
     opt = torch.optim.AdamW(param_groups(named, lc), lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
-                            weight_decay=lc.weight_decay)
+                            eps=lc.adam_eps, weight_decay=lc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
     return opt, sched

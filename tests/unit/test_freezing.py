@@ -87,11 +87,13 @@ def test_per_module_learning_rates(tiny_model_dir, tmp_path):
 
     base = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",
-                               "learner.learning_rate=1e-4", "learner.vision_lr=3e-3", "learner.merger_lr=2e-3"])
+                               "learner.learning_rate=1e-4", "learner.vision_lr=3e-3", "learner.merger_lr=2e-3",
+                               "learner.adam_eps=1e-6"])
     model = load_model(cfg.model, "cpu", dtype="float32", trainable=True)
     opt, sched = make_optimizer(model, cfg)
     by_name = {g["name"]: g for g in opt.param_groups}
     assert {n: g["lr"] for n, g in by_name.items()} == {"llm": 1e-4, "mlp": 2e-3, "vision": 3e-3}
+    assert {g["eps"] for g in opt.param_groups} == {1e-6} and base.learner.adam_eps == 1e-8
     ids = {n: {id(p) for p in g["params"]} for n, g in by_name.items()}
     for name, p in model.named_parameters():
         assert id(p) in ids[parameter_group(name)], name
