@@ -20,7 +20,15 @@ Figures (value, baseline, ratio = value / baseline):
 ``--seeds 0,1,2`` repeats every run per seed and reports the means (the per-seed numbers are in the
 result's ``data``).
 
+``--study 0,1,2`` is the T-GRPO study instead: per seed, one run with and one without T-GRPO on the
+in-process driver (:mod:`benchmarks.lockstep`, ``--config demo-motion``, ``--study-steps`` optimizer
+steps, on-policy, two runs at a time on one core each: exact and deterministic per seed, unlike
+``up``), scored by steps to 0.9, final accuracy and the shuffled-group accuracy T-GRPO saw; figures
+``motion_study_tgrpo_vs_plain_*``, the plot ``benchmarks/results/motion_tgrpo.png`` and
+``benchmarks/results/bench_motion_study.json``. ``--reuse`` keeps finished runs.
+
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_motion [--cap-s 420] [--seeds 0] [--tgrpo]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_motion --study 0,1,2 [--study-steps 400]
 """
 
 from __future__ import annotations
@@ -30,11 +38,21 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, emit, figure, machine_info, write_result
-from benchmarks.loop_runs import WORK, bench_env, prepare_assets, run_up
+from benchmarks.common import RESULTS_DIR, ROOT, emit, figure, machine_info, module_argv, write_result
+from benchmarks.loop_runs import (
+    WINDOW_GROUPS,
+    WORK,
+    bench_env,
+    final_accuracy,
+    prepare_assets,
+    read_jsonl,
+    run_up,
+    steps_to_target,
+)
 
 MOTION_WORK = WORK / "motion"
 BUDGET_S = 300.0
@@ -101,16 +119,128 @@ def one_run(name: str, seed: int, paths: dict[str, Path], cap_s: float, sets: li
     return stats
 
 
+# ----------------------------------------------------------------------------- the T-GRPO study
+def study_jobs(seeds: list[int], steps: int) -> list[tuple[str, list[str]]]:
+    """``(run name, lockstep argv tail)`` for plain and T-GRPO per seed (pure)."""
+    jobs = []
+    for seed in seeds:
+        for name, sets in (("plain", []), ("tgrpo", ["--set", TGRPO])):
+            jobs.append((f"{name}_s{seed}", ["--config", "demo-motion", "--lag", "0", "--steps", str(steps),
+                                             "--seed", str(seed), *sets]))
+    return jobs
+
+
+def run_study(jobs: list[tuple[str, list[str]]], paths: dict[str, Path], steps: int, *, parallel: int = 2,
+              reuse: bool = False, cap_s: float = 1800.0) -> dict[str, list[dict[str, Any]]]:
+    """Run the lockstep jobs, ``parallel`` at a time (one torch thread each); returns their rows by name."""
+    out_dir = MOTION_WORK / "study"
+    todo, running, rows = list(jobs), {}, {}
+    while todo or running:
+        while todo and len(running) < parallel:
+            name, tail = todo.pop(0)
+            run_dir = out_dir / name
+            done = read_jsonl(run_dir / "metrics.jsonl") if reuse else []
+            if done and int(done[-1]["step"]) >= steps:
+                rows[name] = done
+                continue
+            run_dir.mkdir(parents=True, exist_ok=True)
+            argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(paths["model"]),
+                               "--data", str(paths["train"]), *tail)
+            print(f"# running {name}: lockstep {' '.join(tail)}", flush=True)
+            log = open(run_dir / "lockstep.log", "wb")
+            running[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(1), cwd=ROOT),
+                             time.time(), run_dir, log)
+        time.sleep(0.5)
+        for name, (proc, t0, run_dir, log) in list(running.items()):
+            if proc.poll() is None and time.time() - t0 < cap_s:
+                continue
+            if proc.poll() is None:
+                proc.kill()  # by its own PID
+                proc.wait()
+            log.close()
+            del running[name]
+            rows[name] = read_jsonl(run_dir / "metrics.jsonl")
+    return rows
+
+
+def study_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-run numbers of the study (pure): final accuracy, steps to 0.9 and 0.5, shuffled accuracy."""
+    shuffled = [r["p_shuffled"] for r in rows[-(WINDOW_GROUPS // 8 + 1):] if r.get("p_shuffled") is not None]
+    return {"steps": int(rows[-1]["step"]) if rows else 0, "final_accuracy": final_accuracy(rows),
+            "steps_to_0.9": steps_to_target(rows), "steps_to_0.5": steps_to_target(rows, target=0.5),
+            "p_shuffled_end": statistics.fmean(shuffled) if shuffled else None}
+
+
+def study_figures(stats: dict[str, dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
+    """T-GRPO against plain GRPO, means over seeds (pure)."""
+    plain = [stats.get(f"plain_s{s}", {}) for s in seeds]
+    tgrpo = [stats.get(f"tgrpo_s{s}", {}) for s in seeds]
+    note = f"lockstep, on-policy, mean of seeds {','.join(map(str, seeds))}"
+    return [
+        figure("motion_study_tgrpo_vs_plain_final_accuracy", mean_of(tgrpo, "final_accuracy"),
+               mean_of(plain, "final_accuracy"), unit="acc", note=note),
+        figure("motion_study_tgrpo_vs_plain_steps_to_0.9", mean_of(tgrpo, "steps_to_0.9"),
+               mean_of(plain, "steps_to_0.9"), unit="steps", note="- = not reached in every seed"),
+        figure("motion_study_tgrpo_vs_plain_steps_to_0.5", mean_of(tgrpo, "steps_to_0.5"),
+               mean_of(plain, "steps_to_0.5"), unit="steps", note="0.5 = the order-blind ceiling; - = not reached in every seed"),
+    ]
+
+
+def plot_study(rows: dict[str, list[dict[str, Any]]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.bench_staleness import moving_accuracy
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in sorted(rows):
+        steps, means = moving_accuracy(rows[name])
+        ax.plot(steps, means, color="tab:orange" if name.startswith("tgrpo") else "tab:blue",
+                ls="-" if name.endswith("_s0") else ("--" if name.endswith("_s1") else ":"), label=name)
+    ax.axhline(0.9, color="grey", ls="--", lw=0.8)
+    ax.axhline(ORDER_BLIND, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("optimizer step (8 groups x 8 completions)")
+    ax.set_ylabel(f"direction accuracy, last {WINDOW_GROUPS} groups")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("motion demo: plain GRPO vs T-GRPO (lockstep, on-policy)")
+    ax.legend(ncol=2, fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def study_main(args, paths: dict[str, Path]) -> int:
+    seeds = [int(s) for s in args.study.split(",") if s]
+    rows = run_study(study_jobs(seeds, args.study_steps), paths, args.study_steps, reuse=args.reuse)
+    stats = {name: study_stats(r) for name, r in rows.items()}
+    for name in sorted(stats):
+        print(f"# {name}: {json.dumps(stats[name])}", flush=True)
+    figs = [emit(f) for f in study_figures(stats, seeds)]
+    plot = plot_study(rows, RESULTS_DIR / "motion_tgrpo.png")
+    print(f"# wrote {plot}")
+    write_result("bench_motion_study", figs, machine_info(), vars(args), {"runs": stats}, args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_motion", description=__doc__.splitlines()[0])
     ap.add_argument("--cap-s", type=float, default=420.0, help="wall-clock cap per run (start-up included)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument("--tgrpo", action="store_true", help="also run with T-GRPO (rollout.temporal_contrast)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    ap.add_argument("--study", default="", help="seeds of the T-GRPO study (lockstep) instead of the up runs")
+    ap.add_argument("--study-steps", type=int, default=400)
+    ap.add_argument("--reuse", action="store_true", help="study: keep runs that already have every step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     paths = prepare_assets(MOTION_WORK, config="demo-motion")
+    if args.study:
+        return study_main(args, paths)
     plain = [one_run("plain", s, paths, args.cap_s, args.set) for s in seeds]
     tgrpo = [one_run("tgrpo", s, paths, args.cap_s, [TGRPO, *args.set]) for s in seeds] if args.tgrpo else None
     figs = [emit(f) for f in motion_figures(plain, tgrpo)]

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         max_completion_length=cfg.rollout.max_completion_length, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         learning_rate=cfg.learner.learning_rate, adam_beta1=cfg.learner.adam_beta1, adam_beta2=cfg.learner.adam_beta2,
+        adam_epsilon=cfg.learner.adam_eps,
         weight_decay=cfg.learner.weight_decay, max_grad_norm=cfg.learner.max_grad_norm, lr_scheduler_type="constant",
         warmup_steps=0, beta=cfg.loss.beta, epsilon=cfg.loss.epsilon, epsilon_high=cfg.loss.epsilon_high,
         loss_type=cfg.loss.loss_type, scale_rewards=cfg.loss.scale_rewards, num_iterations=1,

@@ -336,3 +336,23 @@ def test_motion_figures_and_probe_accuracy():
     figs = {f["name"]: f for f in motion_figures(plain, tgrpo)}
     assert figs["motion_tgrpo_vs_plain_time_to_0.9_s"]["value"] is None
     assert figs["motion_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(1.0)
+
+
+def test_motion_study_jobs_stats_and_figures():
+    from benchmarks.bench_motion import TGRPO, study_figures, study_jobs, study_stats
+
+    jobs = dict(study_jobs([0, 2], 300))
+    assert sorted(jobs) == ["plain_s0", "plain_s2", "tgrpo_s0", "tgrpo_s2"]
+    assert TGRPO in jobs["tgrpo_s2"] and TGRPO not in jobs["plain_s2"]
+    assert jobs["plain_s2"][jobs["plain_s2"].index("--seed") + 1] == "2" and "demo-motion" in jobs["plain_s0"]
+    rows = [{"step": s, "time": float(s), "group_accuracy": [0.5 if s < 5 else 1.0] * 8, "p_shuffled": 0.25}
+            for s in range(1, 13)]
+    stats = study_stats(rows)
+    assert stats["steps"] == 12 and stats["final_accuracy"] == pytest.approx(1.0)
+    assert stats["steps_to_0.5"] is not None and stats["steps_to_0.9"] > stats["steps_to_0.5"]
+    assert stats["p_shuffled_end"] == pytest.approx(0.25)
+    assert study_stats(rows[:2])["steps_to_0.9"] is None  # not reached
+    figs = {f["name"]: f for f in study_figures({"plain_s0": dict(stats, final_accuracy=0.5),
+                                                 "tgrpo_s0": stats}, [0])}
+    assert figs["motion_study_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(2.0)
+    assert figs["motion_study_tgrpo_vs_plain_steps_to_0.9"]["ratio"] == pytest.approx(1.0)
