@@ -36,7 +36,7 @@ class NotBuilt(Exception):
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    p.add_argument("--config", default=default, help="YAML file or shipped config name (demo, qwen2_5_vl_7b_video)")
+    p.add_argument("--config", default=default, help="YAML file or shipped config name (demo, demo-motion, qwen2_5_vl_7b_video)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config value, e.g. --set loss.beta=0.04 (repeatable; seed-era flat names accepted)",
