@@ -133,6 +133,8 @@ class LossConfig(_Section):
     """With drop_zero_variance: how long a step waits for enough informative groups before it trains on what it has (at least one per rank)."""
     ratio_mode: Literal["behaviour", "current", "decoupled"] = "behaviour"
     """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline); `decoupled` = decoupled PPO (AReaL): clip around the learner's own policy at the step, times the behaviour weight exp(logp - behaviour logp) (truncated at tis_cap when set)."""
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """Entropy bonus (verl's ``entropy_coeff``): subtracts this x each completion token's policy entropy (full vocabulary, at the sampling temperature), aggregated like the loss; 0 = off."""
 
 
 # ------------------------------------------------------------------------------------- learner

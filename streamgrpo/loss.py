@@ -103,6 +103,7 @@ def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) ->
         "ratio_mode": cfg.ratio_mode,
         "is_mask": cfg.is_mask,
         "is_mask_band": (cfg.is_mask_low, cfg.is_mask_high),
+        "entropy_coef": cfg.entropy_coef,
     }
 
 
@@ -156,8 +157,13 @@ def compute_loss(
     ratio_mode: RatioMode = "behaviour",
     is_mask: Optional[Literal["token", "sequence"]] = None,
     is_mask_band: tuple[float, float] = (0.5, 2.0),
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss of one (micro-)batch and its metrics; formulas in the module docstring.
+
+    ``entropy_coef`` > 0 subtracts ``entropy_coef`` x each token's policy entropy (``entropies``,
+    which must then be given and carry the gradient) before the aggregation, an entropy bonus
+    (verl's ``entropy_coeff``).
 
     Shapes: ``logprobs``, ``behaviour_logprobs``, ``ref_logprobs``, ``mask``, ``entropies`` (B, T);
     ``advantages`` (B,). ``ref_logprobs`` is never read when ``beta == 0`` (it may be None).
@@ -176,7 +182,7 @@ def compute_loss(
     _validate(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs, entropies, epsilon=epsilon,
               epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, max_completion_length=max_completion_length,
               tis_cap=tis_cap, token_normaliser=token_normaliser, ratio_mode=ratio_mode, is_mask=is_mask,
-              is_mask_band=is_mask_band)
+              is_mask_band=is_mask_band, entropy_coef=entropy_coef)
     B, T = logprobs.shape
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     m = mask.to(torch.bool)
@@ -199,6 +205,8 @@ def compute_loss(
     kl_t = kl_k3(p, clean(ref_logprobs.detach())) if beta > 0 else None
     if kl_t is not None:
         per_token = per_token + beta * kl_t
+    if entropy_coef > 0:
+        per_token = per_token - entropy_coef * clean(entropies)
     per_token = torch.where(m, per_token, zero)
 
     # ---- aggregation, then the metrics (detached, 0-d)
@@ -214,7 +222,7 @@ def _validate(logprobs: Tensor, behaviour_logprobs: Optional[Tensor], advantages
               ref_logprobs: Optional[Tensor], entropies: Optional[Tensor], *, epsilon: float, epsilon_high: float,
               beta: float, loss_type: str, max_completion_length: Optional[int], tis_cap: Optional[float],
               token_normaliser: Union[None, int, float, Tensor], ratio_mode: str, is_mask: Optional[str],
-              is_mask_band: tuple[float, float]) -> None:
+              is_mask_band: tuple[float, float], entropy_coef: float = 0.0) -> None:
     """Cheap shape/option checks only (no host sync on values), in a fixed order: the first problem raises."""
     if loss_type not in LOSS_TYPES:
         raise _bad(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
@@ -235,6 +243,10 @@ def _validate(logprobs: Tensor, behaviour_logprobs: Optional[Tensor], advantages
         _check_bt("ref_logprobs", ref_logprobs, shape)
     if entropies is not None:
         _check_bt("entropies", entropies, shape)
+    if not entropy_coef >= 0:
+        raise _bad(f"entropy_coef={entropy_coef}: must be >= 0")
+    if entropy_coef > 0 and entropies is None:
+        raise _bad(f"entropy_coef={entropy_coef} > 0 needs entropies")
     if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length <= 0):
         raise _bad(f"loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}")
     if token_normaliser is not None and loss_type != "dapo":

@@ -105,15 +105,16 @@ class PolicyLogprobs(torch.nn.Module):
     the engine's forward/backward bookkeeping (ZeRO's per-micro-step gradient accumulation hooks).
     """
 
-    def __init__(self, policy: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False):
         super().__init__()
         self.policy = policy
+        self.entropy_grad = entropy_grad  # loss.entropy_coef > 0: the entropies carry the gradient
 
     def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
         from streamgrpo.models.logprobs import completion_logprobs
 
         return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
-                                   suppress_token_ids=suppress_token_ids)
+                                   entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids)
 
 
 # ------------------------------------------------------------------------------------- Learner
@@ -158,7 +159,7 @@ class Learner:
         # reference: the base itself with adapters off (LoRA), else a frozen copy
         self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
         self.module = model  # the peft or transformers module: names, saving, publishing
-        self.forward = PolicyLogprobs(model)  # what computes the policy's log-probs (DeepSpeed wraps it)
+        self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0)  # what computes the policy's log-probs (DeepSpeed wraps it)
         self.engine = None
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.resumed_from: Path | None = None

@@ -22,8 +22,8 @@ How it stays cheap:
   With gradients on, each chunk is recomputed in backward (activation checkpointing), so neither
   a float32 (B, T, V) log-softmax nor the (N, V) logits are ever held for the backward pass.
 
-Entropies (``with_entropy=True``) are of the same temperature-scaled distribution and carry no
-gradient (they are a metric).
+Entropies (``with_entropy=True``) are of the same temperature-scaled distribution; they carry no
+gradient (a metric) unless ``entropy_grad=True`` (the loss's entropy bonus).
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = T
 
 # ------------------------------------------------------------------------------------ LM head
 def _token_logprobs(hidden_NH: Tensor, ids_N: Tensor, lm_head: nn.Module, temperature: float,
-                    suppress: Tensor | None, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """log_softmax(lm_head(h) / T)[id] for N positions (float32); entropy without gradient."""
+                    suppress: Tensor | None, with_entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(lm_head(h) / T)[id] for N positions (float32); entropy with gradient only if ``entropy_grad``."""
     logits = lm_head(hidden_NH).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -128,7 +128,7 @@ def _token_logprobs(hidden_NH: Tensor, ids_N: Tensor, lm_head: nn.Module, temper
     logp_N = logits.gather(-1, ids_N[:, None]).squeeze(-1) - lse_N
     ent_N = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent_N = torch.special.entr(torch.exp(logits - lse_N[:, None])).sum(-1)
     return logp_N, ent_N
 
@@ -141,6 +141,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     suppress_token_ids: Sequence[int] | Tensor | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int = 1024,
     recompute: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
@@ -164,7 +165,7 @@ def chunked_token_logprobs(
     lps, ents = [], []
     for s in range(0, n, chunk_tokens):
         args = (hidden_NH[s : s + chunk_tokens], ids_N[s : s + chunk_tokens], lm_head, temperature, suppress,
-                with_entropy)
+                with_entropy, entropy_grad)
         lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if use_ckpt else _token_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
@@ -177,12 +178,13 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     shared_vision: bool = True,
     suppress_token_ids: Sequence[int] | None = None,
     chunk_tokens: int = 1024,
     recompute: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs (and entropies) of the completion tokens of ``batch``.
+    """Per-token log-probs (and entropies, with gradient if ``entropy_grad``) of the completion tokens of ``batch``.
 
     Returns ``(logprobs_BT, entropy_BT or None)``, float32, shaped like ``batch.completion_mask``
     and zero where it is False. ``batch`` must be on the model's device (``batch.to(device)``); its
@@ -200,7 +202,7 @@ def completion_logprobs(
         raise ValueError(f"completion token ids outside the vocabulary [0, {vocab})")
     logp_N, ent_N = chunked_token_logprobs(
         hidden_NH, ids_N, hf.lm_head, temperature=temperature, suppress_token_ids=suppress_token_ids,
-        with_entropy=with_entropy, chunk_tokens=chunk_tokens, recompute=recompute,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens, recompute=recompute,
     )
     shape = tuple(batch.completion_mask.shape)
     logprobs_BT = logp_N.new_zeros(shape)

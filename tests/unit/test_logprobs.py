@@ -374,3 +374,22 @@ def test_logprobs_match_generate_at_temperature(tiny_any_dir):
     torch.testing.assert_close(lp_full[m], behaviour_raw[m], atol=1e-4, rtol=0)
     # suppression renormalises: the two distributions really differ on this random model
     assert (lp - lp_full)[m].abs().min() > 1e-4
+
+
+def test_entropy_gradient_only_when_asked_and_through_recompute():
+    from streamgrpo.models.logprobs import chunked_token_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    h = torch.randn(7, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (7,))
+    _, ent = chunked_token_logprobs(h, ids, head, temperature=0.7, with_entropy=True, chunk_tokens=3)
+    assert not ent.requires_grad  # a metric by default
+    _, ent = chunked_token_logprobs(h, ids, head, temperature=0.7, with_entropy=True, entropy_grad=True,
+                                    chunk_tokens=3, recompute=True)
+    (g_h,) = torch.autograd.grad(ent.sum(), h)
+    p = torch.softmax(head(h) / 0.7, -1)  # the reference: full logits, no chunks
+    ref = -(p * torch.log(p)).sum(-1)
+    torch.testing.assert_close(ent, ref, atol=1e-5, rtol=1e-5)
+    (g_ref,) = torch.autograd.grad(ref.sum(), h)
+    torch.testing.assert_close(g_h, g_ref, atol=1e-5, rtol=1e-5)

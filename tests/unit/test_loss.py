@@ -591,3 +591,24 @@ def test_bad_input_is_a_clear_error(kwargs, match):
         compute_loss(**args, **kwargs)
     assert isinstance(info.value, ValueError) and info.value.kind == "loss"
     assert errors._value.get() == before  # pure: the caller (the learner) counts it
+
+
+def test_entropy_bonus_is_subtracted_per_token_and_carries_the_gradient():
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.7, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    ent = torch.tensor([[0.5, 1.0, 0.25], [2.0, 0.0, 99.0]], requires_grad=True)  # 99: masked, never read
+    base, _ = compute_loss(logprobs, logprobs, adv, mask, entropies=ent.detach(), loss_type="dapo")
+    loss, m = compute_loss(logprobs, logprobs, adv, mask, entropies=ent, loss_type="dapo", entropy_coef=0.1)
+    # dapo: the token mean of (objective - 0.1 x entropy) over the 5 unmasked tokens
+    assert float(loss - base) == pytest.approx(-0.1 * (0.5 + 1.0 + 0.25 + 2.0 + 0.0) / 5)
+    loss.backward()
+    assert torch.allclose(ent.grad, torch.tensor([[-0.02, -0.02, -0.02], [-0.02, -0.02, 0.0]]))
+    assert float(m["entropy"]) == pytest.approx(3.75 / 5)
+    g, _ = compute_loss(logprobs, logprobs, adv, mask, entropies=ent.detach(), loss_type="grpo", entropy_coef=0.1)
+    gb, _ = compute_loss(logprobs, logprobs, adv, mask, entropies=ent.detach(), loss_type="grpo")
+    assert float(g - gb) == pytest.approx(-0.1 * ((1.75 / 3) + (2.0 / 2)) / 2)  # grpo: per row, then rows
+    with pytest.raises(LossError, match="entropy_coef=0.1 > 0 needs entropies"):
+        compute_loss(logprobs, logprobs, adv, mask, entropy_coef=0.1)
+    with pytest.raises(LossError, match="entropy_coef"):
+        compute_loss(logprobs, logprobs, adv, mask, entropies=ent, entropy_coef=-1.0)
