@@ -393,3 +393,10 @@ def test_entropy_gradient_only_when_asked_and_through_recompute():
     torch.testing.assert_close(ent, ref, atol=1e-5, rtol=1e-5)
     (g_ref,) = torch.autograd.grad(ref.sum(), h)
     torch.testing.assert_close(g_h, g_ref, atol=1e-5, rtol=1e-5)
+    # suppressed tokens (-inf logits, p = 0) and far-off ones (p underflows to 0) keep it finite
+    with torch.no_grad():
+        head.weight[3] *= 1e4
+    _, ent = chunked_token_logprobs(h, ids, head, suppress_token_ids=[0, 5], with_entropy=True,
+                                    entropy_grad=True, chunk_tokens=3)
+    (g_h,) = torch.autograd.grad(ent.sum(), h)
+    assert torch.isfinite(ent).all() and torch.isfinite(g_h).all() and (ent >= 0).all()
