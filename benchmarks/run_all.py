@@ -40,7 +40,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "cluster": ("bench_cluster", ["--gens", "1,4,16,64", "--learners", "1,2", "--sizes", "1", "--seconds", "2"], [], 600),
     "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 2700),
-    "motion": ("bench_motion", [], ["--seeds", "0,1,2", "--tgrpo"], 900),
+    "motion": ("bench_motion", [], ["--seeds", "0,1,2", "--compare"], 900),
 }
 
 

@@ -326,24 +326,24 @@ def test_motion_figures_and_probe_accuracy():
              {"time_to_target_s": 280.0, "final_accuracy": 0.9, "ordered": 0.9, "shuffled": 0.55}]
     assert mean_of(plain, "time_to_target_s") == 240.0
     assert mean_of(plain + [{"time_to_target_s": None}], "time_to_target_s") is None  # one seed never got there
-    figs = {f["name"]: f for f in motion_figures(plain, None)}
+    figs = {f["name"]: f for f in motion_figures(plain, None)}  # the shipped recipe's runs only
     assert figs["motion_time_to_0.9_s"]["ratio"] == pytest.approx(0.8)  # of the 300 s budget
     assert figs["motion_final_accuracy"]["baseline"] == 0.5
     assert figs["motion_ordered_vs_shuffled_accuracy"]["value"] == pytest.approx(0.925)
     assert figs["motion_ordered_vs_shuffled_accuracy"]["baseline"] == pytest.approx(0.5)
     assert not any(name.startswith("motion_tgrpo") for name in figs)
     tgrpo = [dict(p, time_to_target_s=None) for p in plain]
-    figs = {f["name"]: f for f in motion_figures(plain, tgrpo)}
+    figs = {f["name"]: f for f in motion_figures(tgrpo, plain)}
     assert figs["motion_tgrpo_vs_plain_time_to_0.9_s"]["value"] is None
     assert figs["motion_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(1.0)
 
 
 def test_motion_study_jobs_stats_and_figures():
-    from benchmarks.bench_motion import TGRPO, study_figures, study_jobs, study_stats
+    from benchmarks.bench_motion import PLAIN, TGRPO, study_figures, study_jobs, study_stats
 
     jobs = dict(study_jobs([0, 2], 300))
     assert sorted(jobs) == ["plain_s0", "plain_s2", "tgrpo_s0", "tgrpo_s2"]
-    assert TGRPO in jobs["tgrpo_s2"] and TGRPO not in jobs["plain_s2"]
+    assert TGRPO in jobs["tgrpo_s2"] and TGRPO not in jobs["plain_s2"] and PLAIN in jobs["plain_s2"]
     assert jobs["plain_s2"][jobs["plain_s2"].index("--seed") + 1] == "2" and "demo-motion" in jobs["plain_s0"]
     rows = [{"step": s, "time": float(s), "group_accuracy": [0.5 if s < 5 else 1.0] * 8, "p_shuffled": 0.25}
             for s in range(1, 13)]
