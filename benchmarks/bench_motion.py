@@ -39,7 +39,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from benchmarks.loop_runs import (
     final_accuracy,
     prepare_assets,
     read_jsonl,
+    run_parallel,
     run_up,
     steps_to_target,
 )
@@ -112,7 +112,7 @@ def motion_figures(tgrpo: list[dict[str, Any]], plain: list[dict[str, Any]] | No
 def one_run(name: str, seed: int, paths: dict[str, Path], cap_s: float, sets: list[str]) -> dict[str, Any]:
     run_dir = MOTION_WORK / "runs" / f"{name}_s{seed}"
     run = run_up(name, run_dir, model=paths["model"], train=paths["train"], config="demo-motion",
-                 generators=2, cap_s=cap_s, sets=[f"seed={seed}", "learner.save_steps=100000", *sets])
+                 generators=2, cap_s=cap_s, sets=[f"seed={seed}", *sets])
     stats = {k: run.stats.get(k) for k in ("steps", "groups_trained", "final_accuracy", "groups_per_s",
                                            "steps_to_target", "wall_s")}
     stats["time_to_target_s"] = run.summary.get("time_to_target_s")
@@ -136,32 +136,17 @@ def run_study(jobs: list[tuple[str, list[str]]], paths: dict[str, Path], steps: 
               reuse: bool = False, cap_s: float = 1800.0) -> dict[str, list[dict[str, Any]]]:
     """Run the lockstep jobs, ``parallel`` at a time (one torch thread each); returns their rows by name."""
     out_dir = MOTION_WORK / "study"
-    todo, running, rows = list(jobs), {}, {}
-    while todo or running:
-        while todo and len(running) < parallel:
-            name, tail = todo.pop(0)
-            run_dir = out_dir / name
-            done = read_jsonl(run_dir / "metrics.jsonl") if reuse else []
-            if done and int(done[-1]["step"]) >= steps:
-                rows[name] = done
-                continue
-            run_dir.mkdir(parents=True, exist_ok=True)
-            argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(paths["model"]),
-                               "--data", str(paths["train"]), *tail)
-            print(f"# running {name}: lockstep {' '.join(tail)}", flush=True)
-            log = open(run_dir / "lockstep.log", "wb")
-            running[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(1), cwd=ROOT),
-                             time.time(), run_dir, log)
-        time.sleep(0.5)
-        for name, (proc, t0, run_dir, log) in list(running.items()):
-            if proc.poll() is None and time.time() - t0 < cap_s:
-                continue
-            if proc.poll() is None:
-                proc.kill()  # by its own PID
-                proc.wait()
-            log.close()
-            del running[name]
-            rows[name] = read_jsonl(run_dir / "metrics.jsonl")
+    rows, todo = {}, []
+    for name, tail in jobs:
+        run_dir = out_dir / name
+        done = read_jsonl(run_dir / "metrics.jsonl") if reuse else []
+        if done and int(done[-1]["step"]) >= steps:
+            rows[name] = done
+            continue
+        print(f"# queued {name}: lockstep {' '.join(tail)}", flush=True)
+        todo.append((name, run_dir, module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(paths["model"]),
+                                                "--data", str(paths["train"]), *tail)))
+    rows.update({name: r["rows"] for name, r in run_parallel(todo, parallel, cap_s).items()})
     return rows
 
 

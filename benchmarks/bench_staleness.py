@@ -47,17 +47,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, ROOT, emit, figure, machine_info, module_argv, write_result
+from benchmarks.common import RESULTS_DIR, emit, figure, machine_info, module_argv, write_result
 from benchmarks.loop_runs import (
     BENCH_STEPS,
     TARGET_ACCURACY,
     WINDOW_GROUPS,
     WORK,
-    bench_env,
     fresh_run_dir,
     group_accuracies,
     prepare_assets,
-    read_jsonl,
+    run_parallel,
     run_up,
     summarise_rows,
 )
@@ -89,40 +88,17 @@ def lockstep_jobs(keys: list[tuple[int, str, int]], steps: int, parallel: int, c
                   model: Path, train: Path, extra: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Run :mod:`benchmarks.lockstep` for every (k, loss, seed), ``parallel`` processes at a time (one
     torch thread each); returns ``{run_key: {"rows", "wall_s", "capped"}}``."""
-    import subprocess
-    import time
-
-    todo = list(keys)
-    running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
-    done: dict[str, dict[str, Any]] = {}
-    while todo or running:
-        while todo and len(running) < parallel:
-            k, loss, seed = todo.pop(0)
-            key = run_key(k, loss, seed)
-            run_dir = WORK / f"staleness_{key}"
-            argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(fresh_run_dir(run_dir, model)),
-                               "--data", str(train), "--lag", str(k), "--steps", str(steps), "--seed", str(seed))
-            for s in run_sets(k, loss, steps, extra=extra):
-                argv += ["--set", s]
-            log = open(run_dir / "lockstep.log", "wb")
-            print(f"# running {key}: lockstep, {steps} steps, lag {k}, seed {seed}", flush=True)
-            running[key] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(1), cwd=ROOT),
-                            time.time(), run_dir)
-        time.sleep(0.5)
-        for key, (proc, t0, run_dir) in list(running.items()):
-            capped = time.time() - t0 > cap_s
-            if proc.poll() is None and not capped:
-                continue
-            if proc.poll() is None:
-                proc.kill()  # by its own PID
-                proc.wait()
-            del running[key]
-            rows = read_jsonl(run_dir / "metrics.jsonl")
-            if proc.returncode not in (0, None) and not rows:
-                tail = (run_dir / "lockstep.log").read_text(errors="replace")[-1500:]
-                print(f"# {key}: failed (exit {proc.returncode}); log ends:\n{tail}", flush=True)
-            done[key] = {"rows": rows, "wall_s": time.time() - t0, "capped": capped}
-    return done
+    jobs = []
+    for k, loss, seed in keys:
+        key = run_key(k, loss, seed)
+        run_dir = WORK / f"staleness_{key}"
+        argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(fresh_run_dir(run_dir, model)),
+                           "--data", str(train), "--lag", str(k), "--steps", str(steps), "--seed", str(seed))
+        for s in run_sets(k, loss, steps, extra=extra):
+            argv += ["--set", s]
+        print(f"# queued {key}: lockstep, {steps} steps, lag {k}, seed {seed}", flush=True)
+        jobs.append((key, run_dir, argv))
+    return run_parallel(jobs, parallel, cap_s)
 
 
 def moving_accuracy(rows: list[dict[str, Any]], window: int = WINDOW_GROUPS) -> tuple[list[int], list[float]]:

@@ -235,6 +235,39 @@ def fresh_run_dir(run_dir: Path, model: Path) -> Path:
     return copy_model(model, run_dir)
 
 
+def run_parallel(jobs: Sequence[tuple[str, Path, Sequence[str]]], parallel: int, cap_s: float,
+                 log_name: str = "lockstep.log") -> dict[str, dict[str, Any]]:
+    """Run ``(key, run_dir, argv)`` jobs ``parallel`` at a time (one torch thread each), each killed by its
+    own PID after ``cap_s`` seconds; returns ``{key: {"rows", "wall_s", "capped"}}`` from each
+    ``run_dir/metrics.jsonl`` (a failed run with no rows prints its log's tail)."""
+    todo = list(jobs)
+    running: dict[str, tuple[subprocess.Popen, float, Path, Any]] = {}
+    done: dict[str, dict[str, Any]] = {}
+    while todo or running:
+        while todo and len(running) < parallel:
+            key, run_dir, argv = todo.pop(0)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir / log_name, "wb")
+            running[key] = (subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=bench_env(1),
+                                             cwd=ROOT), time.time(), run_dir, log)
+        time.sleep(0.5)
+        for key, (proc, t0, run_dir, log) in list(running.items()):
+            capped = time.time() - t0 > cap_s
+            if proc.poll() is None and not capped:
+                continue
+            if proc.poll() is None:
+                proc.kill()  # by its own PID
+                proc.wait()
+            log.close()
+            del running[key]
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            if proc.returncode not in (0, None) and not rows:
+                tail = (run_dir / log_name).read_text(errors="replace")[-1500:]
+                print(f"# {key}: failed (exit {proc.returncode}); log ends:\n{tail}", flush=True)
+            done[key] = {"rows": rows, "wall_s": time.time() - t0, "capped": capped}
+    return done
+
+
 def run_capped(argv: Sequence[str], log_path: Path, cap_s: float, *, threads: int = 1,
                grace_s: float = 90.0) -> tuple[int | None, bool]:
     """Run ``argv`` with its output in ``log_path``; after ``cap_s`` seconds stop it by PID
