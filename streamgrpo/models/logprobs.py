@@ -127,14 +127,16 @@ def _token_logprobs(hidden_NH: Tensor, ids_N: Tensor, lm_head: nn.Module, temper
     lse_N = torch.logsumexp(logits, dim=-1)
     logp_N = logits.gather(-1, ids_N[:, None]).squeeze(-1) - lse_N
     ent_N = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            # -sum p log p with suppressed (-inf) tokens taken out before any arithmetic: entr's
-            # gradient at p = 0 is inf, and inf x 0 would make the whole gradient nan
-            logp_NV = logits - lse_N[:, None]
-            finite = torch.isfinite(logp_NV)
-            logp_NV = torch.where(finite, logp_NV, 0.0)
-            ent_N = -(torch.where(finite, logp_NV.exp(), 0.0) * logp_NV).sum(-1)
+    if with_entropy and entropy_grad and torch.is_grad_enabled():
+        # -sum p log p with suppressed (-inf) tokens taken out before any arithmetic: entr's
+        # gradient at p = 0 is inf, and inf x 0 would make the whole gradient nan
+        logp_NV = logits - lse_N[:, None]
+        finite = torch.isfinite(logp_NV)
+        logp_NV = torch.where(finite, logp_NV, 0.0)
+        ent_N = -(torch.where(finite, logp_NV.exp(), 0.0) * logp_NV).sum(-1)
+    elif with_entropy:
+        with torch.no_grad():  # the metric: one cheap pass (entr(0) = 0)
+            ent_N = torch.special.entr(torch.exp(logits - lse_N[:, None])).sum(-1)
     return logp_N, ent_N
 
 
