@@ -119,6 +119,8 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
                "groups_trained": trained, "staleness_mean": float(step - 1 - version),
                "loss": None if result is None else result.loss, "kl": None if result is None else result.stats.kl,
                "skipped": result is None}
+        if result is not None and result.update is not None:
+            row["update_kl"], row["update_scale"] = result.update.kl_first, result.update.scale
         if temporal:
             row["temporal_applied"] = sum(bool(t["applied"]) for t in temporal) / len(temporal)
             row["p_shuffled"] = float(np.mean([t["p_shuffled"] for t in temporal]))

@@ -171,6 +171,10 @@ class LearnerConfig(_Section):
     """Schedule after warm-up (cosine/linear decay to 0 at max_steps)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping norm."""
+    max_update_kl: Optional[float] = Field(None, gt=0.0, le=100.0)
+    """Bound on how far one optimizer step may move the policy: after each step the learner measures the change on the step's own completions (mean per-token KL, old to new) and halves the step until it is at most this (a backtracking line search; up to max_update_halvings times, then the step is undone). Adam moves every weight by about the learning rate whatever the gradient norm, so max_grad_norm does not bound a step. Costs one forward pass per try; torch backend only; null = off."""
+    max_update_halvings: int = Field(4, ge=0, le=30)
+    """With max_update_kl: halvings before a step is undone."""
     max_steps: int = Field(1000, ge=1)
     """Optimizer steps to train; `streamgrpo up` stops everything after this many."""
     get_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)

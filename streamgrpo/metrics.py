@@ -3,7 +3,7 @@
 Import the metric objects from here; never create a second metric with one of these names. Each
 process calls :func:`serve` once to expose ``/metrics`` and ``/healthz``. Labels are low
 cardinality by construction: ``fn`` (reward function), ``role`` (learner/generator), ``event``,
-``reason``, ``side``, ``stat``, ``kind``.
+``reason``, ``side``, ``stat``, ``kind``, ``outcome``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ WEIGHT_SYNC_SECONDS = Histogram(
     "streamgrpo_weight_sync_seconds", "Seconds from publish to applied on a generator", buckets=_SECONDS
 )
 WEIGHT_BYTES = Counter("streamgrpo_weight_bytes", "Weight bytes published or received")
+UPDATE_KL = Gauge(
+    "streamgrpo_update_kl",
+    "How far the last optimizer step moved the policy on its own completions (mean per-token k3 KL, old to new, "
+    "as applied); measured only with learner.max_update_kl",
+)
+UPDATES_SHRUNK = Counter(
+    "streamgrpo_updates_shrunk",
+    "Optimizer steps the learner.max_update_kl line search halved (outcome=halved) or undid (outcome=undone)",
+    ["outcome"],
+)
+UPDATE_KL.set(float("nan"))  # not measured unless learner.max_update_kl is set: never a false 0
 STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learner step (train part)")
 LEARNER_TOKENS_PER_SECOND = Gauge(
     "streamgrpo_learner_tokens_per_second", "Prompt + completion tokens per second of the last learner step (train part)"

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from streamgrpo.learner_state import Accepted, LearnerState
+    from streamgrpo.update_guard import UpdateCheck
 
 
 @dataclass
@@ -108,6 +109,8 @@ class StepOutput:
     """Model FLOPs of this rank's step (:mod:`streamgrpo.flops`)."""
     peak_flops: float | None = None
     """Peak FLOP/s of this rank's device (None: unknown, e.g. a CPU without ``learner.peak_tflops``)."""
+    update: UpdateCheck | None = None
+    """The ``learner.max_update_kl`` line search's outcome (identical on every rank); None when off."""
 
     @property
     def tokens(self) -> int:
@@ -266,6 +269,10 @@ class StepRecord:
     mfu: float | None
     """Model FLOPs utilisation: model_flops / (seconds x the peak FLOP/s of every learner device); None when a
     device's peak is unknown (a CPU without ``learner.peak_tflops``, an unlisted GPU)."""
+    update_kl: float | None = None
+    """With ``learner.max_update_kl``: how far the step as applied moved the policy on its own completions."""
+    update_scale: float = 1.0
+    """Fraction of the optimizer's step applied (``learner.max_update_kl``: 0.5 per halving, 0.0 = undone)."""
 
     @classmethod
     def build(cls, state: LearnerState, merged: StepSummary, out: StepOutput, step_s: float, wait_s: float,
@@ -295,6 +302,8 @@ class StepRecord:
             micro_batches=out.micro_batches, seconds=step_s, wait_seconds=wait_s,
             seq_tokens=merged.seq_tokens, tokens_per_second=merged.seq_tokens / step_s if step_s > 0 else 0.0,
             model_flops=merged.flops, mfu=utilisation(merged.flops, step_s, merged.peak_flops),
+            update_kl=None if out.update is None else out.update.kl,
+            update_scale=1.0 if out.update is None else out.update.scale,
         )
 
     def to_json(self) -> dict[str, Any]:

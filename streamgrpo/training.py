@@ -49,6 +49,7 @@ from streamgrpo.loss import LossError
 from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
 from streamgrpo.optim import make_optimizer
 from streamgrpo.step_data import LossStats, Probe, StepOutput
+from streamgrpo.update_guard import UpdateCheck, backtrack, kl_terms, shrink_towards
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -132,6 +133,8 @@ class Learner:
         if device is None:
             device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
         self.device = device
+        if lc.max_update_kl is not None and self.deepspeed:
+            raise ValueError("learner.max_update_kl needs learner.backend: torch (DeepSpeed owns the weights)")
         if cfg.learner.groups_per_step % self.dist.world_size:
             raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
                              f"{self.dist.world_size} learner ranks")
@@ -239,6 +242,8 @@ class Learner:
         kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
         index = {id(a): i for i, a in enumerate(batch)}
         stats: list[LossStats] = []
+        probes: list[tuple[Any, torch.Tensor, float]] = []  # (inputs, log-probs before the step, temperature)
+        guard = cfg.learner.max_update_kl is not None and not dry_run
         loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
         self._zero_grad()
         for k, part in enumerate(micro):
@@ -272,16 +277,47 @@ class Learner:
                 seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
                 rows += int(mask.shape[0])
             stats.append(LossStats.from_loss(m))
+            if guard:
+                probes.append((tb, logprobs.detach(), temperature))
         if dry_run:
             self._zero_grad()
             return Probe(finite=finite)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params] if guard else []
         grad_norm, applied = self._optimizer_step()
         if not applied or not finite:
             log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
             return None
-        return StepOutput(loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
+        update = self._bound_update(probes, params, before, suppress) if guard else None
+        return StepOutput(update=update, loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
                           seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), **self.work.of_groups(batch))
+
+    def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
+        """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on
+        its own completions (:mod:`streamgrpo.update_guard`)."""
+        lc = self.cfg.learner
+
+        def measure() -> float:
+            total, tokens = 0.0, 0
+            with torch.no_grad(), self._autocast():
+                for tb, old, temperature in probes:
+                    new, _ = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
+                    s, n = kl_terms(old, new, tb.completion_mask)
+                    total, tokens = total + s, tokens + n
+            agreed = share(self.dist, [total, tokens]).sum(axis=0)  # every rank takes the same decision
+            return float(agreed[0] / max(agreed[1], 1.0))
+
+        check = backtrack(measure, lambda f: shrink_towards(params, before, f), lc.max_update_kl,
+                          lc.max_update_halvings)
+        M.UPDATE_KL.set(check.kl)
+        if check.halvings:
+            M.UPDATES_SHRUNK.labels(outcome="undone" if check.undone else "halved").inc()
+            if self.dist.is_main:
+                log.warning("step %s: it moved the policy by KL %.3g on its own completions (learner.max_update_kl "
+                            "%.3g): %s", self.state.step + 1, check.kl_first, lc.max_update_kl,
+                            "undone" if check.undone else f"applied x{check.scale:g} (KL {check.kl:.3g})")
+        return check
 
     def discard_gradients(self) -> None:
         """Forget any gradients of a failed or probing step (nothing is applied)."""

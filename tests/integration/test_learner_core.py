@@ -154,3 +154,69 @@ def test_resume_then_n_steps_equals_uninterrupted(groups, tiny_model_dir, tmp_pa
             assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
     assert resumed.last_lr() == straight.last_lr()
     assert not any(p.suffix in (".pt", ".bin", ".pkl") for p in ckpt.rglob("*"))
+
+
+def test_max_update_kl_halves_or_undoes_a_step_and_measures_it_on_the_steps_own_completions(groups, tiny_model_dir,
+                                                                                           tmp_path):
+    from streamgrpo import metrics as M
+    from streamgrpo.models.logprobs import completion_logprobs
+    from streamgrpo.models.batching import GroupInputs, build_batch
+    from streamgrpo.update_guard import kl_terms
+
+    def weights(learner):
+        return {n: p.detach().clone() for n, p in learner.module.named_parameters() if p.requires_grad}
+
+    def moved(a, b):
+        return sum(float((a[n] - b[n]).abs().sum()) for n in a)
+
+    def update_kl(learner, batch, start):
+        """The KL the step moved the policy by, measured independently of the learner's own probe."""
+        tb = build_batch([GroupInputs.from_processor(a.inputs, [torch.tensor(c.token_ids) for c in a.group.completions])
+                          for a in batch], learner.processor.tokenizer.pad_token_id)
+        now = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
+        with torch.no_grad():
+            new, _ = completion_logprobs(learner.module, tb)
+            for n, p in learner.module.named_parameters():
+                if n in start:
+                    p.copy_(start[n])
+            old, _ = completion_logprobs(learner.module, tb)
+            for n, p in learner.module.named_parameters():
+                p.copy_(now[n])
+        s, k = kl_terms(old, new, tb.completion_mask)
+        return s / k
+
+    # a bound no step can meet: every step is undone, the weights stay, Adam's moments still move
+    strict = _learner(_cfg(tiny_model_dir, tmp_path / "strict", "learner.max_update_kl=1e-12",
+                           "learner.max_update_halvings=2"))
+    start = weights(strict)
+    undone_before = M.UPDATES_SHRUNK.labels(outcome="undone")._value.get()
+    out = strict.train_step(_accept(groups[:4], strict))
+    assert out.update is not None and out.update.undone and out.update.halvings == 2
+    assert out.update.kl_first > 1e-12 and moved(start, weights(strict)) == 0.0
+    assert any(s["exp_avg"].abs().sum() > 0 for s in strict.optimizer.state.values())
+    assert M.UPDATES_SHRUNK.labels(outcome="undone")._value.get() == undone_before + 1
+
+    # a loose bound keeps the whole step; its update_kl is what an independent measurement finds
+    loose = _learner(_cfg(tiny_model_dir, tmp_path / "loose", "learner.max_update_kl=100"))
+    plain = _learner(_cfg(tiny_model_dir, tmp_path / "plain"))
+    start = weights(loose)
+    batch = _accept(groups[:4], loose)
+    out = loose.train_step(batch)
+    assert (out.update.scale, out.update.halvings) == (1.0, 0) and out.update.kl == out.update.kl_first > 0
+    assert out.update.kl == pytest.approx(update_kl(loose, batch, start), rel=1e-3)
+    assert plain.train_step(_accept(groups[:4], plain)).update is None
+    full = weights(plain)
+    for n, w in weights(loose).items():  # the guard changes nothing about a step it keeps
+        torch.testing.assert_close(w, full[n], rtol=0, atol=1e-7, msg=n)
+
+    # a bound between: the step is halved once (Adam's step direction, half its length)
+    half = _learner(_cfg(tiny_model_dir, tmp_path / "half", f"learner.max_update_kl={out.update.kl * 0.6}"))
+    out_h = half.train_step(_accept(groups[:4], half))
+    assert out_h.update.halvings >= 1 and 0 < out_h.update.scale < 1 and out_h.update.kl <= out.update.kl * 0.6
+    for n, w in weights(half).items():
+        torch.testing.assert_close(w, start[n] + out_h.update.scale * (full[n] - start[n]), rtol=0, atol=1e-6, msg=n)
+
+
+def test_max_update_kl_is_refused_with_deepspeed(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_update_kl needs learner.backend: torch"):
+        _learner(_cfg(tiny_model_dir, tmp_path / "ds", "learner.max_update_kl=0.1", "learner.backend=deepspeed"))

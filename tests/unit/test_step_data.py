@@ -20,6 +20,7 @@ RECORD_KEYS = [
     "kl_behaviour", "is_masked_frac", "adv_mean", "adv_std", "policy_seq_log_prob", "zero_variance_groups",
     "staleness_mean", "staleness_max", "token_staleness_mean", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
     "ranks", "micro_batches", "seconds", "wait_seconds", "seq_tokens", "tokens_per_second", "model_flops", "mfu",
+    "update_kl", "update_scale",
 ]
 
 
@@ -65,6 +66,7 @@ def test_two_ranks_merge_into_one_metrics_line():
     state = LearnerState(step=3, version=5, groups_trained=12, dropped=Counter(stale=4))
     line = StepRecord.build(state, merged, outs[0], 0.75, 0.5, 1e-4).to_json()
     assert list(line) == RECORD_KEYS
+    assert (line["update_kl"], line["update_scale"]) == (None, 1.0)  # learner.max_update_kl off
     assert line["kl"] == pytest.approx((0.01 * 17 + 0.03 * 23) / 40)
     assert line["entropy"] == pytest.approx(2.0 * 17 / 40)  # as before: a rank without it adds nothing
     assert (line["ratio_max"], line["ratio_min"]) == (2.5, 0.7)
@@ -89,6 +91,18 @@ def test_one_rank_without_json_round_trip_and_without_accuracy():
     line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 1.0, 0.0, 1e-3).to_json()
     assert line["group_accuracy"] is None and line["accuracy"] is None and line["kl"] == 0.0  # defaults as before
     assert line["adv_std"] == pytest.approx(np.std([1.0, -1.0], ddof=1)) and line["ranks"] == 1
+
+
+def test_the_update_line_search_outcome_reaches_the_metrics_line():
+    from dataclasses import replace
+
+    from streamgrpo.update_guard import UpdateCheck
+
+    a = _group("g0", [1.0, 0.0], [4, 2])
+    out = replace(_out(6, [1.0, -1.0]), update=UpdateCheck(kl_first=2.6, kl=0.04, scale=0.125, halvings=3))
+    merged = StepSummary.merge([StepSummary.of_rank([a], out, {})])
+    line = StepRecord.build(LearnerState(step=1), merged, out, 1.0, 0.0, 1e-3).to_json()
+    assert (line["update_kl"], line["update_scale"]) == (0.04, 0.125)
 
 
 def test_tokens_per_second_and_mfu_add_up_over_ranks():
