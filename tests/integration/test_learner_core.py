@@ -159,8 +159,8 @@ def test_resume_then_n_steps_equals_uninterrupted(groups, tiny_model_dir, tmp_pa
 def test_max_update_kl_halves_or_undoes_a_step_and_measures_it_on_the_steps_own_completions(groups, tiny_model_dir,
                                                                                            tmp_path):
     from streamgrpo import metrics as M
-    from streamgrpo.models.logprobs import completion_logprobs
     from streamgrpo.models.batching import GroupInputs, build_batch
+    from streamgrpo.models.logprobs import completion_logprobs
     from streamgrpo.update_guard import kl_terms
 
     def weights(learner):
