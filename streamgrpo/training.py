@@ -282,8 +282,8 @@ class Learner:
         if dry_run:
             self._zero_grad()
             return Probe(finite=finite)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        before = [p.detach().clone() for p in params] if guard else []
+        params = [p for p in self.module.parameters() if p.requires_grad] if guard else []
+        before = [p.detach().clone() for p in params]
         grad_norm, applied = self._optimizer_step()
         if not applied or not finite:
             log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
@@ -311,7 +311,7 @@ class Learner:
         check = backtrack(measure, lambda f: shrink_towards(params, before, f), lc.max_update_kl,
                           lc.max_update_halvings)
         M.UPDATE_KL.set(check.kl)
-        if check.halvings:
+        if check.scale < 1.0:  # halved, or undone (also with max_update_halvings 0)
             M.UPDATES_SHRUNK.labels(outcome="undone" if check.undone else "halved").inc()
             if self.dist.is_main:
                 log.warning("step %s: it moved the policy by KL %.3g on its own completions (learner.max_update_kl "
