@@ -13,6 +13,19 @@ A group whose rewards are all equal carries no learning signal: its advantages a
 ``loss.drop_zero_variance`` the learner's gate drops such groups before the step
 (:func:`is_zero_variance`; counted as ``reason="zero_variance"``) and takes further groups instead.
 
+With ``zero_variance_weight`` λ > 0 (``loss.zero_variance_weight``) a zero-variance group is
+measured against the batch instead::
+
+    A_i = λ · (r_i - mean(batch)) / (std(batch) + eps)     (no division with scale_rewards="none")
+
+so a group whose G answers are all wrong pushes those answers down, and one whose answers are all
+right pushes them up, relative to the step's mean reward (the idea of RL-ZVP, Le et al. 2025,
+without its entropy weighting). Under plain GRPO a policy that has stopped sampling the right
+answer for some inputs gets no gradient from them and never samples it again; this gives it one.
+Groups with mixed rewards keep their group-relative advantages. Such groups stay flagged in the
+zero-variance mask (their rewards are still all equal); a batch whose rewards are all equal gives
+exact zeros.
+
 Groups may differ in size (a group can lose completions, e.g. to a reward timeout or a bad message),
 so the batched form also accepts a list of 1-D tensors. Arithmetic runs in float64; results come
 back in the rewards' floating dtype (float32 for integer rewards).
@@ -85,6 +98,16 @@ def _centred_scaled(rewards_64: Tensor, std_64: Tensor | None, eps: float) -> tu
     return adv, False
 
 
+def _against_batch(group_64: Tensor, flat_64: Tensor, std_64: Tensor | None, eps: float, weight: float) -> Tensor:
+    """λ·(r - batch mean)/(batch std + eps) for a zero-variance group; exact zeros if the batch is flat."""
+    if bool(flat_64.max() == flat_64.min()):
+        return torch.zeros_like(group_64)
+    adv = group_64 - flat_64.mean()
+    if std_64 is not None:
+        adv = adv / (std_64 + eps)
+    return weight * adv
+
+
 def group_advantages(rewards_G: Tensor, scale_rewards: ScaleRewards = "group", eps: float = 1e-4) -> Tensor:
     """Advantages of one group: ``(r - mean) / (std + eps)`` (see the module docstring).
 
@@ -102,14 +125,15 @@ def group_advantages(rewards_G: Tensor, scale_rewards: ScaleRewards = "group", e
 
 @overload
 def batch_advantages(
-    rewards: Tensor, scale_rewards: ScaleRewards = ..., eps: float = ...
+    rewards: Tensor, scale_rewards: ScaleRewards = ..., eps: float = ..., zero_variance_weight: float = ...
 ) -> tuple[Tensor, Tensor]: ...
 @overload
 def batch_advantages(
-    rewards: Sequence[Tensor], scale_rewards: ScaleRewards = ..., eps: float = ...
+    rewards: Sequence[Tensor], scale_rewards: ScaleRewards = ..., eps: float = ..., zero_variance_weight: float = ...
 ) -> tuple[list[Tensor], Tensor]: ...
 def batch_advantages(
-    rewards: Tensor | Sequence[Tensor], scale_rewards: ScaleRewards = "group", eps: float = 1e-4
+    rewards: Tensor | Sequence[Tensor], scale_rewards: ScaleRewards = "group", eps: float = 1e-4,
+    zero_variance_weight: float = 0.0,
 ) -> tuple[Tensor | list[Tensor], Tensor]:
     """Advantages of N groups at once.
 
@@ -120,9 +144,12 @@ def batch_advantages(
     advantages are exact zeros; an empty group counts as zero-variance).
 
     "batch" scaling divides every group's centred rewards by the unbiased std of *all* rewards of
-    the batch (the raw rewards, not the centred ones, as in TRL).
+    the batch (the raw rewards, not the centred ones, as in TRL). ``zero_variance_weight`` λ > 0
+    gives zero-variance groups ``λ·(r - batch mean)/(batch std + eps)`` (see the module docstring).
     """
     _check_scale(scale_rewards)
+    if not 0.0 <= zero_variance_weight <= 1.0 or zero_variance_weight != zero_variance_weight:
+        raise AdvantageError(f"zero_variance_weight={zero_variance_weight!r}: must be in [0, 1]")
     as_matrix = isinstance(rewards, Tensor)
     if as_matrix:
         if rewards.ndim != 2:
@@ -136,9 +163,8 @@ def batch_advantages(
         _check(g, f"batch_advantages: group {i}")
 
     groups_64 = [g.to(torch.float64) for g in groups]
-    if scale_rewards == "batch":
-        flat = torch.cat(groups_64) if groups_64 else torch.zeros(0, dtype=torch.float64)
-        batch_std = _std(flat)
+    flat = torch.cat(groups_64) if groups_64 else torch.zeros(0, dtype=torch.float64)
+    batch_std = _std(flat)
     advs: list[Tensor] = []
     zero_var: list[bool] = []
     for g, g_64 in zip(groups, groups_64):
@@ -149,6 +175,8 @@ def batch_advantages(
         else:
             std = None
         adv, zv = _centred_scaled(g_64, std, eps)
+        if zv and zero_variance_weight > 0 and g_64.numel():
+            adv = _against_batch(g_64, flat, None if scale_rewards == "none" else batch_std, eps, zero_variance_weight)
         advs.append(adv.to(_out_dtype(g)))
         zero_var.append(zv)
     zero_var_N = torch.tensor(zero_var, dtype=torch.bool)

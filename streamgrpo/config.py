@@ -127,6 +127,8 @@ class LossConfig(_Section):
     """Lower end of the MIS band."""
     is_mask_high: float = Field(2.0, gt=1.0, le=1e6)
     """Upper end of the MIS band."""
+    zero_variance_weight: float = Field(0.0, ge=0.0, le=1.0)
+    """A group whose rewards are all equal (all wrong, or all right) gets this x (reward - the step's mean reward) / the step's reward std as its advantage instead of zeros: all-wrong answers are pushed down, so a policy that stopped sampling the right one gets a gradient (RL-ZVP's idea); 0 = plain GRPO. Not with drop_zero_variance."""
     drop_zero_variance: bool = False
     """Dynamic sampling (DAPO): drop groups whose G rewards are all equal (no gradient) before the step and take further groups instead (counted as groups_dropped{reason=zero_variance})."""
     fill_timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
@@ -135,6 +137,12 @@ class LossConfig(_Section):
     """Importance ratio of the clipped objective: `behaviour` = exp(logp - behaviour logp) (corrects stale groups); `current` = a naive loss that ignores the behaviour log-probs (staleness benchmark baseline); `decoupled` = decoupled PPO (AReaL): clip around the learner's own policy at the step, times the behaviour weight exp(logp - behaviour logp) (truncated at tis_cap when set)."""
     entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
     """Entropy bonus (verl's ``entropy_coeff``): subtracts this x each completion token's policy entropy (full vocabulary, at the sampling temperature), aggregated like the loss; 0 = off."""
+
+    @model_validator(mode="after")
+    def _zero_variance_choice(self):
+        if self.drop_zero_variance and self.zero_variance_weight > 0:
+            raise ValueError("loss.drop_zero_variance drops the groups loss.zero_variance_weight would train on: set one of them")
+        return self
 
 
 # ------------------------------------------------------------------------------------- learner

@@ -223,7 +223,8 @@ class Learner:
         cfg = self.cfg
         rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
         with counted_errors():
-            advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps)
+            advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps,
+                                              cfg.loss.zero_variance_weight)
         temperatures = sorted({sampling_temperature(a, cfg.rollout.temperature) for a in batch})
         if len(temperatures) > 1 and not self._mixed_temperatures_logged:
             log.warning("groups sampled at different temperatures %s in one step: each is trained at its own "

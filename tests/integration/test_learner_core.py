@@ -220,3 +220,25 @@ def test_max_update_kl_halves_or_undoes_a_step_and_measures_it_on_the_steps_own_
 def test_max_update_kl_is_refused_with_deepspeed(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="max_update_kl needs learner.backend: torch"):
         _learner(_cfg(tiny_model_dir, tmp_path / "ds", "learner.max_update_kl=0.1", "learner.backend=deepspeed"))
+
+
+def test_zero_variance_weight_trains_on_groups_grpo_leaves_flat(groups, tiny_model_dir, tmp_path):
+    """All-wrong and all-right groups: no gradient under GRPO; with loss.zero_variance_weight the wrong
+    answers get negative advantages and the right ones positive (measured against the step's mean)."""
+    import dataclasses
+
+    def flat(group, reward):
+        return dataclasses.replace(group, completions=[dataclasses.replace(c, reward=reward) for c in group.completions])
+
+    four = [flat(g, r) for g, r in zip(groups[:4], (0.0, 0.0, 1.0, 1.0))]
+    sizes = [len(g.completions) for g in four]
+    plain = _learner(_cfg(tiny_model_dir, tmp_path / "plain", "loss.beta=0"))
+    out, grads = _step_grads(plain, _accept(four, plain))
+    assert out.zero_variance == 4 and torch.equal(out.adv_N, torch.zeros(sum(sizes)))
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+    zvw = _learner(_cfg(tiny_model_dir, tmp_path / "zvw", "loss.beta=0", "loss.zero_variance_weight=0.5"))
+    out, grads = _step_grads(zvw, _accept(four, zvw))
+    wrong = sum(sizes[:2])
+    assert out.zero_variance == 4  # still counted: their rewards are all equal
+    assert bool((out.adv_N[:wrong] < 0).all()) and bool((out.adv_N[wrong:] > 0).all())
+    assert out.grad_norm > 0 and all(bool(torch.isfinite(g).all()) for g in grads.values())

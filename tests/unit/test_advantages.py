@@ -91,6 +91,33 @@ def test_ragged_groups():
     assert torch.equal(adv_b[1], torch.zeros(1))
 
 
+def test_zero_variance_weight_measures_flat_groups_against_the_batch():
+    # an all-wrong group, an all-right group and a mixed one; batch mean 4/12, batch std unbiased
+    r = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    mean, std = 6 / 12, r.double().std(correction=1).item()
+    advs, zero_var = batch_advantages(r, "group", eps=EPS, zero_variance_weight=0.5)
+    torch.testing.assert_close(advs[0], torch.full((4,), 0.5 * (0 - mean) / (std + EPS)))
+    torch.testing.assert_close(advs[1], torch.full((4,), 0.5 * (1 - mean) / (std + EPS)))
+    assert bool((advs[0] < 0).all()) and bool((advs[1] > 0).all())  # all wrong: pushed down; all right: up
+    plain, _ = batch_advantages(r, "group", eps=EPS)
+    torch.testing.assert_close(advs[2], plain[2])  # a mixed group keeps its group-relative advantages
+    assert torch.equal(plain[0], torch.zeros(4))  # weight 0: GRPO's exact zeros
+    assert zero_var.tolist() == [True, True, False]  # still flagged: its rewards are all equal
+    none, _ = batch_advantages(r, "none", zero_variance_weight=1.0)
+    torch.testing.assert_close(none[0], torch.full((4,), -mean))  # no std division with scale "none"
+
+
+def test_zero_variance_weight_on_a_flat_batch_gives_exact_zeros():
+    advs, zero_var = batch_advantages([torch.ones(3), torch.ones(2)], "batch", zero_variance_weight=1.0)
+    assert all(torch.equal(a, torch.zeros_like(a)) for a in advs) and zero_var.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5, float("nan")])
+def test_zero_variance_weight_out_of_range_is_a_clear_error(weight):
+    with pytest.raises(AdvantageError, match="zero_variance_weight"):
+        batch_advantages(torch.zeros(2, 2), zero_variance_weight=weight)
+
+
 def test_empty_batch():
     adv, zv = batch_advantages([], "batch")
     assert adv == [] and zv.shape == (0,)

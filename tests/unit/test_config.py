@@ -83,6 +83,12 @@ def test_cross_field_bounds():
         build_config({"data": {"min_frames": 10, "max_frames": 4}})
 
 
+def test_zero_variance_weight_and_drop_zero_variance_exclude_each_other():
+    with pytest.raises(ConfigError, match="drop_zero_variance drops the groups loss.zero_variance_weight"):
+        build_config({"loss": {"zero_variance_weight": 0.5, "drop_zero_variance": True}})
+    assert build_config({"loss": {"zero_variance_weight": 0.5}}).loss.zero_variance_weight == 0.5
+
+
 def test_set_coerces_types():
     cfg = build_config({}, ["loss.beta=0.04", "learner.bf16=true", "rollout.stop=[a, b]", "queue.url=null",
                             "model.name_or_path=/tmp/m", "rollout.num_generations=16"])
