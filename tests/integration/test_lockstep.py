@@ -33,3 +33,14 @@ def test_lockstep_scores_the_temporal_contrast_when_asked(tmp_path, tiny_model_d
     assert len(rows) == 2
     for r in rows:  # every direction group got a shuffled contrast group, scored
         assert 0.0 <= r["temporal_applied"] <= 1.0 and 0.0 <= r["p_shuffled"] <= 1.0
+
+
+def test_motion_probe_trains_on_labels_and_is_deterministic_per_seed(tiny_model_dir, demo_data_dir):
+    from benchmarks.motion_probe import EVAL_EVERY, probe
+
+    train = Path(demo_data_dir) / "train.jsonl"
+    first = probe(Path(tiny_model_dir), train, seed=3, steps=2 * EVAL_EVERY, lr=1e-3, sets=[])
+    again = probe(Path(tiny_model_dir), train, seed=3, steps=2 * EVAL_EVERY, lr=1e-3, sets=[])
+    assert len(first["accs"]) == 2 and all(0.0 <= a <= 1.0 for a in first["accs"])
+    assert first["hit"] in (None, EVAL_EVERY, 2 * EVAL_EVERY)
+    assert first["accs"] == again["accs"] and first["hit"] == again["hit"]
