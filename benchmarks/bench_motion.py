@@ -63,16 +63,23 @@ TGRPO = "rollout.temporal_contrast={num_generations: 4, alpha: 0.3, mu: 0.8}"
 PLAIN = "rollout.temporal_contrast=null"
 
 
-def probe(run_dir: Path, test: Path, cap_s: float = 600.0) -> dict[str, float | None]:
-    """``streamgrpo eval --shuffle-frames`` of ``run_dir``'s last checkpoint: direction accuracy ordered/shuffled."""
+def probe(run_dir: Path, test: Path, cap_s: float = 600.0, sets: list[str] = ()) -> dict[str, float | None]:
+    """``streamgrpo eval --shuffle-frames`` of ``run_dir``'s last checkpoint: direction accuracy ordered/shuffled.
+
+    ``sets``: the run's ``--set`` overrides, so the probe sees the clips as the run did (frames, pixels)."""
     out = run_dir / "eval"
     argv = [sys.executable, "-m", "streamgrpo", "eval", "--model", str(run_dir), "--data", str(test),
-            "--config", "demo-motion", "--shuffle-frames", "--out", str(out)]
+            "--config", "demo-motion", "--shuffle-frames", "--out", str(out), *probe_sets(sets)]
     done = subprocess.run(argv, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=cap_s)
     if done.returncode != 0:
         print(f"# eval of {run_dir} failed (exit {done.returncode}): {done.stderr[-1500:]}", flush=True)
         return {"ordered": None, "shuffled": None}
     return probe_accuracy(json.loads((out / "eval.json").read_text()))
+
+
+def probe_sets(sets: list[str]) -> list[str]:
+    """The ``--set`` arguments of the probe: the run's ``data.*`` overrides (pure)."""
+    return [arg for s in sets if s.startswith("data.") for arg in ("--set", s)]
 
 
 def probe_accuracy(result: dict[str, Any], kind: str = "direction") -> dict[str, float | None]:
@@ -116,7 +123,7 @@ def one_run(name: str, seed: int, paths: dict[str, Path], cap_s: float, sets: li
     stats = {k: run.stats.get(k) for k in ("steps", "groups_trained", "final_accuracy", "groups_per_s",
                                            "steps_to_target", "wall_s")}
     stats["time_to_target_s"] = run.summary.get("time_to_target_s")
-    stats.update(probe(run_dir, paths["train"].with_name("test.jsonl")))
+    stats.update(probe(run_dir, paths["train"].with_name("test.jsonl"), sets=sets))
     print(f"# {name} seed {seed}: {json.dumps(stats)}", flush=True)
     return stats
 

@@ -338,6 +338,14 @@ def test_motion_figures_and_probe_accuracy():
     assert figs["motion_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(1.0)
 
 
+def test_motion_probe_sees_the_clips_as_the_run_did():
+    from benchmarks.bench_motion import PLAIN, probe_sets
+
+    sets = ["seed=1", PLAIN, "data.min_pixels=12544", "data.max_pixels=12544", "loss.zero_variance_weight=0.5"]
+    assert probe_sets(sets) == ["--set", "data.min_pixels=12544", "--set", "data.max_pixels=12544"]
+    assert probe_sets([]) == []
+
+
 def test_motion_study_jobs_stats_and_figures():
     from benchmarks.bench_motion import PLAIN, TGRPO, study_figures, study_jobs, study_stats
 
