@@ -22,6 +22,7 @@ so a group whose G answers are all wrong pushes those answers down, and one whos
 right pushes them up, relative to the step's mean reward (the idea of RL-ZVP, Le et al. 2025,
 without its entropy weighting). Under plain GRPO a policy that has stopped sampling the right
 answer for some inputs gets no gradient from them and never samples it again; this gives it one.
+"The batch" is what the caller passes: the learner passes each rank's groups of the step.
 Groups with mixed rewards keep their group-relative advantages. Such groups stay flagged in the
 zero-variance mask (their rewards are still all equal); a batch whose rewards are all equal gives
 exact zeros.

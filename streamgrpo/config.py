@@ -128,7 +128,7 @@ class LossConfig(_Section):
     is_mask_high: float = Field(2.0, gt=1.0, le=1e6)
     """Upper end of the MIS band."""
     zero_variance_weight: float = Field(0.0, ge=0.0, le=1.0)
-    """A group whose rewards are all equal (all wrong, or all right) gets this x (reward - the step's mean reward) / the step's reward std as its advantage instead of zeros: all-wrong answers are pushed down, so a policy that stopped sampling the right one gets a gradient (RL-ZVP's idea); 0 = plain GRPO. Not with drop_zero_variance."""
+    """A group whose rewards are all equal (all wrong, or all right) gets this x (reward - the step's mean reward) / the step's reward std (no division with scale_rewards none; with several learner ranks, each rank's groups of the step) as its advantage instead of zeros: all-wrong answers are pushed down, so a policy that stopped sampling the right one gets a gradient (RL-ZVP's idea); 0 = plain GRPO. Not with drop_zero_variance."""
     drop_zero_variance: bool = False
     """Dynamic sampling (DAPO): drop groups whose G rewards are all equal (no gradient) before the step and take further groups instead (counted as groups_dropped{reason=zero_variance})."""
     fill_timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
