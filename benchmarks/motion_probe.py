@@ -42,6 +42,7 @@ def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: 
     from streamgrpo.data.video import load_visuals
     from streamgrpo.engines.hf import collate_prompts
     from streamgrpo.models.loading import load_processor
+    from streamgrpo.models.warm import append_tokens
 
     cfg = load_config("demo-motion", [f"data.train_path={train}", "data.make_demo_if_missing=false", *sets])
     records = [r for r in load_records(train, cfg.data) if r.kind == "direction"]
@@ -63,14 +64,7 @@ def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: 
     answer_ids = torch.tensor(tok.encode(f"<{cfg.data.answer_tag}>", add_special_tokens=False))
 
     def batch_of(chosen):
-        rows = []
-        for inp, _ in chosen:
-            ids = torch.cat([inp["input_ids"].reshape(-1), answer_ids])
-            row = dict(inp, input_ids=ids, attention_mask=torch.ones_like(ids))
-            if "mm_token_type_ids" in inp:
-                zeros = torch.zeros(len(answer_ids), dtype=inp["mm_token_type_ids"].dtype)
-                row["mm_token_type_ids"] = torch.cat([inp["mm_token_type_ids"].reshape(-1), zeros])
-            rows.append(row)
+        rows = [append_tokens(inp, answer_ids) for inp, _ in chosen]
         return collate_prompts(rows, tok.pad_token_id), torch.tensor([t for _, t in chosen])
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=cfg.learner.adam_eps)

@@ -99,16 +99,6 @@ def _centred_scaled(rewards_64: Tensor, std_64: Tensor | None, eps: float) -> tu
     return adv, False
 
 
-def _against_batch(group_64: Tensor, flat_64: Tensor, std_64: Tensor | None, eps: float, weight: float) -> Tensor:
-    """λ·(r - batch mean)/(batch std + eps) for a zero-variance group; exact zeros if the batch is flat."""
-    if bool(flat_64.max() == flat_64.min()):
-        return torch.zeros_like(group_64)
-    adv = group_64 - flat_64.mean()
-    if std_64 is not None:
-        adv = adv / (std_64 + eps)
-    return weight * adv
-
-
 def group_advantages(rewards_G: Tensor, scale_rewards: ScaleRewards = "group", eps: float = 1e-4) -> Tensor:
     """Advantages of one group: ``(r - mean) / (std + eps)`` (see the module docstring).
 
@@ -166,6 +156,8 @@ def batch_advantages(
     groups_64 = [g.to(torch.float64) for g in groups]
     flat = torch.cat(groups_64) if groups_64 else torch.zeros(0, dtype=torch.float64)
     batch_std = _std(flat)
+    batch_flat = flat.numel() == 0 or bool(flat.max() == flat.min())
+    batch_mean = flat.mean() if flat.numel() else flat.new_zeros(())
     advs: list[Tensor] = []
     zero_var: list[bool] = []
     for g, g_64 in zip(groups, groups_64):
@@ -176,8 +168,11 @@ def batch_advantages(
         else:
             std = None
         adv, zv = _centred_scaled(g_64, std, eps)
-        if zv and zero_variance_weight > 0 and g_64.numel():
-            adv = _against_batch(g_64, flat, None if scale_rewards == "none" else batch_std, eps, zero_variance_weight)
+        if zv and zero_variance_weight > 0 and g_64.numel() and not batch_flat:
+            adv = g_64 - batch_mean  # measured against the batch (module docstring)
+            if scale_rewards != "none":
+                adv = adv / (batch_std + eps)
+            adv = zero_variance_weight * adv
         advs.append(adv.to(_out_dtype(g)))
         zero_var.append(zv)
     zero_var_N = torch.tensor(zero_var, dtype=torch.bool)

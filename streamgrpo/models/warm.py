@@ -27,6 +27,16 @@ def _options(question: str) -> list[str]:
     return sorted(set(letters)) or ["A", "B", "C"]
 
 
+def append_tokens(inputs: dict, token_ids: torch.Tensor) -> dict:
+    """One prompt's processor inputs with ``token_ids`` (1-D) appended as text: a row for ``collate_prompts``."""
+    ids = torch.cat([inputs["input_ids"].reshape(-1), token_ids])
+    row = dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids))
+    if "mm_token_type_ids" in inputs:
+        types = inputs["mm_token_type_ids"]
+        row["mm_token_type_ids"] = torch.cat([types.reshape(-1), torch.zeros(len(token_ids), dtype=types.dtype)])
+    return row
+
+
 def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: int = 60, batch_size: int = 32,
                 lr: float = 3e-3, pool: int = 192) -> dict[str, float]:
     """Teach the answer format in place; returns {"loss_first": .., "loss_last": ..}."""
@@ -73,15 +83,7 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
         for inp, options in (prompts[rng.randrange(len(prompts))] for _ in range(batch_size)):
             answer = tok.encode(f"<{tag}>{rng.choice(options)}</{tag}>", add_special_tokens=False) + [end]
             option_ids.append(torch.tensor([tok.convert_tokens_to_ids(o) for o in options]))
-            ids = torch.cat([inp["input_ids"].reshape(-1), torch.tensor(answer)])
-            row = dict(inp)
-            row["input_ids"] = ids
-            row["attention_mask"] = torch.ones_like(ids)
-            if "mm_token_type_ids" in inp:
-                row["mm_token_type_ids"] = torch.cat(
-                    [inp["mm_token_type_ids"].reshape(-1), torch.zeros(len(answer), dtype=inp["mm_token_type_ids"].dtype)]
-                )
-            rows.append(row)
+            rows.append(append_tokens(inp, torch.tensor(answer)))
             targets.append(len(answer))
         letter_pos = -3  # <answer> X </answer> <|im_end|>: the letter is third from the end
         batch = collate_prompts(rows, tok.pad_token_id)
