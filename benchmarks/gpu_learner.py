@@ -7,7 +7,8 @@ downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds)
 
 * backend: ``torch`` and ``deepspeed`` (built-in ZeRO-2, one rank; left out when DeepSpeed is not importable);
 * mode: ``full`` (decoder + merger train, vision tower frozen: the default), ``full_vision`` (the vision
-  tower trains too), ``lora`` (LoRA adapters on the decoder, r=``--lora-r``; everything else frozen).
+  tower trains too), ``lora`` (LoRA adapters on the decoder, r=``--lora-r``; everything else frozen),
+  ``full_shared`` (``full`` with ``learner.shared_prompt``: each group's prompt through the decoder once).
 
 Each trains on synthetic groups: ``--groups`` per step of G=``--G`` completions x ``--completion-len``
 tokens sharing one ``--frames``-frame ``--frame-size``² video prompt. After ``--warmup`` steps, ``--steps``
@@ -40,6 +41,7 @@ MODES = {
     "full": ["model.tune_mm_vision=false"],
     "full_vision": ["model.tune_mm_vision=true"],
     "lora": ["model.tune_mm_vision=false"],  # the LoRA r is added from --lora-r
+    "full_shared": ["model.tune_mm_vision=false", "learner.shared_prompt=true"],
 }
 BACKENDS = ("torch", "deepspeed")
 

@@ -83,9 +83,10 @@ def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: 
             model.eval()
             with torch.no_grad():
                 batch, target = batch_of(test_items)
-                acc = float((model(**batch).logits[:, -1][:, letters].argmax(1) == target).float().mean())
+                correct = int((model(**batch).logits[:, -1][:, letters].argmax(1) == target).sum())
+            acc = correct / len(test_items)  # counted, not a float32 mean: 54/60 must count as 0.9
             accs.append(round(acc, 3))
-            if hit is None and acc >= 0.9:
+            if hit is None and correct >= 0.9 * len(test_items) - 1e-9:
                 hit = step
     return {"accs": accs, "hit": hit, "seconds": round(time.perf_counter() - t0, 1)}
 

@@ -152,8 +152,9 @@ def cmd_model_tiny(args) -> int:
     if args.warm_format:
         from streamgrpo.models.warm import warm_format
 
-        data_cfg = _load(args).data if args.config else None  # default: the colour demo's prompts
-        warm_format(out, data_cfg=data_cfg, seed=args.seed, steps=args.warm_steps)
+        cfg = _load(args) if args.config else None  # default: the colour demo's prompts
+        warm_format(out, data_cfg=cfg.data if cfg else None, seed=args.seed, steps=args.warm_steps,
+                    letters=cfg.model.warm_letters if cfg else "uniform")
     print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0
 

@@ -65,6 +65,10 @@ class ModelConfig(_Section):
     """Hub revision (branch, tag or commit) to load."""
     tiny_if_missing: bool = False
     """CPU demo: when name_or_path does not exist, build a tiny random model there and teach it the answer format."""
+    warm_letters: Literal["uniform", "marginal"] = "uniform"
+    """How that format warm start treats the option letter: `uniform` makes every prompt's answer flat over its
+    options; `marginal` only makes every option as frequent on average, so a prompt's answer can still depend on
+    its video (`demo-motion`: the directions were then learnt sooner; README)."""
     tune_mm_llm: bool = True
     """Train the language model (decoder layers, embeddings, lm_head)."""
     tune_mm_mlp: bool = True
@@ -189,6 +193,8 @@ class LearnerConfig(_Section):
     """How long one queue read waits for groups before counting idle time and retrying."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    shared_prompt: bool = False
+    """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
     bf16: bool = False
     """bfloat16 training: autocast for the torch backend (float32 master weights), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
     save_steps: int = Field(100, ge=1)
@@ -307,6 +313,13 @@ class Config(BaseModel):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _shared_prompt_attention(self) -> Config:
+        if self.learner.shared_prompt and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError("learner.shared_prompt needs a custom attention mask: set model.attn_implementation "
+                             "to sdpa or eager, or learner.shared_prompt to false")
+        return self
 
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""

@@ -154,6 +154,8 @@ class StepTokens:
     """Positions that reach the LM head: the completion tokens."""
     grids: tuple[tuple[int, int, int], ...] = ()
     """``(t, h, w)`` patch grid of every image/video the vision tower encodes (once per group)."""
+    causal_pairs: int | None = None
+    """Query-key pairs the decoder's attention scores; None: the causal pairs of each row, ``n(n+1)/2``."""
 
     @property
     def tokens(self) -> int:
@@ -164,18 +166,26 @@ class StepTokens:
         return sum(t * h * w for t, h, w in self.grids)
 
     @classmethod
-    def of_groups(cls, batch: Iterable[Any]) -> StepTokens:
-        """From accepted groups (``.group``: a ScoredGroup; ``.inputs``: its processor outputs, or None)."""
+    def of_groups(cls, batch: Iterable[Any], shared_prompt: bool = False) -> StepTokens:
+        """From accepted groups (``.group``: a ScoredGroup; ``.inputs``: its processor outputs, or None).
+
+        ``shared_prompt`` (``learner.shared_prompt``): one row per group, its prompt once and every
+        completion after it; completion r attends to the prompt and to itself only.
+        """
         rows: list[int] = []
-        head = 0
+        head = pairs = 0
         grids: list[tuple[int, int, int]] = []
         for a in batch:
             prompt = len(a.group.prompt_ids)
-            for c in a.group.completions:
-                rows.append(prompt + len(c.token_ids))
-                head += len(c.token_ids)
+            lens = [len(c.token_ids) for c in a.group.completions]
+            if shared_prompt:
+                rows.append(prompt + sum(lens))
+                pairs += prompt * (prompt + 1) // 2 + sum(c * prompt + c * (c + 1) // 2 for c in lens)
+            else:
+                rows += [prompt + c for c in lens]
+            head += sum(lens)
             grids += visual_grids(a.inputs)
-        return cls(tuple(rows), head, tuple(grids))
+        return cls(tuple(rows), head, tuple(grids), pairs if shared_prompt else None)
 
 
 def visual_grids(inputs: Any) -> list[tuple[int, int, int]]:
@@ -221,16 +231,20 @@ class Training:
     lora_targets: tuple[str, ...] = ()
     reference: bool = False
     """``loss.beta > 0``: a reference forward per step."""
+    shared_prompt: bool = False
+    """``learner.shared_prompt``: each group's prompt goes through the decoder once, not once per completion."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> Training:
         """From a streamgrpo Config (``model.tune_mm_*``, ``model.lora``, ``loss.beta``)."""
         lora, m = cfg.model.lora, cfg.model
         reference = cfg.loss.beta > 0
+        shared = cfg.learner.shared_prompt
         if lora is not None:
             return cls(vision=False, merger=False, llm=False, lora_r=lora.r,
-                       lora_targets=tuple(lora.target_modules), reference=reference)
-        return cls(vision=m.tune_mm_vision, merger=m.tune_mm_mlp, llm=m.tune_mm_llm, reference=reference)
+                       lora_targets=tuple(lora.target_modules), reference=reference, shared_prompt=shared)
+        return cls(vision=m.tune_mm_vision, merger=m.tune_mm_mlp, llm=m.tune_mm_llm, reference=reference,
+                   shared_prompt=shared)
 
 
 @dataclass(frozen=True)
@@ -258,7 +272,10 @@ def forward_flops(shape: ModelShape, work: StepTokens, training: Training = Trai
                   causal: bool = True) -> PartFlops:
     """Forward FLOPs of the policy (adapters included) on ``work``."""
     t, v = shape.text, shape.vision
-    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in work.row_lengths)
+    if causal and work.causal_pairs is not None:
+        pairs = work.causal_pairs
+    else:
+        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in work.row_lengths)
     text = 2.0 * work.tokens * t.layers * t.layer_params() + 4.0 * t.heads * t.head_dim * t.layers * pairs
     full, windowed = vision_attention_pairs(work.grids, v)
     window_blocks = v.depth - v.full_blocks
@@ -305,8 +322,9 @@ class FlopCounter:
 
     def of_groups(self, batch: Iterable[Any]) -> tuple[int, float]:
         """``(tokens, model FLOPs)`` of one rank's step on accepted groups."""
-        work = StepTokens.of_groups(batch)
-        return work.tokens, step_flops(self.shape, work, self.training)
+        rows = StepTokens.of_groups(batch)  # tokens/s counts every row's prompt + completion, whatever the layout
+        work = StepTokens.of_groups(batch, shared_prompt=True) if self.training.shared_prompt else rows
+        return rows.tokens, step_flops(self.shape, work, self.training)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def prepare_assets(cfg: Config) -> None:
         print(f"building the tiny Qwen2.5-VL in {model_dir} and teaching it the answer format ...", flush=True)
         tmp = model_dir.with_name(model_dir.name + ".tmp")
         build_tiny(tmp, arch="qwen2_5_vl", seed=cfg.seed)
-        warm_format(tmp, data_cfg=cfg.data, seed=cfg.seed)
+        warm_format(tmp, data_cfg=cfg.data, seed=cfg.seed, letters=cfg.model.warm_letters)
         if model_dir.exists():
             import shutil
 

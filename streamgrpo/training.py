@@ -106,16 +106,18 @@ class PolicyLogprobs(torch.nn.Module):
     the engine's forward/backward bookkeeping (ZeRO's per-micro-step gradient accumulation hooks).
     """
 
-    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False):
+    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False, shared_prompt: bool = False):
         super().__init__()
         self.policy = policy
         self.entropy_grad = entropy_grad  # loss.entropy_coef > 0: the entropies carry the gradient
+        self.shared_prompt = shared_prompt  # learner.shared_prompt: one copy of each group's prompt
 
     def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
         from streamgrpo.models.logprobs import completion_logprobs
 
         return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
-                                   entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids)
+                                   entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids,
+                                   shared_prompt=self.shared_prompt)
 
 
 # ------------------------------------------------------------------------------------- Learner
@@ -162,7 +164,9 @@ class Learner:
         # reference: the base itself with adapters off (LoRA), else a frozen copy
         self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
         self.module = model  # the peft or transformers module: names, saving, publishing
-        self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0)  # what computes the policy's log-probs (DeepSpeed wraps it)
+        # what computes the policy's log-probs (DeepSpeed wraps it)
+        self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0,
+                                      shared_prompt=cfg.learner.shared_prompt)
         self.engine = None
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         self.resumed_from: Path | None = None
@@ -194,12 +198,13 @@ class Learner:
 
         if self.cfg.loss.beta <= 0:
             return None
+        kw = dict(temperature=temperature, suppress_token_ids=suppress, shared_prompt=self.cfg.learner.shared_prompt)
         with torch.no_grad(), self._autocast():
             if self.is_lora:
                 with self.module.disable_adapter():
-                    lp, _ = completion_logprobs(self.module, tb, temperature=temperature, suppress_token_ids=suppress)
+                    lp, _ = completion_logprobs(self.module, tb, **kw)
                 return lp
-            lp, _ = completion_logprobs(self.ref, tb, temperature=temperature, suppress_token_ids=suppress)
+            lp, _ = completion_logprobs(self.ref, tb, **kw)
             return lp
 
     # ----------------------------------------------------------------------------- the step

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, unwrap_model  # noqa: F401 - unwrap_model is part of this module's API
+from streamgrpo.models.packing import PackedBatch, attention_mask_for, pack_batch
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
@@ -50,12 +51,13 @@ BF16_LOGPROB_MEAN_TOL = 0.03
 average (0.15 epsilon), so the objective's scale and ``ess`` barely move."""
 
 
-def _encode_once(inner: nn.Module, batch: TrainBatch) -> dict[str, Any]:
-    """Run the vision encoder once over the visuals of all groups; replicate the outputs per row.
+def _encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: list[int] | None = None) -> dict[str, Any]:
+    """Run the vision encoder once over the visuals of all groups; replicate the outputs per sequence.
 
     Returns ``mm_encoder_outputs`` for the model's forward: per modality, the encoder output
     object whose ``pooler_output`` (and ``deepstack_features`` per layer) is a tuple with one
-    entry per image/video in the order they occur in the flattened batch (row after row).
+    entry per image/video in the order they occur in the flattened forward batch (sequence after
+    sequence). ``seq_groups``: the group of each sequence; default one sequence per row.
     """
     encoded: dict[str, Any] = {}
     for kind, (pix_key, grid_key) in _PIXELS.items():
@@ -72,7 +74,8 @@ def _encode_once(inner: nn.Module, batch: TrainBatch) -> dict[str, Any]:
             n = int(getattr(batch.groups[gi], grid_key).shape[0])
             spans[gi] = range(start, start + n)
             start += n
-        order = [i for gi in batch.row_group.tolist() for i in spans.get(gi, ())]
+        seqs = batch.row_group.tolist() if seq_groups is None else seq_groups
+        order = [i for gi in seqs for i in spans.get(gi, ())]
         fields = dict(out.items())
         fields["pooler_output"] = tuple(out.pooler_output[i] for i in order)
         deep = getattr(out, "deepstack_features", None)
@@ -115,6 +118,31 @@ def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = T
     return inner(**kw).last_hidden_state
 
 
+def packed_hidden_states(model: Any, batch: TrainBatch) -> tuple[Tensor, PackedBatch]:
+    """Final hidden states (N groups, L, H) of the shared-prompt layout, and that layout."""
+    hf = unwrap_model(model)
+    prepare_batch(batch, hf)
+    inner = hf.model
+    padded = batch.input_ids[batch.attention_mask == 0]
+    packed = pack_batch(batch, int(padded[0]) if padded.numel() else 0)  # the batch's pad id (masked anyway)
+    attn = getattr(hf.config, "_attn_implementation", None)
+    text_cfg = getattr(hf.config, "text_config", None)
+    attn = getattr(text_cfg, "_attn_implementation", None) or attn
+    dtype = next(hf.parameters()).dtype
+    kw: dict[str, Any] = dict(
+        input_ids=packed.input_ids,
+        attention_mask=attention_mask_for(packed.segment_NL, attn, dtype),
+        position_ids=packed.position_ids,
+        use_cache=False,
+    )
+    if packed.mm_token_type_ids is not None:
+        kw["mm_token_type_ids"] = packed.mm_token_type_ids
+    enc = _encode_once(inner, batch, seq_groups=list(range(len(batch.groups))))
+    if enc:
+        kw["mm_encoder_outputs"] = enc
+    return inner(**kw).last_hidden_state, packed
+
+
 # ------------------------------------------------------------------------------------ LM head
 def _token_logprobs(hidden_NH: Tensor, ids_N: Tensor, lm_head: nn.Module, temperature: float,
                     suppress: Tensor | None, with_entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -151,6 +179,7 @@ def chunked_token_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 1024,
     recompute: bool = True,
+    shared_prompt: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of ``ids_N`` given hidden states (N, H), ``chunk_tokens`` rows of logits at a time.
 
@@ -190,6 +219,7 @@ def completion_logprobs(
     suppress_token_ids: Sequence[int] | None = None,
     chunk_tokens: int = 1024,
     recompute: bool = True,
+    shared_prompt: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies, with gradient if ``entropy_grad``) of the completion tokens of ``batch``.
 
@@ -200,9 +230,13 @@ def completion_logprobs(
     the sampler suppressed those tokens and reported log-probs of its processed distribution.
     """
     hf = unwrap_model(model)
-    hidden_BLH = last_hidden_states(hf, batch, shared_vision=shared_vision)
     rows, cols = batch.completion_mask.nonzero(as_tuple=True)
-    hidden_NH = hidden_BLH[rows, batch.logit_index[rows, cols]]
+    if shared_prompt:
+        hidden_GLH, packed = packed_hidden_states(hf, batch)
+        hidden_NH = hidden_GLH[batch.row_group[rows], packed.logit_pos_BT[rows, cols]]
+    else:
+        hidden_BLH = last_hidden_states(hf, batch, shared_vision=shared_vision)
+        hidden_NH = hidden_BLH[rows, batch.logit_index[rows, cols]]
     ids_N = batch.completion_ids[rows, cols]
     vocab = hf.lm_head.out_features if isinstance(hf.lm_head, nn.Linear) else None
     if ids_N.numel() and (int(ids_N.min()) < 0 or (vocab is not None and int(ids_N.max()) >= vocab)):

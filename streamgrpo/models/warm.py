@@ -1,19 +1,30 @@
 """Format warm start for the tiny demo model (``streamgrpo model tiny --warm-format``).
 
 A short supervised pass on demo prompts with targets ``<answer>X</answer><|im_end|>``: the format
-tokens get the usual cross-entropy, the option letter X a *soft* target (the mean log-prob of every
-option of the question; the letter fed in is drawn at random). Afterwards the model writes the
-answer format almost always but has learnt nothing about which option is right (sampled accuracy
-stays at chance), so any accuracy GRPO reaches later is GRPO's doing. Random hard letters instead
-taught the model to ignore the video, and GRPO then stalled (measured; see the README).
+tokens get the usual cross-entropy, the option letter X a *soft* target (the letter fed in is drawn
+at random). Afterwards the model writes the answer format almost always but has learnt nothing about
+which option is right (sampled accuracy stays at chance), so any accuracy GRPO reaches later is
+GRPO's doing. Random hard letters instead taught the model to ignore the video, and GRPO then
+stalled (measured; see the README).
+
+Two soft targets (``letters``):
+
+* ``uniform``: the mean log-prob of every option, for every prompt: each prompt's answer is flat
+  over its options. It also flattens whatever the answer owed to the video at random init.
+* ``marginal``: the log of the options' total probability for every prompt, plus a flat *average*
+  over the prompts of the batch that share an option set: every option is written as often, but a
+  prompt's answer may still depend on its video. After it, the motion demo's model learnt the
+  directions with labels sooner and in more seeds (``benchmarks/motion_probe.py``; README).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -37,9 +48,40 @@ def append_tokens(inputs: dict, token_ids: torch.Tensor) -> dict:
     return row
 
 
+def uniform_letter_loss(logp_BV: torch.Tensor, option_ids: list[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of every row's letter against a flat target over that row's options."""
+    return -torch.stack([logp_BV[i, ids].mean() for i, ids in enumerate(option_ids)]).mean()
+
+
+def marginal_letter_loss(logp_BV: torch.Tensor, option_ids: list[torch.Tensor]) -> torch.Tensor:
+    """The options' mass on every row, and a flat distribution over them *on average* over the rows.
+
+    ``-mean_i log sum_{o in options_i} p_i(o)`` (write one of the options) plus, per option set,
+    ``KL(flat || mean_i q_i)`` where ``q_i`` is row i's distribution over its options renormalised
+    (every option as often, whatever each row prefers). Zero when every row puts all its mass on
+    its options and the rows' preferences balance out; a row may still prefer one option.
+    """
+    mass = -torch.stack([torch.logsumexp(logp_BV[i, ids], 0) for i, ids in enumerate(option_ids)]).mean()
+    rows_by_set: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(option_ids):
+        rows_by_set.setdefault(tuple(ids.tolist()), []).append(i)
+    spread = []
+    for key, rows in rows_by_set.items():
+        ids = torch.tensor(key)
+        q_O = torch.stack([torch.softmax(logp_BV[i, ids], 0) for i in rows]).mean(0)
+        spread.append(-torch.log(q_O).mean() - math.log(len(key)))
+    return mass + torch.stack(spread).mean()
+
+
+LETTER_LOSSES = {"uniform": uniform_letter_loss, "marginal": marginal_letter_loss}
+
+
 def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: int = 60, batch_size: int = 32,
-                lr: float = 3e-3, pool: int = 192) -> dict[str, float]:
+                lr: float = 3e-3, pool: int = 192,
+                letters: Literal["uniform", "marginal"] = "uniform") -> dict[str, float]:
     """Teach the answer format in place; returns {"loss_first": .., "loss_last": ..}."""
+    if letters not in LETTER_LOSSES:
+        raise ValueError(f"warm_format: letters must be one of {sorted(LETTER_LOSSES)}, got {letters!r}")
     from transformers import AutoModelForImageTextToText
 
     from streamgrpo.config import load_config
@@ -92,11 +134,11 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
             labels[i, -n:] = batch["input_ids"][i, -n:]
         labels[:, letter_pos] = -100  # the option letter gets a soft target below
         out = model(**batch, labels=labels)
-        # Soft target for the letter: the mean log-prob of every option. It teaches "one of the
-        # options" without feeding the model random answers, whose noise would teach it to ignore
-        # the video (measured: a random-letter warm start made colour SFT fail to converge).
+        # Soft target for the letter: "one of the options", without feeding the model random
+        # answers, whose noise would teach it to ignore the video (measured: a random-letter warm
+        # start made colour SFT fail to converge).
         logp = torch.log_softmax(out.logits[:, letter_pos - 1].float(), dim=-1)
-        soft = -torch.stack([logp[i, option_ids[i]].mean() for i in range(len(rows))]).mean()
+        soft = LETTER_LOSSES[letters](logp, option_ids)
         loss = out.loss * (len(answer) - 1) / len(answer) + soft / len(answer)
         opt.zero_grad()
         loss.backward()

@@ -30,7 +30,7 @@ def test_tiny_size_rows_for_every_backend_and_mode(tmp_path):
     out = _run(tmp_path, *SMALL, "--peak-tflops", "0.001", "--out", str(tmp_path / "r.json"))
     doc = json.loads((tmp_path / "r.json").read_text())
     rows = {(r["backend"], r["mode"]): r for r in doc["rows"]}
-    assert set(rows) == {(b, m) for b in ("torch", "deepspeed") for m in ("full", "full_vision", "lora")}
+    assert set(rows) == {(b, m) for b in ("torch", "deepspeed") for m in ("full", "full_vision", "lora", "full_shared")}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     tokens = {r["seq_tokens"] for r in rows.values()}
     assert len(tokens) == 1 and tokens.pop() > 2 * 2 * 4  # the same batch everywhere: prompts + completions
@@ -42,6 +42,9 @@ def test_tiny_size_rows_for_every_backend_and_mode(tmp_path):
         assert rows[(b, "lora")]["flops"] < rows[(b, "full")]["flops"] < rows[(b, "full_vision")]["flops"]
         assert rows[(b, "lora")]["trainable"] < rows[(b, "full")]["trainable"] < rows[(b, "full_vision")]["trainable"]
     assert rows[("torch", "full")]["flops"] == rows[("deepspeed", "full")]["flops"]
+    for b in ("torch", "deepspeed"):  # each group's prompt once: the same trainable weights, fewer FLOPs
+        assert rows[(b, "full_shared")]["flops"] < rows[(b, "full")]["flops"]
+        assert rows[(b, "full_shared")]["trainable"] == rows[(b, "full")]["trainable"]
     names = [f["name"] for f in doc["figures"]]
     assert "step_torch_full_s" in names and "mfu_deepspeed_lora" in names
     assert "step_deepspeed_full_vision_s: " in out.stdout and "MFU" in out.stdout

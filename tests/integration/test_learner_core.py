@@ -106,6 +106,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(groups, tiny_model_dir,
         torch.testing.assert_close(gb[n], g, rtol=1e-5, atol=1e-8, msg=n)
 
 
+@pytest.mark.parametrize("sets", [("loss.beta=0.04",), ("loss.beta=0.04", "learner.gradient_checkpointing=true",
+                                                         "learner.micro_batch_tokens=100")],
+                         ids=["reference", "checkpointing-micro"])
+def test_shared_prompt_step_equals_rows_with_fewer_decoder_flops(groups, tiny_model_dir, tmp_path, sets):
+    rows = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
+    shared = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.shared_prompt=true"))
+    out_a, grads_a = _step_grads(rows, _accept(groups[:4], rows))
+    out_b, grads_b = _step_grads(shared, _accept(groups[:4], shared))
+    assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
+    assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=1e-4)
+    for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
+        assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key
+    assert grads_a.keys() == grads_b.keys()
+    for n, g in grads_a.items():
+        torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    # tokens/s counts the same rows; the FLOPs count each prompt once (4 groups of 4 completions)
+    assert out_b.seq_tokens == out_a.seq_tokens
+    assert shared.work.counter.training.shared_prompt and not rows.work.counter.training.shared_prompt
+    assert out_b.flops < out_a.flops
+
+
 def test_bf16_on_cpu_autocasts_and_keeps_float32_weights(groups, tiny_model_dir, tmp_path):
     fp32 = _learner(_cfg(tiny_model_dir, tmp_path / "a"))
     bf16 = _learner(_cfg(tiny_model_dir, tmp_path / "b", "learner.bf16=true"))

@@ -78,6 +78,22 @@ def test_dist_backend_is_one_of_three_with_a_one_line_error():
     assert "\n" not in msg and "learner.dist_backend" in msg and "'mpi'" in msg and "'nccl'" in msg, msg
 
 
+def test_warm_letters_is_uniform_or_marginal_and_demo_motion_picks_marginal():
+    assert build_config({}).model.warm_letters == "uniform"
+    assert load_config("demo-motion").model.warm_letters == "marginal"
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["model.warm_letters=flat"])
+    assert "\n" not in str(err.value) and "model.warm_letters" in str(err.value) and "'marginal'" in str(err.value)
+
+
+def test_shared_prompt_refuses_flash_attention_in_one_line():
+    assert build_config({}).learner.shared_prompt is False
+    with pytest.raises(ConfigError) as err:
+        build_config({"model": {"attn_implementation": "flash_attention_2"}, "learner": {"shared_prompt": True}})
+    assert "\n" not in str(err.value) and "learner.shared_prompt" in str(err.value) and "sdpa" in str(err.value)
+    assert build_config({}, ["learner.shared_prompt=true"]).learner.shared_prompt
+
+
 def test_cross_field_bounds():
     with pytest.raises(ConfigError, match="min_frames"):
         build_config({"data": {"min_frames": 10, "max_frames": 4}})

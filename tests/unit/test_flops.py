@@ -172,6 +172,33 @@ def test_step_tokens_of_accepted_groups():
     assert tokens == 17 and flops == step_flops(counter.shape, StepTokens((8, 9), 7), Training())
 
 
+def test_shared_prompt_counts_each_prompt_once_by_hand():
+    import numpy as np
+
+    from streamgrpo.learner_state import Accepted
+    from streamgrpo.wire import Completion, ScoredGroup
+
+    def acc(prompt, lens):
+        comps = [Completion(np.zeros(n, np.int32), np.zeros(n, np.float32), "t", "stop", {}, 0.0) for n in lens]
+        return Accepted("s", ScoredGroup("p", "g", 0, "m", np.zeros(prompt, np.int32), [], "a", comps), None, 0)
+
+    batch = [acc(6, [3, 4]), acc(2, [1])]
+    work = StepTokens.of_groups(batch, shared_prompt=True)
+    # one row per group: 6 + 3 + 4 and 2 + 1; pairs: the prompt's causal pairs, then each completion
+    # token sees the prompt and its own completion's tokens up to itself
+    assert work.row_lengths == (13, 3) and work.head_tokens == 8
+    assert work.causal_pairs == (21 + (3 * 6 + 6) + (4 * 6 + 10)) + (3 + (1 * 2 + 1))
+    shape = ModelShape(TINY_TEXT, NO_VISION)
+    fwd = forward_flops(shape, work)
+    assert fwd.text == 2.0 * 16 * 2 * TINY_TEXT.layer_params() + 4.0 * 4 * 32 * 2 * work.causal_pairs
+    rows = StepTokens.of_groups(batch)
+    assert rows.tokens == 9 + 10 + 3 and rows.causal_pairs is None
+    counter = FlopCounter(shape, Training(shared_prompt=True))
+    tokens, flops = counter.of_groups(batch)
+    assert tokens == rows.tokens  # tokens/s counts rows whatever the layout
+    assert flops == step_flops(shape, work, counter.training) < step_flops(shape, rows, counter.training)
+
+
 def test_peak_table_config_override_and_mfu():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert peak_tflops("NVIDIA H200") == 989.4
