@@ -179,16 +179,39 @@ def data_paths(work: Path = WORK) -> dict[str, Path]:
             "model": work / "model"}
 
 
+def asset_recipe(config: str) -> dict[str, Any]:
+    """The settings of ``config`` that the demo data set and the warm-started model are built from."""
+    from streamgrpo.config import load_config
+
+    cfg = load_config(config)
+    d = cfg.data
+    return {"seed": cfg.seed, "warm_letters": cfg.model.warm_letters, "demo_size": d.demo_size,
+            "demo_motion": d.demo_motion, "kinds": d.kinds, "min_frames": d.min_frames, "max_frames": d.max_frames,
+            "min_pixels": d.min_pixels, "max_pixels": d.max_pixels, "prompt_format": d.prompt_format}
+
+
 def prepare_assets(work: Path = WORK, config: str = "demo") -> dict[str, Path]:
-    """Build ``config``'s demo data set and warm-started tiny model once (in a subprocess, one thread)."""
+    """Build ``config``'s demo data set and warm-started tiny model once (in a subprocess, one thread).
+
+    ``work/recipe.json`` records what they were built from (:func:`asset_recipe`); when ``config``
+    has changed since, both are built again (a model warmed for another resolution or letter target
+    would otherwise be measured as if it were the shipped one).
+    """
     paths = data_paths(work)
-    if (paths["model"] / "config.json").exists() and paths["train"].exists() and paths["train_image"].exists():
+    recipe, stamp = asset_recipe(config), work / "recipe.json"
+    built = (paths["model"] / "config.json").exists() and paths["train"].exists() and paths["train_image"].exists()
+    if built and stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return paths
+    if built:
+        print(f"# {work}: built from other settings than {config!r} now has; building again", flush=True)
+    for stale in (paths["model"], paths["train"].parent):
+        shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     code = ("from streamgrpo.config import load_config; from streamgrpo.orchestrate import prepare_assets; "
             f"prepare_assets(load_config({config!r}, ['model.name_or_path={paths['model']}', "
             f"'data.train_path={paths['train']}']))")
     subprocess.run([sys.executable, "-c", code], check=True, env=bench_env(), cwd=ROOT)
+    stamp.write_text(json.dumps(recipe, sort_keys=True))
     return paths
 
 

@@ -17,7 +17,11 @@ softmax and the embedding lookup are left out, as in the usual ``6·N·tokens`` 
   for Qwen2.5-VL, two layers for Qwen3-VL), attention over each frame (full-attention blocks) or
   each window (Qwen2.5-VL's windowed blocks, exact window sizes), then the merger (and Qwen3-VL's
   deepstack mergers) on every ``merge²`` patches;
-* LoRA adapters: ``2·r·(in+out)`` per adapted linear layer and token.
+* LoRA adapters: ``2·r·(in+out)`` per adapted linear layer and token;
+* with ``learner.shared_prompt`` the decoder sees each group's prompt once and its completions after
+  it: the linear terms count ``P + sum(C)`` tokens per group, attention the prompt's causal pairs plus,
+  per completion token, the prompt and its own completion up to itself. ``seq_tokens`` (tokens/s)
+  still counts every row's prompt + completion, so tokens/s compares across the two layouts.
 
 Forward + backward. A part's backward costs 2x its forward when its own weights train (gradients
 of activations and of weights), 1x when only activation gradients pass through it (a frozen part

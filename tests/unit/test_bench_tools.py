@@ -364,3 +364,29 @@ def test_motion_study_jobs_stats_and_figures():
                                                  "tgrpo_s0": stats}, [0])}
     assert figs["motion_study_tgrpo_vs_plain_final_accuracy"]["ratio"] == pytest.approx(2.0)
     assert figs["motion_study_tgrpo_vs_plain_steps_to_0.9"]["ratio"] == pytest.approx(1.0)
+
+
+def test_prepare_assets_builds_again_when_the_config_changed(tmp_path, monkeypatch):
+    """The cached demo model is reused only while it was built from the config's current settings."""
+    builds = []
+
+    def fake_build(argv, **kw):  # the subprocess's work: the files it leaves (the decision is what is tested)
+        builds.append(argv[-1])
+        for p in (tmp_path / "model" / "config.json", tmp_path / "data" / "train.jsonl",
+                  tmp_path / "data" / "train_image.jsonl"):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text("{}")
+
+    monkeypatch.setattr(lr.subprocess, "run", fake_build)
+    lr.prepare_assets(tmp_path, config="demo-motion")
+    lr.prepare_assets(tmp_path, config="demo-motion")
+    assert len(builds) == 1  # built once, then reused
+    recipe = json.loads((tmp_path / "recipe.json").read_text())
+    assert recipe["warm_letters"] == "marginal" and recipe["min_pixels"] == 12544
+    (tmp_path / "model" / "stale_marker").write_text("x")
+    lr.prepare_assets(tmp_path, config="demo")  # other settings: the old model and data go, a new build
+    assert len(builds) == 2 and not (tmp_path / "model" / "stale_marker").exists()
+    assert json.loads((tmp_path / "recipe.json").read_text()) == lr.asset_recipe("demo") != recipe
+    (tmp_path / "recipe.json").unlink()  # built before recipes were recorded: built again
+    lr.prepare_assets(tmp_path, config="demo")
+    assert len(builds) == 3
