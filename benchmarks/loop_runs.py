@@ -185,7 +185,8 @@ def asset_recipe(config: str) -> dict[str, Any]:
 
     cfg = load_config(config)
     d = cfg.data
-    return {"seed": cfg.seed, "warm_letters": cfg.model.warm_letters, "demo_size": d.demo_size,
+    return {"seed": cfg.seed, "warm_letters": cfg.model.warm_letters, "warm_pixels": cfg.model.warm_pixels,
+            "demo_size": d.demo_size,
             "demo_motion": d.demo_motion, "kinds": d.kinds, "min_frames": d.min_frames, "max_frames": d.max_frames,
             "min_pixels": d.min_pixels, "max_pixels": d.max_pixels, "prompt_format": d.prompt_format}
 

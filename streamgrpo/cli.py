@@ -150,10 +150,10 @@ def cmd_model_tiny(args) -> int:
 
     out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size)
     if args.warm_format:
-        from streamgrpo.models.warm import warm_format
+        from streamgrpo.models.warm import warm_data_config, warm_format
 
         cfg = _load(args) if args.config else None  # default: the colour demo's prompts
-        warm_format(out, data_cfg=cfg.data if cfg else None, seed=args.seed, steps=args.warm_steps,
+        warm_format(out, data_cfg=warm_data_config(cfg) if cfg else None, seed=args.seed, steps=args.warm_steps,
                     letters=cfg.model.warm_letters if cfg else "uniform")
     print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0

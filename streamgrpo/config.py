@@ -65,6 +65,8 @@ class ModelConfig(_Section):
     """Hub revision (branch, tag or commit) to load."""
     tiny_if_missing: bool = False
     """CPU demo: when name_or_path does not exist, build a tiny random model there and teach it the answer format."""
+    warm_pixels: Optional[int] = Field(None, ge=28 * 28, le=16384 * 28 * 28)
+    """Pixels per frame for that format warm start (its data.min_pixels and max_pixels); null: the data section's. The warm-up only teaches the format, and `demo-motion` warms its 56x56 clips at their own size while training at 112x112 (README)."""
     warm_letters: Literal["uniform", "marginal"] = "uniform"
     """How that format warm start treats the option letter: `uniform` makes every prompt's answer flat over its
     options; `marginal` only makes every option as frequent on average, so a prompt's answer can still depend on

@@ -47,12 +47,12 @@ def prepare_assets(cfg: Config) -> None:
     model_dir = Path(cfg.model.name_or_path)
     if cfg.model.tiny_if_missing and not (model_dir / "config.json").exists():
         from streamgrpo.models.tiny import build_tiny
-        from streamgrpo.models.warm import warm_format
+        from streamgrpo.models.warm import warm_data_config, warm_format
 
         print(f"building the tiny Qwen2.5-VL in {model_dir} and teaching it the answer format ...", flush=True)
         tmp = model_dir.with_name(model_dir.name + ".tmp")
         build_tiny(tmp, arch="qwen2_5_vl", seed=cfg.seed)
-        warm_format(tmp, data_cfg=cfg.data, seed=cfg.seed, letters=cfg.model.warm_letters)
+        warm_format(tmp, data_cfg=warm_data_config(cfg), seed=cfg.seed, letters=cfg.model.warm_letters)
         if model_dir.exists():
             import shutil
 

@@ -76,6 +76,12 @@ def marginal_letter_loss(logp_BV: torch.Tensor, option_ids: list[torch.Tensor]) 
 LETTER_LOSSES = {"uniform": uniform_letter_loss, "marginal": marginal_letter_loss}
 
 
+def warm_data_config(cfg):
+    """The data section a config's format warm start runs on: ``cfg.data``, at ``model.warm_pixels`` when set."""
+    px = cfg.model.warm_pixels
+    return cfg.data if px is None else cfg.data.model_copy(update={"min_pixels": px, "max_pixels": px})
+
+
 def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: int = 60, batch_size: int = 32,
                 lr: float = 3e-3, pool: int = 192,
                 letters: Literal["uniform", "marginal"] = "uniform") -> dict[str, float]:

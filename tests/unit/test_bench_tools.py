@@ -382,7 +382,7 @@ def test_prepare_assets_builds_again_when_the_config_changed(tmp_path, monkeypat
     lr.prepare_assets(tmp_path, config="demo-motion")
     assert len(builds) == 1  # built once, then reused
     recipe = json.loads((tmp_path / "recipe.json").read_text())
-    assert recipe["warm_letters"] == "marginal" and recipe["min_pixels"] == 12544
+    assert recipe["warm_pixels"] == 3136 and recipe["min_pixels"] == 12544
     (tmp_path / "model" / "stale_marker").write_text("x")
     lr.prepare_assets(tmp_path, config="demo")  # other settings: the old model and data go, a new build
     assert len(builds) == 2 and not (tmp_path / "model" / "stale_marker").exists()

@@ -78,12 +78,26 @@ def test_dist_backend_is_one_of_three_with_a_one_line_error():
     assert "\n" not in msg and "learner.dist_backend" in msg and "'mpi'" in msg and "'nccl'" in msg, msg
 
 
-def test_warm_letters_is_uniform_or_marginal_and_demo_motion_picks_marginal():
+def test_warm_letters_is_uniform_or_marginal():
     assert build_config({}).model.warm_letters == "uniform"
-    assert load_config("demo-motion").model.warm_letters == "marginal"
+    assert load_config("demo-motion").model.warm_pixels == 3136 < load_config("demo-motion").data.min_pixels
     with pytest.raises(ConfigError) as err:
         build_config({}, ["model.warm_letters=flat"])
     assert "\n" not in str(err.value) and "model.warm_letters" in str(err.value) and "'marginal'" in str(err.value)
+
+
+def test_warm_pixels_overrides_only_the_warm_starts_data_section():
+    from streamgrpo.models.warm import warm_data_config
+
+    plain = build_config({"data": {"min_pixels": 12544, "max_pixels": 12544}})
+    assert plain.model.warm_pixels is None and warm_data_config(plain) is plain.data
+    cfg = build_config({"data": {"min_pixels": 12544, "max_pixels": 12544}}, ["model.warm_pixels=3136"])
+    warm = warm_data_config(cfg)
+    assert (warm.min_pixels, warm.max_pixels) == (3136, 3136)
+    assert (cfg.data.min_pixels, cfg.data.max_pixels) == (12544, 12544)  # training keeps its resolution
+    assert warm.kinds == cfg.data.kinds and warm.max_frames == cfg.data.max_frames
+    with pytest.raises(ConfigError, match="model.warm_pixels"):
+        build_config({}, ["model.warm_pixels=10"])
 
 
 def test_shared_prompt_refuses_flash_attention_in_one_line():
