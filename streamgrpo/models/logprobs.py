@@ -16,6 +16,10 @@ How it stays cheap:
   ``inputs_embeds`` itself. Gradients of the G rows accumulate into the single encoder output.
   ``shared_vision=False`` is the usual per-row path (pixels repeated G times, as TRL does).
 * Explicit m-RoPE ``position_ids`` from :func:`~streamgrpo.models.batching.build_batch`.
+* Optionally each group's prompt once (``shared_prompt=True``, ``learner.shared_prompt``): one
+  sequence per group, its completions after the prompt behind a block attention mask
+  (:mod:`streamgrpo.models.packing`); the decoder sees ``P + sum(C)`` tokens per group instead of
+  ``G * P + sum(C)``. ``shared_vision`` is then implied.
 * Only completion positions reach the LM head: the last hidden states are gathered at the
   positions that predict completion tokens (no padding, no prompt), then projected in chunks of
   ``chunk_tokens`` rows; each chunk takes ``logsumexp`` in float32 and gathers the chosen logit.
@@ -179,7 +183,6 @@ def chunked_token_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 1024,
     recompute: bool = True,
-    shared_prompt: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of ``ids_N`` given hidden states (N, H), ``chunk_tokens`` rows of logits at a time.
 
@@ -228,6 +231,7 @@ def completion_logprobs(
     groups are validated and its positions computed on first use (:func:`prepare_batch`).
     Pass ``suppress_token_ids`` (e.g. :func:`~streamgrpo.models.batching.vision_token_ids`) when
     the sampler suppressed those tokens and reported log-probs of its processed distribution.
+    ``shared_prompt``: the packed layout (:func:`packed_hidden_states`); the same values to rounding.
     """
     hf = unwrap_model(model)
     rows, cols = batch.completion_mask.nonzero(as_tuple=True)
