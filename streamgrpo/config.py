@@ -70,7 +70,7 @@ class ModelConfig(_Section):
     warm_letters: Literal["uniform", "marginal"] = "uniform"
     """How that format warm start treats the option letter: `uniform` makes every prompt's answer flat over its
     options; `marginal` only makes every option as frequent on average, so a prompt's answer can still depend on
-    its video (`demo-motion`: the directions were then learnt sooner; README)."""
+    its video (on the motion demo it sped up learning with labels, not GRPO; README)."""
     tune_mm_llm: bool = True
     """Train the language model (decoder layers, embeddings, lm_head)."""
     tune_mm_mlp: bool = True
@@ -164,7 +164,7 @@ class LearnerConfig(_Section):
     groups_per_step: int = Field(8, ge=1, le=65536)
     """Groups (prompts) consumed per optimizer step, summed over ranks."""
     micro_batch_tokens: Optional[int] = Field(None, ge=16)
-    """Split a step's groups into micro-batches of at most this many tokens (gradient accumulation)."""
+    """Split a step's groups into micro-batches of at most this many decoder tokens (gradient accumulation; with shared_prompt a group's prompt counts once)."""
     learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
     """Peak AdamW learning rate."""
     vision_lr: Optional[float] = Field(None, gt=0.0, le=1.0)

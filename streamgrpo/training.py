@@ -240,10 +240,11 @@ class Learner:
         # inside its processed log-probs): the learner's softmax excludes them too
         suppress = vision_token_ids(self.processor)
         local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
-        greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens)
+        shared = cfg.learner.shared_prompt
+        greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens, shared_prompt=shared)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
         global_tokens, n_micro = int(agreed[:, 0].sum()), int(agreed[:, 1].max())
-        micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens, n_parts=n_micro)
+        micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens, n_parts=n_micro, shared_prompt=shared)
         dapo = cfg.loss.loss_type == "dapo"
         kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
         index = {id(a): i for i, a in enumerate(batch)}

@@ -14,7 +14,8 @@ Two soft targets (``letters``):
 * ``marginal``: the log of the options' total probability for every prompt, plus a flat *average*
   over the prompts of the batch that share an option set: every option is written as often, but a
   prompt's answer may still depend on its video. After it, the motion demo's model learnt the
-  directions with labels sooner and in more seeds (``benchmarks/motion_probe.py``; README).
+  directions with labels sooner and in more seeds (``benchmarks/motion_probe.py``), but not by
+  GRPO (README), so ``demo-motion`` keeps ``uniform``.
 """
 
 from __future__ import annotations

@@ -52,6 +52,16 @@ def _accept(groups, learner, version=0):
     return accept(groups, learner.processor, version=version)
 
 
+def _assert_same_step(out_a, grads_a, out_b, grads_b, *, grad_norm_rel, grad_atol):
+    """Two learners' steps on the same groups: the same grad norm, loss statistics and gradients."""
+    assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=grad_norm_rel)
+    for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
+        assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key
+    assert grads_a.keys() == grads_b.keys()
+    for n, g in grads_a.items():
+        torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=grad_atol, msg=n)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_path, beta):
     from streamgrpo.micro_batches import split_micro_batches
@@ -72,12 +82,7 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     assert out_a.flops == out_b.flops > 6 * out_a.seq_tokens * whole.total * 0.5
     assert (out_a.peak_flops, out_b.peak_flops) == (None, 0.5e12)  # a CPU without learner.peak_tflops: unknown
     assert whole.work.counter.training.reference == (beta > 0)
-    assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=1e-5)
-    for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
-        assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key
-    assert grads_a.keys() == grads_b.keys()
-    for n, g in grads_a.items():
-        torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-7, msg=n)
+    _assert_same_step(out_a, grads_a, out_b, grads_b, grad_norm_rel=1e-5, grad_atol=1e-7)
 
 
 def test_split_into_exactly_n_parts_keeps_order_and_budget(groups, tiny_model_dir, tmp_path):
@@ -115,12 +120,7 @@ def test_shared_prompt_step_equals_rows_with_fewer_decoder_flops(groups, tiny_mo
     out_a, grads_a = _step_grads(rows, _accept(groups[:4], rows))
     out_b, grads_b = _step_grads(shared, _accept(groups[:4], shared))
     assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
-    assert out_b.grad_norm == pytest.approx(out_a.grad_norm, rel=1e-4)
-    for key in ("kl", "clip_frac", "entropy", "ratio_mean"):
-        assert getattr(out_b.stats, key) == pytest.approx(getattr(out_a.stats, key), rel=1e-5, abs=1e-7), key
-    assert grads_a.keys() == grads_b.keys()
-    for n, g in grads_a.items():
-        torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    _assert_same_step(out_a, grads_a, out_b, grads_b, grad_norm_rel=1e-4, grad_atol=1e-6)
     # tokens/s counts the same rows; the FLOPs count each prompt once (4 groups of 4 completions)
     assert out_b.seq_tokens == out_a.seq_tokens
     assert shared.work.counter.training.shared_prompt and not rows.work.counter.training.shared_prompt

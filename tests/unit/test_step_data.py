@@ -178,3 +178,14 @@ def test_micro_batches_never_mix_sampling_temperatures():
     assert [sampling_temperature(a, 0.9) for a in batch] == [1.0, 1.0, 0.7, 0.9, 1.0]
     same = [_group(f"h{i}", [1.0, 0.0], [2, 2], temperature=1.0) for i in range(3)]
     assert split_micro_batches(same, None) == [same]
+
+
+def test_micro_batch_budget_counts_the_layout_the_decoder_sees():
+    from streamgrpo.micro_batches import group_tokens, split_micro_batches
+
+    # prompt 3 tokens, four completions of 2: rows 4 x (3 + 2) = 20; shared prompt 3 + 4 x 2 = 11
+    batch = [_group(f"g{i}", [1.0, 0.0, 1.0, 0.0], [2, 2, 2, 2]) for i in range(4)]
+    assert (group_tokens(batch[0]), group_tokens(batch[0], shared_prompt=True)) == (20, 11)
+    assert [len(p) for p in split_micro_batches(batch, 40)] == [2, 2]
+    assert [len(p) for p in split_micro_batches(batch, 40, shared_prompt=True)] == [3, 1]
+    assert [len(p) for p in split_micro_batches(batch, 40, n_parts=4, shared_prompt=True)] == [1, 1, 1, 1]
