@@ -82,3 +82,40 @@ def test_shared_prompt_equals_rows_logprobs_entropy_and_grads(tiny_any_dir, attn
     assert any(k.startswith("model.visual.") and g_row[k].abs().sum() > 0 for k in g_row), "vision got no gradient"
     for k in g_row:
         torch.testing.assert_close(g_shared[k], g_row[k], atol=1e-5, rtol=1e-4, msg=lambda s, k=k: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_shared_prompt_in_bf16_stays_inside_the_stated_tolerance(tiny_any_dir, device):
+    """bf16 weights, sdpa (on CUDA: the kernels a real run uses), the LM head scaled to a trained model's
+    logit spread (std 3, so log-probs depend on the context): the packed layout's log-probs against the
+    row layout's stay within BF16_LOGPROB_TOL per token and BF16_LOGPROB_MEAN_TOL on average."""
+    from test_logprobs import _three_groups
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from streamgrpo.models.logprobs import (
+        BF16_LOGPROB_MEAN_TOL,
+        BF16_LOGPROB_TOL,
+        completion_logprobs,
+        last_hidden_states,
+    )
+
+    proc = AutoProcessor.from_pretrained(tiny_any_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_any_dir, dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+    batch = build_batch(_three_groups(proc, model.config.model_type), proc.tokenizer.pad_token_id, model=model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0 / float(model.lm_head(last_hidden_states(model, batch)).std()))
+    model = model.to(device=device, dtype=torch.bfloat16)
+    batch = batch.to(device)
+    m = batch.completion_mask
+    with torch.no_grad():
+        shared, _ = completion_logprobs(model, batch, temperature=0.7, shared_prompt=True)
+        rows, _ = completion_logprobs(model, batch, temperature=0.7)
+    d = (shared - rows)[m].abs()
+    assert torch.isfinite(shared[m]).all() and (shared[m] < 0).all()
+    assert rows[m].std() > 1.0  # the log-probs really depend on the context at this spread
+    assert d.max().item() <= BF16_LOGPROB_TOL and d.mean().item() <= BF16_LOGPROB_MEAN_TOL, (d.max(), d.mean())
