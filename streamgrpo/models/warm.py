@@ -10,7 +10,8 @@ stalled (measured; see the README).
 Two soft targets (``letters``):
 
 * ``uniform``: the mean log-prob of every option, for every prompt: each prompt's answer is flat
-  over its options. It also flattens whatever the answer owed to the video at random init.
+  over its options (our reading of the motion probe: it also flattens whatever the answer owed to
+  the video at random initialisation).
 * ``marginal``: the log of the options' total probability for every prompt, plus a flat *average*
   over the prompts of the batch that share an option set: every option is written as often, but a
   prompt's answer may still depend on its video. After it, the motion demo's model learnt the
