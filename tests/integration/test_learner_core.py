@@ -112,11 +112,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(groups, tiny_model_dir,
 
 
 @pytest.mark.parametrize("sets", [("loss.beta=0.04",), ("loss.beta=0.04", "learner.gradient_checkpointing=true",
-                                                         "learner.micro_batch_tokens=100")],
-                         ids=["reference", "checkpointing-micro"])
+                                                         "learner.micro_batch_tokens=100"),
+                                  ("loss.beta=0.04", "model.lora={r: 4, alpha: 8, dropout: 0.0}")],
+                         ids=["reference", "checkpointing-micro", "lora-reference"])
 def test_shared_prompt_step_equals_rows_with_fewer_decoder_flops(groups, tiny_model_dir, tmp_path, sets):
     rows = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
     shared = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.shared_prompt=true"))
+    with torch.no_grad():  # LoRA adapters start from the torch RNG: give both learners the same ones
+        mine = dict(shared.module.named_parameters())
+        for name, p in rows.module.named_parameters():
+            mine[name].copy_(p)
     out_a, grads_a = _step_grads(rows, _accept(groups[:4], rows))
     out_b, grads_b = _step_grads(shared, _accept(groups[:4], shared))
     assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
