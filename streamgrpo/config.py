@@ -198,7 +198,7 @@ class LearnerConfig(_Section):
     shared_prompt: bool = False
     """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
     bf16: bool = False
-    """bfloat16 training: autocast for the torch backend (float32 master weights), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
+    """bfloat16 training: autocast for the torch backend (float32 master weights for what trains, bf16 storage for what does not: a LoRA base, a frozen tower), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
     save_total_limit: Optional[int] = Field(3, ge=1)

@@ -21,9 +21,10 @@ averages gradients over ranks, so a rank's ``dapo`` loss is scaled by ``world_si
 ranks and micro-batches is then exactly the global token mean. A non-finite loss on any rank
 turns into a non-finite global gradient norm, and DeepSpeed skips the step on every rank.
 
-Precision. The policy is kept in float32. ``learner.bf16`` means bfloat16 autocast for the torch
-backend (CUDA, or CPU when asked) and DeepSpeed's bf16 mode (bf16 weights, fp32 master copy in
-the optimizer) for the deepspeed backend.
+Precision. The weights that train are kept in float32. ``learner.bf16`` means bfloat16 autocast for
+the torch backend (CUDA, or CPU when asked), with the weights that do not train (the LoRA base, a
+frozen vision tower) stored in bfloat16, and DeepSpeed's bf16 mode (bf16 weights, fp32 master copy
+in the optimizer) for the deepspeed backend.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class Learner:
     """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, dist: DistInfo | None = None, device: torch.device | None = None):
-        from streamgrpo.models.loading import load_model, load_processor, resolve_device
+        from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
         from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
 
         self.cfg = cfg
@@ -143,16 +144,19 @@ class Learner:
         self.processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
         self.state = LearnerState()
         lora = cfg.model.lora
+        frozen_bf16 = lc.bf16 and not self.deepspeed  # autocast reads a frozen weight as bf16 anyway
         if lora is not None:
             check_quantization(lora, device)
             base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
-                load_model(cfg.model, device, dtype="float32")
+                load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32")
             if lc.gradient_checkpointing:
                 enable_activation_checkpointing(base)
             model = apply_lora(base, lora)
             model.train()
         else:
             model = load_model(cfg.model, device, dtype="float32", trainable=True)
+            if frozen_bf16:
+                store_frozen_in(model, torch.bfloat16)
             if lc.gradient_checkpointing:
                 enable_activation_checkpointing(model)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids the model can embed

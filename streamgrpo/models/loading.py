@@ -77,6 +77,18 @@ def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | No
     return model
 
 
+def store_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Keep the floating-point parameters that do not train in ``dtype`` (buffers such as rotary
+    frequencies stay as they are); return how many bytes that frees. Under bf16 autocast a frozen
+    weight is only ever read as bf16, so a float32 copy of it is memory for nothing."""
+    freed = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            freed += p.numel() * (p.element_size() - torch.empty((), dtype=dtype).element_size())
+            p.data = p.data.to(dtype)
+    return freed
+
+
 def parameter_group(name: str) -> str:
     """Which of ``llm`` / ``mlp`` (vision-language merger) / ``vision`` a parameter belongs to."""
     if name.startswith(_VISION_MERGER):

@@ -132,15 +132,35 @@ def test_shared_prompt_step_equals_rows_with_fewer_decoder_flops(groups, tiny_mo
     assert out_b.flops < out_a.flops
 
 
-def test_bf16_on_cpu_autocasts_and_keeps_float32_weights(groups, tiny_model_dir, tmp_path):
-    fp32 = _learner(_cfg(tiny_model_dir, tmp_path / "a"))
-    bf16 = _learner(_cfg(tiny_model_dir, tmp_path / "b", "learner.bf16=true"))
+def _dtypes(learner):
+    """{requires_grad: the set of floating dtypes of those parameters}."""
+    out: dict[bool, set] = {True: set(), False: set()}
+    for p in learner.module.parameters():
+        out[p.requires_grad].add(p.dtype)
+    return out
+
+
+def _param_bytes(learner):
+    return sum(p.numel() * p.element_size() for p in learner.module.parameters())
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full-frozen-vision", "lora"])
+def test_bf16_on_cpu_autocasts_trains_float32_and_stores_frozen_weights_in_bf16(groups, tiny_model_dir, tmp_path, lora):
+    sets = ["model.lora={r: 4, alpha: 8, dropout: 0.0}"] if lora else ["model.tune_mm_vision=false"]
+    fp32 = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
+    bf16 = _learner(_cfg(tiny_model_dir, tmp_path / "b", "learner.bf16=true", *sets))
+    assert _dtypes(fp32) == {True: {torch.float32}, False: {torch.float32}}
+    assert _dtypes(bf16) == {True: {torch.float32}, False: {torch.bfloat16}}  # what trains keeps fp32
+    frozen = sum(p.numel() for p in bf16.module.parameters() if not p.requires_grad)
+    assert frozen > 0 and _param_bytes(fp32) - _param_bytes(bf16) == 2 * frozen
+    if lora:  # the same adapters in both, so that the steps compare
+        bf16.module.load_state_dict({n: t for n, t in fp32.module.state_dict().items() if "lora_" in n}, strict=False)
     out32 = fp32.train_step(_accept(groups[:4], fp32))
     out16 = bf16.train_step(_accept(groups[:4], bf16))
-    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
     assert out16 is not None and torch.isfinite(torch.tensor(out16.grad_norm))
     assert out16.seq_logprob_sum != out32.seq_logprob_sum  # the bf16 matmuls ran ...
     assert out16.seq_logprob_sum == pytest.approx(out32.seq_logprob_sum, rel=0.05)  # ... and agree roughly
+    assert _dtypes(bf16) == {True: {torch.float32}, False: {torch.bfloat16}}  # the step kept them so
 
 
 def _train(learner, batches, start_version=0):

@@ -7,7 +7,8 @@ head scaled so that the logits spread like a trained model's (standard deviation
 Compared, as the loss sees them: the learner's shared-vision path against the per-row one (both bf16 autocast
 over fp32 master weights), and the HF engine's behaviour log-probs, sampled with bf16 weights (the default
 ``model.dtype``), against the learner's recompute of the same tokens in fp32 (the default ``learner.bf16:
-false``) and in bf16 autocast (``learner.bf16: true``).
+false``), in bf16 autocast (``learner.bf16: true``), and with the weights stored in bf16 (``learner.bf16:
+true`` keeps the weights that do not train so: a LoRA learner's whole base).
 """
 
 from __future__ import annotations
@@ -104,9 +105,13 @@ def test_hf_engine_bf16_behaviour_vs_learner_bf16_recompute(tiny_model_dir, spre
         learner_fp32, _ = completion_logprobs(model, batch, suppress_token_ids=suppress)  # learner.bf16=false
         with torch.autocast("cpu", dtype=torch.bfloat16):  # learner.bf16=true (torch backend)
             learner_bf16, _ = completion_logprobs(model, batch, suppress_token_ids=suppress)
+            # learner.bf16=true with LoRA: the base (all of the policy while B = 0) is stored in bf16
+            stored, _ = completion_logprobs(copy.deepcopy(model).to(torch.bfloat16), batch, suppress_token_ids=suppress)
     eps = LossConfig()
-    for name, learner in (("bf16 autocast", learner_bf16), ("fp32", learner_fp32)):
+    for name, learner in (("bf16 autocast", learner_bf16), ("fp32", learner_fp32), ("bf16-stored base", stored)):
         _within(f"HF engine (bf16 weights) vs learner ({name})", _gaps(learner, behaviour, m))
         ratio = torch.exp(learner - behaviour)[m]
         assert ((ratio > 1 - eps.epsilon) & (ratio < 1 + eps.epsilon_high)).all(), f"{name}: precision clipped a token"
     assert _gaps(learner_bf16, behaviour, m)[0] > (0.01 if spread else 1e-4)  # the sampler's bf16 is visible
+    # a base stored in bf16 computes as the sampler does (bf16 residual stream): closer than autocast over fp32
+    assert _gaps(stored, behaviour, m)[0] < _gaps(learner_bf16, behaviour, m)[0]
