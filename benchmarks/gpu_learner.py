@@ -5,7 +5,9 @@ Builds (once, into ``--model-dir``) a random-weight Qwen2.5-VL at the real 3B or
 downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds), and loads it as the real
 :class:`~streamgrpo.training.Learner` once per combination of
 
-* backend: ``torch`` and ``deepspeed`` (built-in ZeRO-2, one rank; left out when DeepSpeed is not importable);
+* backend: ``torch`` and ``deepspeed`` (built-in ZeRO-2, one rank; left out when DeepSpeed is not importable),
+  and on request ``deepspeed_offload`` (``deploy/deepspeed/zero2_offload.json``: AdamW's states and the
+  float32 master weights on the host, the step fused on its cores);
 * mode: ``full`` (decoder + merger train, vision tower frozen: the default), ``full_vision`` (the vision
   tower trains too), ``lora`` (LoRA adapters on the decoder, r=``--lora-r``; everything else frozen),
   ``full_shared`` (``full`` with ``learner.shared_prompt``: each group's prompt through the decoder once).
@@ -14,8 +16,10 @@ Each trains on synthetic groups: ``--groups`` per step of G=``--G`` completions 
 tokens sharing one ``--frames``-frame ``--frame-size``² video prompt. After ``--warmup`` steps, ``--steps``
 timed steps (median). Per combination: step seconds, prompt + completion tokens per second, model FLOPs
 per step (:mod:`streamgrpo.flops`), MFU against the device's peak (``--peak-tflops`` or the table by the
-GPU's name; none on a CPU without it) and CUDA peak memory. A combination that runs out of GPU memory is
-recorded as ``oom`` (7B full training holds 16 bytes per parameter in fp32 weights + Adam: ~122 GB).
+GPU's name; none on a CPU without it), CUDA peak memory and the learner's static memory plan
+(:mod:`streamgrpo.memory`, a lower bound). A combination whose plan alone is over the device's memory is
+refused before its model loads and recorded as ``wont_fit`` (7B full training with the torch backend: 16
+bytes per trained parameter, ~124 GB); one that runs out of GPU memory anyway is recorded as ``oom``.
 
 Figures: ``step_<backend>_<mode>_s`` against the torch ``full`` step of the same run (ratio = value /
 baseline), and ``mfu_<backend>_<mode>`` (no baseline). Prints one line per combination and writes
@@ -43,7 +47,12 @@ MODES = {
     "lora": ["model.tune_mm_vision=false"],  # the LoRA r is added from --lora-r
     "full_shared": ["model.tune_mm_vision=false", "learner.shared_prompt=true"],
 }
-BACKENDS = ("torch", "deepspeed")
+BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the built-in ZeRO-2)
+    "torch": ("torch", None),
+    "deepspeed": ("deepspeed", None),
+    "deepspeed_offload": ("deepspeed", "zero2_offload.json"),  # ZeRO-2, AdamW and master weights on the host
+}
+DEEPSPEED_DIR = Path(__file__).resolve().parents[1] / "deploy" / "deepspeed"
 
 
 def synthetic_groups(proc, n: int, *, frames: int, size: int, G: int, completion_len: int, seed: int = 0):
@@ -78,9 +87,12 @@ def combo_sets(a, backend: str, mode: str, cuda: bool) -> list[str]:
     """The config overrides of one combination (pure)."""
     sets = [f"model.name_or_path={a.model_dir}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
             f"learner.bf16={str(a.bf16).lower()}", f"learner.device={'cuda' if cuda else 'cpu'}",
-            f"learner.gradient_checkpointing={str(a.gradient_checkpointing).lower()}", f"learner.backend={backend}",
+            f"learner.gradient_checkpointing={str(a.gradient_checkpointing).lower()}",
+            f"learner.backend={BACKENDS[backend][0]}",
             f"loss.beta={a.beta}", f"learner.groups_per_step={a.groups}", f"rollout.num_generations={a.G}",
             f"rollout.max_completion_length={a.completion_len}", *MODES[mode]]
+    if BACKENDS[backend][1]:
+        sets.append(f"learner.deepspeed_config={DEEPSPEED_DIR / BACKENDS[backend][1]}")
     if mode == "lora":
         sets.append(f"model.lora.r={a.lora_r}")
     if a.peak_tflops:
@@ -93,6 +105,7 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     import torch
 
     from streamgrpo.config import build_config
+    from streamgrpo.memory import GiB, MemoryPlanError
     from streamgrpo.training import Learner
 
     row: dict = {"backend": backend, "mode": mode}
@@ -120,7 +133,10 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
         row.update(status="ok", step_s=step_s, steps_s=times, seq_tokens=out.seq_tokens, flops=out.flops,
                    tokens_per_s=out.seq_tokens / step_s, peak_flops=peak,
                    mfu=out.flops / (step_s * peak) if peak else None, params=learner.total, trainable=learner.trainable,
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                   plan_gib=learner.memory.device_bytes / GiB, plan_host_gib=learner.memory.host_bytes / GiB)
+    except MemoryPlanError as exc:  # refused before loading: the static memory alone is over the device's
+        row.update(status="wont_fit", error=str(exc))
     except torch.cuda.OutOfMemoryError as exc:
         row.update(status="oom", error=str(exc).splitlines()[0])
     finally:
@@ -136,8 +152,9 @@ def fmt_row(r: dict) -> str:
         return f"# {r['backend']:9s} {r['mode']:11s} {r.get('status')}: {r.get('error', '')}"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     mem = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+    host = f" + host {r['plan_host_gib']:.1f}" if r.get("plan_host_gib") else ""
     return (f"# {r['backend']:9s} {r['mode']:11s} step {r['step_s']:.3f}s  {r['tokens_per_s']:.0f} tok/s  "
-            f"{r['flops']:.3e} FLOP/step  MFU {mfu}  peak {mem}  "
+            f"{r['flops']:.3e} FLOP/step  MFU {mfu}  peak {mem} (static plan {r['plan_gib']:.1f} GiB{host})  "
             f"({r['trainable'] / 1e9:.3f}B of {r['params'] / 1e9:.3f}B trainable)")
 
 
@@ -169,7 +186,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_learner", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="3b", choices=["tiny", "3b", "7b"])
     p.add_argument("--model-dir", default=None, help="built once if missing (default: /tmp/streamgrpo-qwen25vl-<size>)")
-    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--backends", default="torch,deepspeed", help=f"of {', '.join(BACKENDS)}")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--groups", type=int, default=1, help="groups per step")
     p.add_argument("--G", type=int, default=8)
@@ -204,10 +221,14 @@ def main(argv=None) -> int:
         build_tiny(a.model_dir, size=a.size)
         print(f"# built random {a.size} model in {time.perf_counter() - t0:.1f}s", flush=True)
     backends = [b for b in a.backends.split(",") if b]
-    if "deepspeed" in backends and not deepspeed_importable():
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        p.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
+    uses_ds = [b for b in backends if BACKENDS[b][0] == "deepspeed"]
+    if uses_ds and not deepspeed_importable():
         print("# deepspeed is not importable: torch backend only", flush=True)
-        backends.remove("deepspeed")
-    if "deepspeed" in backends:
+        backends = [b for b in backends if b not in uses_ds]
+    elif uses_ds:
         from streamgrpo.distributed import init_distributed
 
         init_distributed("deepspeed")  # one rank; its device and backend by learner.dist_backend=auto

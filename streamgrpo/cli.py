@@ -317,6 +317,9 @@ def _user_error(exc: BaseException) -> int | None:
     queue = sys.modules.get("streamgrpo.transport.queue")
     if queue is not None and isinstance(exc, queue.QueueError):
         return FAILED_EXIT
+    memory = sys.modules.get("streamgrpo.memory")
+    if memory is not None and isinstance(exc, memory.MemoryPlanError):
+        return USAGE_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights_shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
         return USAGE_EXIT

@@ -49,7 +49,17 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if int(zero.get("stage", 0)) < 2:
         zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only
+    if offloads_optimizer(ds):
+        # our AdamW runs fused on the host partitions (see make_optimizer): as fast as DeepSpeedCPUAdam, and
+        # nothing to JIT-compile on a box that may have no compiler
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
     return ds
+
+
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    """Whether a DeepSpeed config keeps the optimizer states on the host (ZeRO-Offload to ``cpu``)."""
+    block = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return isinstance(block, dict) and str(block.get("device", "none")).lower() == "cpu"
 
 
 def import_deepspeed():

@@ -49,14 +49,17 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], lc) -> list[dict[s
     return [{"params": ps, "lr": lrs[g], "name": g} for g, ps in buckets.items() if ps]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config):
+def make_optimizer(model: torch.nn.Module, cfg: Config, *, fused: bool | None = None):
     """AdamW over the trainable parameters (per-module learning rates, see :func:`param_groups`) and
-    the LambdaLR schedule of ``learner.*`` (it scales every group's peak rate alike)."""
+    the LambdaLR schedule of ``learner.*`` (it scales every group's peak rate alike).
+
+    ``fused``: torch's fused kernel (one pass over each tensor, all cores); the learner asks for it when
+    ZeRO-Offload runs the step on the host, where the unfused loop is several times slower."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
     lc = cfg.learner
     opt = torch.optim.AdamW(param_groups(named, lc), lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
-                            eps=lc.adam_eps, weight_decay=lc.weight_decay)
+                            eps=lc.adam_eps, weight_decay=lc.weight_decay, fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
     return opt, sched

@@ -42,11 +42,12 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
-from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed
+from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed, offloads_optimizer
 from streamgrpo.distributed import DistInfo, barrier, share
 from streamgrpo.flops import LearnerWork
 from streamgrpo.learner_state import Accepted, LearnerState
 from streamgrpo.loss import LossError
+from streamgrpo.memory import preflight
 from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
 from streamgrpo.optim import make_optimizer
 from streamgrpo.step_data import LossStats, Probe, StepOutput
@@ -142,6 +143,7 @@ class Learner:
             raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
                              f"{self.dist.world_size} learner ranks")
         self.processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
+        self.memory = preflight(cfg, device, self.dist.world_size)  # refuses what cannot fit, before loading
         self.state = LearnerState()
         lora = cfg.model.lora
         frozen_bf16 = lc.bf16 and not self.deepspeed  # autocast reads a frozen weight as bf16 anyway
@@ -172,13 +174,14 @@ class Learner:
         self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0,
                                       shared_prompt=cfg.learner.shared_prompt)
         self.engine = None
-        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        ds = deepspeed_config(cfg) if self.deepspeed else None
+        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=True if ds and offloads_optimizer(ds) else None)
         self.resumed_from: Path | None = None
         if self.deepspeed:
             deepspeed = import_deepspeed()
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.forward, optimizer=self.optimizer, lr_scheduler=self.scheduler,
-                config=deepspeed_config(cfg), dist_init_required=True)
+                config=ds, dist_init_required=True)
             from streamgrpo.checkpoint import SafeTensorsCheckpointEngine
 
             self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()

@@ -38,6 +38,9 @@ def test_tiny_size_rows_for_every_backend_and_mode(tmp_path):
         assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["seq_tokens"] / r["step_s"])
         assert r["mfu"] == pytest.approx(r["flops"] / (r["step_s"] * 1e9))
         assert (r["peak_gib"] is None) == (not torch.cuda.is_available())  # CUDA peak memory only
+        assert r["plan_gib"] > 0 and r["plan_host_gib"] == 0  # the static plan; nothing offloaded
+        if r["peak_gib"] is not None:
+            assert r["peak_gib"] >= r["plan_gib"]  # a lower bound
     for b in ("torch", "deepspeed"):  # what trains decides the backward
         assert rows[(b, "lora")]["flops"] < rows[(b, "full")]["flops"] < rows[(b, "full_vision")]["flops"]
         assert rows[(b, "lora")]["trainable"] < rows[(b, "full")]["trainable"] < rows[(b, "full_vision")]["trainable"]
@@ -48,6 +51,18 @@ def test_tiny_size_rows_for_every_backend_and_mode(tmp_path):
     names = [f["name"] for f in doc["figures"]]
     assert "step_torch_full_s" in names and "mfu_deepspeed_lora" in names
     assert "step_deepspeed_full_vision_s: " in out.stdout and "MFU" in out.stdout
+
+
+def test_zero_offload_moves_the_optimizer_to_the_host_and_trains_the_same(tmp_path):
+    _run(tmp_path, *SMALL, "--backends", "deepspeed,deepspeed_offload", "--modes", "full", "--out", str(tmp_path / "r.json"))
+    rows = {r["backend"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    on, off = rows["deepspeed"], rows["deepspeed_offload"]
+    assert off["plan_host_gib"] > 0 and off["plan_gib"] < on["plan_gib"]  # moments, master copy, grads: host
+    assert off["plan_gib"] + off["plan_host_gib"] == pytest.approx(on["plan_gib"])
+    assert off["flops"] == on["flops"] and off["trainable"] == on["trainable"]
+    if torch.cuda.is_available():
+        assert off["peak_gib"] < on["peak_gib"]
 
 
 def test_without_the_peak_mfu_is_absent_and_real_sizes_need_cuda(tmp_path):
