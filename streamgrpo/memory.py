@@ -167,28 +167,27 @@ def check_fits(plan: MemoryPlan, cap: Capacity, counts: ParamCounts) -> None:
     """Raise :class:`MemoryPlanError` (one line, with what to change) when the lower bound does not fit."""
     what = (f"{counts.total / 1e9:.2f}B parameters, "
             f"{counts.trainable / 1e9:.3g}B {'in LoRA adapters' if counts.lora else 'training'}")
+    ranks = cap.ranks_per_host
     if cap.device_is_host:  # a CPU learner: device and host are the same memory, shared by this host's ranks
-        if cap.host_bytes <= 0:
-            return
-        need = (plan.device_bytes + plan.host_bytes) * cap.ranks_per_host
-        if need > cap.host_bytes:
+        need = (plan.device_bytes + plan.host_bytes) * ranks
+        if 0 < cap.host_bytes < need:
             raise MemoryPlanError(
-                f"learner: this host has {cap.host_bytes / GiB:.1f} GiB of memory, and {cap.ranks_per_host} learner "
-                f"rank(s) need at least {need / GiB:.1f} GiB before any activation ({plan.describe()} each; {what}): "
-                "train LoRA adapters (model.lora), or use GPUs")
+                f"not enough memory for the learner: this host has {cap.host_bytes / GiB:.1f} GiB, and {ranks} "
+                f"learner rank(s) need at least {need / GiB:.1f} GiB before any activation ({plan.describe()} "
+                f"each; {what}): train LoRA adapters (model.lora), or use GPUs")
         return
     if plan.device_bytes > cap.device_bytes:
         raise MemoryPlanError(
-            f"learner: {cap.device_name} has {cap.device_bytes / GiB:.1f} GiB, and this config needs at least "
-            f"{plan.device_bytes / GiB:.1f} GiB on it before any activation ({plan.describe()}; {what}): train "
-            "LoRA adapters (model.lora), use more ranks with ZeRO-3 (deploy/deepspeed/zero3.json), or offload "
-            "the optimizer to the host (deploy/deepspeed/zero2_offload.json)")
-    host_need = plan.host_bytes * cap.ranks_per_host
-    if cap.host_bytes > 0 and host_need > cap.host_bytes:
+            f"not enough memory for the learner: {cap.device_name} has {cap.device_bytes / GiB:.1f} GiB, and this "
+            f"config needs at least {plan.device_bytes / GiB:.1f} GiB on it before any activation "
+            f"({plan.describe()}; {what}): train LoRA adapters (model.lora), use more ranks with ZeRO-3 "
+            "(deploy/deepspeed/zero3.json), or offload the optimizer to the host (deploy/deepspeed/zero2_offload.json)")
+    host_need = plan.host_bytes * ranks
+    if 0 < cap.host_bytes < host_need:
         raise MemoryPlanError(
-            f"learner: ZeRO offload puts at least {host_need / GiB:.1f} GiB on this host ({plan.describe('host')} "
-            f"for each of {cap.ranks_per_host} rank(s); {what}), and it has {cap.host_bytes / GiB:.1f} GiB: "
-            "offload less, or use more hosts")
+            f"not enough host memory for the learner: ZeRO offload puts at least {host_need / GiB:.1f} GiB on it "
+            f"({plan.describe('host')} for each of {ranks} rank(s); {what}), and it has "
+            f"{cap.host_bytes / GiB:.1f} GiB: offload less, or use more hosts")
 
 
 def host_memory_bytes() -> float:
@@ -223,8 +222,8 @@ def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
         cap = Capacity(f"{device} ({props.name})", float(props.total_memory), host_memory_bytes(), ranks)
     else:
         cap = Capacity(str(device), host_memory_bytes(), host_memory_bytes(), ranks, device_is_host=True)
+    check_fits(plan, cap, counts)
     logging.getLogger("streamgrpo.learner").info(
         "memory before activations, per rank (a lower bound): %s on %s%s", plan.describe(), device,
         f", {plan.describe('host')} on the host" if plan.host_bytes else "")
-    check_fits(plan, cap, counts)
     return plan

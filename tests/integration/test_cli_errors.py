@@ -94,3 +94,34 @@ def test_config_show_masks_the_redis_password(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "Sup3r-s3cret" not in res.stdout + res.stderr
     assert "url: redis://gen:***@redis:6379/0" in res.stdout
+
+
+def _config_only_model(tiny_model_dir: Path, out: Path) -> Path:
+    """The tiny model's processor with Qwen2.5-VL-72B's layer sizes in config.json and no weights: the learner
+    must refuse it from the config alone (its weights and AdamW need over a terabyte)."""
+    import json
+    import shutil
+
+    out.mkdir()
+    for f in Path(tiny_model_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["text_config"].update(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                              num_key_value_heads=8, vocab_size=152064)
+    cfg["text_config"].pop("layer_types", None)  # one per layer: rebuilt from num_hidden_layers
+    cfg["vision_config"]["out_hidden_size"] = 8192
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_learner_refuses_a_model_that_cannot_fit_before_loading_it(tmp_path, records, redis_factory, tiny_model_dir):
+    srv = redis_factory("system")
+    model = _config_only_model(tiny_model_dir, tmp_path / "qwen-72b-sizes")
+    res = cli(*role_args("learner", tmp_path, records, f"queue.url=redis://127.0.0.1:{srv.port}/0",
+                         f"model.name_or_path={model}", "model.tiny_if_missing=false"), cwd=tmp_path)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 2, res.stderr[-3000:]
+    line = res.stderr.strip().splitlines()[-1]  # earlier lines are the learner's own log
+    assert line.startswith("streamgrpo learner: not enough memory for the learner: "), line
+    assert "before any activation" in line and "72.71B parameters" in line and "model.lora" in line
