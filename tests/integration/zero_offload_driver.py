@@ -1,0 +1,84 @@
+"""Run by test_zero_offload.py in its own process (one DeepSpeed rank on the CPU, a gloo group).
+
+Trains the tiny model on the same groups three ways and writes ``--out`` (JSON) with what the test
+checks: ZeRO-2 (``zero2.json``), ZeRO-2 with the optimizer offloaded to the host
+(``zero2_offload.json``), and the offloaded learner saved after step 2, loaded by a fresh Learner,
+trained on: its per-step losses and grad norms, and every weight at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import msgpack
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--groups", required=True, help="msgpack list of wire-encoded ScoredGroups")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from streamgrpo.config import load_config
+    from streamgrpo.distributed import init_distributed
+    from streamgrpo.rollouts import accept
+    from streamgrpo.training import Learner
+    from streamgrpo.wire import decode
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+    groups = [decode(b) for b in msgpack.unpackb(Path(args.groups).read_bytes())]
+    batches = [groups[i:i + 2] for i in range(0, len(groups), 2)]
+    dist = init_distributed("deepspeed", dist_backend="gloo")
+
+    def learner(name: str, run: str) -> Learner:
+        cfg = load_config("demo", [f"model.name_or_path={args.model}", f"run_dir={Path(args.run_dir) / run}",
+                                   "learner.groups_per_step=2", "loss.loss_type=dapo", "learner.learning_rate=1e-3",
+                                   "learner.backend=deepspeed", f"learner.deepspeed_config={deploy / name}"])
+        torch.manual_seed(0)
+        return Learner(cfg, dist=dist)
+
+    def train(lrn: Learner, parts, start: int = 0) -> list[list[float]]:
+        out = []
+        for i, part in enumerate(parts):
+            step = lrn.train_step(accept(part, lrn.processor, version=start + i))
+            assert step is not None
+            lrn.state.step += 1
+            lrn.state.version += 1
+            out.append([step.loss, step.grad_norm])
+        return out
+
+    def weights(lrn: Learner) -> dict[str, list[float]]:
+        return {n: p.detach().double().flatten().tolist() for n, p in lrn.module.named_parameters()}
+
+    result = {}
+    for name in ("zero2.json", "zero2_offload.json"):
+        lrn = learner(name, name)
+        result[name] = {"steps": train(lrn, batches), "weights": weights(lrn),
+                        "optimizer": type(lrn.optimizer.optimizer).__name__,
+                        "state_devices": sorted({str(t.device) for s in lrn.optimizer.optimizer.state.values()
+                                                 for t in s.values() if torch.is_tensor(t)})}
+        del lrn
+    first = learner("zero2_offload.json", "resume")
+    steps = train(first, batches[:2])
+    ckpt = first.save(Path(args.run_dir) / "resume" / "checkpoints")
+    del first
+    resumed = learner("zero2_offload.json", "resume")
+    resumed.load(ckpt)
+    steps += train(resumed, batches[2:], start=2)
+    from streamgrpo.checkpoint import load_tree
+
+    state_files = sorted((ckpt / "deepspeed" / "state").iterdir())  # DeepSpeed's names, our safetensors engine
+    result["resumed"] = {"steps": steps, "weights": weights(resumed),
+                         "state_files": {p.name: load_tree(p) is not None for p in state_files}}
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
