@@ -152,9 +152,9 @@ def fmt_row(r: dict) -> str:
         return f"# {r['backend']:9s} {r['mode']:11s} {r.get('status')}: {r.get('error', '')}"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     mem = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
-    host = f" + host {r['plan_host_gib']:.1f}" if r.get("plan_host_gib") else ""
+    host = f" + host {r['plan_host_gib']:.3g}" if r.get("plan_host_gib") else ""
     return (f"# {r['backend']:9s} {r['mode']:11s} step {r['step_s']:.3f}s  {r['tokens_per_s']:.0f} tok/s  "
-            f"{r['flops']:.3e} FLOP/step  MFU {mfu}  peak {mem} (static plan {r['plan_gib']:.1f} GiB{host})  "
+            f"{r['flops']:.3e} FLOP/step  MFU {mfu}  peak {mem} (static plan {r['plan_gib']:.3g} GiB{host})  "
             f"({r['trainable'] / 1e9:.3f}B of {r['params'] / 1e9:.3f}B trainable)")
 
 

@@ -7,7 +7,7 @@ gradients, AdamW's two moments (and DeepSpeed's float32 master copy), and the re
 on the training device and what ZeRO offload moves to the host. It is a **lower bound**:
 activations, the logits of a micro-batch, CUDA workspace, allocator fragmentation, DeepSpeed's
 communication buckets and ZeRO-3's gathered layers all come on top (on the H100 the 3B learner
-peaked 12-19% above it). So a plan over the device's memory cannot fit, and :func:`check_fits`
+peaked 8-23% above it). So a plan over the device's memory cannot fit, and :func:`check_fits`
 refuses it in one line before the model is loaded (loading a 7B model to see it run out of
 memory takes minutes); a plan under it may still run out.
 

@@ -74,6 +74,22 @@ def test_without_the_peak_mfu_is_absent_and_real_sizes_need_cuda(tmp_path):
         assert "no CUDA device here" in out.stdout and not (tmp_path / "none.json").exists()
 
 
+def test_gpu_session_script_runs_its_smoke_stage_and_refuses_an_unknown_one(tmp_path):
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_session.sh"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": child_pythonpath(),
+           "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    out = subprocess.run(["bash", str(script), "smoke"], cwd=script.parents[1], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "gpu_learner_smoke.json").read_text())["rows"]
+    assert [(r["mode"], r["status"]) for r in rows] == [("full", "ok"), ("full_shared", "ok")]
+    assert "static plan" in (tmp_path / "out" / "smoke.log").read_text()
+    bad = subprocess.run(["bash", str(script), "nonsense"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tiny_size_on_a_gpu_reports_peak_memory_and_mfu(tmp_path):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks still open for the learner (issue 20), in stages that each fit one device call (< 10 min).
+# Logs and result JSON go to $OUT (default: gpu-out/), so they come back even from a call that times out.
+#
+#   source .gpu/env.sh; bash benchmarks/gpu_session.sh learner3b     # on the lent GPU box (../shared/gpu)
+#   bash benchmarks/gpu_session.sh smoke                              # anywhere: the tiny model, seconds
+#
+# Stages:
+#   smoke      the tiny model, torch backend, rows and shared prompt (checks the script itself)
+#   learner3b  Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
+#              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan
+#   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
+#              torch backend (the plan must refuse it before loading: wont_fit)
+#   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
+#   tests      the unit suite on the GPU (CUDA variants included) and the GPU integration tests
+set -uo pipefail
+stage=${1:-}
+OUT=${OUT:-gpu-out}
+py=${PYTHON:-python}
+mkdir -p "$OUT"
+learner() {  # learner NAME ARGS...: one gpu_learner run, its log and JSON under $OUT
+  local name=$1; shift
+  "$py" -m benchmarks.gpu_learner "$@" --out "$OUT/gpu_learner_$name.json" 2>&1 | tee "$OUT/$name.log"
+}
+case "$stage" in
+  smoke) learner smoke --size tiny --steps 1 --warmup 0 --backends torch --modes full,full_shared ;;
+  learner3b) learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora ;;
+  learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
+  offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
+  tests)
+    "$py" -m pytest -q -p no:cacheprovider -n 8 tests/unit 2>&1 | tail -40 | tee "$OUT/unit.log"
+    "$py" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_learner_bench.py \
+      tests/integration/test_dist_backend.py tests/integration/test_zero_offload.py \
+      tests/integration/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|learner7b|offload7b|tests" >&2; exit 2 ;;
+esac
