@@ -1,5 +1,6 @@
-"""ZeRO-2 with the optimizer offloaded to the host (``deploy/deepspeed/zero2_offload.json``): the same training
-as ZeRO-2 on the device, AdamW's states on the host, and an exact resume from its checkpoint.
+"""ZeRO-2 with the optimizer offloaded to the host (``deploy/deepspeed/zero2_offload.json``) and ZeRO-3
+(``zero3.json``): the same training as ZeRO-2 on the device (AdamW's states on the host with offload), and an
+exact resume from their checkpoints.
 
 One DeepSpeed rank on the CPU in its own process (``zero_offload_driver.py``), the tiny Qwen2.5-VL, real
 groups sampled from the demo videos. On the CPU "device" and "host" are the same memory, so this checks the
@@ -56,8 +57,16 @@ def test_offloaded_optimizer_trains_like_zero2_on_the_device(offload_run):
     _close(on["weights"], off["weights"], atol=1e-5)
 
 
-def test_offloaded_learner_resumes_exactly(offload_run):
-    straight, resumed = offload_run["zero2_offload.json"], offload_run["resumed"]
+def test_zero3_trains_like_zero2(offload_run):
+    on, z3 = offload_run["zero2.json"], offload_run["zero3.json"]
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(on["steps"], z3["steps"]):
+        assert loss_b == pytest.approx(loss_a, abs=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
+    _close(on["weights"], z3["weights"], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["zero2_offload.json", "zero3.json"])
+def test_offloaded_and_zero3_learners_resume_exactly(offload_run, name):
+    straight, resumed = offload_run[name], offload_run[f"resumed {name}"]
     assert resumed["steps"] == straight["steps"]
     _close(straight["weights"], resumed["weights"], atol=0.0)
     files = resumed["state_files"]  # the offloaded AdamW states too: safetensors, no pickle

@@ -1,9 +1,9 @@
 """Run by test_zero_offload.py in its own process (one DeepSpeed rank on the CPU, a gloo group).
 
-Trains the tiny model on the same groups three ways and writes ``--out`` (JSON) with what the test
-checks: ZeRO-2 (``zero2.json``), ZeRO-2 with the optimizer offloaded to the host
-(``zero2_offload.json``), and the offloaded learner saved after step 2, loaded by a fresh Learner,
-trained on: its per-step losses and grad norms, and every weight at the end.
+Trains the tiny model on the same groups with ZeRO-2 (``zero2.json``), ZeRO-2 with the optimizer
+offloaded to the host (``zero2_offload.json``) and ZeRO-3 (``zero3.json``, the shipped 7B config's), and
+the offload and ZeRO-3 learners saved after step 2, loaded by a fresh Learner and trained on. Writes
+``--out`` (JSON): each run's per-step losses and grad norms and every trained weight at the end.
 """
 
 from __future__ import annotations
@@ -53,29 +53,30 @@ def main() -> int:
             out.append([step.loss, step.grad_norm])
         return out
 
-    def weights(lrn: Learner) -> dict[str, list[float]]:
-        return {n: p.detach().double().flatten().tolist() for n, p in lrn.module.named_parameters()}
+    def weights(lrn: Learner) -> dict[str, list[float]]:  # gathered under ZeRO-3
+        return {n: t.double().flatten().tolist() for n, t in lrn.policy_tensors().items()}
 
     result = {}
-    for name in ("zero2.json", "zero2_offload.json"):
+    for name in ("zero2.json", "zero2_offload.json", "zero3.json"):
         lrn = learner(name, name)
         result[name] = {"steps": train(lrn, batches), "weights": weights(lrn),
                         "optimizer": type(lrn.optimizer.optimizer).__name__,
                         "state_devices": sorted({str(t.device) for s in lrn.optimizer.optimizer.state.values()
                                                  for t in s.values() if torch.is_tensor(t)})}
         del lrn
-    first = learner("zero2_offload.json", "resume")
-    steps = train(first, batches[:2])
-    ckpt = first.save(Path(args.run_dir) / "resume" / "checkpoints")
-    del first
-    resumed = learner("zero2_offload.json", "resume")
-    resumed.load(ckpt)
-    steps += train(resumed, batches[2:], start=2)
     from streamgrpo.checkpoint import load_tree
 
-    state_files = sorted((ckpt / "deepspeed" / "state").iterdir())  # DeepSpeed's names, our safetensors engine
-    result["resumed"] = {"steps": steps, "weights": weights(resumed),
-                         "state_files": {p.name: load_tree(p) is not None for p in state_files}}
+    for name in ("zero2_offload.json", "zero3.json"):
+        first = learner(name, f"resume-{name}")
+        steps = train(first, batches[:2])
+        ckpt = first.save(Path(args.run_dir) / f"resume-{name}" / "checkpoints")
+        del first
+        resumed = learner(name, f"resume-{name}")
+        resumed.load(ckpt)
+        steps += train(resumed, batches[2:], start=2)
+        state_files = sorted((ckpt / "deepspeed" / "state").iterdir())  # DeepSpeed's names, our safetensors engine
+        result[f"resumed {name}"] = {"steps": steps, "weights": weights(resumed),
+                                     "state_files": {p.name: load_tree(p) is not None for p in state_files}}
     Path(args.out).write_text(json.dumps(result))
     return 0
 
