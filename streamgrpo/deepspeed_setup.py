@@ -56,6 +56,19 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     return ds
 
 
+def reference_config(ds: dict[str, Any]) -> dict[str, Any] | None:
+    """Under ZeRO-3, the DeepSpeed config that partitions the frozen reference (``loss.beta > 0``) like the
+    policy: an engine without optimizer, the policy's precision and ZeRO-3 settings (parameter offload
+    included). None below stage 3, where the reference stays a whole copy on each rank."""
+    zero = ds.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) < 3:
+        return None
+    keep = {k: v for k, v in zero.items() if k.startswith("stage3_") or k in ("offload_param", "sub_group_size")}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "bf16": dict(ds.get("bf16", {})), "fp16": dict(ds.get("fp16", {})),
+            "zero_optimization": {"stage": 3, **keep}}
+
+
 def offloads_optimizer(ds: dict[str, Any]) -> bool:
     """Whether a DeepSpeed config keeps the optimizer states on the host (ZeRO-Offload to ``cpu``)."""
     block = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}

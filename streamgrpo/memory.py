@@ -21,7 +21,8 @@ Bytes per parameter, per rank (``W`` ranks; "trains": what the optimizer updates
   optimizer), on the host with ``offload_optimizer``; gradients: ZeRO-0/1 keep them whole in the
   weights' dtype, ZeRO-2/3 a float32 partition (4 / ``W``, on the host when offloaded);
 * the reference (``beta > 0``, full-weight training): every weight in ``model.dtype``, whole on each
-  rank; a LoRA learner's reference is its base with the adapters off (no copy).
+  rank, or under ZeRO-3 partitioned like the policy (``/ W``; on the host with ``offload_param``); a
+  LoRA learner's reference is its base with the adapters off (no copy).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class MemoryPlan:
 def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
     """The static bytes of one learner rank (see the module docstring for the rules)."""
     device: dict[str, float] = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "reference": 0.0}
-    host: dict[str, float] = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    host: dict[str, float] = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "reference": 0.0}
     n_train = counts.trainable
     n_all = counts.total + (counts.trainable if counts.lora else 0)  # adapters are parameters too
     device["reference"] = place.reference_bytes * counts.total
@@ -132,6 +133,9 @@ def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
     weight_b = 2 if place.bf16 else 4
     shard = w if place.zero_stage >= 1 or place.bf16 else 1  # states partitioned over the ranks
     weights = weight_b * n_all / (w if place.zero_stage >= 3 else 1)
+    if place.zero_stage >= 3:  # the reference is partitioned like the policy (deepspeed_setup.reference_config)
+        device["reference"] = 0.0
+        _put(device, host, "reference", place.reference_bytes * counts.total / w, place.offload_param)
     optimizer = (12 if place.bf16 else 8) * n_train / shard  # (master copy +) two moments
     if place.zero_stage >= 2:
         grads, grads_offloaded = 4 * n_train / w, place.offload_optimizer == "cpu"

@@ -42,7 +42,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
-from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed, offloads_optimizer
+from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed, offloads_optimizer, reference_config
 from streamgrpo.distributed import DistInfo, barrier, share
 from streamgrpo.flops import LearnerWork
 from streamgrpo.learner_state import Accepted, LearnerState
@@ -186,6 +186,9 @@ class Learner:
 
             self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
             self.forward = self.engine
+            ref_ds = reference_config(ds)
+            if self.ref is not None and ref_ds is not None:  # ZeRO-3: the reference is partitioned too
+                self.ref = deepspeed.initialize(model=self.ref, config=ref_ds, dist_init_required=True)[0].module
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
         self._mixed_temperatures_logged = False
         self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU

@@ -51,16 +51,20 @@ def test_offloaded_optimizer_trains_like_zero2_on_the_device(offload_run):
     on, off = offload_run["zero2.json"], offload_run["zero2_offload.json"]
     assert off["state_devices"] == ["cpu"] and off["optimizer"] == "AdamW"  # torch's AdamW, fused on the host
     assert len(off["steps"]) == 4
-    for (loss_a, norm_a), (loss_b, norm_b) in zip(on["steps"], off["steps"]):
+    for (loss_a, norm_a, kl_a), (loss_b, norm_b, kl_b) in zip(on["steps"], off["steps"]):
         assert loss_b == pytest.approx(loss_a, abs=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
-    assert any(abs(loss) > 1e-3 for loss, _ in on["steps"])  # the steps did train
+        assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)
+    assert any(abs(loss) > 1e-3 for loss, _, _ in on["steps"])  # the steps did train
+    assert on["steps"][-1][2] > 1e-6  # beta > 0: the policy moved away from its reference
     _close(on["weights"], off["weights"], atol=1e-5)
 
 
 def test_zero3_trains_like_zero2(offload_run):
     on, z3 = offload_run["zero2.json"], offload_run["zero3.json"]
-    for (loss_a, norm_a), (loss_b, norm_b) in zip(on["steps"], z3["steps"]):
+    assert z3["reference_partitioned"] and not on["reference_partitioned"]  # ZeRO-3 partitions the reference too
+    for (loss_a, norm_a, kl_a), (loss_b, norm_b, kl_b) in zip(on["steps"], z3["steps"]):
         assert loss_b == pytest.approx(loss_a, abs=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
+        assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)  # the partitioned reference gives the same KL
     _close(on["weights"], z3["weights"], atol=1e-5)
 
 

@@ -50,7 +50,7 @@ def main() -> int:
             assert step is not None
             lrn.state.step += 1
             lrn.state.version += 1
-            out.append([step.loss, step.grad_norm])
+            out.append([step.loss, step.grad_norm, step.stats.kl])
         return out
 
     def weights(lrn: Learner) -> dict[str, list[float]]:  # gathered under ZeRO-3
@@ -61,6 +61,7 @@ def main() -> int:
         lrn = learner(name, name)
         result[name] = {"steps": train(lrn, batches), "weights": weights(lrn),
                         "optimizer": type(lrn.optimizer.optimizer).__name__,
+                        "reference_partitioned": all(hasattr(p, "ds_id") for p in lrn.ref.parameters()),
                         "state_devices": sorted({str(t.device) for s in lrn.optimizer.optimizer.state.values()
                                                  for t in s.values() if torch.is_tensor(t)})}
         del lrn

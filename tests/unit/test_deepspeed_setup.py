@@ -42,3 +42,20 @@ def test_optimizer_blocks_and_bad_files_are_clear_errors(tmp_path):
     fp16.write_text(json.dumps({"fp16": {"enabled": True}}))
     with pytest.raises(ValueError, match="pick one"):
         deepspeed_config(build_config({"learner": {"deepspeed_config": str(fp16), "bf16": True}}))
+
+
+def test_reference_config_partitions_the_reference_under_zero3_only():
+    from streamgrpo.deepspeed_setup import reference_config
+
+    z3 = deepspeed_config(build_config({"learner": {"backend": "deepspeed", "bf16": True,
+                                                    "deepspeed_config": str(DEPLOY / "zero3.json")}}))
+    ref = reference_config(z3)
+    assert ref is not None and ref["zero_optimization"]["stage"] == 3 and ref["bf16"] == {"enabled": True}
+    assert "optimizer" not in ref and "scheduler" not in ref  # an engine without optimizer: inference only
+    assert ref["zero_optimization"]["stage3_param_persistence_threshold"] == \
+        z3["zero_optimization"]["stage3_param_persistence_threshold"]
+    assert "reduce_bucket_size" not in ref["zero_optimization"]  # nothing of the gradient side
+    for stage in (1, 2):
+        ds = deepspeed_config(build_config({"learner": {"backend": "deepspeed",
+                                                        "deepspeed_config": str(DEPLOY / f"zero{stage}.json")}}))
+        assert reference_config(ds) is None

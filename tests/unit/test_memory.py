@@ -60,6 +60,15 @@ def test_deepspeed_bf16_by_stage(stage, world, expect):
     assert plan.device == {**expect, "reference": 0} and plan.host_bytes == 0
 
 
+def test_zero3_partitions_the_reference_and_stage2_keeps_it_whole():
+    z2 = plan_memory(FULL, Placement(backend="deepspeed", bf16=True, zero_stage=2, world_size=4, reference_bytes=2))
+    z3 = plan_memory(FULL, Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=4, reference_bytes=2))
+    assert z2.device["reference"] == 2000 and z3.device["reference"] == 500
+    off = plan_memory(FULL, Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=4, reference_bytes=2,
+                                      offload_param="cpu"))
+    assert off.device["reference"] == 0 and off.host["reference"] == 500
+
+
 def test_offload_moves_parts_to_the_host_and_nvme_to_neither():
     base = Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=2)
     on = plan_memory(FULL, base)
