@@ -42,7 +42,12 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config
-from streamgrpo.deepspeed_setup import deepspeed_config, import_deepspeed, offloads_optimizer, reference_config
+from streamgrpo.deepspeed_setup import (
+    deepspeed_config,
+    import_deepspeed,
+    offloads_optimizer,
+    reference_config,
+)
 from streamgrpo.distributed import DistInfo, barrier, share
 from streamgrpo.flops import LearnerWork
 from streamgrpo.learner_state import Accepted, LearnerState
