@@ -13,8 +13,9 @@ memory takes minutes); a plan under it may still run out.
 
 Bytes per parameter, per rank (``W`` ranks; "trains": what the optimizer updates):
 
-* torch backend: trained weights 4 (float32), gradients 4, AdamW moments 8; weights that do not
-  train 4, or 2 with ``learner.bf16`` (stored in bf16), or 0.5 under QLoRA's 4-bit base;
+* torch backend: trained weights 4 (float32), gradients 4, AdamW moments 8 (and 4 more for the copy
+  ``learner.max_update_kl`` keeps through a step); weights that do not train 4, or 2 with
+  ``learner.bf16`` (stored in bf16), or 0.5 under QLoRA's 4-bit base;
 * deepspeed backend: every weight in the engine's dtype (2 with bf16, else 4; ZeRO-3 divides
   them by ``W``, ``offload_param`` moves them to the host); with bf16 a float32 master copy of
   what trains (4) and the moments (8), divided by ``W`` under ZeRO-1/2/3 (and bf16's own
@@ -70,6 +71,8 @@ class Placement:
     world_size: int = 1
     reference_bytes: float = 0.0
     """Bytes per parameter of the reference copy (0: none)."""
+    update_guard: bool = False
+    """``learner.max_update_kl``: a copy of the trained weights is kept through each step (torch backend)."""
 
     @classmethod
     def from_config(cls, cfg: Any, ds_config: Mapping[str, Any] | None = None, world_size: int = 1) -> Placement:
@@ -79,7 +82,7 @@ class Placement:
         common = dict(backend=lc.backend, quantize_4bit=bool(lora is not None and lora.quantize_4bit),
                       world_size=world_size, reference_bytes=reference)
         if lc.backend != "deepspeed":
-            return cls(bf16=bool(lc.bf16), **common)
+            return cls(bf16=bool(lc.bf16), update_guard=lc.max_update_kl is not None, **common)
         ds = ds_config or {}
         zero = ds.get("zero_optimization", {}) or {}
         halves = bool(ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled"))
@@ -128,6 +131,8 @@ def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
         device["weights"] = 4 * n_train + frozen_b * counts.frozen
         device["gradients"] = 4 * n_train
         device["optimizer"] = 8 * n_train
+        if place.update_guard:
+            device["step copy"] = 4 * n_train
         return MemoryPlan(device, host)
     w = max(1, place.world_size)
     weight_b = 2 if place.bf16 else 4

@@ -37,6 +37,9 @@ def test_torch_backend_bytes_by_hand():
     assert fp32.host_bytes == 0
     bf16 = plan_memory(FULL, Placement(bf16=True, reference_bytes=2))
     assert bf16.device == {"weights": 600 * 4 + 400 * 2, "gradients": 2400, "optimizer": 4800, "reference": 2000}
+    guarded = plan_memory(FULL, Placement(update_guard=True))  # learner.max_update_kl: a copy of what trains
+    assert guarded.device["step copy"] == 2400 and guarded.device_bytes == fp32.device_bytes + 2400
+    assert Placement.from_config(build_config({"learner": {"max_update_kl": 0.05}})).update_guard
 
 
 def test_lora_holds_the_base_frozen_and_trains_only_the_adapters():
