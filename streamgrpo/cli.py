@@ -76,6 +76,21 @@ def cmd_config_show(args) -> int:
     return 0
 
 
+def cmd_config_memory(args) -> int:
+    """A learner rank's static memory for this config, from the model's config alone; exit 1 if it cannot fit."""
+    cfg = _load(args)
+    import torch
+
+    from streamgrpo.memory import GiB, plan_for, report
+
+    counts, place, plan = plan_for(cfg, args.ranks)
+    gpu = args.gpu_gib * GiB if args.gpu_gib else (
+        float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else 80 * GiB)
+    lines, fits = report(counts, place, plan, gpu)
+    print(f"{cfg.model.name_or_path}: " + "\n".join(lines))
+    return 0 if fits else 1
+
+
 def cmd_up(args) -> int:
     cfg = _load(args)
     from streamgrpo.orchestrate import run_up
@@ -292,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = cfg.add_parser("show", help="print the resolved config")
     _add_config_args(p, default="demo")
     p.set_defaults(func=cmd_config_show)
+    p = cfg.add_parser("memory", help="a learner rank's memory before activations (from the model config alone)")
+    _add_config_args(p, default="demo")
+    p.add_argument("--ranks", type=int, default=1, help="learner ranks (ZeRO partitions over them)")
+    p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
+                   "machine's GPU, else 80)")
+    p.set_defaults(func=cmd_config_memory)
 
     p = sub.add_parser("keys", help="CURVE key pairs for the weight channel")
     p.add_argument("--out", required=True)

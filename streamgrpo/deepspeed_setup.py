@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from streamgrpo.config import Config
+from streamgrpo.config import Config, ConfigError
 
 DEFAULT_DEEPSPEED = {
     "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
@@ -33,19 +33,19 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         try:
             ds = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
+            raise ConfigError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
     else:
         ds = copy.deepcopy(DEFAULT_DEEPSPEED)
     for block in ("optimizer", "scheduler"):
         if block in ds:
-            raise ValueError(f"learner.deepspeed_config={lc.deepspeed_config!r} has a {block!r} block: streamgrpo "
+            raise ConfigError(f"learner.deepspeed_config={lc.deepspeed_config!r} has a {block!r} block: streamgrpo "
                              "builds AdamW and the lr schedule from learner.* (remove the block)")
     ds.pop("train_batch_size", None)
     ds.update({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                "gradient_clipping": lc.max_grad_norm, "steps_per_print": ds.get("steps_per_print", 10**9),
                "bf16": {**ds.get("bf16", {}), "enabled": bool(lc.bf16)}})
     if lc.bf16 and ds.get("fp16", {}).get("enabled"):
-        raise ValueError("learner.bf16=true and the DeepSpeed config enables fp16: pick one")
+        raise ConfigError("learner.bf16=true and the DeepSpeed config enables fp16: pick one")
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if int(zero.get("stage", 0)) < 2:
         zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only

@@ -116,7 +116,7 @@ class MemoryPlan:
         """``weights 7.0 + gradients 11.6 + ... GiB`` of one side (parts that are 0 left out)."""
         parts = self.device if where == "device" else self.host
         shown = [f"{name} {b / GiB:.1f}" for name, b in parts.items() if b > 0]
-        return (" + ".join(shown) or "nothing") + " GiB"
+        return " + ".join(shown) + " GiB" if shown else "nothing"
 
 
 def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
@@ -199,12 +199,45 @@ def check_fits(plan: MemoryPlan, cap: Capacity, counts: ParamCounts) -> None:
             f"{cap.host_bytes / GiB:.1f} GiB: offload less, or use more hosts")
 
 
+def report(counts: ParamCounts, place: Placement, plan: MemoryPlan, gpu_bytes: float) -> tuple[list[str], bool]:
+    """``streamgrpo config memory``'s lines, and whether the plan fits a GPU of ``gpu_bytes`` (pure)."""
+    setup = (f"{place.backend} backend" if place.backend != "deepspeed" else
+             f"deepspeed ZeRO-{place.zero_stage}" + (f", optimizer offload {place.offload_optimizer}"
+                                                       if place.offload_optimizer != "none" else ""))
+    precision = "bf16" if place.bf16 else "fp32"
+    trained = "in LoRA adapters" if counts.lora else "training"
+    lines = [f"{counts.total / 1e9:.2f}B parameters, {counts.trainable / 1e9:.3g}B {trained}; {setup}, {precision}, "
+             f"{place.world_size} rank(s)",
+             "per rank, before activations (a lower bound):",
+             f"  on the GPU:  {plan.describe()} = {plan.device_bytes / GiB:.1f} GiB",
+             f"  on the host: {plan.describe('host')}" + (f" = {plan.host_bytes / GiB:.1f} GiB" if plan.host_bytes else "")]
+    fits = plan.device_bytes <= gpu_bytes
+    left = f"{(gpu_bytes - plan.device_bytes) / GiB:.1f} GiB left for activations" if fits else \
+        "train LoRA adapters (model.lora), use more ranks with ZeRO-3, or offload the optimizer"
+    lines.append(f"on a GPU of {gpu_bytes / GiB:.0f} GiB: {'fits' if fits else 'does not fit'} ({left})")
+    return lines, fits
+
+
 def host_memory_bytes() -> float:
     """Physical memory of this host (0 where the OS does not say)."""
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0.0
+
+
+def plan_for(cfg: Any, world_size: int = 1) -> tuple[ParamCounts, Placement, MemoryPlan]:
+    """The counts (the model built on the meta device), placement and plan of a config's learner rank."""
+    from streamgrpo.models.loading import count_params
+
+    counts = count_params(cfg)
+    ds = None
+    if cfg.learner.backend == "deepspeed":
+        from streamgrpo.deepspeed_setup import deepspeed_config
+
+        ds = deepspeed_config(cfg)
+    place = Placement.from_config(cfg, ds, world_size)
+    return counts, place, plan_memory(counts, place)
 
 
 def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
@@ -215,15 +248,8 @@ def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
     import torch
 
     from streamgrpo.distributed import local_world_size
-    from streamgrpo.models.loading import count_params
 
-    counts = count_params(cfg)
-    ds = None
-    if cfg.learner.backend == "deepspeed":
-        from streamgrpo.deepspeed_setup import deepspeed_config
-
-        ds = deepspeed_config(cfg)
-    plan = plan_memory(counts, Placement.from_config(cfg, ds, world_size))
+    counts, _, plan = plan_for(cfg, world_size)
     device = torch.device(device)
     ranks = local_world_size(os.environ) if world_size > 1 else 1
     if device.type == "cuda":

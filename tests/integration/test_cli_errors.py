@@ -125,3 +125,23 @@ def test_learner_refuses_a_model_that_cannot_fit_before_loading_it(tmp_path, rec
     line = res.stderr.strip().splitlines()[-1]  # earlier lines are the learner's own log
     assert line.startswith("streamgrpo learner: not enough memory for the learner: "), line
     assert "before any activation" in line and "72.71B parameters" in line and "model.lora" in line
+
+
+def test_config_memory_reports_the_plan_and_exits_1_when_it_cannot_fit(tmp_path, tiny_model_dir):
+    ok = cli("config", "memory", "--config", "demo", "--set", f"model.name_or_path={tiny_model_dir}", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "per rank, before activations (a lower bound):" in ok.stdout and "fits (" in ok.stdout
+    big = _config_only_model(tiny_model_dir, tmp_path / "qwen-72b-sizes")
+    res = cli("config", "memory", "--config", "qwen2_5_vl_7b_video", "--set", f"model.name_or_path={big}",
+              "--ranks", "8", "--gpu-gib", "80", cwd=REPO)  # its deepspeed_config is relative to the repo
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "deepspeed ZeRO-3, bf16, 8 rank(s)" in res.stdout and "on a GPU of 80 GiB: does not fit" in res.stdout
+    gib = float(res.stdout.split("GiB = ")[1].split()[0])  # ZeRO-3 over 8 ranks: 16 + 2 bytes / 8 + ...
+    assert 150 < gib < 200
+
+
+def test_unreadable_deepspeed_config_is_one_line(tmp_path, tiny_model_dir):
+    res = cli("config", "memory", "--config", "demo", "--set", f"model.name_or_path={tiny_model_dir}",
+              "--set", "learner.backend=deepspeed", "--set", "learner.deepspeed_config=missing.json", cwd=tmp_path)
+    line = one_line(res, 2, "streamgrpo config memory: learner.deepspeed_config='missing.json': cannot read it as JSON")
+    assert "No such file" in line

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from streamgrpo.config import build_config
+from streamgrpo.config import ConfigError, build_config
 from streamgrpo.deepspeed_setup import deepspeed_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
@@ -34,13 +34,13 @@ def test_default_is_zero2_and_bf16_follows_the_flag():
 def test_optimizer_blocks_and_bad_files_are_clear_errors(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}))
-    with pytest.raises(ValueError, match="'optimizer' block"):
+    with pytest.raises(ConfigError, match="'optimizer' block"):
         deepspeed_config(build_config({"learner": {"deepspeed_config": str(bad)}}))
-    with pytest.raises(ValueError, match="cannot read it as JSON"):
+    with pytest.raises(ConfigError, match="cannot read it as JSON"):
         deepspeed_config(build_config({"learner": {"deepspeed_config": str(tmp_path / "missing.json")}}))
     fp16 = tmp_path / "fp16.json"
     fp16.write_text(json.dumps({"fp16": {"enabled": True}}))
-    with pytest.raises(ValueError, match="pick one"):
+    with pytest.raises(ConfigError, match="pick one"):
         deepspeed_config(build_config({"learner": {"deepspeed_config": str(fp16), "bf16": True}}))
 
 

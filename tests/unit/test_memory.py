@@ -177,3 +177,17 @@ def test_7b_on_one_80gb_gpu_lora_and_offload_fit_full_torch_does_not():
                                           reference_bytes=2))
     check_fits(offload, h100, full)
     assert offload.device_bytes / GiB < 32 and 100 < offload.host_bytes / GiB < 128
+
+
+def test_report_says_what_sits_where_and_whether_it_fits():
+    from streamgrpo.memory import report
+
+    place = Placement(backend="deepspeed", bf16=True, zero_stage=2, offload_optimizer="cpu", world_size=2)
+    plan = plan_memory(ParamCounts(total=8 * 2**30, trainable=4 * 2**30), place)
+    lines, fits = report(ParamCounts(total=8 * 2**30, trainable=4 * 2**30), place, plan, 80 * GiB)
+    assert fits and lines[0].startswith("8.59B parameters, 4.29B training; deepspeed ZeRO-2, optimizer offload cpu")
+    assert lines[2] == "  on the GPU:  weights 16.0 GiB = 16.0 GiB"
+    assert lines[3] == "  on the host: gradients 8.0 + optimizer 24.0 GiB = 32.0 GiB"
+    assert lines[-1] == "on a GPU of 80 GiB: fits (64.0 GiB left for activations)"
+    lines, fits = report(FULL, Placement(), MemoryPlan({"weights": 90 * GiB}, {}), 80 * GiB)
+    assert not fits and "does not fit" in lines[-1] and lines[3] == "  on the host: nothing"
