@@ -14,7 +14,8 @@ downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds)
 
 Each trains on synthetic groups: ``--groups`` per step of G=``--G`` completions x ``--completion-len``
 tokens sharing one ``--frames``-frame ``--frame-size``² video prompt. After ``--warmup`` steps, ``--steps``
-timed steps (median). Per combination: step seconds, prompt + completion tokens per second, model FLOPs
+timed steps (median); with ``--profile DIR`` one more step under torch.profiler (its top ops by self time
+in ``DIR``, and the aten ops and GPU kernels it issued). Per combination: step seconds, prompt + completion tokens per second, model FLOPs
 per step (:mod:`streamgrpo.flops`), MFU against the device's peak (``--peak-tflops`` or the table by the
 GPU's name; none on a CPU without it), CUDA peak memory and the learner's static memory plan
 (:mod:`streamgrpo.memory`, a lower bound). A combination whose plan alone is over the device's memory is
@@ -100,6 +101,24 @@ def combo_sets(a, backend: str, mode: str, cuda: bool) -> list[str]:
     return sets + list(a.set)
 
 
+def profile_step(learner, batch, cuda: bool, path: Path) -> dict:
+    """One more step under torch.profiler: the top ops by self time go to ``path`` (a text table); returns
+    how many aten ops the CPU issued and how many kernels ran on the GPU in that step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        learner.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(avg.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=30))
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"aten_ops": sum(e.count for e in avg if e.key.startswith("aten::")), "gpu_kernels": kernels if cuda else None}
+
+
 def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     """One combination: a fresh Learner, warm-up steps, timed steps. Returns its row."""
     import torch
@@ -135,6 +154,8 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
                    mfu=out.flops / (step_s * peak) if peak else None, params=learner.total, trainable=learner.trainable,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                    plan_gib=learner.memory.device_bytes / GiB, plan_host_gib=learner.memory.host_bytes / GiB)
+        if a.profile:
+            row["profile"] = profile_step(learner, batch, cuda, Path(a.profile) / f"{backend}_{mode}.txt")
     except MemoryPlanError as exc:  # refused before loading: the static memory alone is over the device's
         row.update(status="wont_fit", error=str(exc))
     except torch.cuda.OutOfMemoryError as exc:
@@ -153,7 +174,10 @@ def fmt_row(r: dict) -> str:
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     mem = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
     host = f" + host {r['plan_host_gib']:.3g}" if r.get("plan_host_gib") else ""
-    return (f"# {r['backend']:9s} {r['mode']:11s} step {r['step_s']:.3f}s  {r['tokens_per_s']:.0f} tok/s  "
+    prof = r.get("profile")
+    ops = f"  {prof['aten_ops']} aten ops" + (f", {prof['gpu_kernels']} kernels" if prof["gpu_kernels"] else "") \
+        if prof else ""
+    return (f"# {r['backend']:9s} {r['mode']:11s} step {r['step_s']:.3f}s  {r['tokens_per_s']:.0f} tok/s{ops}  "
             f"{r['flops']:.3e} FLOP/step  MFU {mfu}  peak {mem} (static plan {r['plan_gib']:.3g} GiB{host})  "
             f"({r['trainable'] / 1e9:.3f}B of {r['params'] / 1e9:.3f}B trainable)")
 
@@ -201,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 learner (default: bf16 on CUDA)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     p.add_argument("--set", action="append", default=[], help="extra config override section.key=value")
+    p.add_argument("--profile", default=None, metavar="DIR", help="after the timed steps, profile one more step "
+                   "per combination: DIR/<backend>_<mode>.txt (top ops by self time), aten ops and GPU kernels counted")
     p.add_argument("--out", default=None, help="result json (default benchmarks/results/gpu_learner.json)")
     a = p.parse_args(argv)
 

@@ -8,7 +8,8 @@
 # Stages:
 #   smoke      the tiny model, torch backend, rows and shared prompt (checks the script itself)
 #   learner3b  Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
-#              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan
+#              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
+#              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b
 #   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
 #              torch backend (the plan must refuse it before loading: wont_fit)
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
@@ -23,8 +24,10 @@ learner() {  # learner NAME ARGS...: one gpu_learner run, its log and JSON under
   "$py" -m benchmarks.gpu_learner "$@" --out "$OUT/gpu_learner_$name.json" 2>&1 | tee "$OUT/$name.log"
 }
 case "$stage" in
-  smoke) learner smoke --size tiny --steps 1 --warmup 0 --backends torch --modes full,full_shared ;;
-  learner3b) learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora ;;
+  smoke) learner smoke --size tiny --steps 1 --warmup 0 --backends torch --modes full,full_shared \
+           --profile "$OUT/profile_smoke" ;;
+  learner3b) learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \
+               --profile "$OUT/profile_3b" ;;
   learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
   offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
   tests)

@@ -86,6 +86,10 @@ def test_gpu_session_script_runs_its_smoke_stage_and_refuses_an_unknown_one(tmp_
     rows = json.loads((tmp_path / "out" / "gpu_learner_smoke.json").read_text())["rows"]
     assert [(r["mode"], r["status"]) for r in rows] == [("full", "ok"), ("full_shared", "ok")]
     assert "static plan" in (tmp_path / "out" / "smoke.log").read_text()
+    for r in rows:  # one profiled step each: its top ops as a table, the ops it issued counted
+        table = (tmp_path / "out" / "profile_smoke" / f"torch_{r['mode']}.txt").read_text()
+        assert "aten::mm" in table and r["profile"]["aten_ops"] > 100
+        assert (r["profile"]["gpu_kernels"] is None) == (not torch.cuda.is_available())
     bad = subprocess.run(["bash", str(script), "nonsense"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage:" in bad.stderr
 
