@@ -50,7 +50,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     if int(zero.get("stage", 0)) < 2:
         zero["overlap_comm"] = False  # ZeRO-0/1 reduce at the accumulation boundary only
     if offloads_optimizer(ds):
-        # our AdamW runs fused on the host partitions (see make_optimizer): as fast as DeepSpeedCPUAdam, and
+        # our AdamW runs fused on the host partitions (optim.fused_adamw): as fast as DeepSpeedCPUAdam, and
         # nothing to JIT-compile on a box that may have no compiler
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
     return ds

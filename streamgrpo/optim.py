@@ -10,7 +10,7 @@ import torch
 
 from streamgrpo.config import Config
 
-__all__ = ["lr_lambda", "make_optimizer", "param_groups"]
+__all__ = ["fused_adamw", "lr_lambda", "make_optimizer", "param_groups"]
 
 
 def lr_lambda(lc):
@@ -49,12 +49,18 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], lc) -> list[dict[s
     return [{"params": ps, "lr": lrs[g], "name": g} for g, ps in buckets.items() if ps]
 
 
+def fused_adamw(device_type: str, offload: bool) -> bool | None:
+    """Whether AdamW runs torch's fused kernel: on a GPU (one kernel per group of tensors instead of a dozen
+    elementwise passes over 12 bytes a parameter of state), and on the host under ZeRO-Offload (DeepSpeed's
+    own CPU Adam would need compiling). None elsewhere: torch's default (the for-loop on a CPU learner)."""
+    return True if offload or device_type == "cuda" else None
+
+
 def make_optimizer(model: torch.nn.Module, cfg: Config, *, fused: bool | None = None):
     """AdamW over the trainable parameters (per-module learning rates, see :func:`param_groups`) and
     the LambdaLR schedule of ``learner.*`` (it scales every group's peak rate alike).
 
-    ``fused``: torch's fused kernel (one pass over each tensor, all cores); the learner asks for it when
-    ZeRO-Offload runs the step on the host, where the unfused loop is several times slower."""
+    ``fused``: torch's fused kernel (:func:`fused_adamw` says when the learner asks for it)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")

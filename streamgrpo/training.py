@@ -54,7 +54,7 @@ from streamgrpo.learner_state import Accepted, LearnerState
 from streamgrpo.loss import LossError
 from streamgrpo.memory import preflight
 from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
-from streamgrpo.optim import make_optimizer
+from streamgrpo.optim import fused_adamw, make_optimizer
 from streamgrpo.step_data import LossStats, Probe, StepOutput
 from streamgrpo.update_guard import UpdateCheck, backtrack, kl_terms, shrink_towards
 
@@ -180,7 +180,8 @@ class Learner:
                                       shared_prompt=cfg.learner.shared_prompt)
         self.engine = None
         ds = deepspeed_config(cfg) if self.deepspeed else None
-        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=True if ds and offloads_optimizer(ds) else None)
+        fused = fused_adamw(torch.device(device).type, offload=ds is not None and offloads_optimizer(ds))
+        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=fused)
         self.resumed_from: Path | None = None
         if self.deepspeed:
             deepspeed = import_deepspeed()

@@ -5,6 +5,7 @@ Real groups: demo videos, completions sampled by the tiny Qwen2.5-VL, fed to ``L
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,14 @@ def test_zero_variance_weight_trains_on_groups_grpo_leaves_flat(groups, tiny_mod
     assert out.zero_variance == 4  # still counted: their rewards are all equal
     assert bool((out.adv_N[:wrong] < 0).all()) and bool((out.adv_N[wrong:] > 0).all())
     assert out.grad_norm > 0 and all(bool(torch.isfinite(g).all()) for g in grads.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_learner_steps_with_fused_adamw_and_bf16_frozen_weights(groups, tiny_model_dir, tmp_path):
+    learner = _learner(_cfg(tiny_model_dir, tmp_path / "cuda", "learner.device=cuda", "learner.bf16=true",
+                            "model.tune_mm_vision=false"))
+    assert learner.optimizer.defaults["fused"] is True
+    assert _dtypes(learner) == {True: {torch.float32}, False: {torch.bfloat16}}
+    out = learner.train_step(_accept(groups[:4], learner))
+    assert out is not None and math.isfinite(out.grad_norm) and out.grad_norm > 0

@@ -105,3 +105,29 @@ def test_per_module_learning_rates(tiny_model_dir, tmp_path):
     groups = param_groups([("base_model.model.model.visual.blocks.0.attn.qkv.lora_A.default.weight", p),
                            ("some.adapter", p)], cfg.learner)
     assert [(g["name"], g["lr"], len(g["params"])) for g in groups] == [("llm", 1e-4, 1), ("vision", 3e-3, 1)]
+
+
+def test_adamw_is_fused_on_a_gpu_and_under_offload_only(tiny_model_dir, tmp_path):
+    from streamgrpo.config import load_config
+    from streamgrpo.models.loading import load_model
+    from streamgrpo.optim import fused_adamw, make_optimizer
+
+    assert fused_adamw("cuda", offload=False) is True and fused_adamw("cpu", offload=True) is True
+    assert fused_adamw("cpu", offload=False) is None  # torch's default on a CPU learner
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
+    model = load_model(cfg.model, "cpu", dtype="float32", trainable=True)
+    fused, _ = make_optimizer(model, cfg, fused=True)
+    plain, _ = make_optimizer(model, cfg)
+    assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    for p in model.parameters():  # the fused kernel steps the same AdamW as the for-loop (CPU here)
+        p.grad = torch.randn_like(p)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fused.step()
+    after_fused = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    plain.step()
+    for n, p in model.named_parameters():
+        assert not torch.equal(after_fused[n], before[n]), n
+        torch.testing.assert_close(p.detach(), after_fused[n], atol=1e-6, rtol=1e-5)
