@@ -1,8 +1,8 @@
 """HF rollout engine: sampling with in-loop behaviour log-probs vs plain ``model.generate`` on the same inputs.
 
 ``--prompts`` video prompts (``--frames`` frames of ``--size`` pixels), G = ``--n`` completions each,
-``--max-tokens`` new tokens, on the tiny random model of ``--arch`` (built offline into a temp dir), all
-prompts in one call. The three variants sample the same tokens (same seed, same processed distribution):
+``--max-tokens`` new tokens, on the tiny random model of ``--arch`` (built offline into a temp dir), or with
+``--model-size 3b|7b`` on Qwen2.5-VL's real sizes with random weights (bf16 on a GPU), all prompts in one call. The three variants sample the same tokens (same seed, same processed distribution):
 
 * ``hf_engine_generate_s``: ``HFEngine.generate`` (log-probs captured by a logits processor, cut at the
   stop token, decoded); baseline: plain ``model.generate`` with the same settings and no log-probs
@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import emit, figure, machine_info, write_result
 
@@ -67,16 +68,27 @@ def run(a) -> dict:
     from streamgrpo.models.loading import load_processor
     from streamgrpo.models.tiny import build_tiny
 
-    with tempfile.TemporaryDirectory() as d:
-        build_tiny(d, arch=a.arch, seed=0)
+    device = torch.device(a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if a.model_size == "tiny":
+        with tempfile.TemporaryDirectory() as d:
+            build_tiny(d, arch=a.arch, seed=0)
+            proc = load_processor(d)
+            model = AutoModelForImageTextToText.from_pretrained(d, dtype=dtype).to(device).eval()
+    else:  # Qwen2.5-VL's real layer sizes, random weights, built once (the directory gpu_learner.py uses)
+        d = a.model_dir or f"/tmp/streamgrpo-qwen25vl-{a.model_size}"
+        if not (Path(d) / "config.json").exists():
+            build_tiny(d, size=a.model_size)
         proc = load_processor(d)
-        model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
-    engine = HFEngine(model, proc)
+        model = AutoModelForImageTextToText.from_pretrained(d, dtype=dtype).to(device).eval()
+    engine = HFEngine(model, proc, device=device)
     reqs = _requests(proc, a)
     sampling = SamplingParams(n=a.n, temperature=1.0, max_tokens=a.max_tokens, seed=0)
-    batch = collate_prompts([r.inputs for r in reqs], engine.pad_id)
+    batch = {k: v.to(device) if hasattr(v, "to") else v
+             for k, v in collate_prompts([r.inputs for r in reqs], engine.pad_id).items()}
     width = batch["input_ids"].shape[1]
     shapes: dict = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def ours():
         return engine.generate(reqs, sampling)
@@ -101,8 +113,10 @@ def run(a) -> dict:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(a.repeats):
         for name, fn in fns.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     rows, steps, vocab = shapes["stacked"]
     got = ours()
@@ -121,6 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--size", type=int, default=112)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model-size", default="tiny", choices=["tiny", "3b", "7b"],
+                    help="tiny (built in a temp dir), or Qwen2.5-VL's real 3B/7B sizes with random weights")
+    ap.add_argument("--model-dir", default=None, help="3b/7b: where the model is (built once if missing; default "
+                    "/tmp/streamgrpo-qwen25vl-<size>, as gpu_learner.py)")
+    ap.add_argument("--device", default="auto", help="auto: cuda (bf16) when there is one, else cpu (fp32)")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_engine.json)")
     a = ap.parse_args(argv)
     import torch
@@ -128,7 +147,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     r = run(a)
     m = r["median_s"]
-    note = (f"tiny {a.arch}, {a.prompts} prompts x G={a.n}, {a.max_tokens} new tokens max, "
+    model_name = f"tiny {a.arch}" if a.model_size == "tiny" else f"random Qwen2.5-VL {a.model_size}"
+    note = (f"{model_name}, {a.prompts} prompts x G={a.n}, {a.max_tokens} new tokens max, "
             f"{r['completion_tokens']} sampled")
     figures = [
         emit(figure("hf_engine_generate_s", m["engine"], m["plain"], unit="s",

@@ -12,6 +12,8 @@
 #              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b
 #   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
 #              torch backend (the plan must refuse it before loading: wont_fit)
+#   rollout3b  the HF engine (log-probs in the sampling loop) against plain model.generate at 3B, G=8, 128
+#              new tokens, 16 frames 448x448 (goal: >= 0.95x plain generate's speed; 0.80x before)
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
 #   tests      the unit suite on the GPU (CUDA variants included) and the GPU integration tests
 set -uo pipefail
@@ -29,11 +31,14 @@ case "$stage" in
   learner3b) learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \
                --profile "$OUT/profile_3b" ;;
   learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
+  rollout3b)
+    "$py" -m benchmarks.bench_engine --model-size 3b --prompts 1 --n 8 --max-tokens 128 --frames 16 --size 448 \
+      --repeats 3 --out "$OUT/bench_engine_3b.json" 2>&1 | tee "$OUT/rollout3b.log" ;;
   offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
   tests)
     "$py" -m pytest -q -p no:cacheprovider -n 8 tests/unit 2>&1 | tail -40 | tee "$OUT/unit.log"
     "$py" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_learner_bench.py \
       tests/integration/test_dist_backend.py tests/integration/test_zero_offload.py \
       tests/integration/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|learner7b|offload7b|tests" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|learner7b|rollout3b|offload7b|tests" >&2; exit 2 ;;
 esac
