@@ -9,7 +9,8 @@
 #   smoke      the tiny model, torch backend, rows and shared prompt (checks the script itself)
 #   learner3b  Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
-#              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b
+#              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b; then
+#              full_shared without gradient checkpointing (an oom row is an answer too)
 #   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
 #              torch backend (the plan must refuse it before loading: wont_fit)
 #   rollout3b  the HF engine (log-probs in the sampling loop) against plain model.generate at 3B, G=8, 128
@@ -28,8 +29,12 @@ learner() {  # learner NAME ARGS...: one gpu_learner run, its log and JSON under
 case "$stage" in
   smoke) learner smoke --size tiny --steps 1 --warmup 0 --backends torch --modes full,full_shared \
            --profile "$OUT/profile_smoke" ;;
-  learner3b) learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \
-               --profile "$OUT/profile_3b" ;;
+  learner3b)
+    learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \
+      --profile "$OUT/profile_3b"
+    # with each prompt once the activations are ~4.5x smaller: does the step fit without recomputation?
+    learner 3b_norecompute --size 3b --beta 0.04 --steps 3 --backends torch --modes full_shared \
+      --no-gradient-checkpointing ;;
   learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
   rollout3b)
     "$py" -m benchmarks.bench_engine --model-size 3b --prompts 1 --n 8 --max-tokens 128 --frames 16 --size 448 \
