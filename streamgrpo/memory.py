@@ -140,7 +140,8 @@ def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
     weights = weight_b * n_all / (w if place.zero_stage >= 3 else 1)
     if place.zero_stage >= 3:  # the reference is partitioned like the policy (deepspeed_setup.reference_config)
         device["reference"] = 0.0
-        _put(device, host, "reference", place.reference_bytes * counts.total / w, place.offload_param)
+        ref_b = min(place.reference_bytes, weight_b)  # the engine holds it in its own precision
+        _put(device, host, "reference", ref_b * counts.total / w, place.offload_param)
     optimizer = (12 if place.bf16 else 8) * n_train / shard  # (master copy +) two moments
     if place.zero_stage >= 2:
         grads, grads_offloaded = 4 * n_train / w, place.offload_optimizer == "cpu"

@@ -70,6 +70,9 @@ def test_zero3_partitions_the_reference_and_stage2_keeps_it_whole():
     off = plan_memory(FULL, Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=4, reference_bytes=2,
                                       offload_param="cpu"))
     assert off.device["reference"] == 0 and off.host["reference"] == 500
+    fp32_ref = plan_memory(FULL, Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=4,
+                                           reference_bytes=4))  # model.dtype float32: the bf16 engine casts it
+    assert fp32_ref.device["reference"] == 500
 
 
 def test_offload_moves_parts_to_the_host_and_nvme_to_neither():
