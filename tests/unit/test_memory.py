@@ -131,12 +131,9 @@ def test_check_fits_refuses_in_one_line_with_what_to_change():
 # --------------------------------------------------------------------------- real sizes (meta device)
 def _real_counts(size: str, lora_r: int = 0) -> ParamCounts:
     """Qwen2.5-VL-3B/7B's layer sizes built on the meta device, vision frozen (or LoRA on every decoder linear)."""
-    import re
-
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
-    from streamgrpo.models.loading import parameter_group
-    from streamgrpo.models.lora import target_regex
+    from streamgrpo.models.loading import policy_counts
     from streamgrpo.models.tiny import _REAL_VISION, REAL_SIZES
 
     real = REAL_SIZES[size]
@@ -145,13 +142,8 @@ def _real_counts(size: str, lora_r: int = 0) -> ParamCounts:
     config.text_config.tie_word_embeddings = real["tie"]
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    if lora_r:
-        pattern = re.compile(target_regex(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        adapters = sum(lora_r * (m.in_features + m.out_features) for n, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and pattern.fullmatch(n))
-        return ParamCounts(total, adapters, lora=True)
-    return ParamCounts(total, sum(p.numel() for n, p in model.named_parameters() if parameter_group(n) != "vision"))
+    model_cfg = build_config({"model": {"tune_mm_vision": False, "lora": {"r": lora_r} if lora_r else None}}).model
+    return policy_counts(model, model_cfg)
 
 
 def test_the_plan_is_below_the_peaks_measured_at_3b_on_an_h100():
