@@ -89,6 +89,8 @@ def combo_sets(a, backend: str, mode: str, cuda: bool) -> list[str]:
     sets = [f"model.name_or_path={a.model_dir}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
             f"learner.bf16={str(a.bf16).lower()}", f"learner.device={'cuda' if cuda else 'cpu'}",
             f"learner.gradient_checkpointing={str(a.gradient_checkpointing).lower()}",
+            *([f"learner.checkpoint_every={a.checkpoint_every}",
+               f"learner.checkpoint_offload={str(a.checkpoint_offload).lower()}"] if a.gradient_checkpointing else []),
             f"learner.backend={BACKENDS[backend][0]}",
             f"loss.beta={a.beta}", f"learner.groups_per_step={a.groups}", f"rollout.num_generations={a.G}",
             f"rollout.max_completion_length={a.completion_len}", *MODES[mode]]
@@ -206,7 +208,7 @@ def deepspeed_importable() -> bool:
     return True
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_learner", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="3b", choices=["tiny", "3b", "7b"])
     p.add_argument("--model-dir", default=None, help="built once if missing (default: /tmp/streamgrpo-qwen25vl-<size>)")
@@ -224,10 +226,19 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="peak of the device (default: by its name)")
     p.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 learner (default: bf16 on CUDA)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="recompute every n-th layer only "
+                   "(learner.checkpoint_every)")
+    p.add_argument("--checkpoint-offload", action="store_true", help="checkpointed inputs in pinned host memory "
+                   "(learner.checkpoint_offload, CUDA)")
     p.add_argument("--set", action="append", default=[], help="extra config override section.key=value")
     p.add_argument("--profile", default=None, metavar="DIR", help="after the timed steps, profile one more step "
                    "per combination: DIR/<backend>_<mode>.txt (top ops by self time), aten ops and GPU kernels counted")
     p.add_argument("--out", default=None, help="result json (default benchmarks/results/gpu_learner.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
 
     import torch

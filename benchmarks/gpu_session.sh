@@ -11,6 +11,9 @@
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
 #              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b; then
 #              full_shared without gradient checkpointing (an oom row is an answer too)
+#   recompute3b  Qwen2.5-VL-3B sizes, torch full, beta 0.04: recomputing every layer (the baseline), every 2nd,
+#              every 3rd, none, and every layer with its saved inputs on the host (learner.checkpoint_every /
+#              checkpoint_offload): step time against CUDA peak, to pick the least recomputation that fits
 #   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
 #              torch backend (the plan must refuse it before loading: wont_fit)
 #   rollout3b  the HF engine (log-probs in the sampling loop) against plain model.generate at 3B, G=8, 128
@@ -35,6 +38,12 @@ case "$stage" in
     # with each prompt once the activations are ~4.5x smaller: does the step fit without recomputation?
     learner 3b_norecompute --size 3b --beta 0.04 --steps 3 --backends torch --modes full_shared \
       --no-gradient-checkpointing ;;
+  recompute3b)
+    for every in 1 2 3; do
+      learner "3b_every$every" --size 3b --beta 0.04 --steps 3 --backends torch --modes full --checkpoint-every "$every"
+    done
+    learner 3b_offload --size 3b --beta 0.04 --steps 3 --backends torch --modes full --checkpoint-offload
+    learner 3b_none --size 3b --beta 0.04 --steps 3 --backends torch --modes full --no-gradient-checkpointing ;;
   learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
   rollout3b)
     "$py" -m benchmarks.bench_engine --model-size 3b --prompts 1 --n 8 --max-tokens 128 --frames 16 --size 448 \
@@ -45,5 +54,5 @@ case "$stage" in
     "$py" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_learner_bench.py \
       tests/integration/test_dist_backend.py tests/integration/test_zero_offload.py \
       tests/integration/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|learner7b|rollout3b|offload7b|tests" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|recompute3b|learner7b|rollout3b|offload7b|tests" >&2; exit 2 ;;
 esac

@@ -195,6 +195,10 @@ class LearnerConfig(_Section):
     """How long one queue read waits for groups before counting idle time and retrying."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    checkpoint_every: int = Field(1, ge=1, le=1000)
+    """With gradient_checkpointing: recompute only every n-th layer (vision blocks and decoder layers, counted in order; transformers' every_n_layers); the others keep their activations. 1 = every layer; 2 recomputes half of them: less recomputation for more memory."""
+    checkpoint_offload: bool = False
+    """With gradient_checkpointing on a GPU: hold the inputs saved for each recomputed layer in pinned host memory instead of on the GPU (transformers' offload); frees layers x tokens x hidden of GPU memory for two copies per layer and step."""
     shared_prompt: bool = False
     """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
     bf16: bool = False
@@ -315,6 +319,15 @@ class Config(BaseModel):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _checkpointing_knobs(self) -> Config:
+        lc = self.learner
+        if (lc.checkpoint_every > 1 or lc.checkpoint_offload) and not lc.gradient_checkpointing:
+            knob = "checkpoint_every" if lc.checkpoint_every > 1 else "checkpoint_offload"
+            raise ValueError(f"learner.{knob} applies to recomputed layers: set learner.gradient_checkpointing to "
+                             "true, or leave it out")
+        return self
 
     @model_validator(mode="after")
     def _shared_prompt_attention(self) -> Config:

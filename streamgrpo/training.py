@@ -30,6 +30,7 @@ in the optimizer) for the deepspeed backend.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ import torch
 
 from streamgrpo import metrics as M
 from streamgrpo.advantages import AdvantageError
-from streamgrpo.config import Config
+from streamgrpo.config import Config, ConfigError
 from streamgrpo.deepspeed_setup import (
     deepspeed_config,
     import_deepspeed,
@@ -97,13 +98,27 @@ def weights_checksum(module: torch.nn.Module) -> list[float]:
     return [s, q]
 
 
-def enable_activation_checkpointing(model) -> None:
-    """``learner.gradient_checkpointing``: recompute each decoder layer in backward (non-reentrant)."""
+def enable_activation_checkpointing(model, every: int = 1, offload: bool = False) -> None:
+    """``learner.gradient_checkpointing``: recompute every ``every``-th layer in backward (non-reentrant),
+    with ``offload`` its saved inputs in pinned host memory (``learner.checkpoint_every`` /
+    ``checkpoint_offload``: transformers' ``every_n_layers`` / ``offload``)."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        if every > 1 or offload:
+            raise ConfigError("learner.checkpoint_every / checkpoint_offload need a transformers release whose "
+                              "activation_checkpointing_enable takes every_n_layers and offload (pip install -U "
+                              "transformers), or leave them at 1 / false")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every, offload=offload)
+
+
+def checkpointed_layers(model) -> list[bool]:
+    """Whether each layer of ``model`` (vision blocks and decoder layers, in order) recomputes in backward."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -142,6 +157,9 @@ class Learner:
         if device is None:
             device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
         self.device = device
+        if lc.checkpoint_offload and torch.device(device).type != "cuda":
+            raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
+                              f"learner runs on {torch.device(device).type}: set it to false")
         if lc.max_update_kl is not None and self.deepspeed:
             raise ValueError("learner.max_update_kl needs learner.backend: torch (DeepSpeed owns the weights)")
         if cfg.learner.groups_per_step % self.dist.world_size:
@@ -157,15 +175,15 @@ class Learner:
             base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
                 load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32")
             if lc.gradient_checkpointing:
-                enable_activation_checkpointing(base)
-            model = apply_lora(base, lora)
+                enable_activation_checkpointing(base, lc.checkpoint_every, lc.checkpoint_offload)
+            model = apply_lora(base, lora, seed=cfg.seed)
             model.train()
         else:
             model = load_model(cfg.model, device, dtype="float32", trainable=True)
             if frozen_bf16:
                 store_frozen_in(model, torch.bfloat16)
             if lc.gradient_checkpointing:
-                enable_activation_checkpointing(model)
+                enable_activation_checkpointing(model, lc.checkpoint_every, lc.checkpoint_offload)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids the model can embed
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())

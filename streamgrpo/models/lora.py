@@ -78,13 +78,18 @@ def load_quantized(model_cfg, lora_cfg, device: torch.device):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def apply_lora(model: torch.nn.Module, lora_cfg):
-    """Wrap ``model`` in a peft model with fresh adapters (B = 0, so it starts as the base)."""
+def apply_lora(model: torch.nn.Module, lora_cfg, seed: int = 0):
+    """Wrap ``model`` in a peft model with fresh adapters (B = 0, so it starts as the base). The random A
+    matrices come from ``seed`` (the run's ``seed``) on a forked RNG: the same seed gives the same adapters
+    whatever ran before, and the caller's random state is left as it was."""
     from peft import LoraConfig, get_peft_model
 
     peft_cfg = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                           target_modules=target_regex(list(lora_cfg.target_modules)), bias="none")
-    peft_model = get_peft_model(model, peft_cfg)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, peft_cfg)
     n = sum(1 for name, _ in peft_model.named_parameters() if "lora_A" in name)
     if n == 0:
         raise ValueError(f"model.lora.target_modules={lora_cfg.target_modules} matched no linear layer of the "

@@ -74,6 +74,22 @@ def test_without_the_peak_mfu_is_absent_and_real_sizes_need_cuda(tmp_path):
         assert "no CUDA device here" in out.stdout and not (tmp_path / "none.json").exists()
 
 
+@pytest.mark.parametrize("argv", [["--checkpoint-every", "2"], ["--checkpoint-offload"],
+                                  ["--no-gradient-checkpointing", "--checkpoint-every", "2"]])
+def test_recompute_options_reach_the_learner_config(argv):
+    from benchmarks.gpu_learner import build_parser, combo_sets
+    from streamgrpo.config import build_config
+
+    a = build_parser().parse_args(argv)
+    a.model_dir = "/models/qwen"
+    cfg = build_config({}, combo_sets(a, "torch", "full", cuda=True)).learner
+    if a.gradient_checkpointing:
+        assert cfg.gradient_checkpointing and (cfg.checkpoint_every, cfg.checkpoint_offload) == (
+            a.checkpoint_every, a.checkpoint_offload) != (1, False)
+    else:  # nothing is recomputed: the recompute knobs stay out of the config
+        assert (cfg.gradient_checkpointing, cfg.checkpoint_every, cfg.checkpoint_offload) == (False, 1, False)
+
+
 def test_gpu_session_script_runs_its_smoke_stage_and_refuses_an_unknown_one(tmp_path):
     import sys
 

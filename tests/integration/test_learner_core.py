@@ -6,6 +6,7 @@ Real groups: demo videos, completions sampled by the tiny Qwen2.5-VL, fed to ``L
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,81 @@ def test_gradient_checkpointing_gives_the_same_gradients(groups, tiny_model_dir,
         torch.testing.assert_close(gb[n], g, rtol=1e-5, atol=1e-8, msg=n)
 
 
+def _mlp_calls(learner):
+    """Calls of each decoder layer's MLP: a recomputed layer runs it again in backward. Counted by wrapping
+    ``mlp.forward`` on the instance (module hooks are not run again when torch recomputes a checkpoint)."""
+    layers = [m for n, m in learner.module.named_modules() if re.search(r"language_model\.layers\.\d+$", n)]
+    calls = [0] * len(layers)
+
+    def counted(i, forward):
+        def run(*args, **kwargs):
+            calls[i] += 1
+            return forward(*args, **kwargs)
+        return run
+
+    for i, layer in enumerate(layers):
+        layer.mlp.forward = counted(i, layer.mlp.forward)
+    return calls
+
+
+@pytest.mark.parametrize("sets", [(), ("model.lora={r: 4, alpha: 8, dropout: 0.0}",)], ids=["full", "lora"])
+def test_checkpoint_every_recomputes_every_other_layer_with_the_same_gradients(groups, tiny_model_dir, tmp_path,
+                                                                                sets):
+    from streamgrpo.training import checkpointed_layers
+
+    plain = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
+    every = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.gradient_checkpointing=true",
+                          "learner.checkpoint_every=2"))
+    flags = checkpointed_layers(every.module)
+    assert flags == [i % 2 == 0 for i in range(len(flags))] and not any(checkpointed_layers(plain.module))
+    calls_plain, calls_every = _mlp_calls(plain), _mlp_calls(every)
+    _, ga = _step_grads(plain, _accept(groups[:4], plain))
+    _, gb = _step_grads(every, _accept(groups[:4], every))
+    # the decoder layers follow the vision blocks in the count: which of them recompute is what the flags say
+    decoder = flags[-len(calls_every):]
+    assert len(set(calls_plain)) == 1 and calls_plain[0] >= 1  # the step's forward passes, each layer alike
+    assert calls_every == [n + f for n, f in zip(calls_plain, decoder)] and any(decoder) and not all(decoder)
+    for n, g in ga.items():
+        torch.testing.assert_close(gb[n], g, rtol=1e-5, atol=1e-8, msg=n)
+
+
+def test_lora_adapters_are_a_function_of_the_seed(tiny_model_dir, tmp_path):
+    lora = "model.lora={r: 4, alpha: 8, dropout: 0.0}"
+
+    def adapters(learner):
+        return {n: p.detach().clone() for n, p in learner.module.named_parameters() if "lora_A" in n}
+
+    state = torch.random.get_rng_state()
+    first = adapters(_learner(_cfg(tiny_model_dir, tmp_path / "a", lora)))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    torch.manual_seed(1234)  # whatever ran before
+    again = adapters(_learner(_cfg(tiny_model_dir, tmp_path / "b", lora)))
+    other = adapters(_learner(_cfg(tiny_model_dir, tmp_path / "c", lora, "seed=7")))
+    assert first and first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
+def test_checkpoint_offload_is_refused_on_a_cpu_learner_in_one_line(tiny_model_dir, tmp_path):
+    from streamgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _learner(_cfg(tiny_model_dir, tmp_path, "learner.device=cpu", "learner.gradient_checkpointing=true",
+                      "learner.checkpoint_offload=true"))
+    assert "\n" not in str(err.value) and "learner.checkpoint_offload" in str(err.value) and "cpu" in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="activation offload moves saved tensors off a CUDA device")
+def test_checkpoint_offload_on_cuda_gives_the_same_gradients(groups, tiny_model_dir, tmp_path):
+    sets = ("learner.device=cuda", "learner.gradient_checkpointing=true")
+    kept = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
+    offloaded = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.checkpoint_offload=true"))
+    _, ga = _step_grads(kept, _accept(groups[:4], kept))
+    _, gb = _step_grads(offloaded, _accept(groups[:4], offloaded))
+    for n, g in ga.items():
+        torch.testing.assert_close(gb[n], g, rtol=1e-5, atol=1e-7, msg=n)
+
+
 @pytest.mark.parametrize("sets", [("loss.beta=0.04",), ("loss.beta=0.04", "learner.gradient_checkpointing=true",
                                                          "learner.micro_batch_tokens=100"),
                                   ("loss.beta=0.04", "model.lora={r: 4, alpha: 8, dropout: 0.0}")],
@@ -119,10 +195,6 @@ def test_gradient_checkpointing_gives_the_same_gradients(groups, tiny_model_dir,
 def test_shared_prompt_step_equals_rows_with_fewer_decoder_flops(groups, tiny_model_dir, tmp_path, sets):
     rows = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
     shared = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.shared_prompt=true"))
-    with torch.no_grad():  # LoRA adapters start from the torch RNG: give both learners the same ones
-        mine = dict(shared.module.named_parameters())
-        for name, p in rows.module.named_parameters():
-            mine[name].copy_(p)
     out_a, grads_a = _step_grads(rows, _accept(groups[:4], rows))
     out_b, grads_b = _step_grads(shared, _accept(groups[:4], shared))
     assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)

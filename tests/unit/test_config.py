@@ -108,6 +108,16 @@ def test_shared_prompt_refuses_flash_attention_in_one_line():
     assert build_config({}, ["learner.shared_prompt=true"]).learner.shared_prompt
 
 
+@pytest.mark.parametrize("knob", ["checkpoint_every=2", "checkpoint_offload=true"])
+def test_checkpointing_knobs_need_gradient_checkpointing(knob):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [f"learner.{knob}"])
+    assert "\n" not in str(err.value) and f"learner.{knob.split('=')[0]}" in str(err.value)
+    assert "learner.gradient_checkpointing" in str(err.value)
+    cfg = build_config({}, ["learner.gradient_checkpointing=true", f"learner.{knob}"])
+    assert (cfg.learner.checkpoint_every, cfg.learner.checkpoint_offload) != (1, False)
+
+
 def test_cross_field_bounds():
     with pytest.raises(ConfigError, match="min_frames"):
         build_config({"data": {"min_frames": 10, "max_frames": 4}})
