@@ -113,5 +113,6 @@ def test_hf_engine_bf16_behaviour_vs_learner_bf16_recompute(tiny_model_dir, spre
         ratio = torch.exp(learner - behaviour)[m]
         assert ((ratio > 1 - eps.epsilon) & (ratio < 1 + eps.epsilon_high)).all(), f"{name}: precision clipped a token"
     assert _gaps(learner_bf16, behaviour, m)[0] > (0.01 if spread else 1e-4)  # the sampler's bf16 is visible
-    # a base stored in bf16 computes as the sampler does (bf16 residual stream): closer than autocast over fp32
-    assert _gaps(stored, behaviour, m)[0] < _gaps(learner_bf16, behaviour, m)[0]
+    # a base stored in bf16 computes as the sampler does (bf16 residual stream): closer on average than autocast
+    # over fp32 (the worst single token can go either way: 0.042 against 0.037 at std 3, transformers 5.24)
+    assert _gaps(stored, behaviour, m)[1] < _gaps(learner_bf16, behaviour, m)[1]
