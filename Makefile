@@ -18,9 +18,9 @@ VLLM_PYTEST_ARGS ?=
 
 setup: $(STAMP) system-deps
 
-# The stamp depends on pyproject.toml and this Makefile: a second `make setup` with nothing
-# changed does no pip work at all.
-$(STAMP): pyproject.toml Makefile
+# The stamp depends on pyproject.toml, constraints.txt (the tested set of releases) and this Makefile:
+# a second `make setup` with nothing changed does no pip work at all.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml Makefile
 	  $(PIP) install -q torch==2.14.1 torchvision==0.29.1; \
 	fi
 	@# deepspeed's setup.py imports torch: build it against the torch above, without isolation.
-	@$(PY) -c "import deepspeed" >/dev/null 2>&1 || $(PIP) install -q --no-build-isolation "deepspeed>=0.16"
-	@$(PIP) install -q -e ".[dev]"
+	@$(PY) -c "import deepspeed" >/dev/null 2>&1 || $(PIP) install -q --no-build-isolation -c constraints.txt "deepspeed>=0.16"
+	@$(PIP) install -q -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 system-deps:
