@@ -110,8 +110,10 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
     first, last = sum(accs[:20]) / 20, sum(accs[-20:]) / 20
     assert last >= first + 0.25, f"accuracy did not rise: first 20 groups {first:.3f}, last 20 {last:.3f}"
     assert (run / "reward.png").stat().st_size > 1000
-    # a staleness bound above what the queue depth allows drops nothing
-    assert summary["groups_dropped"].get("stale", 0) == 0, summary["groups_dropped"]
+    # a clean run drops nothing but groups over the staleness bound (how many depends on how the two cores are
+    # shared: a generator's batch that takes 7 learner steps is dropped, counted), and trains full steps
+    assert set(summary["groups_dropped"]) <= {"stale"}, summary["groups_dropped"]
+    assert summary["groups_trained"] == rows[-1]["groups_trained"] == 120 * 8
     bound = yaml.safe_load((run / "config.yaml").read_text())["loss"]["max_staleness"]
     assert max(r["staleness_max"] for r in rows) <= bound == 6
     for key in ("groups_trained", "groups_dropped", "wall_seconds", "first_accuracy", "last_accuracy", "time_to_target_s"):
@@ -141,8 +143,7 @@ def _free_port():
 
 def test_zero_staleness_bound_drops_and_counts_stale_groups(demo_assets, tmp_path):
     """max_staleness=0 with 2 fast generators and a deep queue: groups made by older weights
-    arrive, are dropped with reason "stale" and counted; none is trained. (The opposite case, a
-    bound that drops nothing, is asserted on the `up` run above.)"""
+    arrive, are dropped with reason "stale" and counted; none is trained."""
     redis, url = _start_servers(tmp_path)
     run = tmp_path / "stale0"
     try:
