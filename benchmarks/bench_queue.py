@@ -1,7 +1,8 @@
 """Replay-queue throughput (put + get + ack of ScoredGroups) vs redis-benchmark SET/GET on the same server.
 
-One embedded redis-server (AOF everysec, as `streamgrpo up` runs it). For groups of about 0.1, 1
-and 10 MB (uint8 video frames plus 8 completions of 256 tokens) this process runs, serially:
+One embedded redis-server (AOF always, as `streamgrpo up` runs it since 2026-11-25; figures in the docs
+from before then were taken with everysec). For groups of about 0.1, 1 and 10 MB (uint8 video frames
+plus 8 completions of 256 tokens) this process runs, serially:
 
 * ours, ``serial``: ``put(group)`` -> ``get(1)`` -> ``ack([id])``, one group at a time;
 * ours, ``batch8``: ``put_many(8 groups)`` -> ``get(8)`` -> ``ack(8 ids)`` (a generator's batch of

@@ -1,7 +1,7 @@
 """Chaos soak: the demo under kill -9 of the learner, a generator and redis-server, then an audit.
 
 Runs a learner, ``--generators`` generator processes and a redis-server (AOF, ``appendfsync
-everysec``) on loopback with the demo task, for ``--minutes``. Meanwhile, at seeded random moments,
+always``, as ``streamgrpo up`` runs it) on loopback with the demo task, for ``--minutes``. Meanwhile, at seeded random moments,
 it kills (SIGKILL, by PID) the learner ``--learner-kills`` times and a generator and redis-server
 about a third as often each, restarting each at once (the learner with ``--resume``, the same
 generator id, redis-server on the same port and AOF). Then it stops the generators and the learner
@@ -109,7 +109,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
     from streamgrpo.transport.redis_server import EmbeddedRedis
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    redis = EmbeddedRedis(run_dir / "redis", appendfsync="everysec")
+    redis = EmbeddedRedis(run_dir / "redis", appendfsync="always")
     url = redis.start()
     overrides = [f"run_dir={run_dir}", f"queue.url={url}", "learner.max_steps=1000000", "learner.save_steps=5",
                  "learner.get_timeout_s=1", f"rollout.num_generators={generators}", "metrics.port=0",

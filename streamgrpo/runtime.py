@@ -119,13 +119,34 @@ def archive_previous(run_dir: str | Path, names: list[str]) -> Path | None:
     return dest
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (a server that finds it taken retries)."""
+def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
+    """The lowest port the kernel hands to outgoing connections (Linux), None where unknown."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1", *, tries: int = 50) -> int:
+    """A TCP port that was free a moment ago on ``host``, for a server that another process will start.
+
+    Picked at random below the kernel's ephemeral range where it is known (Linux: 10000 up to
+    ``ip_local_port_range``'s low end), so that no outgoing connection (a client of Redis, a test's
+    HTTP probe) can be given the same port before the server binds it; elsewhere, the OS's choice."""
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = ephemeral_low()
+    candidates = [random.randrange(10_000, low) for _ in range(tries)] if low and low > 11_000 else []
+    for port in [*candidates, 0]:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free TCP port on {host}")
 
 
 def stop_process(proc, grace_s: float) -> int | None:

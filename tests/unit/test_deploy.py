@@ -204,7 +204,7 @@ def test_compose_parses_and_has_the_services():
     assert {"redis", "learner", "generator", "prometheus", "grafana", "learner-cpu", "generator-cpu"} <= set(services)
     redis = services["redis"]
     cmd = redis["command"] if isinstance(redis["command"], str) else " ".join(redis["command"])
-    assert "--appendonly yes" in cmd and "--appendfsync everysec" in cmd and "--requirepass" in cmd
+    assert "--appendonly yes" in cmd and "--appendfsync always" in cmd and "--requirepass" in cmd
     assert redis["environment"]["REDIS_PASSWORD"] == env_example()["REDIS_PASSWORD"]  # from .env
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     assert any(v.endswith(":/data") for v in redis["volumes"])

@@ -43,3 +43,21 @@ def test_train_device_follows_the_plan():
     import torch
 
     assert DistInfo(0, 1, 0).train_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path):
+    import socket
+
+    from streamgrpo.runtime import ephemeral_low, free_port
+
+    (tmp_path / "range").write_text("32768\t60999\n")
+    assert ephemeral_low(str(tmp_path / "range")) == 32768
+    assert ephemeral_low(str(tmp_path / "missing")) is None
+    low = ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    if low and low > 11_000:  # Linux: never a port the kernel may give an outgoing connection meanwhile
+        assert all(10_000 <= p < low for p in ports)
+    assert len(ports) > 1  # picked at random, not one fixed port
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
