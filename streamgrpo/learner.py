@@ -75,6 +75,22 @@ from streamgrpo.training import (  # noqa: F401 - re-exported: the learner's voc
 log = logging.getLogger("streamgrpo.learner")
 
 
+def _warn_if_not_durable(queue) -> None:
+    """Say once at start-up when the queue's Redis can lose acknowledged groups in a crash."""
+    import redis
+
+    from streamgrpo.transport.redis_server import durability_warning
+
+    try:
+        settings = queue.client.config_get("append*")
+    except redis.RedisError:  # CONFIG refused (managed Redis, ACL): nothing to say
+        return
+    text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731 - the client replies in bytes
+    line = durability_warning({text(k): text(v) for k, v in settings.items()})
+    if line:
+        log.warning("%s", line)
+
+
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
     from streamgrpo.models.card import model_card
     from streamgrpo.tracking import Tracker
@@ -95,6 +111,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    if main:
+        _warn_if_not_durable(queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)

