@@ -94,7 +94,8 @@ def _bind(sock: zmq.Socket, host: str, port: int, setting: str) -> int:
         if exc.errno != zmq.EADDRINUSE:
             raise
         raise PortInUse(f"cannot listen on {host}:{port} ({setting}): another process holds that port (another "
-                        f"learner on this host?); stop it, or set {setting} to a free port or 0") from None
+                        f"learner on this host?); stop it, or set {setting} to a free port in the learner's and the "
+                        "generators' config") from None
     return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
 
