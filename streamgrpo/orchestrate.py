@@ -202,6 +202,11 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
         cfg.loss.max_staleness = 0
 
 
+def up_outputs(cfg: Config) -> list[str]:
+    """What a `streamgrpo up` run leaves in its run directory (globs): moved aside before a new run."""
+    return [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
+
+
 def _prepare_run_dir(cfg: Config) -> Path:
     """The run directory, the demo assets, and (a new run) the previous run's outputs moved aside."""
     rd = Path(cfg.run_dir)
@@ -209,8 +214,7 @@ def _prepare_run_dir(cfg: Config) -> Path:
     (rd / "logs").mkdir(exist_ok=True)
     prepare_assets(cfg)
     if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
-        mine = [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
-        moved = archive_previous(rd, mine)
+        moved = archive_previous(rd, up_outputs(cfg))
         if moved is not None:
             print(f"the previous run in {rd} moved to {moved} (--resume continues a run instead)", flush=True)
     return rd

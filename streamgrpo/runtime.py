@@ -103,7 +103,8 @@ def archive_previous(run_dir: str | Path, names: list[str]) -> Path | None:
     """Move what exists of ``names`` (files or folders in ``run_dir``; globs allowed) to
     ``<run_dir>/previous/<time>/``, so a new run starts clean and nothing is lost. Returns the folder."""
     run_dir = Path(run_dir)
-    found = [p for name in names for p in sorted(run_dir.glob(name)) if p.exists()]
+    matched = {p for name in names for p in run_dir.glob(name) if p.exists()}
+    found = sorted(p for p in matched if not any(q in p.parents for q in matched))  # a folder moves with what it holds
     if not found:
         return None
     dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")

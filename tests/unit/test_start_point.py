@@ -55,6 +55,23 @@ def test_fresh_moves_the_previous_learner_outputs_aside(tmp_path):
     assert (run / "audit" / "generator-0.jsonl").is_file()  # generators' logs are theirs
 
 
+def test_a_second_up_in_the_same_run_dir_moves_the_whole_previous_run_aside(tmp_path):
+    """`make demo` twice: `up`'s list names audit/learner*.jsonl and audit/ both; the folder moves once, whole."""
+    from streamgrpo.orchestrate import up_outputs
+    from streamgrpo.runtime import archive_previous
+
+    run = _run_with_checkpoints(tmp_path)
+    for name in ("summary.json", "reward.png", "redis/appendonlydir/x.aof", "audit/generator-1.jsonl"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    moved = archive_previous(run, up_outputs(_cfg(run)))
+    after = sorted(str(p.relative_to(moved)) for p in moved.rglob("*") if p.is_file())
+    assert after == [p for p in before if not p.startswith("logs/")] and "audit/learner.jsonl" in after
+    assert not (run / "audit").exists() and not (run / "checkpoints").exists() and not (run / "redis").exists()
+    assert archive_previous(run, up_outputs(_cfg(run))) is None  # nothing left to move: a third run starts as clean
+
+
 def test_rewind_drops_rows_after_the_step_and_a_torn_line(tmp_path):
     p = tmp_path / "m.jsonl"
     rows = [{"step": 1}, {"event": "dropped", "group_id": "x"}, {"step": 2}, {"step": 3}]
