@@ -52,7 +52,6 @@ import msgpack
 import torch
 import zmq
 
-from streamgrpo.config import ConfigError
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
 from streamgrpo.transport import weights_shm as shm_wire
 from streamgrpo.transport.keys import authorised_dir, server_keys
@@ -62,7 +61,9 @@ from streamgrpo.transport.weights_codec import (
     DEFAULT_ALGO,
     TOPIC,
     TOPIC_BEAT,
+    PortInUse,
     VersionMeta,
+    bind_tcp,
     chunk_digest,
     chunk_span,
     default_hash_threads,
@@ -79,24 +80,6 @@ from streamgrpo.transport.weights_shm import ShmFile, ShmPool
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-class PortInUse(ConfigError):
-    """A weights port is held by another process: one line for the user, no traceback."""
-
-
-def _bind(sock: zmq.Socket, host: str, port: int, setting: str) -> int:
-    if ":" in host:
-        sock.ipv6 = True
-    try:
-        sock.bind(endpoint(host, port or "*"))
-    except zmq.ZMQError as exc:
-        if exc.errno != zmq.EADDRINUSE:
-            raise
-        raise PortInUse(f"cannot listen on {host}:{port} ({setting}): another process holds that port (another "
-                        f"learner on this host?); stop it, or set {setting} to a free port in the learner's and the "
-                        "generators' config") from None
-    return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
 
 # ------------------------------------------------------------------------------------ versions
@@ -249,8 +232,8 @@ class WeightPublisher(WeightSync):
         self._pub = self._socket(zmq.PUB, sndhwm)
         self._router = self._socket(zmq.ROUTER, 100_000)
         try:
-            self.pub_port = _bind(self._pub, bind_host, pub_port, "weights.pub_port")
-            self.snapshot_port = _bind(self._router, bind_host, snapshot_port, "weights.snapshot_port")
+            self.pub_port = bind_tcp(self._pub, bind_host, pub_port, "weights.pub_port")
+            self.snapshot_port = bind_tcp(self._router, bind_host, snapshot_port, "weights.snapshot_port")
         except PortInUse:
             if self._auth is not None:
                 self._auth.stop()

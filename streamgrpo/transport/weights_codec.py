@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 import torch
 
+from streamgrpo.config import ConfigError
 from streamgrpo.metrics import ERRORS
 from streamgrpo.transport.weights_layout import (
     TensorEntry,
@@ -258,6 +259,28 @@ def newer(a, b) -> bool:
 def endpoint(host: str, port: int | str) -> str:
     """ZeroMQ TCP endpoint; IPv6 hosts get brackets."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class PortInUse(ConfigError):
+    """A weights port is held by another process: one line for the user, no traceback."""
+
+
+def bind_tcp(sock, host: str, port: int, setting: str) -> int:
+    """Bind a ZeroMQ ``sock`` on ``host:port`` (0: any free port) and return the port; ``setting`` names the
+    config key the port came from, for the one-line :class:`PortInUse`."""
+    import zmq
+
+    if ":" in host:
+        sock.ipv6 = True
+    try:
+        sock.bind(endpoint(host, port or "*"))
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRINUSE:
+            raise
+        raise PortInUse(f"cannot listen on {host}:{port} ({setting}): another process holds that port (another "
+                        f"learner on this host?); stop it, or set {setting} to a free port in the learner's and the "
+                        "generators' config") from None
+    return int(sock.last_endpoint.decode().rsplit(":", 1)[1])
 
 
 def _copy_and_check(dst: np.ndarray, payload, algo: str, digest: bytes, meta_bytes: bytes | None) -> bool:
