@@ -60,7 +60,7 @@ from benchmarks.cluster_watch import (
     stop_all,
 )
 from benchmarks.common import emit, figure, machine_info, make_group, write_result
-from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version
+from streamgrpo.transport.queue.server import EmbeddedRedis, find_redis_server, redis_version
 from streamgrpo.wire import encode
 
 CORE_FULL = 0.85  # a process at this share of one core or more is saturated
@@ -440,7 +440,7 @@ def _skip_reason(a: argparse.Namespace, msg_bytes: int, gens: int, learners: int
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.weights_mib > 0:
-        import streamgrpo.transport.weights  # noqa: F401 - imported once here, inherited by every forked role
+        import streamgrpo.transport.weights.publisher  # noqa: F401 - imported once here, inherited by every forked role
     binary = find_redis_server(a.binary)
     info = machine_info(packages=("numpy", "torch", "redis", "hiredis", "msgpack", "pyzmq"), redis_server=binary,
                         redis_version=redis_version(binary))

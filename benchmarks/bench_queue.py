@@ -8,7 +8,7 @@ plus 8 completions of 256 tokens) this process runs, serially:
 * ours, ``batch8``: ``put_many(8 groups)`` -> ``get(8)`` -> ``ack(8 ids)`` (a generator's batch of
   prompts, a learner's step);
 * baseline: ``redis-benchmark -t set,get -c 1 -P 1 -d <message bytes>`` against the same server;
-* ``put_hand_packed_vs_redis_py``: what the hand-packed XADD of :mod:`streamgrpo.transport.resp` buys:
+* ``put_hand_packed_vs_redis_py``: what the hand-packed XADD of :mod:`streamgrpo.transport.queue.resp` buys:
   ``put()`` (the message's pieces written to the socket unjoined) against redis-py's own ``xadd`` of
   the joined message, puts only, same server.
 
@@ -39,8 +39,8 @@ import time
 import uuid
 
 from benchmarks.common import emit, figure, machine_info, make_group, write_result
-from streamgrpo.transport.queue import RedisQueue
-from streamgrpo.transport.redis_server import EmbeddedRedis, find_redis_server, redis_version
+from streamgrpo.transport.queue.redis_stream import RedisQueue
+from streamgrpo.transport.queue.server import EmbeddedRedis, find_redis_server, redis_version
 from streamgrpo.wire import ScoredGroup, decode, encode
 
 

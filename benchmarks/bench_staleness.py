@@ -18,7 +18,7 @@ Two drivers:
 * ``lockstep`` (default): :mod:`benchmarks.lockstep`, the real sampler, rewards and learner in one
   process with an exact lag of k versions (step v trains on groups sampled by version v-1-k). One
   core per run; ``--parallel`` runs go side by side.
-* ``up``: the real ``streamgrpo up --generators 1`` with ``rollout.weight_apply_delay=k`` (the
+* ``up``: the real ``streamgrpo up --generators 1`` with ``demo.weight_apply_delay=k`` (the
   generator applies each weight version k receipts late; staleness is k plus what the queue holds,
   ~k+0.5) and ``loss.max_staleness=k+4`` (nothing dropped). Two processes per run, runs in turn.
 
@@ -76,7 +76,7 @@ def run_sets(k: int, loss: str, steps: int, driver: str = "lockstep", extra: Seq
     """The config overrides of one (k, loss) run, on top of the demo config and ``extra`` (``--set``)."""
     sets = [*extra, f"learner.max_steps={steps}", *LOSSES[loss]]
     if driver == "up":
-        sets += [f"rollout.weight_apply_delay={k}", f"loss.max_staleness={k + 4}"]
+        sets += [f"demo.weight_apply_delay={k}", f"loss.max_staleness={k + 4}"]
     return sets
 
 

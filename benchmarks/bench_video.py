@@ -28,8 +28,8 @@ import numpy as np
 
 from benchmarks.common import emit, figure, machine_info, write_result
 from streamgrpo.data import decode
-from streamgrpo.data.demo import make_demo, render, write_mp4
 from streamgrpo.data.sampling import evenly_spaced_indices
+from streamgrpo.recipes.demo.data import make_demo, render, write_mp4
 
 
 def _long_videos(d: Path, n: int, frames: int, size: int) -> list[Path]:

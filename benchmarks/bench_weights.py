@@ -79,7 +79,7 @@ def _sub_raw(a) -> None:
     sock = ctx.socket(zmq.SUB)
     sock.rcvhwm = 0
     if a.keys:
-        from streamgrpo.transport.keys import client_keys, server_keys
+        from streamgrpo.transport.weights.keys import client_keys, server_keys
 
         sock.curve_serverkey = server_keys(a.keys, secret=False)[0]
         sock.curve_publickey, sock.curve_secretkey = client_keys(a.keys, None)
@@ -111,7 +111,7 @@ def _sub_weights(a) -> None:
     import torch
 
     from streamgrpo.models.apply import apply_to_model
-    from streamgrpo.transport.weights import WeightSubscriber
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     model = torch.nn.Module()
     for name, t in _tensors(a.mib, fill=False)[0].items():
@@ -176,7 +176,7 @@ class RawChannel:
         if keys:
             from zmq.auth.thread import ThreadAuthenticator
 
-            from streamgrpo.transport.keys import authorised_dir, server_keys
+            from streamgrpo.transport.weights.keys import authorised_dir, server_keys
 
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
@@ -224,7 +224,7 @@ class WeightsChannel:
 
     def __init__(self, n_subs: int, tensors, mib: int, chunk_mib: float, rounds: int, keys: str | None,
                  ipc_dir: str | None, io_threads: int, shm_dir: str | None = None):
-        from streamgrpo.transport.weights import WeightPublisher
+        from streamgrpo.transport.weights.publisher import WeightPublisher
 
         self.tensors = tensors
         self.pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib, keys, ipc_dir=ipc_dir, io_threads=io_threads,
@@ -291,8 +291,8 @@ def cpu_costs(mib: int) -> dict:
     """Single-thread costs of the work our path adds per version (context for the ratio on small machines)."""
     import torch
 
-    from streamgrpo.transport.weights_codec import chunk_digest
-    from streamgrpo.transport.weights_layout import pack_into, plan_layout, specs_of
+    from streamgrpo.transport.weights.codec import chunk_digest
+    from streamgrpo.transport.weights.layout import pack_into, plan_layout, specs_of
 
     tensors, _ = _tensors(mib)
     layout = plan_layout(specs_of(tensors))
@@ -357,7 +357,7 @@ def main() -> None:
     modes = [(t, None) for t in a.transports.split(",")]
     tmp = None
     if a.curve:
-        from streamgrpo.transport.keys import generate_keys
+        from streamgrpo.transport.weights.keys import generate_keys
 
         tmp = tempfile.TemporaryDirectory()
         modes.append(("curve", str(generate_keys(tmp.name, clients=1).keys_dir)))

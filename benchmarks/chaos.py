@@ -102,11 +102,11 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
               log=print) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
+    from streamgrpo.commands.up import prepare_assets
     from streamgrpo.config import load_config
-    from streamgrpo.orchestrate import prepare_assets
     from streamgrpo.runtime import free_port
-    from streamgrpo.transport.queue import RedisQueue
-    from streamgrpo.transport.redis_server import EmbeddedRedis
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.transport.queue.server import EmbeddedRedis
 
     run_dir.mkdir(parents=True, exist_ok=True)
     redis = EmbeddedRedis(run_dir / "redis", appendfsync="always")
@@ -115,9 +115,9 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                  "learner.get_timeout_s=1", f"rollout.num_generators={generators}", "metrics.port=0",
                  f"weights.pub_port={free_port()}", f"weights.snapshot_port={free_port()}", f"seed={seed}"]
     if model:
-        overrides += [f"model.name_or_path={model}", "model.tiny_if_missing=false"]
+        overrides += [f"model.name_or_path={model}", "demo.tiny_model=false"]
     if data:
-        overrides += [f"data.train_path={data}", "data.make_demo_if_missing=false"]
+        overrides += [f"data.train_path={data}", "demo.make_data=false"]
     cfg = load_config("demo", [*overrides, *sets])
     prepare_assets(cfg)
     cfg_path = run_dir / "chaos-config.yaml"

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from streamgrpo.transport.queue import QueueError, QueueFull, RedisQueue
+from streamgrpo.transport.queue.redis_stream import QueueError, QueueFull, RedisQueue
 
 NAMESPACE = "cluster"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -89,7 +89,7 @@ def generator_main(idx: int, cfg: CellConfig, template, ch: Channels) -> None:
         q = RedisQueue(cfg.url, namespace=NAMESPACE, consumer=f"gen-{idx}", max_pending=cfg.max_pending,
                        max_message_bytes=MAX_MESSAGE_BYTES)
         if idx < cfg.subscribers:
-            from streamgrpo.transport.weights import WeightSubscriber
+            from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
             sub = WeightSubscriber("127.0.0.1", cfg.pub_port, cfg.snapshot_port)
             watcher = threading.Thread(target=_watch_versions, args=(sub, idx, ch.reports, done), daemon=True)
@@ -146,7 +146,7 @@ def consumer_main(rank: int, cfg: CellConfig, ch: Channels) -> None:
         if rank == 0 and cfg.weights_mib > 0:
             import torch
 
-            from streamgrpo.transport.weights import WeightPublisher
+            from streamgrpo.transport.weights.publisher import WeightPublisher
 
             pub = WeightPublisher("127.0.0.1", 0, 0)
             tensors = weight_tensors(cfg.weights_mib)

@@ -3,7 +3,7 @@
 Builds (once, into ``--model-dir``) a random-weight Qwen2.5-VL at the real 3B or 7B layer sizes
 (``streamgrpo model tiny --size 3b|7b``: Qwen2.5-VL-3B/7B-Instruct's published configs, nothing
 downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds), and loads it as the real
-:class:`~streamgrpo.training.Learner` once per combination of
+:class:`~streamgrpo.learner.trainer.Learner` once per combination of
 
 * backend: ``torch`` and ``deepspeed`` (built-in ZeRO-2, one rank; left out when DeepSpeed is not importable),
   and on request ``deepspeed_offload`` (``deploy/deepspeed/zero2_offload.json``: AdamW's states and the
@@ -16,9 +16,9 @@ Each trains on synthetic groups: ``--groups`` per step of G=``--G`` completions 
 tokens sharing one ``--frames``-frame ``--frame-size``² video prompt. After ``--warmup`` steps, ``--steps``
 timed steps (median); with ``--profile DIR`` one more step under torch.profiler (its top ops by self time
 in ``DIR``, and the aten ops and GPU kernels it issued). Per combination: step seconds, prompt + completion tokens per second, model FLOPs
-per step (:mod:`streamgrpo.flops`), MFU against the device's peak (``--peak-tflops`` or the table by the
+per step (:mod:`streamgrpo.learner.flops`), MFU against the device's peak (``--peak-tflops`` or the table by the
 GPU's name; none on a CPU without it), CUDA peak memory and the learner's static memory plan
-(:mod:`streamgrpo.memory`, a lower bound). A combination whose plan alone is over the device's memory is
+(:mod:`streamgrpo.learner.memory`, a lower bound). A combination whose plan alone is over the device's memory is
 refused before its model loads and recorded as ``wont_fit`` (7B full training with the torch backend: 16
 bytes per trained parameter, ~124 GB); one that runs out of GPU memory anyway is recorded as ``oom``.
 
@@ -62,8 +62,8 @@ def synthetic_groups(proc, n: int, *, frames: int, size: int, G: int, completion
     import numpy as np
 
     from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.learner.trainer import Accepted
     from streamgrpo.models.batching import vision_token_ids
-    from streamgrpo.training import Accepted
     from streamgrpo.wire import Completion, ScoredGroup, Visual
 
     rng = np.random.default_rng(seed)
@@ -126,8 +126,8 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     import torch
 
     from streamgrpo.config import build_config
-    from streamgrpo.memory import GiB, MemoryPlanError
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.memory import GiB, MemoryPlanError
+    from streamgrpo.learner.trainer import Learner
 
     row: dict = {"backend": backend, "mode": mode}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -200,7 +200,7 @@ def figures(rows: list[dict]) -> list[dict]:
 
 def deepspeed_importable() -> bool:
     try:
-        from streamgrpo.deepspeed_setup import import_deepspeed
+        from streamgrpo.learner.deepspeed_setup import import_deepspeed
 
         import_deepspeed()
     except Exception:  # noqa: BLE001 - any import failure means: measure torch only
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         print("# deepspeed is not importable: torch backend only", flush=True)
         backends = [b for b in backends if b not in uses_ds]
     elif uses_ds:
-        from streamgrpo.distributed import init_distributed
+        from streamgrpo.learner.distributed import init_distributed
 
         init_distributed("deepspeed")  # one rank; its device and backend by learner.dist_backend=auto
     rows = []

@@ -1,7 +1,7 @@
 """Weight sync at real size on a GPU: a learner step + publish cycle, and a same-host generator applying it.
 
 Builds (once, into ``--model-dir``) a random-weight Qwen2.5-VL at the real 3B or 7B layer sizes
-(``streamgrpo model tiny --size 3b``), loads it as the real :class:`~streamgrpo.training.Learner`
+(``streamgrpo model tiny --size 3b``), loads it as the real :class:`~streamgrpo.learner.trainer.Learner`
 (fp32 master weights, bf16 autocast, gradient checkpointing, frozen vision tower) and trains on
 synthetic groups: ``--groups`` per step of G=8 completions x ``--completion-len`` tokens sharing one
 ``--frames``-frame 448x448 video prompt (2048 video tokens at 16 frames). Then:
@@ -51,8 +51,8 @@ def _groups(proc, a, n: int, seed: int = 0):
     import numpy as np
 
     from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.learner.trainer import Accepted
     from streamgrpo.models.batching import vision_token_ids
-    from streamgrpo.training import Accepted
     from streamgrpo.wire import Completion, ScoredGroup, Visual
 
     rng = np.random.default_rng(seed)
@@ -79,7 +79,7 @@ def _sub(a) -> None:
     from transformers import AutoModelForImageTextToText
 
     from streamgrpo.models.apply import apply_to_model
-    from streamgrpo.transport.weights_subscriber import WeightSubscriber
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     cuda = torch.cuda.is_available()
     model = AutoModelForImageTextToText.from_pretrained(a.model_dir, dtype=torch.bfloat16)
@@ -142,9 +142,9 @@ def run(a) -> dict:
     import torch
 
     from streamgrpo.config import build_config
+    from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.tiny import build_tiny
-    from streamgrpo.training import Learner
-    from streamgrpo.transport.weights import WeightPublisher
+    from streamgrpo.transport.weights.publisher import WeightPublisher
 
     cuda = torch.cuda.is_available()
     if not (Path(a.model_dir) / "config.json").exists():

@@ -8,7 +8,7 @@ with behaviour log-probs, :class:`RewardSet`, :class:`ScoredGroup`, and ``Learne
 configured loss. Only the Redis queue and the ZeroMQ weight broadcast are left out: the sampler gets
 ``learner.policy_tensors()`` of version ``v - k`` directly, from a ring of the last ``k + 1`` versions.
 
-Why not the real ``streamgrpo up`` with ``rollout.weight_apply_delay=k``: there the lag is k plus
+Why not the real ``streamgrpo up`` with ``demo.weight_apply_delay=k``: there the lag is k plus
 whatever the queue holds (k+0.5 on average, varying with timing), and two processes share the two
 cores, so one run costs the whole machine. Here the lag is exact, the run is deterministic for a seed
 and one run uses one core, so two runs go side by side.
@@ -49,14 +49,14 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     from streamgrpo.data.records import load_records
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.engines.hf import HFEngine
-    from streamgrpo.generator import sample_shuffled, score_group
+    from streamgrpo.generator.sampling import sample_shuffled, score_group
+    from streamgrpo.learner.trainer import Accepted, Learner
     from streamgrpo.models.loading import load_model
     from streamgrpo.rewards import RewardSet
-    from streamgrpo.training import Accepted, Learner
 
     torch.set_num_threads(1)
-    cfg = load_config(config, [f"model.name_or_path={model}", "model.tiny_if_missing=false",
-                               f"data.train_path={data}", "data.make_demo_if_missing=false", f"seed={seed}",
+    cfg = load_config(config, [f"model.name_or_path={model}", "demo.tiny_model=false",
+                               f"data.train_path={data}", "demo.make_data=false", f"seed={seed}",
                                f"run_dir={run_dir}", *sets])
     torch.manual_seed(seed)
     learner = Learner(cfg)

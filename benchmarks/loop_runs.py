@@ -185,9 +185,9 @@ def asset_recipe(config: str) -> dict[str, Any]:
 
     cfg = load_config(config)
     d = cfg.data
-    return {"seed": cfg.seed, "warm_letters": cfg.model.warm_letters, "warm_pixels": cfg.model.warm_pixels,
-            "demo_size": d.demo_size,
-            "demo_motion": d.demo_motion, "kinds": d.kinds, "min_frames": d.min_frames, "max_frames": d.max_frames,
+    return {"seed": cfg.seed, "warm_letters": cfg.demo.warm_letters, "warm_pixels": cfg.demo.warm_pixels,
+            "demo_size": cfg.demo.size,
+            "demo_motion": cfg.demo.motion, "kinds": d.kinds, "min_frames": d.min_frames, "max_frames": d.max_frames,
             "min_pixels": d.min_pixels, "max_pixels": d.max_pixels, "prompt_format": d.prompt_format}
 
 
@@ -208,7 +208,7 @@ def prepare_assets(work: Path = WORK, config: str = "demo") -> dict[str, Path]:
     for stale in (paths["model"], paths["train"].parent):
         shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    code = ("from streamgrpo.config import load_config; from streamgrpo.orchestrate import prepare_assets; "
+    code = ("from streamgrpo.config import load_config; from streamgrpo.commands.up import prepare_assets; "
             f"prepare_assets(load_config({config!r}, ['model.name_or_path={paths['model']}', "
             f"'data.train_path={paths['train']}']))")
     subprocess.run([sys.executable, "-c", code], check=True, env=bench_env(), cwd=ROOT)
@@ -318,8 +318,8 @@ def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence
             "--generators", str(generators)]
     if sync:
         argv.append("--sync")
-    for s in [f"model.name_or_path={model_copy}", "model.tiny_if_missing=false", f"data.train_path={train}",
-              "data.make_demo_if_missing=false", "learner.save_steps=100000", *sets]:
+    for s in [f"model.name_or_path={model_copy}", "demo.tiny_model=false", f"data.train_path={train}",
+              "demo.make_data=false", "learner.save_steps=100000", *sets]:
         argv += ["--set", s]
     t0 = time.time()
     returncode, capped = run_capped(argv, run_dir / "up.log", cap_s, threads=threads)

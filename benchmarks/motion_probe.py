@@ -42,9 +42,9 @@ def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: 
     from streamgrpo.data.video import load_visuals
     from streamgrpo.engines.hf import collate_prompts
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.models.warm import append_tokens
+    from streamgrpo.recipes.demo.warm import append_tokens
 
-    cfg = load_config("demo-motion", [f"data.train_path={train}", "data.make_demo_if_missing=false", *sets])
+    cfg = load_config("demo-motion", [f"data.train_path={train}", "demo.make_data=false", *sets])
     records = [r for r in load_records(train, cfg.data) if r.kind == "direction"]
     rng = random.Random(seed)
     torch.manual_seed(seed)

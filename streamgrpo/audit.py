@@ -88,7 +88,7 @@ def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str
 
 
 def audit_run(run_dir: str | Path, queue) -> RunAudit:
-    """Audit ``run_dir`` against the queue (a :class:`~streamgrpo.transport.queue.RedisQueue`)."""
+    """Audit ``run_dir`` against the queue (a :class:`~streamgrpo.transport.queue.redis_stream.RedisQueue`)."""
     run_dir = Path(run_dir)
     produced = [r for p in sorted((run_dir / "audit").glob("generator-*.jsonl")) for r in read_jsonl(p)]
     learner = read_jsonl(run_dir / "audit" / "learner.jsonl")

@@ -57,12 +57,14 @@ def _check_before_loading(cfg, role: str, *, data: bool = False) -> None:
     from pathlib import Path
 
     from streamgrpo.runtime import queue_url
-    from streamgrpo.transport.queue import QueueStopped, RedisQueue
+    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
 
     if data:
         from streamgrpo.data.records import require_data_path
+        from streamgrpo.recipes.demo.assets import prepare_data
 
-        require_data_path(cfg.data.train_path, cfg.data)
+        prepare_data(cfg.demo, cfg.data.train_path)  # the demo recipe's data set, when its config asks
+        require_data_path(cfg.data.train_path)
     url = queue_url(cfg, Path(cfg.run_dir))
     try:
         RedisQueue.from_config(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
@@ -81,7 +83,7 @@ def cmd_config_memory(args) -> int:
     cfg = _load(args)
     import torch
 
-    from streamgrpo.memory import GiB, plan_for, report
+    from streamgrpo.learner.memory import GiB, plan_for, report
 
     counts, place, plan = plan_for(cfg, args.ranks)
     gpu = args.gpu_gib * GiB if args.gpu_gib else (
@@ -93,7 +95,7 @@ def cmd_config_memory(args) -> int:
 
 def cmd_up(args) -> int:
     cfg = _load(args)
-    from streamgrpo.orchestrate import run_up
+    from streamgrpo.commands.up import run_up
 
     return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config,
                   resume=args.resume)
@@ -101,7 +103,7 @@ def cmd_up(args) -> int:
 
 def cmd_learner(args) -> int:
     cfg = _load(args)
-    from streamgrpo.learner import run_learner
+    from streamgrpo.learner.loop import run_learner
 
     if args.resume:
         cfg.learner.resume, cfg.learner.fresh = True, False
@@ -122,25 +124,25 @@ def cmd_generator(args) -> int:
     if not 0 <= args.id < cfg.rollout.num_generators:
         raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     _check_before_loading(cfg, f"generator-{args.id}", data=True)
-    from streamgrpo.generator import run_generator
+    from streamgrpo.generator.loop import run_generator
 
     return run_generator(cfg, generator_id=args.id)
 
 
 def cmd_infer(args) -> int:
-    from streamgrpo.infer import run_infer
+    from streamgrpo.commands.infer import run_infer
 
     return run_infer(args)
 
 
 def cmd_eval(args) -> int:
-    from streamgrpo.evaluate import run_eval
+    from streamgrpo.commands.evaluate import run_eval
 
     return run_eval(args)
 
 
 def cmd_report(args) -> int:
-    from streamgrpo.report import run_report
+    from streamgrpo.commands.report import run_report
 
     return run_report(args.run_dir)
 
@@ -153,7 +155,7 @@ def cmd_data_check(args) -> int:
 
 
 def cmd_data_demo(args) -> int:
-    from streamgrpo.data.demo import make_demo
+    from streamgrpo.recipes.demo.data import make_demo
 
     make_demo(args.out, n=args.n, seed=args.seed)
     print(f"demo data set written to {args.out}")
@@ -165,11 +167,12 @@ def cmd_model_tiny(args) -> int:
 
     out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size)
     if args.warm_format:
-        from streamgrpo.models.warm import warm_data_config, warm_format
+        from streamgrpo.recipes.demo.assets import warm_data_config
+        from streamgrpo.recipes.demo.warm import warm_format
 
         cfg = _load(args) if args.config else None  # default: the colour demo's prompts
         warm_format(out, data_cfg=warm_data_config(cfg) if cfg else None, seed=args.seed, steps=args.warm_steps,
-                    letters=cfg.model.warm_letters if cfg else "uniform")
+                    letters=cfg.demo.warm_letters if cfg else "uniform", demo=cfg.demo if cfg else None)
     print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0
 
@@ -183,7 +186,7 @@ def cmd_model_merge(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from streamgrpo.transport.keys import generate_keys
+    from streamgrpo.transport.weights.keys import generate_keys
 
     keys = generate_keys(args.out, clients=args.clients)
     print(keys.describe())
@@ -335,13 +338,13 @@ def _user_error(exc: BaseException) -> int | None:
         return USAGE_EXIT
     if records is not None and isinstance(exc, records.DataError):
         return FAILED_EXIT
-    queue = sys.modules.get("streamgrpo.transport.queue")
+    queue = sys.modules.get("streamgrpo.transport.queue.redis_stream")
     if queue is not None and isinstance(exc, queue.QueueError):
         return FAILED_EXIT
-    memory = sys.modules.get("streamgrpo.memory")
+    memory = sys.modules.get("streamgrpo.learner.memory")
     if memory is not None and isinstance(exc, memory.MemoryPlanError):
         return USAGE_EXIT
-    shm = sys.modules.get("streamgrpo.transport.weights_shm")
+    shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
         return USAGE_EXIT
     return None

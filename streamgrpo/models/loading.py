@@ -89,38 +89,6 @@ def store_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return freed
 
 
-def count_params(cfg):
-    """The :class:`~streamgrpo.memory.ParamCounts` of the learner's policy, read from the model's config
-    alone: the model is built on the meta device (no memory, no weights read), the LoRA adapters
-    counted from the layers ``model.lora.target_modules`` names (``r * (in + out)`` each)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision)
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config)
-    return policy_counts(model, cfg.model)
-
-
-def policy_counts(model: torch.nn.Module, model_cfg):
-    """:func:`count_params` of a built (e.g. meta-device) model under ``model_cfg``'s LoRA / tune_mm_* settings."""
-    import re
-
-    from streamgrpo.memory import ParamCounts
-
-    total = sum(p.numel() for p in model.parameters())
-    lora = model_cfg.lora
-    if lora is not None:
-        from streamgrpo.models.lora import target_regex
-
-        pattern = re.compile(target_regex(list(lora.target_modules)))
-        adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name))
-        return ParamCounts(total, adapters, lora=True)
-    flags = {"llm": model_cfg.tune_mm_llm, "mlp": model_cfg.tune_mm_mlp, "vision": model_cfg.tune_mm_vision}
-    trainable = sum(p.numel() for name, p in model.named_parameters() if flags[parameter_group(name)])
-    return ParamCounts(total, trainable)
-
-
 def parameter_group(name: str) -> str:
     """Which of ``llm`` / ``mlp`` (vision-language merger) / ``vision`` a parameter belongs to."""
     if name.startswith(_VISION_MERGER):

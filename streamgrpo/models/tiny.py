@@ -76,8 +76,8 @@ _WORDS = (
 def _corpus() -> list[str]:
     """Chat/template pieces, the prompt instructions and the demo questions, repeated so that BPE
     gives their words single tokens (short prompts keep the CPU demo fast)."""
-    from streamgrpo.data.demo import COLOUR_OPTIONS, DIRECTION_OPTIONS
     from streamgrpo.data.prompts import NO_THINK_INSTRUCTION, THINK_INSTRUCTION
+    from streamgrpo.recipes.demo.data import COLOUR_OPTIONS, DIRECTION_OPTIONS
 
     phrases = [
         THINK_INSTRUCTION.format(think=t, answer="answer") for t in ("think", "reasoning")

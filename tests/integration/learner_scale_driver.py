@@ -30,13 +30,13 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from streamgrpo.checkpoint import read_model_tensors, to_model_names
     from streamgrpo.config import load_config
-    from streamgrpo.distributed import barrier, init_distributed, share
-    from streamgrpo.learner import run_learner
-    from streamgrpo.rollouts import accept
+    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.checkpoint import read_model_tensors, to_model_names
+    from streamgrpo.learner.distributed import barrier, init_distributed, share
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.learner.trainer import Learner
     from streamgrpo.runtime import StopFlag
-    from streamgrpo.training import Learner
     from streamgrpo.wire import decode
 
     cfg = load_config(args.config)

@@ -19,7 +19,7 @@ from benchmarks.common import validate_result  # noqa: E402
 
 @pytest.mark.slow
 def test_bench_cluster_tiny_run_writes_positive_figures(tmp_path):
-    from streamgrpo.transport.redis_server import RedisServerError, find_redis_server
+    from streamgrpo.transport.queue.server import RedisServerError, find_redis_server
 
     try:
         find_redis_server("system")

@@ -77,7 +77,7 @@ def test_no_redis_configured_is_a_usage_error(tmp_path, records):
 
 def test_missing_data_file_is_a_usage_error_naming_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "train.jsonl"
-    res = cli(*role_args("generator", tmp_path, missing, "data.make_demo_if_missing=false"), cwd=tmp_path)
+    res = cli(*role_args("generator", tmp_path, missing, "demo.make_data=false"), cwd=tmp_path)
     one_line(res, 2, f"streamgrpo generator: data file not found: {missing}")
     assert not missing.parent.exists()
 
@@ -119,7 +119,7 @@ def test_learner_refuses_a_model_that_cannot_fit_before_loading_it(tmp_path, rec
     srv = redis_factory("system")
     model = _config_only_model(tiny_model_dir, tmp_path / "qwen-72b-sizes")
     res = cli(*role_args("learner", tmp_path, records, f"queue.url=redis://127.0.0.1:{srv.port}/0",
-                         f"model.name_or_path={model}", "model.tiny_if_missing=false"), cwd=tmp_path)
+                         f"model.name_or_path={model}", "demo.tiny_model=false"), cwd=tmp_path)
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert res.returncode == 2, res.stderr[-3000:]
     line = res.stderr.strip().splitlines()[-1]  # earlier lines are the learner's own log

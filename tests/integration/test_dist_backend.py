@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
-from streamgrpo.distributed import init_distributed, share, shutdown
+from streamgrpo.learner.distributed import init_distributed, share, shutdown
 info = init_distributed("deepspeed", timeout_s=120, dist_backend=sys.argv[2])
 total = share(info, [info.rank + 1])[:, 0].sum()
 with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as fh:

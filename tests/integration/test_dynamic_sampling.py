@@ -14,7 +14,7 @@ from streamgrpo import metrics
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 6, num_generations=4, max_tokens=4)
 
@@ -29,12 +29,12 @@ def _flat(g, value: float):
 
 def _collect(tiny_model_dir, tmp_path, url, ns, put, want, *sets):
     from streamgrpo.config import load_config
-    from streamgrpo.distributed import DistInfo
-    from streamgrpo.learner import Gate, collect_groups
-    from streamgrpo.learner_state import LearnerState
+    from streamgrpo.learner.distributed import DistInfo
+    from streamgrpo.learner.gate import Gate, collect_groups
+    from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime import JsonlWriter, StopFlag
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = load_config("demo", [f"queue.url={url}", f"queue.namespace={ns}", "learner.get_timeout_s=0.2",
                                "loss.drop_zero_variance=true", *sets])
@@ -42,8 +42,9 @@ def _collect(tiny_model_dir, tmp_path, url, ns, put, want, *sets):
     audit = JsonlWriter(tmp_path / "audit.jsonl")
     try:
         q.put_many(put)
-        gate = Gate(q, cfg, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6)
-        batch = collect_groups(q, gate, StopFlag(install=False), DistInfo(), want, [])
+        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6)
+        batch = collect_groups(q, gate, StopFlag(install=False), DistInfo(), want, [],
+                               timeout_s=cfg.learner.get_timeout_s)
         return batch, gate, q.depth(), q.held_count()
     finally:
         audit.close()

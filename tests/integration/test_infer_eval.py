@@ -132,8 +132,8 @@ def test_infer_batch_resumes_after_interruption(tiny_model_dir, demo_data_dir, t
 
 
 def test_hf_engine_greedy_is_argmax_and_deterministic(tiny_model_dir, demo_data_dir):
+    from streamgrpo.commands.infer import load_policy, prepare_request, read_input_records
     from streamgrpo.engines.base import SamplingParams
-    from streamgrpo.infer import load_policy, prepare_request, read_input_records
 
     cfg = load_config("demo", ["data.kinds=null"])
     policy = load_policy(str(tiny_model_dir), cfg)
@@ -160,10 +160,10 @@ def trained_run(tiny_model_dir, demo_data_dir, tmp_path_factory):
     the learner saves a checkpoint, with the run's config.yaml next to it."""
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.checkpoint import save_checkpoint
+    from streamgrpo.learner.checkpoint import save_checkpoint
     from streamgrpo.models.card import model_card
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.models.warm import warm_format
+    from streamgrpo.recipes.demo.warm import warm_format
 
     root = tmp_path_factory.mktemp("trained")
     work = root / "work-model"

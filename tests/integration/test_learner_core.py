@@ -15,7 +15,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
 
@@ -28,7 +28,7 @@ def _cfg(model_dir, run_dir, *sets):
 
 
 def _learner(cfg):
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.trainer import Learner
 
     return Learner(cfg)
 
@@ -49,7 +49,7 @@ def _step_grads(learner, batch):
 
 
 def _accept(groups, learner, version=0):
-    from streamgrpo.rollouts import accept
+    from streamgrpo.generator.rollouts import accept
 
     return accept(groups, learner.processor, version=version)
 
@@ -66,7 +66,7 @@ def _assert_same_step(out_a, grads_a, out_b, grads_b, *, grad_norm_rel, grad_ato
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_path, beta):
-    from streamgrpo.micro_batches import split_micro_batches
+    from streamgrpo.learner.micro_batches import split_micro_batches
 
     whole = _learner(_cfg(tiny_model_dir, tmp_path / "a", f"loss.beta={beta}"))
     micro = _learner(_cfg(tiny_model_dir, tmp_path / "b", f"loss.beta={beta}", "learner.micro_batch_tokens=100",
@@ -78,7 +78,7 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     assert (out_a.micro_batches, out_b.micro_batches) == (1, 4)
     assert out_a.tokens_global == out_b.tokens_global == sum(len(c.token_ids) for g in groups[:4] for c in g.completions)
     assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
-    # the step's work (streamgrpo.flops) does not depend on the micro-batching; the peak only when configured
+    # the step's work (streamgrpo.learner.flops) does not depend on the micro-batching; the peak only when configured
     assert out_a.seq_tokens == out_b.seq_tokens == sum(len(g.prompt_ids) + len(c.token_ids)
                                                        for g in groups[:4] for c in g.completions)
     assert out_a.flops == out_b.flops > 6 * out_a.seq_tokens * whole.total * 0.5
@@ -88,7 +88,7 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
 
 
 def test_split_into_exactly_n_parts_keeps_order_and_budget(groups, tiny_model_dir, tmp_path):
-    from streamgrpo.micro_batches import group_tokens, split_micro_batches
+    from streamgrpo.learner.micro_batches import group_tokens, split_micro_batches
 
     batch = _accept(groups, _learner(_cfg(tiny_model_dir, tmp_path)))
     budget = 2 * group_tokens(batch[0]) + 5
@@ -133,7 +133,7 @@ def _mlp_calls(learner):
 @pytest.mark.parametrize("sets", [(), ("model.lora={r: 4, alpha: 8, dropout: 0.0}",)], ids=["full", "lora"])
 def test_checkpoint_every_recomputes_every_other_layer_with_the_same_gradients(groups, tiny_model_dir, tmp_path,
                                                                                 sets):
-    from streamgrpo.training import checkpointed_layers
+    from streamgrpo.learner.trainer import checkpointed_layers
 
     plain = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
     every = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.gradient_checkpointing=true",
@@ -278,9 +278,9 @@ def test_resume_then_n_steps_equals_uninterrupted(groups, tiny_model_dir, tmp_pa
 def test_max_update_kl_halves_or_undoes_a_step_and_measures_it_on_the_steps_own_completions(groups, tiny_model_dir,
                                                                                            tmp_path):
     from streamgrpo import metrics as M
+    from streamgrpo.learner.update_guard import kl_terms
     from streamgrpo.models.batching import GroupInputs, build_batch
     from streamgrpo.models.logprobs import completion_logprobs
-    from streamgrpo.update_guard import kl_terms
 
     def weights(learner):
         return {n: p.detach().clone() for n, p in learner.module.named_parameters() if p.requires_grad}

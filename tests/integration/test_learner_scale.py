@@ -28,7 +28,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 16, num_generations=4, max_tokens=6)
 
@@ -37,7 +37,7 @@ def _config(tmp_path: Path, model_dir, url: str, ns: str, *sets: str) -> Path:
     from streamgrpo.config import load_config
 
     cfg = load_config("demo", [
-        f"model.name_or_path={model_dir}", "model.tiny_if_missing=false", f"run_dir={tmp_path / 'run'}",
+        f"model.name_or_path={model_dir}", "demo.tiny_model=false", f"run_dir={tmp_path / 'run'}",
         f"queue.url={url}", f"queue.namespace={ns}", "queue.max_pending=1000", "learner.groups_per_step=4",
         "learner.get_timeout_s=0.5", "loss.max_staleness=100", "metrics.log_every=1", "weights.pub_port=0",
         "weights.snapshot_port=0", "metrics.port=0", *sets])
@@ -47,14 +47,14 @@ def _config(tmp_path: Path, model_dir, url: str, ns: str, *sets: str) -> Path:
 
 
 def _put(url: str, ns: str, groups) -> None:
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     with RedisQueue(url, namespace=ns, consumer="test-producer", max_pending=1000) as q:
         q.put_many(list(groups))
 
 
 def _queue_state(url: str, ns: str, ids) -> tuple[int, list[bool]]:
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:
         return q.depth(), q.is_trained(list(ids))
@@ -100,7 +100,7 @@ def _assert_exactly_once_and_replicas(per_rank: dict[int, list[dict]], ids: list
 
 @pytest.mark.slow
 def test_two_zero1_ranks_share_one_stream_through_the_cli(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.checkpoint import load_tree
+    from streamgrpo.learner.checkpoint import load_tree
 
     steps = 3
     cfg = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.backend=deepspeed",
@@ -166,7 +166,7 @@ def test_zero2_resume_is_exact_against_an_uninterrupted_replay(groups, tiny_mode
 
 
 def test_one_process_lora_with_wandb_through_run_learner(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.learner import run_learner
+    from streamgrpo.learner.loop import run_learner
     from streamgrpo.runtime import StopFlag
 
     cfg_path = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.groups_per_step=2",
@@ -204,7 +204,7 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
 
     from streamgrpo.audit import audit_run, read_jsonl
     from streamgrpo.runtime import free_port
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     total = 4
     cfg = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.backend=deepspeed",

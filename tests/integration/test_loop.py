@@ -29,9 +29,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 def demo_assets(tmp_path_factory):
     """Demo data (colour questions used) and a tiny Qwen2.5-VL taught the answer format."""
     from streamgrpo.config import load_config
-    from streamgrpo.data.demo import make_demo
     from streamgrpo.models.tiny import build_tiny
-    from streamgrpo.models.warm import warm_format
+    from streamgrpo.recipes.demo.data import make_demo
+    from streamgrpo.recipes.demo.warm import warm_format
 
     root = tmp_path_factory.mktemp("loop")
     data = make_demo(root / "data", n=300, seed=0)
@@ -45,7 +45,7 @@ def _config(assets, run_dir: Path, **sets) -> Path:
     from streamgrpo.config import load_config
 
     overrides = [f"data.train_path={assets['data']}", f"model.name_or_path={assets['model']}", f"run_dir={run_dir}",
-                 "model.tiny_if_missing=false", "data.make_demo_if_missing=false", "metrics.log_every=1"]
+                 "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1"]
     overrides += [f"{k}={v}" for k, v in sets.items()]
     cfg = load_config("demo", overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
 
 
 def _start_servers(tmp_path):
-    from streamgrpo.transport.redis_server import EmbeddedRedis
+    from streamgrpo.transport.queue.server import EmbeddedRedis
 
     redis = EmbeddedRedis(tmp_path / "redis")
     return redis, redis.start()
@@ -170,7 +170,7 @@ def test_zero_staleness_bound_drops_and_counts_stale_groups(demo_assets, tmp_pat
 def test_kill_learner_and_resume_trains_every_group_exactly_once(demo_assets, tmp_path):
     """kill -9 of the learner between checkpoints: the groups it trained after the checkpoint are
     trained again after --resume (not lost), none twice, and the logs hold each step once."""
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     redis, url = _start_servers(tmp_path)
     run = tmp_path / "resume"

@@ -14,8 +14,8 @@ import torch
 def trained(tiny_model_dir, demo_data_dir, tmp_path_factory):
     """A LoRA learner (beta > 0) after two steps on real groups, with the weights before/after."""
     from streamgrpo.config import load_config
-    from streamgrpo.rollouts import accept, sample_groups
-    from streamgrpo.training import Learner
+    from streamgrpo.generator.rollouts import accept, sample_groups
+    from streamgrpo.learner.trainer import Learner
 
     groups = sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 4, num_generations=4, max_tokens=6)
     run = tmp_path_factory.mktemp("lora_run")
@@ -124,7 +124,7 @@ def test_merge_writes_a_plain_transformers_model_with_the_same_logprobs(trained,
 
 
 def test_resumed_lora_learner_restores_adapters(trained, tmp_path):
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.trainer import Learner
 
     ckpt = trained["learner"].save(tmp_path / "ck")
     again = Learner(trained["cfg"])
@@ -135,7 +135,7 @@ def test_resumed_lora_learner_restores_adapters(trained, tmp_path):
 
 def test_qlora_without_cuda_is_a_clear_error(tiny_model_dir, tmp_path):
     from streamgrpo.config import load_config
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.trainer import Learner
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -24,7 +24,7 @@ def value(metric, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 9, num_generations=4, max_tokens=6)
 
@@ -59,8 +59,8 @@ def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, ti
                                                                       tmp_path):
     import copy
 
-    from streamgrpo.learner import run_learner
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     good = [copy.deepcopy(g) for g in groups[:8]]
     vocab = copy.deepcopy(groups[8])
@@ -110,10 +110,11 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
     import copy
     from collections import Counter
 
-    from streamgrpo.learner import Gate, guarded_step
+    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.poison import guarded_step
+    from streamgrpo.learner.trainer import Learner
     from streamgrpo.runtime import JsonlWriter
-    from streamgrpo.training import Learner
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = _cfg(tiny_model_dir, tmp_path, redis_server.url, redis_ns)
     learner = Learner(cfg)
@@ -121,7 +122,7 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
     audit = JsonlWriter(tmp_path / "audit.jsonl")
     try:
         q.put_many([copy.deepcopy(g) for g in groups[:5]])
-        gate = Gate(q, cfg, learner.state, audit, learner.processor, learner.vocab_size)
+        gate = Gate(q, cfg.loss, learner.state, audit, learner.processor, learner.vocab_size)
         batch = [gate.admit(d) for d in q.get(4, timeout_s=1.0)]
         assert all(a is not None for a in batch) and gate.drops == Counter()
         bad = batch[2]
@@ -155,7 +156,7 @@ def torch_equal(a, b) -> bool:
 def test_a_group_that_keeps_failing_is_dead_lettered_after_max_failures(groups, redis_server, redis_ns):
     """With several ranks a failing step re-raises (one rank cannot probe alone); the failures are
     counted in Redis per group, and at queue.max_failures the next read dead-letters the group."""
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     q = RedisQueue(redis_server.url, namespace=redis_ns, max_failures=2, claim_idle_s=0.2)
     try:
@@ -181,16 +182,16 @@ def test_a_group_that_keeps_failing_is_dead_lettered_after_max_failures(groups, 
 
 
 def _gate(tiny_model_dir, tmp_path, url, ns, *sets):
-    from streamgrpo.learner import Gate
-    from streamgrpo.learner_state import LearnerState
+    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime import JsonlWriter
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = _cfg(tiny_model_dir, tmp_path, url, ns, *sets)
     q = RedisQueue(url, namespace=ns)
     audit = JsonlWriter(tmp_path / "audit.jsonl")
-    return Gate(q, cfg, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6), q, audit
+    return Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6), q, audit
 
 
 def test_a_burst_of_stale_groups_is_logged_with_counts(groups, tiny_model_dir, redis_server, redis_ns, tmp_path,

@@ -164,10 +164,10 @@ def live_run(tmp_path_factory, tiny_model_dir):
     argv = [
         sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir), "--generators", "1",
         "--set", f"model.name_or_path={tiny_model_dir}",
-        "--set", "model.tiny_if_missing=false",
+        "--set", "demo.tiny_model=false",
         "--set", f"data.train_path={tmp / 'data' / 'train.jsonl'}",
-        "--set", "data.make_demo_if_missing=true",
-        "--set", "data.demo_size=40",
+        "--set", "demo.make_data=true",
+        "--set", "demo.size=40",
         "--set", "rollout.num_generations=4",
         "--set", "rollout.prompts_per_batch=2",
         "--set", "learner.groups_per_step=2",

@@ -18,9 +18,9 @@ import redis
 
 from streamgrpo import metrics
 from streamgrpo.config import QueueConfig
-from streamgrpo.transport.queue import CONSUMER_GROUP, QueueError, QueueFull, RedisQueue
-from streamgrpo.transport.redis_server import EmbeddedRedis, free_port, redis_version
-from streamgrpo.transport.resp import coalesce, parse_autoclaim, safe_url, xadd_command
+from streamgrpo.transport.queue.redis_stream import CONSUMER_GROUP, QueueError, QueueFull, RedisQueue
+from streamgrpo.transport.queue.resp import coalesce, parse_autoclaim, safe_url, xadd_command
+from streamgrpo.transport.queue.server import EmbeddedRedis, free_port, redis_version
 from streamgrpo.wire import Completion, ScoredGroup, Visual, encode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_at_least_once_claim_after_consumer_dies(redis_any, redis_ns, queues):
     producer.put(sent)
     script = textwrap.dedent(f"""
         import os, sys
-        from streamgrpo.transport.queue import RedisQueue
+        from streamgrpo.transport.queue.redis_stream import RedisQueue
         q = RedisQueue({redis_any.url!r}, namespace={redis_ns!r}, consumer="learner-0")
         got = q.get(1, timeout_s=10.0)
         print(got[0].group.group_id, flush=True)
@@ -267,7 +267,7 @@ def test_put_refuses_oversize_and_invalid(redis_server, redis_ns, queues):
 
 # ------------------------------------------------------------------------------ backpressure
 def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues, caplog):
-    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue")
+    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue.redis_stream")
     producer = queues(redis_server.url, namespace=redis_ns, consumer="gen-0", max_pending=2)
     consumer = queues(redis_server.url, namespace=redis_ns)
     producer.put(group(0))
@@ -299,7 +299,7 @@ def test_backpressure_blocks_producer_and_resumes(redis_server, redis_ns, queues
     consumer.ack([x.stream_id for x in consumer.get(2, timeout_s=1.0)])
     producer.put(group(4), timeout_s=5.0)
     assert value(metrics.BACKPRESSURE) == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue.redis_stream"]
     assert sum(" full (" in m for m in lines) == 2 and sum("has room again" in m for m in lines) == 2
 
 
@@ -336,8 +336,8 @@ def test_the_bound_holds_across_producers(redis_server, redis_ns, queues):
 # ------------------------------------------------------------------------------ redis restarts
 def test_the_learner_warns_in_one_line_when_redis_can_lose_acknowledged_groups(redis_factory, redis_ns, queues,
                                                                                 caplog):
-    from streamgrpo.learner import _warn_if_not_durable
-    from streamgrpo.transport.redis_server import durability_warning
+    from streamgrpo.learner.loop import _warn_if_not_durable
+    from streamgrpo.transport.queue.server import durability_warning
 
     assert EmbeddedRedis("unused").appendfsync == "always"  # what `streamgrpo up` runs
     assert durability_warning(None) is None and durability_warning({"appendonly": "yes", "appendfsync": "always"}) is None
@@ -357,7 +357,7 @@ def test_the_learner_warns_in_one_line_when_redis_can_lose_acknowledged_groups(r
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_redis_restart_keeps_pending_and_clients_reconnect(redis_factory, redis_ns, queues, caplog, which, how):
     # SIGKILL with fsync=always is a deterministic crash; SIGTERM shows what `everysec` gives on a clean stop.
-    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue")
+    caplog.set_level(logging.INFO, logger="streamgrpo.transport.queue.redis_stream")
     srv = redis_factory(which, appendfsync="always" if how == "sigkill" else "everysec")
     producer = queues(srv.url, namespace=redis_ns, consumer="gen-0")
     consumer = queues(srv.url, namespace=redis_ns, consumer="learner-0")
@@ -388,7 +388,7 @@ def test_redis_restart_keeps_pending_and_clients_reconnect(redis_factory, redis_
     assert consumer.ack([d.stream_id for d in held]) == 2
     rest = out["get"] + get_some(consumer, 2 - len(out["get"]))
     assert sorted(d.group.group_id for d in rest) == sorted([sent[2].group_id, late.group_id])
-    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamgrpo.transport.queue.redis_stream"]
     assert sum("unavailable during" in m for m in lines) == 2  # one line per client per outage
     assert sum("is back after" in m for m in lines) == 2
 
@@ -409,7 +409,7 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
     import threading
 
     from streamgrpo.runtime import StopFlag
-    from streamgrpo.transport.queue import QueueStopped
+    from streamgrpo.transport.queue.redis_stream import QueueStopped
 
     srv = redis_factory("system")
     stop = StopFlag(install=False)
@@ -499,7 +499,7 @@ def test_tls_rediss_url(tmp_path, redis_factory, redis_ns):
 
 
 def test_generator_sends_a_batch_in_one_xadd_trip_and_skips_only_an_invalid_group(redis_server, redis_ns, queues):
-    from streamgrpo.generator import _send
+    from streamgrpo.generator.send import send_groups
     from streamgrpo.runtime import StopFlag
 
     class Audit:
@@ -516,10 +516,10 @@ def test_generator_sends_a_batch_in_one_xadd_trip_and_skips_only_an_invalid_grou
     invalid0 = value(metrics.GROUPS_DROPPED, reason="invalid")
     audit = Audit()
     batch = [group(i) for i in range(3)]
-    assert _send(q, batch, StopFlag(), "gen-0", audit) == (3, False)
+    assert send_groups(q, batch, StopFlag(), "gen-0", audit) == (3, False)
     assert consumer.depth() == 3 and [row["group_id"] for row in audit.rows] == [g.group_id for g in batch]
     assert trips == [2 + 3]  # one trip: the depth read and three XADDs
     bad = [group(10), group(11), group(12)]
     bad[1].completions[0].logprobs[0] = np.nan  # the wire contract refuses it: only it is skipped
-    assert _send(q, bad, StopFlag(), "gen-0", audit) == (2, False)
+    assert send_groups(q, bad, StopFlag(), "gen-0", audit) == (2, False)
     assert consumer.depth() == 5 and value(metrics.GROUPS_DROPPED, reason="invalid") == invalid0 + 1

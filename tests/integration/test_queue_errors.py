@@ -13,9 +13,9 @@ import redis
 from conftest import make_tls_files
 from test_queue import group
 
-from streamgrpo.transport.queue import QueueError, RedisQueue
-from streamgrpo.transport.redis_errors import probe_plain, probe_tls
-from streamgrpo.transport.redis_server import free_port
+from streamgrpo.transport.queue.errors import probe_plain, probe_tls
+from streamgrpo.transport.queue.redis_stream import QueueError, RedisQueue
+from streamgrpo.transport.queue.server import free_port
 
 # Before the fix these mistakes were retried as outages: max_outage_s ends such a test (with a
 # message the assertions reject) instead of letting it hang.

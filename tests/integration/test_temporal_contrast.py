@@ -41,7 +41,7 @@ def setup(tiny_model_dir, demo_data_dir):
 
 def _groups(setup, **contrast):
     from streamgrpo.config import TemporalContrastConfig
-    from streamgrpo.generator import sample_shuffled, score_group
+    from streamgrpo.generator.sampling import sample_shuffled, score_group
     from streamgrpo.rewards import RewardSet
 
     cfg, processor, engine, chunk, requests, sampling, outs = setup
@@ -81,7 +81,7 @@ def test_the_contrast_group_sees_shuffled_frames_and_image_prompts_are_skipped(s
     from streamgrpo.config import TemporalContrastConfig
     from streamgrpo.data.shuffle import shuffle_visuals
     from streamgrpo.engines.base import PromptRequest
-    from streamgrpo.generator import sample_shuffled
+    from streamgrpo.generator.sampling import sample_shuffled
     from streamgrpo.wire import Visual
 
     _, processor, _, _, requests, sampling, _ = setup
@@ -96,7 +96,7 @@ def test_a_group_is_as_old_as_its_oldest_token(setup):
     """Per-token versions from the engine reach the wire; staleness (and max_staleness) counts from the oldest."""
     import copy
 
-    from streamgrpo.generator import score_group
+    from streamgrpo.generator.sampling import score_group
     from streamgrpo.rewards import RewardSet
     from streamgrpo.wire import decode, encode
 

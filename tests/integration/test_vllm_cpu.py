@@ -90,15 +90,15 @@ def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server,
     from streamgrpo.data.prompts import processor_inputs
     from streamgrpo.models.batching import vision_token_ids
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.transport.queue import RedisQueue
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     demo = Path(demo_data_dir)
     run = tmp_path / "run"
     run.mkdir()
     records = _records(demo, tmp_path / "records.jsonl")
     cfg = load_config("demo", [
-        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "model.tiny_if_missing=false",
-        f"data.train_path={records}", f"data.media_root={demo}", "data.make_demo_if_missing=false", "data.kinds=null",
+        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",
+        f"data.train_path={records}", f"data.media_root={demo}", "demo.make_data=false", "data.kinds=null",
         "rollout.engine=vllm", "rollout.num_generators=1", "rollout.num_generations=4",
         "rollout.max_completion_length=12", "rollout.prompts_per_batch=3",
         "rollout.vllm.max_model_len=2048", "rollout.vllm.cpu_kv_cache_gib=1", "rollout.vllm.enforce_eager=true",
@@ -192,7 +192,7 @@ def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, d
     from streamgrpo.data.records import load_records
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.engines.vllm import VLLMEngine
-    from streamgrpo.generator import score_group
+    from streamgrpo.generator.sampling import score_group
     from streamgrpo.models.loading import load_processor
     from streamgrpo.rewards import RewardSet
     from streamgrpo.wire import decode, encode
@@ -200,9 +200,9 @@ def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, d
     demo = Path(demo_data_dir)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # what inflight_updates sets; undone afterwards
     cfg = load_config("demo", [
-        f"run_dir={tmp_path}", f"model.name_or_path={tiny_model_dir}", "model.tiny_if_missing=false",
+        f"run_dir={tmp_path}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",
         f"data.train_path={_records(demo, tmp_path / 'records.jsonl', n_video=4, n_image=0)}",
-        f"data.media_root={demo}", "data.make_demo_if_missing=false", "data.kinds=null",
+        f"data.media_root={demo}", "demo.make_data=false", "data.kinds=null",
         "rollout.engine=vllm", "rollout.num_generations=2", "rollout.max_completion_length=10",
         "rollout.vllm.max_model_len=2048", "rollout.vllm.cpu_kv_cache_gib=1", "rollout.vllm.enforce_eager=true",
         "rollout.inflight_updates=true",

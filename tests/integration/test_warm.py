@@ -49,11 +49,11 @@ def _letter_probs(model_dir, data_cfg) -> dict[str, float]:
 
 
 def test_warm_start_on_direction_prompts_makes_every_letter_likely(tiny_model_dir, demo_data_dir, tmp_path):
-    from streamgrpo.models.warm import warm_format
+    from streamgrpo.recipes.demo.warm import warm_format
 
     train = f"data.train_path={demo_data_dir / 'train.jsonl'}"
     colour = load_config("demo", [train]).data
-    direction = load_config("demo-motion", [train, "data.demo_motion=mirror"]).data
+    direction = load_config("demo-motion", [train, "demo.motion=mirror"]).data
     assert direction.kinds == ["direction"]
     runs = {}
     for name, data_cfg in (("colour", colour), ("direction", direction)):
@@ -71,10 +71,10 @@ def test_warm_start_on_direction_prompts_makes_every_letter_likely(tiny_model_di
 def test_marginal_warm_start_also_makes_every_letter_likely(tiny_model_dir, demo_data_dir, tmp_path):
     """``letters="marginal"`` (demo-motion's) only balances the letters on average; averaged over
     prompts every letter is still written, and the format is learnt as well as with ``uniform``."""
-    from streamgrpo.models.warm import warm_format
+    from streamgrpo.recipes.demo.warm import warm_format
 
     train = f"data.train_path={demo_data_dir / 'train.jsonl'}"
-    direction = load_config("demo-motion", [train, "data.demo_motion=mirror"]).data
+    direction = load_config("demo-motion", [train, "demo.motion=mirror"]).data
     runs = {}
     for letters in ("uniform", "marginal"):
         work = tmp_path / letters

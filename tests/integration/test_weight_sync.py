@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from streamgrpo.transport.weights import WeightPublisher
-from streamgrpo.transport.weights_layout import specs_of
+from streamgrpo.transport.weights.layout import specs_of
+from streamgrpo.transport.weights.publisher import WeightPublisher
 
 WAIT_S = 30.0
 
@@ -108,7 +108,7 @@ def test_an_aborted_version_is_never_applied(channel):
 
 
 def test_ipc_transport_delivers_to_a_same_host_generator(tmp_path, weight_subscriber_factory):
-    from streamgrpo.transport.weights_subscriber import WeightSubscriber
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=4 / 1024, ipc_dir=tmp_path / "ipc") as pub:
         sub = WeightSubscriber(ipc_dir=tmp_path / "ipc")  # no ports: unix sockets in the run directory
@@ -124,7 +124,7 @@ def test_ipc_transport_delivers_to_a_same_host_generator(tmp_path, weight_subscr
 def test_learner_publishes_bf16_trainable_weights_not_the_fp32_master(tiny_model_dir, tmp_path,
                                                                       weight_subscriber_factory):
     from streamgrpo.config import load_config
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.trainer import Learner
 
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}", "model.dtype=bfloat16",
                                "model.tune_mm_vision=false"])

@@ -28,8 +28,9 @@ from prometheus_client import REGISTRY
 from streamgrpo.config import WeightsConfig
 from streamgrpo.models.apply import apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora
-from streamgrpo.transport.weights import WeightPublisher
-from streamgrpo.transport.weights_codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
+from streamgrpo.transport.weights.codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
+from streamgrpo.transport.weights.factory import publisher_from_config
+from streamgrpo.transport.weights.publisher import WeightPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
@@ -85,7 +86,7 @@ def test_round_trip_is_bit_exact_for_many_dtypes_and_shapes(weight_subscriber_fa
     cfg = WeightsConfig(pub_port=0, snapshot_port=0, chunk_mib=1 / 64)
     syncs = REGISTRY.get_sample_value("streamgrpo_weight_sync_seconds_count") or 0.0
     sent = REGISTRY.get_sample_value("streamgrpo_weight_bytes_total") or 0.0
-    with WeightPublisher.from_config(cfg) as pub:
+    with publisher_from_config(cfg, "unused-for-tcp") as pub:
         sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
         for version in (1, 2, 3):
             t = _tensors(version, big=50_000 * version)  # versions differ in size too: many 16 KiB chunks
@@ -223,7 +224,7 @@ def test_damaged_version_is_never_applied_and_the_previous_stays(raw_channel, we
 
 # ------------------------------------------------------------------------------------- CURVE
 def test_only_listed_curve_keys_receive_weights(curve_keys_dir, tmp_path, weight_subscriber_factory):
-    from streamgrpo.transport.keys import generate_keys
+    from streamgrpo.transport.weights.keys import generate_keys
 
     # a rogue generator: it knows the server's public key but holds a key pair nobody listed
     rogue = tmp_path / "rogue"
@@ -252,7 +253,7 @@ def test_only_listed_curve_keys_receive_weights(curve_keys_dir, tmp_path, weight
 _CHILD = textwrap.dedent(
     """
     import hashlib, json, sys
-    from streamgrpo.transport.weights import WeightSubscriber
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     sub = WeightSubscriber("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]))
     version, _ = sub.poll(60)

@@ -17,9 +17,10 @@ import torch
 from conftest import wait_weights_version as _wait_version
 
 from streamgrpo.config import WeightsConfig
-from streamgrpo.transport.weights import WeightPublisher
-from streamgrpo.transport.weights_codec import WeightsFormatError, build_version, chunk_digest, chunk_span
-from streamgrpo.transport.weights_shm import (
+from streamgrpo.transport.weights.codec import WeightsFormatError, build_version, chunk_digest, chunk_span
+from streamgrpo.transport.weights.factory import publisher_from_config, subscriber_from_config
+from streamgrpo.transport.weights.publisher import WeightPublisher
+from streamgrpo.transport.weights.shm import (
     PREFIX,
     Announcement,
     ShmFile,
@@ -29,7 +30,7 @@ from streamgrpo.transport.weights_shm import (
     read_version,
     sweep_stale,
 )
-from streamgrpo.transport.weights_subscriber import WeightSubscriber
+from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
 WAIT_S = 30.0
 
@@ -197,21 +198,21 @@ def test_files_of_a_learner_killed_with_sigkill_are_swept_at_the_next_start(tmp_
 
 def test_config_selects_shared_memory(tmp_path):
     cfg = WeightsConfig(pub_port=0, snapshot_port=0, transport="shm", shm_dir=str(tmp_path))
-    with WeightPublisher.from_config(cfg, ipc_dir=tmp_path / "ipc") as pub:
+    with publisher_from_config(cfg, tmp_path) as pub:
         assert pub._shm is not None and pub._shm.dir == tmp_path
-        sub = WeightSubscriber.from_config(cfg, ipc_dir=tmp_path / "ipc")
+        sub = subscriber_from_config(cfg, tmp_path)
         try:
             assert sub.shm_dir == str(tmp_path)
         finally:
             sub.close()
-    from streamgrpo.transport.weights_shm import ShmUnavailable
+    from streamgrpo.transport.weights.shm import ShmUnavailable
 
     with pytest.raises(ShmUnavailable, match="not a directory"):
         WeightPublisher("127.0.0.1", 0, 0, shm_dir=tmp_path / "missing")
 
 
 def test_a_reader_maps_each_learner_file_once_and_again_when_it_is_replaced(tmp_path):
-    from streamgrpo.transport.weights_shm import Maps
+    from streamgrpo.transport.weights.shm import Maps
 
     maps = Maps(keep=2)
     a = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 4096)
@@ -233,7 +234,7 @@ def test_a_reader_maps_each_learner_file_once_and_again_when_it_is_replaced(tmp_
 def test_a_full_shared_memory_directory_is_a_one_line_error(tmp_path, monkeypatch):
     import errno
 
-    from streamgrpo.transport.weights_shm import ShmUnavailable
+    from streamgrpo.transport.weights.shm import ShmUnavailable
 
     def no_room(fd, offset, length):  # what posix_fallocate says on a full tmpfs
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -245,7 +246,7 @@ def test_a_full_shared_memory_directory_is_a_one_line_error(tmp_path, monkeypatc
 
 
 def test_early_hashes_count_only_for_the_version_they_were_taken_for(tmp_path):
-    from streamgrpo.transport.weights_shm import EarlyHashes
+    from streamgrpo.transport.weights.shm import EarlyHashes
 
     f = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 1 << 20)
     try:

@@ -21,11 +21,11 @@ import torch
 from conftest import wait_weights_version as _version
 from prometheus_client import REGISTRY
 
-from streamgrpo.generator import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
+from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
 from streamgrpo.runtime import free_port
-from streamgrpo.transport.keys import generate_keys
-from streamgrpo.transport.weight_sync import WeightsState
-from streamgrpo.transport.weights import WeightPublisher
+from streamgrpo.transport.weights.base import WeightsState
+from streamgrpo.transport.weights.keys import generate_keys
+from streamgrpo.transport.weights.publisher import WeightPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
@@ -267,8 +267,8 @@ def test_generator_with_an_unlisted_key_warns_keeps_generating_and_exits_3(
     pub.publish(0, {"w": torch.ones(2)})  # a learner that is up and publishing: this generator must not get it
     run = tmp_path / "run"
     cfg = load_config("demo", [
-        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "model.tiny_if_missing=false",
-        f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "data.make_demo_if_missing=false",
+        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",
+        f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "demo.make_data=false",
         "rollout.num_generators=1", "rollout.num_generations=2", "rollout.max_completion_length=2",
         "rollout.prompts_per_batch=1", f"queue.url={redis_server.url}", f"queue.namespace={redis_ns}",
         f"weights.pub_port={pub.pub_port}", f"weights.snapshot_port={pub.snapshot_port}",

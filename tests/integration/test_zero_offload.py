@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def offload_run(tiny_model_dir, demo_data_dir, tmp_path_factory):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
     from streamgrpo.runtime import free_port
     from streamgrpo.wire import encode
 

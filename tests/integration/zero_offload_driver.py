@@ -26,9 +26,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from streamgrpo.config import load_config
-    from streamgrpo.distributed import init_distributed
-    from streamgrpo.rollouts import accept
-    from streamgrpo.training import Learner
+    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.distributed import init_distributed
+    from streamgrpo.learner.trainer import Learner
     from streamgrpo.wire import decode
 
     deploy = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
@@ -65,7 +65,7 @@ def main() -> int:
                         "state_devices": sorted({str(t.device) for s in lrn.optimizer.optimizer.state.values()
                                                  for t in s.values() if torch.is_tensor(t)})}
         del lrn
-    from streamgrpo.checkpoint import load_tree
+    from streamgrpo.learner.checkpoint import load_tree
 
     for name in ("zero2_offload.json", "zero3.json"):
         first = learner(name, f"resume-{name}")

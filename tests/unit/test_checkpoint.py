@@ -7,7 +7,12 @@ import random
 import numpy as np
 import torch
 
-from streamgrpo.checkpoint import latest_checkpoint, list_checkpoints, load_trainer_state, save_checkpoint
+from streamgrpo.learner.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_trainer_state,
+    save_checkpoint,
+)
 
 
 def _train_one(model, opt):

@@ -95,7 +95,7 @@ def test_check_before_loading_leaves_a_down_redis_to_the_queue(tmp_path, caplog)
     and the process goes on to load its model; its queue waits for Redis."""
     from streamgrpo.cli import _check_before_loading
     from streamgrpo.config import load_config
-    from streamgrpo.transport.redis_server import free_port
+    from streamgrpo.transport.queue.server import free_port
 
     cfg = load_config("demo", [f"queue.url=redis://127.0.0.1:{free_port()}/0", f"run_dir={tmp_path}"])
     assert _check_before_loading(cfg, "learner") is None
@@ -118,7 +118,7 @@ def test_eval_shuffle_frames_flags(capsys):
 
 def test_an_unusable_shared_memory_directory_is_a_usage_error():
     from streamgrpo.cli import USAGE_EXIT, _user_error
-    from streamgrpo.transport.weights_shm import ShmUnavailable
+    from streamgrpo.transport.weights.shm import ShmUnavailable
 
     assert _user_error(ShmUnavailable("weights.shm_dir '/nowhere' is not a directory")) == USAGE_EXIT
     assert _user_error(RuntimeError("a bug")) is None  # anything else keeps its traceback

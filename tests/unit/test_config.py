@@ -79,25 +79,44 @@ def test_dist_backend_is_one_of_three_with_a_one_line_error():
 
 
 def test_warm_letters_is_uniform_or_marginal():
-    assert build_config({}).model.warm_letters == "uniform"
-    assert load_config("demo-motion").model.warm_pixels == 3136 < load_config("demo-motion").data.min_pixels
+    assert build_config({}).demo.warm_letters == "uniform"
+    assert load_config("demo-motion").demo.warm_pixels == 3136 < load_config("demo-motion").data.min_pixels
     with pytest.raises(ConfigError) as err:
-        build_config({}, ["model.warm_letters=flat"])
-    assert "\n" not in str(err.value) and "model.warm_letters" in str(err.value) and "'marginal'" in str(err.value)
+        build_config({}, ["demo.warm_letters=flat"])
+    assert "\n" not in str(err.value) and "demo.warm_letters" in str(err.value) and "'marginal'" in str(err.value)
+
+
+def test_the_demo_knobs_moved_to_the_demo_section_and_old_keys_still_load(tmp_path, capsys):
+    from streamgrpo.config.aliases import MOVED
+
+    old = {"model": {"tiny_if_missing": True, "warm_pixels": 3136, "warm_letters": "marginal"},
+           "data": {"make_demo_if_missing": True, "demo_size": 40, "demo_motion": "reverse"},
+           "rollout": {"weight_apply_delay": 2}}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    cfg = load_config(path)
+    assert (cfg.demo.tiny_model, cfg.demo.warm_pixels, cfg.demo.warm_letters) == (True, 3136, "marginal")
+    assert (cfg.demo.make_data, cfg.demo.size, cfg.demo.motion, cfg.demo.weight_apply_delay) == (True, 40, "reverse", 2)
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert len(notices) == len(MOVED) == 7 and all("moved to 'demo." in n and str(path) in n for n in notices)
+    assert build_config({}, ["data.demo_size=12"]).demo.size == 12
+    assert "'data.demo_size' moved to 'demo.size'" in capsys.readouterr().err
+    for core in ("model", "data", "rollout"):  # the core sections no longer hold them
+        assert not {k.split(".")[1] for k in MOVED if k.startswith(core + ".")} & set(getattr(cfg, core).model_fields)
 
 
 def test_warm_pixels_overrides_only_the_warm_starts_data_section():
-    from streamgrpo.models.warm import warm_data_config
+    from streamgrpo.recipes.demo.assets import warm_data_config
 
     plain = build_config({"data": {"min_pixels": 12544, "max_pixels": 12544}})
-    assert plain.model.warm_pixels is None and warm_data_config(plain) is plain.data
-    cfg = build_config({"data": {"min_pixels": 12544, "max_pixels": 12544}}, ["model.warm_pixels=3136"])
+    assert plain.demo.warm_pixels is None and warm_data_config(plain) is plain.data
+    cfg = build_config({"data": {"min_pixels": 12544, "max_pixels": 12544}}, ["demo.warm_pixels=3136"])
     warm = warm_data_config(cfg)
     assert (warm.min_pixels, warm.max_pixels) == (3136, 3136)
     assert (cfg.data.min_pixels, cfg.data.max_pixels) == (12544, 12544)  # training keeps its resolution
     assert warm.kinds == cfg.data.kinds and warm.max_frames == cfg.data.max_frames
-    with pytest.raises(ConfigError, match="model.warm_pixels"):
-        build_config({}, ["model.warm_pixels=10"])
+    with pytest.raises(ConfigError, match="demo.warm_pixels"):
+        build_config({}, ["demo.warm_pixels=10"])
 
 
 def test_shared_prompt_refuses_flash_attention_in_one_line():
@@ -296,7 +315,7 @@ def test_nan_in_a_file_and_in_a_list_item(tmp_path):
 
 # ------------------------------------------------------------------------------ secrets, metrics host
 def test_redacted_config_masks_passwords_but_shows_they_are_set():
-    from streamgrpo.transport.resp import safe_url
+    from streamgrpo.transport.queue.resp import safe_url
 
     cfg = build_config({"queue": {"url": "redis://gen:pa55-w0rd@redis:6379/0"},
                         "rewards": [{"name": "judge:score", "params": {"api_key": "sk-123", "model": "m", "max_tokens": 5,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from streamgrpo.config import ConfigError, build_config
-from streamgrpo.deepspeed_setup import deepspeed_config
+from streamgrpo.learner.deepspeed_setup import deepspeed_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 
@@ -45,7 +45,7 @@ def test_optimizer_blocks_and_bad_files_are_clear_errors(tmp_path):
 
 
 def test_reference_config_partitions_the_reference_under_zero3_only():
-    from streamgrpo.deepspeed_setup import reference_config
+    from streamgrpo.learner.deepspeed_setup import reference_config
 
     z3 = deepspeed_config(build_config({"learner": {"backend": "deepspeed", "bf16": True,
                                                     "deepspeed_config": str(DEPLOY / "zero3.json")}}))

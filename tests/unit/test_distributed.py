@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamgrpo.distributed import DistInfo, RankPlan, local_world_size, plan_ranks
+from streamgrpo.learner.distributed import DistInfo, RankPlan, local_world_size, plan_ranks
 
 
 @pytest.mark.parametrize(("requested", "cuda", "devices", "local", "want"), [

@@ -1,4 +1,4 @@
-"""Model FLOPs per learner step (streamgrpo/flops.py): hand-computed counts, torch's own FLOP counter on
+"""Model FLOPs per learner step (streamgrpo/learner/flops.py): hand-computed counts, torch's own FLOP counter on
 the real tiny models, the 6·N·tokens rule, the real 3B/7B configs, peak FLOP/s and MFU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from streamgrpo.flops import (
+from streamgrpo.learner.flops import (
     FlopCounter,
     ModelShape,
     StepTokens,
@@ -156,7 +156,7 @@ def test_lora_adapters_and_reference():
 def test_step_tokens_of_accepted_groups():
     import numpy as np
 
-    from streamgrpo.learner_state import Accepted
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.wire import Completion, ScoredGroup
 
     def acc(prompt, lens, grids):
@@ -175,7 +175,7 @@ def test_step_tokens_of_accepted_groups():
 def test_shared_prompt_counts_each_prompt_once_by_hand():
     import numpy as np
 
-    from streamgrpo.learner_state import Accepted
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.wire import Completion, ScoredGroup
 
     def acc(prompt, lens):

@@ -24,7 +24,7 @@ FLAGS = [  # (llm, mlp, vision)
 
 @pytest.fixture(scope="module")
 def arch_groups(tmp_path_factory, tiny_model_dir, tiny_qwen3_dir, demo_data_dir):
-    from streamgrpo.rollouts import sample_groups
+    from streamgrpo.generator.rollouts import sample_groups
 
     train = Path(demo_data_dir) / "train.jsonl"
     return {arch: (d, sample_groups(d, train, 2, num_generations=3, max_tokens=4, seed=1))
@@ -52,8 +52,8 @@ def test_every_parameter_belongs_to_one_group(tiny_any_dir):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("llm,mlp,vision", FLAGS)
 def test_step_changes_exactly_the_unfrozen_groups(arch, llm, mlp, vision, arch_groups, tmp_path, caplog):
-    from streamgrpo.rollouts import accept
-    from streamgrpo.training import Learner
+    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.trainer import Learner
 
     model_dir, groups = arch_groups[arch]
     with caplog.at_level(logging.INFO, logger="streamgrpo.models.loading"):
@@ -72,7 +72,7 @@ def test_step_changes_exactly_the_unfrozen_groups(arch, llm, mlp, vision, arch_g
 
 
 def test_everything_frozen_is_an_error(arch_groups, tmp_path):
-    from streamgrpo.training import Learner
+    from streamgrpo.learner.trainer import Learner
 
     with pytest.raises(ValueError, match="no trainable parameters"):
         Learner(_cfg(arch_groups["qwen2_5_vl"][0], tmp_path, False, False, False))
@@ -82,8 +82,8 @@ def test_per_module_learning_rates(tiny_model_dir, tmp_path):
     """learner.vision_lr / merger_lr give the vision tower and the merger their own AdamW groups;
     unset, one group at learning_rate; a peft-prefixed or unknown name falls back to learning_rate."""
     from streamgrpo.config import load_config
+    from streamgrpo.learner.optim import make_optimizer, param_groups
     from streamgrpo.models.loading import load_model
-    from streamgrpo.optim import make_optimizer, param_groups
 
     base = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",
@@ -109,8 +109,8 @@ def test_per_module_learning_rates(tiny_model_dir, tmp_path):
 
 def test_adamw_is_fused_on_a_gpu_and_under_offload_only(tiny_model_dir, tmp_path):
     from streamgrpo.config import load_config
+    from streamgrpo.learner.optim import fused_adamw, make_optimizer
     from streamgrpo.models.loading import load_model
-    from streamgrpo.optim import fused_adamw, make_optimizer
 
     assert fused_adamw("cuda", offload=False) is True and fused_adamw("cpu", offload=True) is True
     assert fused_adamw("cpu", offload=False) is None  # torch's default on a CPU learner

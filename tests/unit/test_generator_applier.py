@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamgrpo.generator import _Applier
+from streamgrpo.generator.applier import WeightApplier
 
 
 class _Subscriber:
@@ -29,7 +29,7 @@ class _Audit:
 def test_in_flight_a_lower_version_waits_for_the_batch_boundary():
     applied = []
     sub = _Subscriber([3])  # a restarted learner rolled back to v3 while the engine runs v5
-    apply = _Applier(sub, lambda v, t: applied.append(v), _Audit(), 0, "g")
+    apply = WeightApplier(sub, lambda v, t: applied.append(v), _Audit(), 0, "g")
     apply(not_below=5)  # between decoding steps: token versions must not go back
     assert applied == [] and len(apply.pending) == 1
     apply()  # the next batch boundary
@@ -38,6 +38,6 @@ def test_in_flight_a_lower_version_waits_for_the_batch_boundary():
 
 def test_the_newest_version_is_applied_and_older_ones_skipped():
     applied = []
-    apply = _Applier(_Subscriber([6, 7, 8]), lambda v, t: applied.append(v), _Audit(), 0, "g")
+    apply = WeightApplier(_Subscriber([6, 7, 8]), lambda v, t: applied.append(v), _Audit(), 0, "g")
     apply(not_below=5)
     assert applied == [8] and not apply.pending

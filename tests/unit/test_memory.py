@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from streamgrpo.config import build_config
-from streamgrpo.deepspeed_setup import deepspeed_config
-from streamgrpo.memory import (
+from streamgrpo.learner.deepspeed_setup import deepspeed_config
+from streamgrpo.learner.memory import (
     Capacity,
     GiB,
     MemoryPlan,
@@ -97,7 +97,7 @@ def test_placement_from_the_config_and_the_shipped_deepspeed_files():
 
 
 def test_offload_configs_let_our_adamw_run_on_the_host():
-    from streamgrpo.deepspeed_setup import offloads_optimizer
+    from streamgrpo.learner.deepspeed_setup import offloads_optimizer
 
     cfg = build_config({"learner": {"backend": "deepspeed", "deepspeed_config": str(DEPLOY / "zero2_offload.json")}})
     ds = deepspeed_config(cfg)
@@ -133,7 +133,7 @@ def _real_counts(size: str, lora_r: int = 0) -> ParamCounts:
     """Qwen2.5-VL-3B/7B's layer sizes built on the meta device, vision frozen (or LoRA on every decoder linear)."""
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
-    from streamgrpo.models.loading import policy_counts
+    from streamgrpo.models.params import policy_counts
     from streamgrpo.models.tiny import _REAL_VISION, REAL_SIZES
 
     real = REAL_SIZES[size]
@@ -175,7 +175,7 @@ def test_7b_on_one_80gb_gpu_lora_and_offload_fit_full_torch_does_not():
 
 
 def test_report_says_what_sits_where_and_whether_it_fits():
-    from streamgrpo.memory import report
+    from streamgrpo.learner.memory import report
 
     place = Placement(backend="deepspeed", bf16=True, zero_stage=2, offload_optimizer="cpu", world_size=2)
     plan = plan_memory(ParamCounts(total=8 * 2**30, trainable=4 * 2**30), place)

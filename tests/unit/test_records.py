@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from streamgrpo.config import DataConfig
-from streamgrpo.data.demo import SQUARE, left_half_percent, make_demo, render, trajectory
 from streamgrpo.data.records import (
     DataError,
     DataFileNotFound,
@@ -19,6 +18,7 @@ from streamgrpo.data.records import (
     read_records,
 )
 from streamgrpo.metrics import ERRORS
+from streamgrpo.recipes.demo.data import SQUARE, left_half_percent, make_demo, render, trajectory
 
 
 def _row(rid="r1", q="<video>\nWhat?", a="<think>hm</think> <answer>(B) Collision</answer>", **kw):
@@ -134,8 +134,12 @@ def test_missing_data_file_is_its_own_error_naming_the_path(tmp_path):
 
 
 def test_make_demo_if_missing(tmp_path):
+    from streamgrpo.recipes.demo.assets import prepare_data
+    from streamgrpo.recipes.demo.config import DemoConfig
+
     path = tmp_path / "demo" / "train.jsonl"
-    recs = load_records(path, DataConfig(make_demo_if_missing=True, demo_size=10))
+    assert prepare_data(DemoConfig(make_data=True, size=10), path)
+    recs = load_records(path, DataConfig())
     assert len(recs) == 10 and path.exists()
 
 

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from streamgrpo.evaluate import (
+from streamgrpo.commands.evaluate import (
     difference,
     probe_rows,
     render_markdown,
@@ -20,7 +20,7 @@ from streamgrpo.evaluate import (
     summarize,
     table_rows,
 )
-from streamgrpo.report import build_report, group_staleness, rates, read_jsonl, run_report, smooth
+from streamgrpo.commands.report import build_report, group_staleness, rates, read_jsonl, run_report, smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

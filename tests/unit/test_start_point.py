@@ -8,8 +8,8 @@ import json
 import pytest
 
 from streamgrpo.config import ConfigError, load_config
-from streamgrpo.distributed import DistInfo
-from streamgrpo.learner import start_point
+from streamgrpo.learner.distributed import DistInfo
+from streamgrpo.learner.resume import start_point
 from streamgrpo.runtime import rewind_jsonl
 
 
@@ -31,23 +31,23 @@ def _cfg(run, *sets):
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     run = _run_with_checkpoints(tmp_path)
-    assert start_point(_cfg(run, "learner.resume=true"), run, DistInfo()) == run / "checkpoints" / "step-000008"
-    assert start_point(_cfg(tmp_path / "empty", "learner.resume=true"), tmp_path / "empty", DistInfo()) is None
+    assert start_point(_cfg(run, "learner.resume=true").learner, run, DistInfo()) == run / "checkpoints" / "step-000008"
+    assert start_point(_cfg(tmp_path / "empty", "learner.resume=true").learner, tmp_path / "empty", DistInfo()) is None
 
 
 def test_a_fresh_start_over_checkpoints_is_refused_with_one_clear_line(tmp_path):
     run = _run_with_checkpoints(tmp_path)
     with pytest.raises(ConfigError) as info:
-        start_point(_cfg(run), run, DistInfo())
+        start_point(_cfg(run).learner, run, DistInfo())
     assert "step-000008" in str(info.value) and "--resume" in str(info.value) and "--fresh" in str(info.value)
     assert (run / "checkpoints" / "step-000008").is_dir()  # nothing touched
     with pytest.raises(ConfigError, match="pick one"):
-        start_point(_cfg(run, "learner.resume=true", "learner.fresh=true"), run, DistInfo())
+        start_point(_cfg(run, "learner.resume=true", "learner.fresh=true").learner, run, DistInfo())
 
 
 def test_fresh_moves_the_previous_learner_outputs_aside(tmp_path):
     run = _run_with_checkpoints(tmp_path)
-    assert start_point(_cfg(run, "learner.fresh=true"), run, DistInfo()) is None
+    assert start_point(_cfg(run, "learner.fresh=true").learner, run, DistInfo()) is None
     (moved,) = (run / "previous").iterdir()
     assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == ["step-000004", "step-000008", "step-000012.tmp"]
     assert (moved / "metrics.jsonl").is_file() and (moved / "audit" / "learner.jsonl").is_file()
@@ -57,7 +57,7 @@ def test_fresh_moves_the_previous_learner_outputs_aside(tmp_path):
 
 def test_a_second_up_in_the_same_run_dir_moves_the_whole_previous_run_aside(tmp_path):
     """`make demo` twice: `up`'s list names audit/learner*.jsonl and audit/ both; the folder moves once, whole."""
-    from streamgrpo.orchestrate import up_outputs
+    from streamgrpo.commands.up import up_outputs
     from streamgrpo.runtime import archive_previous
 
     run = _run_with_checkpoints(tmp_path)
@@ -83,8 +83,8 @@ def test_rewind_drops_rows_after_the_step_and_a_torn_line(tmp_path):
 
 def test_up_writes_no_redis_password_to_disk(tmp_path):
     """`streamgrpo up` hands queue.url to its children in the environment, not in config.yaml."""
+    from streamgrpo.commands.up import _write_child_config
     from streamgrpo.config import load_config
-    from streamgrpo.orchestrate import _write_child_config
 
     cfg = load_config("demo", [f"run_dir={tmp_path}", "queue.url=redis://:s3cret-pw@127.0.0.1:6390/0"])
     env: dict[str, str] = {}

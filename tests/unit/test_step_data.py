@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamgrpo.learner_state import Accepted, LearnerState
-from streamgrpo.step_data import LossStats, Probe, StepOutput, StepRecord, StepSummary
+from streamgrpo.learner.state import Accepted, LearnerState
+from streamgrpo.learner.step_data import LossStats, Probe, StepOutput, StepRecord, StepSummary
 from streamgrpo.wire import Completion, ScoredGroup
 
 # the metrics.jsonl keys, in order (orchestrate, report, tracking, the benchmarks and the dashboards read them)
@@ -96,7 +96,7 @@ def test_one_rank_without_json_round_trip_and_without_accuracy():
 def test_the_update_line_search_outcome_reaches_the_metrics_line():
     from dataclasses import replace
 
-    from streamgrpo.update_guard import UpdateCheck
+    from streamgrpo.learner.update_guard import UpdateCheck
 
     a = _group("g0", [1.0, 0.0], [4, 2])
     out = replace(_out(6, [1.0, -1.0]), update=UpdateCheck(kl_first=2.6, kl=0.04, scale=0.125, halvings=3))
@@ -119,7 +119,7 @@ def test_tokens_per_second_and_mfu_add_up_over_ranks():
     line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 2.0, 0.0, 1e-3).to_json()
     assert merged.peak_flops is None and line["mfu"] is None and line["tokens_per_second"] == 20.0
 
-    from streamgrpo.orchestrate import _status_line
+    from streamgrpo.commands.up import _status_line
 
     status = _status_line([{**line, "mfu": 0.3125, "tokens_per_second": 1234.4}], 3, 0.0, "gens 1/1")
     assert "1234 tok/s" in status and "MFU 31.2%" in status and status.endswith("gens 1/1")
@@ -154,8 +154,8 @@ def test_step_output_reads_its_metrics_from_the_loss_stats():
 def test_the_learner_counts_the_pure_cores_errors():
     from streamgrpo import metrics as M
     from streamgrpo.advantages import group_advantages
+    from streamgrpo.learner.trainer import counted_errors
     from streamgrpo.loss import compute_loss
-    from streamgrpo.training import counted_errors
 
     value = {k: M.ERRORS.labels(kind=k)._value.get for k in ("loss", "reward")}
     before = {k: v() for k, v in value.items()}
@@ -169,7 +169,7 @@ def test_the_learner_counts_the_pure_cores_errors():
 
 
 def test_micro_batches_never_mix_sampling_temperatures():
-    from streamgrpo.micro_batches import sampling_temperature, split_micro_batches
+    from streamgrpo.learner.micro_batches import sampling_temperature, split_micro_batches
 
     batch = [_group(f"g{i}", [1.0, 0.0], [2, 2], temperature=t) for i, t in enumerate([1.0, 1.0, 0.7, None, 1.0])]
     parts = split_micro_batches(batch, None)
@@ -181,7 +181,7 @@ def test_micro_batches_never_mix_sampling_temperatures():
 
 
 def test_micro_batch_budget_counts_the_layout_the_decoder_sees():
-    from streamgrpo.micro_batches import group_tokens, split_micro_batches
+    from streamgrpo.learner.micro_batches import group_tokens, split_micro_batches
 
     # prompt 3 tokens, four completions of 2: rows 4 x (3 + 2) = 20; shared prompt 3 + 4 x 2 = 11
     batch = [_group(f"g{i}", [1.0, 0.0, 1.0, 0.0], [2, 2, 2, 2]) for i in range(4)]

@@ -96,7 +96,7 @@ def test_cli_model_tiny_warms_on_the_prompts_of_its_config(tmp_path):
 
     data = tmp_path / "motion" / "train.jsonl"
     assert main(["model", "tiny", "--out", str(tmp_path / "m"), "--warm-format", "--warm-steps", "2",
-                 "--config", "demo-motion", "--set", f"data.train_path={data}", "--set", "data.demo_size=20"]) == 0
+                 "--config", "demo-motion", "--set", f"data.train_path={data}", "--set", "demo.size=20"]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
     videos = list((tmp_path / "motion" / "videos").glob("*.mp4"))  # the config's data set, made on the way
     assert videos and all(v.stem.endswith("r") for v in videos)  # demo_motion: reverse

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamgrpo.tracking import SEED_KEYS, Tracker, flat_scalars, sample_rows, seed_scalars
+from streamgrpo.learner.tracking import SEED_KEYS, Tracker, flat_scalars, sample_rows, seed_scalars
 
 REC = {"step": 3, "version": 3, "time": 1.0, "reward": 0.6, "rewards": {"format": 0.9, "accuracy": 0.4},
        "kl": 0.02, "adv_mean": 0.0, "policy_seq_log_prob": -12.5, "loss": 0.1, "entropy": None,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamgrpo.update_guard import backtrack, kl_terms, shrink_towards
+from streamgrpo.learner.update_guard import backtrack, kl_terms, shrink_towards
 
 
 def test_kl_terms_is_k3_over_masked_tokens_only():

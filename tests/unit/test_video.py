@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from streamgrpo.config import DataConfig
 from streamgrpo.data import decode
 from streamgrpo.data.dataset import epoch_order, iter_samples, shard_records
-from streamgrpo.data.demo import render, write_mp4
 from streamgrpo.data.records import DataError, Record, load_records
 from streamgrpo.data.sampling import (
     BudgetError,
@@ -32,6 +31,7 @@ from streamgrpo.data.sampling import (
 )
 from streamgrpo.data.video import load_visuals, sample_frame_indices, smart_resize
 from streamgrpo.metrics import ERRORS
+from streamgrpo.recipes.demo.data import render, write_mp4
 
 
 # ------------------------------------------------------------------------------ pure rules

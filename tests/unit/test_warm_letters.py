@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamgrpo.models.warm import marginal_letter_loss, uniform_letter_loss
+from streamgrpo.recipes.demo.warm import marginal_letter_loss, uniform_letter_loss
 
 V = 10  # a toy vocabulary: tokens 0-9, the options are tokens 2, 3 (and 4)
 

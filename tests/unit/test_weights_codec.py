@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from streamgrpo.models.apply import WeightsApplyError, apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora, merge_lora_into
-from streamgrpo.transport.weights_codec import (
+from streamgrpo.transport.weights.codec import (
     Assembler,
     ChunkHeader,
     WeightsFormatError,
@@ -31,7 +31,7 @@ from streamgrpo.transport.weights_codec import (
     newer,
     select_chunks,
 )
-from streamgrpo.transport.weights_layout import (
+from streamgrpo.transport.weights.layout import (
     ALIGN,
     LayoutMemo,
     parse_layout,
@@ -244,8 +244,8 @@ def test_flipped_payload_byte_is_rejected_once(where, threads):
 
 
 def test_well_hashed_but_malformed_tensor_table_is_rejected():
-    from streamgrpo.transport.weights_codec import VersionMeta
-    from streamgrpo.transport.weights_codec import iter_chunks as chunks_of
+    from streamgrpo.transport.weights.codec import VersionMeta
+    from streamgrpo.transport.weights.codec import iter_chunks as chunks_of
 
     payload = _payload({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
     meta = VersionMeta(1, 7, len(payload), 16, -(-len(payload) // 16), 0.0, "xxh3_128")
@@ -410,7 +410,7 @@ def test_lora_errors_name_the_tensor():
 def test_generate_keys_layout_modes_and_reuse(tmp_path):
     import zmq.auth
 
-    from streamgrpo.transport.keys import authorised_dir, client_keys, generate_keys, server_keys
+    from streamgrpo.transport.weights.keys import authorised_dir, client_keys, generate_keys, server_keys
 
     old = os.umask(0o022)
     try:

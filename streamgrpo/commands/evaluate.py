@@ -1,0 +1,402 @@
+"""``streamgrpo eval``: accuracy and rewards of a model on held-out records, before/after table.
+
+For the model ``M`` (and, with ``--baseline``, for ``B`` on the same records and settings) every
+record is answered (greedy by default; ``--samples K`` samples K completions at the rollout
+temperature), scored with the configured rewards (or ``--rewards a,b``), and summarised:
+
+* ``accuracy``: mean value of the correctness reward (``accuracy`` when configured, else the first
+  non-format reward) over all completions -- with K samples this is mean@K;
+* ``pass@K`` (K > 1): share of records with at least one fully correct sample (value >= 1);
+* ``reward`` and ``reward/<fn>``: mean weighted total and mean of each reward function;
+* ``format_compliance``: share of completions whose format is fully right (the ``format`` rule
+  with the data's tags: think block then answer block, or an answer block for ``no_think``);
+* ``completion_tokens``: mean completion length in tokens.
+
+Temporal-reliance probe (``--shuffle-frames``, ``--shuffle-seed N``): each model answers every
+record twice with the one loaded model, once as usual and once with each video's sampled frames in
+a random order (per record, from N and the record id: :func:`streamgrpo.commands.infer.probe_visuals`;
+images unchanged). Accuracy is then also given per record ``kind``, ordered and shuffled, and the
+drop (ordered - shuffled): a model that uses frame order loses accuracy on the questions that need
+it (direction), one that reads single frames (colour) does not.
+
+Outputs in ``--out`` (default ``<model dir>/eval``, or ``./eval`` for a hub id): ``eval.json``,
+``eval.md`` and the raw completions ``outputs-model.jsonl`` / ``outputs-baseline.jsonl`` (the
+:mod:`streamgrpo.commands.infer` line schema plus ``sample``; with the probe also
+``outputs-model-shuffled.jsonl`` / ``outputs-baseline-shuffled.jsonl``), from which every number
+can be recomputed with :func:`summarize`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from streamgrpo.config import Config, ConfigError, RewardsConfig, RewardSpec
+
+log = logging.getLogger("streamgrpo.eval")
+
+FORMAT_FAMILY = ("format", "strict_format", "soft_format", "xml_count")
+CORRECT = 1.0 - 1e-9
+NO_KIND = "(no kind)"  # by_kind label of records without a kind
+
+
+# ------------------------------------------------------------------------------------ pure parts
+def correctness_reward(names: Sequence[str]) -> str | None:
+    """The reward that says whether an answer is right: ``accuracy`` if present, else the first
+    reward outside the format family, else None."""
+    if "accuracy" in names:
+        return "accuracy"
+    return next((n for n in names if n.split("#")[0] not in FORMAT_FAMILY), None)
+
+
+def format_ok(text: str, think_tag: str | None, answer_tag: str) -> bool:
+    """The completion's format is fully right (the ``format`` reward's rule scores 1)."""
+    from streamgrpo.rewards.format import format_score
+
+    return format_score(text, think_tag, answer_tag) >= CORRECT
+
+
+def summarize(rows: Sequence[dict], *, samples: int, reward_names: Sequence[str], think_tag: str | None,
+              answer_tag: str, kinds: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """The metrics of one model from its output rows (pure; see the module docstring).
+
+    With ``kinds`` (record id -> kind) also ``by_kind``: ``{kind: {"records", "accuracy"}}``."""
+    by_id: dict[str, list[dict]] = {}
+    for r in rows:
+        by_id.setdefault(str(r["id"]), []).append(r)
+    out: dict[str, Any] = {"records": len(by_id), "completions": len(rows)}
+    key = correctness_reward(reward_names)
+    out["accuracy_reward"] = key
+
+    def mean(values: list[float]) -> float | None:
+        return float(sum(values) / len(values)) if values else None
+
+    if key is not None:
+        out["accuracy"] = mean([r["rewards"][key] for r in rows])
+        if samples > 1:
+            out[f"pass@{samples}"] = mean([float(any(r["rewards"][key] >= CORRECT for r in group))
+                                           for group in by_id.values()])
+    else:
+        out["accuracy"] = None
+    out["reward"] = mean([r["reward"] for r in rows])
+    for name in reward_names:
+        out[f"reward/{name}"] = mean([r["rewards"][name] for r in rows])
+    out["format_compliance"] = mean([float(format_ok(r["completion"], think_tag, answer_tag)) for r in rows])
+    out["completion_tokens"] = mean([float(r["completion_tokens"]) for r in rows])
+    if kinds is not None:
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            kind = kinds.get(str(r["id"]))
+            groups.setdefault(NO_KIND if kind is None else str(kind), []).append(r)
+        out["by_kind"] = {k: {"records": len({str(r["id"]) for r in g}),
+                              "accuracy": mean([r["rewards"][key] for r in g]) if key is not None else None}
+                          for k, g in sorted(groups.items())}
+    return out
+
+
+def metric_keys(summaries: Sequence[dict]) -> list[str]:
+    """Table rows in a stable order: counts, accuracy, pass@K, reward, per-function, format, length."""
+    keys: list[str] = []
+    for s in summaries:
+        for k in s:
+            if k not in keys and k not in ("accuracy_reward", "by_kind"):
+                keys.append(k)
+    return keys
+
+
+def difference(model: dict, baseline: dict) -> dict[str, float | None]:
+    """``model - baseline`` for every numeric metric both have."""
+    diff: dict[str, float | None] = {}
+    for k in metric_keys([model, baseline]):
+        a, b = model.get(k), baseline.get(k)
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+        diff[k] = float(a - b) if ok else None
+    return diff
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else float(a - b)
+
+
+def shuffle_drop(ordered: dict, shuffled: dict) -> dict[str, Any]:
+    """Ordered minus shuffled accuracy, overall and per kind (``by_kind`` of both summaries)."""
+    theirs = shuffled.get("by_kind") or {}
+    return {"accuracy": _sub(ordered.get("accuracy"), shuffled.get("accuracy")),
+            "by_kind": {k: _sub(v["accuracy"], (theirs.get(k) or {}).get("accuracy"))
+                        for k, v in (ordered.get("by_kind") or {}).items()}}
+
+
+def _fmt(key: str, value: Any, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if key in ("records", "completions"):
+        return f"{int(value):+d}" if signed else str(int(value))
+    if key == "completion_tokens":
+        return f"{value:+.1f}" if signed else f"{value:.1f}"
+    return f"{value:+.4f}" if signed else f"{value:.4f}"
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """Header + one row per metric: metric | model [| baseline | difference]."""
+    model, baseline = result["model"]["metrics"], (result.get("baseline") or {}).get("metrics")
+    header = ["metric", "model"] + (["baseline", "difference"] if baseline is not None else [])
+    rows = [header]
+    for k in metric_keys([model] + ([baseline] if baseline is not None else [])):
+        row = [k, _fmt(k, model.get(k))]
+        if baseline is not None:
+            row += [_fmt(k, baseline.get(k)), _fmt(k, result["difference"].get(k), signed=True)]
+        rows.append(row)
+    return rows
+
+
+def _of_kind(summary: dict, kind: str | None, key: str = "accuracy") -> Any:
+    """``summary[key]`` overall (kind None) or of one kind (``by_kind``); None where absent."""
+    if kind is None:
+        return summary.get(key)
+    return ((summary.get("by_kind") or {}).get(kind) or {}).get(key)
+
+
+def probe_rows(result: dict) -> list[list[str]] | None:
+    """The ``--shuffle-frames`` table, None without it: header + one row per kind and ``overall``:
+    kind | records | per model: ordered, shuffled, drop (accuracy)."""
+    labels = [lb for lb in ("model", "baseline") if (result.get(lb) or {}).get("shuffled") is not None]
+    if not labels:
+        return None
+    header = ["kind", "records"] + [f"{lb} {c}" for lb in labels for c in ("ordered", "shuffled", "drop")]
+    kinds = sorted({k for lb in labels for k in (result[lb]["metrics"].get("by_kind") or {})})
+    rows = [header]
+    for kind in [*kinds, None]:
+        row = ["overall" if kind is None else kind,
+               _fmt("records", _of_kind(result[labels[0]]["metrics"], kind, "records"))]
+        for lb in labels:
+            run = result[lb]
+            drop = run["shuffle_drop"]["accuracy"] if kind is None else run["shuffle_drop"]["by_kind"].get(kind)
+            row += [_fmt("accuracy", _of_kind(run["metrics"], kind)), _fmt("accuracy", _of_kind(run["shuffled"], kind)),
+                    _fmt("accuracy", drop, signed=True)]
+        rows.append(row)
+    return rows
+
+
+def _align(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_text(result: dict) -> str:
+    """Aligned plain-text table for the terminal (and the probe table after it, with ``--shuffle-frames``)."""
+    text = _align(table_rows(result))
+    probe = probe_rows(result)
+    if probe is not None:
+        text += (f"\n\nshuffled frames (seed {result['settings'].get('shuffle_seed')}): accuracy per question kind; "
+                 "drop = ordered - shuffled\n" + _align(probe))
+    return text
+
+
+def render_markdown(result: dict) -> str:
+    rows = table_rows(result)
+    s = result["settings"]
+    md = ["# Evaluation", "",
+          f"- **model:** `{result['model']['name']}`"]
+    if result.get("baseline"):
+        md.append(f"- **baseline:** `{result['baseline']['name']}`")
+    acc = result["model"]["metrics"].get("accuracy_reward")
+    md += [f"- **data:** `{s['data']}` ({s['records']} records used, {s['skipped']} skipped)",
+           f"- **decoding:** {'greedy' if s['temperature'] == 0 else 'temperature ' + str(s['temperature'])}, "
+           f"{s['samples']} sample(s) per record, max {s['max_new_tokens']} new tokens, prompt format "
+           f"`{s['prompt_format']}`",
+           f"- **rewards:** {', '.join(f'`{n}` x{w}' for n, w in s['rewards'].items())}; accuracy = mean of "
+           f"`{acc}`" + (f" over {s['samples']} samples (mean@{s['samples']})" if s['samples'] > 1 else ""),
+           "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    probe = probe_rows(result)
+    if probe is not None:
+        md += ["", "## Temporal probe: shuffled frames", "",
+               f"Every record answered again with each video's sampled frames in a random order (seed "
+               f"{s.get('shuffle_seed')}, per record; images unchanged). Accuracy per question kind; drop = ordered "
+               "- shuffled. A drop near 0 on a kind that needs the order (e.g. direction) means the model does not "
+               "use it.", "", "| " + " | ".join(probe[0]) + " |", "|" + "---|" * len(probe[0])]
+        md += ["| " + " | ".join(r) + " |" for r in probe[1:]]
+    md += ["", "Raw completions: " + ", ".join(f"`{Path(p).name}`" for p in s["outputs"].values()), ""]
+    return "\n".join(md)
+
+
+# ------------------------------------------------------------------------------------------- shell
+def reward_config(cfg: Config, names: str | None) -> RewardsConfig:
+    """The config's rewards, or only the ``--rewards`` names (a configured one keeps its weight and
+    params; others get weight 1)."""
+    if not names:
+        return cfg.rewards
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:
+        raise ConfigError(f"--rewards {names!r}: no reward names")
+    known = {s.name: s for s in cfg.rewards.functions}
+    specs = [known.get(n) or RewardSpec(name=n, weight=1.0) for n in wanted]
+    return cfg.rewards.model_copy(update={"functions": specs})
+
+
+def default_out(model: str) -> Path:
+    p = Path(model)
+    return p / "eval" if p.is_dir() else Path.cwd() / "eval"
+
+
+def _answer(policy, records, cfg: Config, sampling, rewards, out_path: Path, batch_size: int, desc: str,
+            shuffle_seed: int | None = None) -> tuple[list[dict], list[Exception]]:
+    """One pass of a loaded model over ``records``: rows written to ``out_path`` (fresh), bad records."""
+    from streamgrpo.commands.infer import LineSink, report_bad, result_rows, run_batches
+
+    rows: list[dict] = []
+    bad: list[Exception] = []
+    sink = LineSink(out_path, mode="w")
+
+    def emit(record, group) -> None:
+        new = result_rows(record, group, rewards, cfg.data, has_truth=True, with_sample=True)
+        sink.write(new)
+        rows.extend(new)
+
+    def on_error(exc: Exception) -> None:
+        bad.append(exc)
+        report_bad(exc)
+
+    try:
+        run_batches(policy, records, cfg.data, sampling, batch_size=batch_size, emit=emit, on_error=on_error,
+                    desc=desc, shuffle_seed=shuffle_seed)
+    finally:
+        sink.close()
+    return rows, bad
+
+
+def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Config, sampling, rewards,
+                   out_path: Path, batch_size: int, shuffled_path: Path | None = None,
+                   shuffle_seed: int = 0) -> tuple[str, list[dict], list[Exception], list[dict] | None]:
+    """Answer and score every record with one model; write its rows to ``out_path`` (fresh).
+
+    With ``shuffled_path`` the same model answers again with shuffled frames (``shuffle_seed``),
+    rows to ``shuffled_path``; records that failed the first pass are not tried again.
+    Returns (name, rows, bad records, shuffled rows or None)."""
+    from streamgrpo.commands.infer import load_policy
+
+    policy = load_policy(model, cfg, adapter)
+    shuffled = None
+    try:
+        rows, bad = _answer(policy, records, cfg, sampling, rewards, out_path, batch_size, f"eval {label}")
+        if shuffled_path is not None:
+            failed = {str(e.record_id) for e in bad}
+            shuffled, _ = _answer(policy, [r for r in records if str(r.id) not in failed], cfg, sampling, rewards,
+                                  shuffled_path, batch_size, f"eval {label} shuffled", shuffle_seed)
+    finally:
+        name = policy.name
+        policy.close()
+    return name, rows, bad, shuffled
+
+
+def _check_eval_args(args) -> tuple[bool, int]:
+    """Reject bad ``eval`` counts and seeds; returns (shuffle frames?, the shuffle seed)."""
+    if args.samples < 1:
+        raise ConfigError(f"--samples must be at least 1, got {args.samples}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    shuffle = bool(getattr(args, "shuffle_frames", False))
+    shuffle_seed = getattr(args, "shuffle_seed", None)
+    if shuffle_seed is not None and not shuffle:
+        raise ConfigError("--shuffle-seed needs --shuffle-frames")
+    shuffle_seed = 0 if shuffle_seed is None else int(shuffle_seed)
+    if shuffle_seed < 0:
+        raise ConfigError(f"--shuffle-seed must be >= 0, got {shuffle_seed}")
+    return shuffle, shuffle_seed
+
+
+def _eval_sampling(args, cfg: Config):
+    """The sampling parameters: greedy for one sample, else the config's temperature (``args`` gets the
+    resolved temperature, top_p and top_k)."""
+    from streamgrpo.commands.infer import sampling_from_args
+
+    if args.temperature is None:
+        args.temperature = 0.0 if args.samples == 1 else cfg.rollout.temperature
+    if args.samples > 1 and args.temperature == 0:
+        raise ConfigError("--samples K > 1 needs a temperature above 0 (greedy samples are identical)")
+    args.top_p, args.top_k = cfg.rollout.top_p, cfg.rollout.top_k
+    return sampling_from_args(args, cfg, n=args.samples)
+
+
+def _eval_records(args, cfg: Config) -> tuple[list, list]:
+    """The records to evaluate (with a ground truth, at most ``--limit``) and the unreadable ones (reported)."""
+    from streamgrpo.commands.infer import read_input_records, report_bad
+
+    records, errors, no_truth = read_input_records(args.data, cfg.data)
+    for err in errors:
+        report_bad(err)
+    if no_truth:
+        print(f"{len(no_truth)} record(s) without a ground truth are not evaluated", file=sys.stderr)
+        records = [r for r in records if r.id not in no_truth]
+    if args.limit is not None:
+        records = records[: max(0, args.limit)]
+    return records, errors
+
+
+def run_eval(args) -> int:
+    """``streamgrpo eval``: returns the exit code; writes eval.json / eval.md and prints the table."""
+    from streamgrpo.commands.infer import checkpoint_of, resolve_config
+    from streamgrpo.rewards import RewardSet
+
+    shuffle, shuffle_seed = _check_eval_args(args)
+    model = checkpoint_of(args.model)
+    baseline = checkpoint_of(args.baseline) if args.baseline else None
+    cfg = resolve_config(args.config, args.overrides, model, args.format)
+    cfg.rewards = reward_config(cfg, args.rewards)
+    rewards = RewardSet(cfg)
+    sampling = _eval_sampling(args, cfg)
+
+    records, errors = _eval_records(args, cfg)
+    if not records:
+        print(f"error: {args.data}: no records to evaluate", file=sys.stderr)
+        return 2
+
+    out_dir = Path(args.out) if args.out else default_out(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    think_tag = cfg.data.think_tag if cfg.data.prompt_format == "think" else None
+    runs = [("model", model, args.adapter)] + ([("baseline", baseline, None)] if baseline else [])
+    result: dict[str, Any] = {}
+    outputs: dict[str, str] = {}
+    skipped_ids: set[str] = set()  # records a model could not be given (media errors)
+    kinds = {str(r.id): r.kind for r in records} if shuffle else None
+
+    def summary(rows: list[dict]) -> dict[str, Any]:
+        return summarize(rows, samples=args.samples, reward_names=rewards.names, think_tag=think_tag,
+                         answer_tag=cfg.data.answer_tag, kinds=kinds)
+
+    started = time.time()
+    for label, path, adapter in runs:
+        out_path = out_dir / f"outputs-{label}.jsonl"
+        shuffled_path = out_dir / f"outputs-{label}-shuffled.jsonl" if shuffle else None
+        name, rows, bad, shuffled = evaluate_model(label, path, adapter, records, cfg, sampling, rewards, out_path,
+                                                   args.batch_size, shuffled_path, shuffle_seed)
+        skipped_ids |= {str(e.record_id) for e in bad}
+        outputs[label] = str(out_path)
+        result[label] = {"name": name, "path": path, "adapter": adapter, "metrics": summary(rows)}
+        if shuffled is not None:
+            outputs[f"{label}-shuffled"] = str(shuffled_path)
+            result[label]["shuffled"] = summary(shuffled)
+            result[label]["shuffle_drop"] = shuffle_drop(result[label]["metrics"], result[label]["shuffled"])
+    if baseline:
+        result["difference"] = difference(result["model"]["metrics"], result["baseline"]["metrics"])
+    result["settings"] = {
+        "data": str(args.data), "records": len(records), "skipped": len(errors) + len(skipped_ids), "samples": args.samples,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_tokens, "prompt_format": cfg.data.prompt_format,
+        "rewards": rewards.weights, "seed": cfg.seed, "outputs": outputs, "seconds": round(time.time() - started, 2),
+    }
+    if shuffle:
+        result["settings"].update(shuffle_frames=True, shuffle_seed=shuffle_seed)
+    (out_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "eval.md").write_text(render_markdown(result))
+    print(render_text(result))
+    print(f"\nwritten: {out_dir / 'eval.json'}, {out_dir / 'eval.md'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,348 @@
+"""``streamgrpo up``: everything on one machine.
+
+Starts an embedded Redis when no ``queue.url`` is set, the learner and N generators as child
+processes (each with its own /metrics port and a log file in the run directory), shows one live
+status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and
+waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and
+``reward.png`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from streamgrpo.config import Config
+from streamgrpo.runtime import (
+    LEARNER_OUTPUTS,
+    TARGET_ACCURACY,
+    WINDOW_GROUPS,
+    archive_previous,
+    free_port,
+    group_accuracies,
+    stop_process,
+    target_reached,
+    write_json,
+)
+
+log = logging.getLogger("streamgrpo.up")
+
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
+        self.name = name
+        self.log_path = log_path
+        self._fh = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM (finish the current unit of work), then SIGKILL after ``grace_s``; by PID only."""
+        code = stop_process(self.proc, grace_s)
+        self._fh.close()
+        return code
+
+
+def _read_metrics(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
+    if not path.exists():
+        return offset
+    with open(path) as fh:
+        fh.seek(offset)
+        while True:
+            line = fh.readline()
+            if not line or not line.endswith("\n"):
+                break
+            offset += len(line.encode())
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return offset
+
+
+def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
+    """summary.json: steps, groups, accuracy over the first/last 50 trained groups, time to 0.9."""
+    accs = [a for _, _, a in group_accuracies(rows)]
+    first, last = accs[:WINDOW_GROUPS], accs[-WINDOW_GROUPS:]
+    hit = target_reached(rows)
+    time_to_target = None if hit is None else round(hit[1] - started, 2)
+    final = rows[-1] if rows else {}
+    return {
+        "steps": final.get("step", 0),
+        "version": final.get("version", 0),
+        "groups_trained": final.get("groups_trained", 0),
+        "groups_dropped": final.get("groups_dropped", {}),
+        "wall_seconds": round(finished - started, 2),
+        "first_accuracy": sum(first) / len(first) if first else None,
+        "last_accuracy": sum(last) / len(last) if last else None,
+        "time_to_target_s": time_to_target,
+        "target_accuracy": TARGET_ACCURACY,
+        "final_reward": final.get("reward"),
+    }
+
+
+def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward"] for r in rows], label="reward (total)", color="tab:blue")
+    fns = sorted({k for r in rows for k in (r.get("rewards") or {})})
+    for fn in fns:
+        if fn != "accuracy":
+            ax.plot(steps, [(r.get("rewards") or {}).get(fn) for r in rows], label=f"reward: {fn}", alpha=0.6)
+    if any(r.get("accuracy") is not None for r in rows):
+        ax.plot(steps, [r.get("accuracy") for r in rows], label="accuracy", color="tab:green")
+    ax.axhline(TARGET_ACCURACY, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean over the step's groups")
+    ax.set_ylim(-0.05, max(1.05, max((r["reward"] for r in rows), default=1.0) + 0.05))
+    ax.legend(loc="lower right")
+    ax.set_title("streamgrpo: reward and accuracy over training")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, alive: str) -> str:
+    r = rows[-1] if rows else {}
+    elapsed = time.time() - started
+    gps = r.get("groups_trained", 0) / elapsed if elapsed > 0 else 0.0
+    acc, mfu = r.get("accuracy"), r.get("mfu")
+    return (f"[{elapsed:6.0f}s] step {r.get('step', 0):4d}  v{r.get('version', 0):<4d} "
+            f"reward {r.get('reward', float('nan')):.3f}  acc {'-' if acc is None else f'{acc:.3f}'}  "
+            f"stale {r.get('staleness_mean', 0.0):.1f}  queue {'-' if depth is None else depth:>3}  "
+            f"{gps:.2f} groups/s  {r.get('tokens_per_second', 0.0):.0f} tok/s  "
+            f"{'' if mfu is None else f'MFU {100 * mfu:.1f}%  '}{alive}")
+
+
+def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
+           config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False) -> int:
+    _apply_options(cfg, generators=generators, run_dir=run_dir, sync=sync, resume=resume)
+    rd = _prepare_run_dir(cfg)
+    env = _child_env()
+    redis = _start_embedded_redis(cfg, rd, env)
+    config_path = _write_child_config(cfg, rd, env)
+    watch = _Watch(cfg, env, rd / "metrics.jsonl")
+    children: list[Child] = []
+    code, interrupted = 0, False
+    previous = _interrupt_on_signals()
+    try:
+        children = _start_children(cfg, rd, config_path, env)
+        code = watch.until_done(children, status_every_s)
+    except KeyboardInterrupt as exc:
+        interrupted = True
+        name = str(exc) or "SIGINT"
+        code = 128 + int(getattr(signal, name, signal.SIGINT))
+        print(f"\n{'Ctrl-C' if name == 'SIGINT' else name}: stopping every process ...", flush=True)
+    finally:
+        for sig in previous:  # the stopping below is not interrupted (Child.stop escalates to SIGKILL itself)
+            signal.signal(sig, signal.SIG_IGN)
+        for c in reversed(children):  # generators first, the learner last (it checkpoints)
+            c.stop()
+        watch.close()
+        if redis is not None:
+            redis.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _finish(rd, watch, interrupted)
+    return code
+
+
+def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, sync: bool, resume: bool) -> None:
+    """The command line's choices, into the config every child reads."""
+    if resume:
+        cfg.learner.resume, cfg.learner.fresh = True, False
+    if run_dir:
+        cfg.run_dir = run_dir
+    if generators is not None:
+        cfg.rollout.num_generators = generators
+    if sync:
+        cfg.rollout.sync = True
+        cfg.loss.max_staleness = 0
+
+
+def up_outputs(cfg: Config) -> list[str]:
+    """What a `streamgrpo up` run leaves in its run directory (globs): moved aside before a new run."""
+    return [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
+
+
+def _prepare_run_dir(cfg: Config) -> Path:
+    """The run directory, the demo assets, and (a new run) the previous run's outputs moved aside."""
+    rd = Path(cfg.run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "logs").mkdir(exist_ok=True)
+    from streamgrpo.recipes.demo.assets import prepare_assets
+
+    prepare_assets(cfg, say=lambda line: print(line, flush=True))
+    if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
+        moved = archive_previous(rd, up_outputs(cfg))
+        if moved is not None:
+            print(f"the previous run in {rd} moved to {moved} (--resume continues a run instead)", flush=True)
+    return rd
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _start_embedded_redis(cfg: Config, rd: Path, env: dict[str, str]):
+    """An embedded redis-server in ``<run_dir>/redis`` when no ``queue.url`` is set (its URL goes to the children)."""
+    if cfg.queue.url:
+        return None
+    from streamgrpo.transport.queue.server import EmbeddedRedis
+
+    redis = EmbeddedRedis(rd / "redis")
+    url = redis.start()
+    write_json(rd / "redis.json", {"url": url, "pid": redis.pid})
+    env["STREAMGRPO_REDIS_URL"] = url
+    print(f"embedded Redis at {url} (AOF in {rd / 'redis'})", flush=True)
+    return redis
+
+
+def _write_child_config(cfg: Config, rd: Path, env: dict[str, str]) -> Path:
+    """``<run_dir>/config.yaml`` for the children: weight ports fixed, and no secret on disk (a
+    ``queue.url`` travels in the children's environment, ``STREAMGRPO_REDIS_URL``, instead)."""
+    if cfg.weights.pub_port == 0:
+        cfg.weights.pub_port = free_port()
+    if cfg.weights.snapshot_port == 0:
+        cfg.weights.snapshot_port = free_port()
+    on_disk = cfg.model_copy(deep=True)
+    if cfg.queue.url:
+        env["STREAMGRPO_REDIS_URL"] = cfg.queue.url
+        on_disk.queue.url = None
+    path = rd / "config.yaml"
+    path.write_text(on_disk.to_yaml())
+    return path
+
+
+def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str]) -> list[Child]:
+    base = [sys.executable, "-m", "streamgrpo"]
+    children = [Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env)]
+    for k in range(cfg.rollout.num_generators):
+        children.append(Child(f"generator-{k}", [*base, "generator", "--config", str(config_path), "--id", str(k)],
+                              rd / "logs" / f"generator-{k}.log", env))
+    write_json(rd / "processes.json", {c.name: c.pid for c in children})
+    print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+    for line in cfg.advice():
+        print(f"note: {line}", flush=True)
+    return children
+
+
+class _Watch:
+    """The live status line: follows ``metrics.jsonl`` and the queue depth until the learner ends."""
+
+    def __init__(self, cfg: Config, env: dict[str, str], metrics_path: Path):
+        self.cfg, self.env, self.metrics_path = cfg, env, metrics_path
+        self.rows: list[dict[str, Any]] = []
+        self.offset = 0
+        self.queue = None
+        self.started = time.time()
+        self.finished: float | None = None
+
+    def read(self) -> None:
+        self.offset = _read_metrics(self.metrics_path, self.offset, self.rows)
+
+    def until_done(self, children: list[Child], status_every_s: float) -> int:
+        """Show the status until the learner exits (its code) or every generator has (0)."""
+        learner, gens = children[0], children[1:]
+        tty, last_print, reported = sys.stdout.isatty(), 0.0, set()
+        while True:
+            self.read()
+            if self.queue is None:
+                self.queue = _try_queue(self.cfg, self.env)
+            alive = sum(c.alive() for c in gens)
+            line = _status_line(self.rows, _depth(self.queue), self.started, f"gens {alive}/{len(gens)}")
+            if tty:
+                sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
+                sys.stdout.flush()
+            elif time.time() - last_print >= 10.0:
+                print(line, flush=True)
+                last_print = time.time()
+            for c in gens:
+                if not c.alive() and c.name not in reported:
+                    reported.add(c.name)
+                    print(f"\n{c.name} exited with code {c.proc.returncode}; see {c.log_path}", flush=True)
+            if not learner.alive():
+                code = learner.proc.returncode or 0
+                if code != 0:
+                    print(f"\nthe learner exited with code {code}; see {learner.log_path}", flush=True)
+                return code
+            if alive == 0 and gens:
+                print("\nall generators have exited; stopping the learner", flush=True)
+                return 0
+            time.sleep(status_every_s)
+
+    def close(self) -> None:
+        self.finished = time.time()
+        if self.queue is not None:
+            self.queue.close()
+
+
+def _finish(rd: Path, watch: _Watch, interrupted: bool) -> None:
+    """summary.json, reward.png and the closing lines."""
+    watch.read()
+    summary = summarise(watch.rows, watch.started, watch.finished or time.time())
+    summary["interrupted"] = interrupted
+    write_json(rd / "summary.json", summary)
+    outputs = [rd / "config.yaml", watch.metrics_path, rd / "summary.json"]
+    if watch.rows:
+        outputs.append(plot_rewards(watch.rows, rd / "reward.png"))
+    print("\n" + json.dumps({k: summary[k] for k in ("steps", "groups_trained", "first_accuracy", "last_accuracy",
+                                                       "time_to_target_s", "wall_seconds")}), flush=True)
+    for p in outputs:
+        print(f"  {p}")
+
+
+def _interrupt_on_signals() -> dict[int, Any]:
+    """SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt (its message: the signal's name) in
+    ``up``, so either stops every child by PID, also when ``up`` was started where SIGINT is ignored
+    (a background job of a script). Returns the previous handlers; {} off the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _try_queue(cfg: Config, env: dict[str, str]):
+    try:
+        from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+        url = cfg.queue.url or env.get("STREAMGRPO_REDIS_URL")
+        return RedisQueue.from_config(cfg.queue, url, consumer="up-status") if url else None
+    except Exception:  # noqa: BLE001 - the status line simply shows no depth
+        return None
+
+
+def _depth(queue) -> int | None:
+    if queue is None:
+        return None
+    try:
+        return queue.depth()
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,74 @@
+"""The ``learner`` section: backend, ranks, optimizer, schedule, memory knobs, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from streamgrpo.config.base import Section
+
+
+class LearnerConfig(Section):
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Plain torch (one process) or DeepSpeed ZeRO (one or many ranks, launched by torchrun/deepspeed)."""
+    deepspeed_config: Optional[str] = None
+    """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of a single-process learner."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend of DeepSpeed ranks: auto = NCCL (rank r on GPU LOCAL_RANK) when CUDA is visible and this host has a GPU per learner rank, else gloo with every rank on the CPU; nccl insists (an error when the GPUs do not go round); gloo keeps the ranks on their GPUs when they go round."""
+    groups_per_step: int = Field(8, ge=1, le=65536)
+    """Groups (prompts) consumed per optimizer step, summed over ranks."""
+    micro_batch_tokens: Optional[int] = Field(None, ge=16)
+    """Split a step's groups into micro-batches of at most this many decoder tokens (gradient accumulation; with shared_prompt a group's prompt counts once)."""
+    learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
+    """Peak AdamW learning rate."""
+    vision_lr: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Peak learning rate of the vision tower (``model.visual.*`` without the merger); null = learning_rate. Like qwen-vl-finetune's ``vision_tower_lr``."""
+    merger_lr: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Peak learning rate of the vision-language merger (``model.visual.merger``); null = learning_rate. Like qwen-vl-finetune's ``mm_projector_lr``."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    """AdamW beta2."""
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    """AdamW epsilon (TRL's ``adam_epsilon``)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warm-up (cosine/linear decay to 0 at max_steps)."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping norm."""
+    max_update_kl: Optional[float] = Field(None, gt=0.0, le=100.0)
+    """Bound on how far one optimizer step may move the policy: after each step the learner measures the change on the step's own completions (mean per-token KL, old to new) and halves the step until it is at most this (a backtracking line search; up to max_update_halvings times, then the step is undone). Adam moves every weight by about the learning rate whatever the gradient norm, so max_grad_norm does not bound a step. Costs one forward pass per try; torch backend only; null = off."""
+    max_update_halvings: int = Field(4, ge=0, le=30)
+    """With max_update_kl: halvings before a step is undone."""
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps to train; `streamgrpo up` stops everything after this many."""
+    get_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """How long one queue read waits for groups before counting idle time and retrying."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    checkpoint_every: int = Field(1, ge=1, le=1000)
+    """With gradient_checkpointing: recompute only every n-th layer (vision blocks and decoder layers, counted in order; transformers' every_n_layers); the others keep their activations. 1 = every layer; 2 recomputes half of them: less recomputation for more memory."""
+    checkpoint_offload: bool = False
+    """With gradient_checkpointing on a GPU: hold the inputs saved for each recomputed layer in pinned host memory instead of on the GPU (transformers' offload); frees layers x tokens x hidden of GPU memory for two copies per layer and step."""
+    shared_prompt: bool = False
+    """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
+    bf16: bool = False
+    """bfloat16 training: autocast for the torch backend (float32 master weights for what trains, bf16 storage for what does not: a LoRA base, a frozen tower), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
+    save_steps: int = Field(100, ge=1)
+    """Write a checkpoint every this many steps (and on SIGTERM)."""
+    save_total_limit: Optional[int] = Field(3, ge=1)
+    """Keep at most this many checkpoints (oldest deleted first)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory."""
+    fresh: bool = False
+    """Start at step 0 although the run directory has checkpoints: they, metrics.jsonl and the learner's audit log are moved to <run_dir>/previous/<time>/ first. Without resume or fresh, a learner refuses to start over existing checkpoints."""
+    replica_check_every: int = Field(0, ge=0)
+    """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
+    peak_tflops: Optional[float] = Field(None, gt=0.0, le=1e6)
+    """Peak dense TFLOP/s of one learner device at the training precision, for MFU (streamgrpo_learner_mfu, `mfu` in metrics.jsonl); null looks it up by the CUDA device's name (H100, H200, A100); on a CPU or an unlisted GPU MFU is then not reported."""

@@ -1,0 +1,88 @@
+"""The root of the config: one pydantic model with a field per section (each section in its own
+module of this package), the checks that span sections, and advice on settings that work against
+each other. No torch here: the CLI loads configs before importing it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from streamgrpo.config.data import DataConfig
+from streamgrpo.config.learner import LearnerConfig
+from streamgrpo.config.loss import LossConfig
+from streamgrpo.config.metrics import MetricsConfig
+from streamgrpo.config.model import ModelConfig
+from streamgrpo.config.queue import QueueConfig
+from streamgrpo.config.rewards import RewardsConfig
+from streamgrpo.config.rollout import RolloutConfig
+from streamgrpo.config.weights import WeightsConfig
+from streamgrpo.recipes.demo.config import DemoConfig
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+    run_dir: str = "runs/latest"
+    """Run directory: logs, metrics.jsonl, checkpoints, summary and plots."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed for sampling, shuffling and initialisation."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    demo: DemoConfig = Field(default_factory=DemoConfig)
+    """The demo recipe's knobs (streamgrpo/recipes/demo): its data, its tiny model, the staleness benchmark's delay."""
+
+    @field_validator("run_dir")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _checkpointing_knobs(self) -> Config:
+        lc = self.learner
+        if (lc.checkpoint_every > 1 or lc.checkpoint_offload) and not lc.gradient_checkpointing:
+            knob = "checkpoint_every" if lc.checkpoint_every > 1 else "checkpoint_offload"
+            raise ValueError(f"learner.{knob} applies to recomputed layers: set learner.gradient_checkpointing to "
+                             "true, or leave it out")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_prompt_attention(self) -> Config:
+        if self.learner.shared_prompt and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError("learner.shared_prompt needs a custom attention mask: set model.attn_implementation "
+                             "to sdpa or eager, or learner.shared_prompt to false")
+        return self
+
+    def advice(self) -> list[str]:
+        """Settings that are valid but work against each other: one line each, for a startup warning."""
+        held = self.learner.save_steps * self.learner.groups_per_step
+        if held <= 10_000:
+            return []
+        return [f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages until "
+                "the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it"]
+
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        """The config as plain data; ``redact`` masks secrets (:func:`streamgrpo.config.redact.redact_secrets`)."""
+        tree = self.model_dump(mode="json")
+        if redact:
+            from streamgrpo.config.redact import redact_secrets
+
+            tree = redact_secrets(tree)
+        return tree
+
+    def to_yaml(self, redact: bool = False) -> str:
+        return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
+
+
+SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "demo")

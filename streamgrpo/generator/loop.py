@@ -1,0 +1,151 @@
+"""The generator process: prompts in, scored groups out (``streamgrpo generator --config F --id K``).
+
+One top-down loop. Per batch of prompts: apply the newest verified weights (a safe point), sample
+G completions per prompt, score them, and push one ScoredGroup per prompt into the Redis stream
+(blocking under backpressure). Generator K reads shard K of ``rollout.num_generators``. SIGTERM
+finishes the current batch and exits 0.
+
+A generator that gets no weights from the learner says so
+(:class:`~streamgrpo.generator.weights_watch.WeightsWatch`): it keeps
+generating with its initial weights (v0), warns every ``weights.warn_every_s`` with the reason (key
+refused, handshake failed, learner unreachable, nothing published yet), and exits with code 3
+(``WEIGHTS_UNAVAILABLE_EXIT``) once ``weights.max_wait_s`` has passed without any version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from streamgrpo.config import Config, ConfigError
+from streamgrpo.generator.applier import WeightApplier
+from streamgrpo.generator.sampling import Sampler
+from streamgrpo.generator.send import send_groups
+from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
+from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
+
+log = logging.getLogger("streamgrpo.generator")
+
+
+def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None) -> int:
+    import torch
+
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.models.loading import load_processor, resolve_device
+    from streamgrpo.models.lora import make_weight_applier
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
+    from streamgrpo.transport.weights.factory import subscriber_from_config
+    if not 0 <= generator_id < cfg.rollout.num_generators:
+        raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
+    stop = stop if stop is not None else StopFlag()
+    name = f"generator-{generator_id}"
+    run_dir = Path(cfg.run_dir)
+    setup_torch_threads()
+    torch.manual_seed(cfg.seed * 1000 + generator_id)
+    server = start_metrics(cfg, run_dir, name)
+    audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
+
+    # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
+    device = resolve_device(cfg.rollout.device)
+    processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
+    engine = _make_engine(cfg, processor, device)
+    records = _records(cfg)
+    rewards = RewardSet(cfg)
+    tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
+    if tc is not None and tc.reward not in rewards.names:
+        raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
+                          f"({', '.join(rewards.names)})")
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
+    weights = subscriber_from_config(cfg.weights, run_dir, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
+                                     pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
+    sampler = Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), rewards, name,
+                       np.random.default_rng([cfg.seed, generator_id, 7]))
+    apply_newest = WeightApplier(weights, make_weight_applier(cfg, engine), audit, cfg.demo.weight_apply_delay, name)
+    watch = WeightsWatch.from_config(weights, cfg.weights, name)
+    if cfg.rollout.inflight_updates:  # new versions also between the decoding steps of a batch (vLLM)
+        sampler.between_steps = lambda: apply_newest(not_below=engine.version)
+        if cfg.rollout.engine != "vllm":
+            log.warning("%s: rollout.inflight_updates needs rollout.engine=vllm; the HF engine applies weights "
+                        "between batches", name)
+    apply_newest.snapshot(min(10.0, cfg.weights.max_wait_s or 10.0))  # a (re)started generator catches up first
+    log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name,
+             (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
+             generator_id, cfg.rollout.num_generators, engine.version,
+             "" if apply_newest.snapped else " (the initial weights: none from the learner yet)")
+    vp = processor.video_processor
+    samples = iter_samples(records, cfg.data, shard=generator_id, num_shards=cfg.rollout.num_generators,
+                           seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=vp.patch_size * vp.merge_size,
+                           temporal_patch=vp.temporal_patch_size)
+
+    # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
+    produced = code = 0
+    try:
+        while not stop:
+            apply_newest()
+            watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
+            batch_size = cfg.rollout.prompts_per_batch
+            if cfg.rollout.sync:
+                batch_size = _claim_sync_slots(queue, cfg, engine.version, batch_size)
+                if batch_size == 0:  # this version's share is produced: wait for the next one
+                    apply_newest(block_s=1.0)
+                    continue
+            chunk = list(itertools.islice(samples, batch_size))
+            if not chunk:
+                log.info("%s: data exhausted after %d groups", name, produced)
+                break
+            sent, gave_up = send_groups(queue, sampler.groups(chunk), stop, name, audit, tick=watch.check)
+            produced += sent
+            if gave_up:
+                break
+    except QueueStopped as exc:  # SIGTERM during a Redis outage: the group being put is given up
+        log.warning("%s: %s; stopping", name, exc)
+    except WeightsUnavailable as exc:
+        log.error("%s", exc)
+        code = WEIGHTS_UNAVAILABLE_EXIT
+    finally:
+        log.info("%s: stopping after %d groups", name, produced)
+        weights.close()
+        queue.close()
+        audit.close()
+        server.close()
+    return code
+
+
+def _make_engine(cfg: Config, processor, device):
+    if cfg.rollout.engine == "vllm":
+        from streamgrpo.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, processor)
+    from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.models.loading import load_model
+
+    return HFEngine(load_model(cfg.model, device), processor, device=device)
+
+
+def _records(cfg: Config) -> list:
+    from streamgrpo.data.records import load_records
+
+    records = load_records(cfg.data.train_path, cfg.data)
+    if cfg.data.kinds:
+        records = [r for r in records if r.kind in cfg.data.kinds]
+    if not records:
+        raise ValueError(f"{cfg.data.train_path}: no records (kinds filter: {cfg.data.kinds})")
+    return records
+
+
+def _claim_sync_slots(queue, cfg: Config, version: int, want: int) -> int:
+    """On-policy mode: claim up to ``want`` of the ``groups_per_step`` slots of ``version``.
+
+    All generators share one Redis counter per version, so exactly one step's worth of groups is
+    produced with each version and the learner never sees a stale group.
+    """
+    key = f"{cfg.queue.namespace}:sync:{version}"
+    total = queue.client.incrby(key, want)
+    queue.client.expire(key, 24 * 3600)
+    already = total - want
+    return max(0, min(want, cfg.learner.groups_per_step - already))

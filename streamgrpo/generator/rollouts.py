@@ -1,0 +1,73 @@
+"""Real ScoredGroups without a generator process: for tests, benchmarks and learner experiments.
+
+:func:`sample_groups` runs the same steps a generator runs (records -> visuals -> chat prompt ->
+processor -> HF engine sampling G completions with behaviour log-probs) and builds one
+:class:`~streamgrpo.wire.ScoredGroup` per prompt. Rewards are synthetic by default (alternating
+1/0 within a group, so every group carries gradient); pass ``score`` to use real reward functions.
+:func:`accept` turns groups into the learner's :class:`~streamgrpo.learner.trainer.Accepted` form, which is
+what ``Learner.train_step`` takes (a fixed sequence of groups, fed directly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def sample_groups(
+    model_dir: str | Path, records_path: str | Path, n_groups: int, *, num_generations: int = 4,
+    max_tokens: int = 6, seed: int = 0, data_overrides: Sequence[str] = (), temperature: float = 1.0,
+    score: Callable[[list[str], str], list[float]] | None = None, policy_version: int = 0,
+) -> list[Any]:
+    """``n_groups`` ScoredGroups of real prompts (demo records) and completions sampled by ``model_dir``."""
+    from streamgrpo.config import build_config
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.prompts import build_prompt_text, processor_inputs, vision_factors
+    from streamgrpo.data.records import load_records
+    from streamgrpo.engines.base import PromptRequest, SamplingParams
+    from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.models.loading import load_model, load_processor
+    from streamgrpo.wire import Completion, ScoredGroup
+
+    overrides = [f"data.train_path={records_path}", f"model.name_or_path={model_dir}", "model.dtype=float32",
+                 "data.min_frames=4", "data.max_frames=4", "data.min_pixels=3136", "data.max_pixels=3136",
+                 "data.prompt_format=no_think", *data_overrides]
+    cfg = build_config({}, overrides)
+    processor = load_processor(str(model_dir))
+    engine = HFEngine(load_model(cfg.model, "cpu"), processor)
+    factor, temporal = vision_factors(processor)
+    records = load_records(records_path, cfg.data)
+    samples = iter_samples(records, cfg.data, shard=0, num_shards=1, seed=seed, epochs=None, factor=factor,
+                           temporal_patch=temporal)
+    sampling = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    groups = []
+    for i in range(n_groups):
+        record, visuals = next(samples)
+        text = build_prompt_text(processor, record, cfg.data)
+        req = PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id)
+        torch.manual_seed(seed * 100_003 + i)
+        outs = engine.generate([req], SamplingParams(**{**sampling.__dict__, "seed": None}))[0]
+        texts = [c.text for c in outs]
+        rewards = score(texts, record.answer) if score else [float(j % 2) for j in range(len(outs))]
+        groups.append(ScoredGroup(
+            prompt_id=record.id, generator_id="rollouts", policy_version=policy_version, model_id=str(model_dir),
+            prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
+            answer=record.answer, prompt_text=text, meta={"kind": record.kind, "temperature": temperature},
+            completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason,
+                                    {"accuracy": r, "format": 1.0 - r}, r) for c, r in zip(outs, rewards)],
+            group_id=f"g{seed}-{i:05d}",
+        ))
+    return groups
+
+
+def accept(groups: Sequence[Any], processor, *, version: int = 0) -> list[Any]:
+    """The learner's view of groups fed directly (no queue): re-processed prompt inputs, staleness."""
+    from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.learner.state import Accepted
+
+    return [Accepted(f"direct-{i}", g, processor_inputs(processor, g.prompt_text, g.visuals),
+                     version - int(g.policy_version)) for i, g in enumerate(groups)]

@@ -1,0 +1,1 @@
+"""streamgrpo.learner.loop."""

@@ -1,0 +1,141 @@
+"""What a learner rank lets into a step, and how the ranks gather a step's groups.
+
+:class:`Gate` refuses stale, rolled-back, already trained, all-equal (with
+``loss.drop_zero_variance``), out-of-vocabulary and prompt-mismatched groups, each counted, audited
+and released or dead-lettered; :func:`collect_groups` polls the queue in rounds that every rank
+agrees on, so no rank waits in a collective for longer than one round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+
+import numpy as np
+
+from streamgrpo import metrics as M
+from streamgrpo.config import LossConfig
+from streamgrpo.learner.distributed import DistInfo, share
+from streamgrpo.learner.state import Accepted, LearnerState
+
+log = logging.getLogger("streamgrpo.learner")
+
+
+def token_problem(group, vocab_size: int) -> str | None:
+    """Why the model cannot train on ``group``'s completion tokens (an id it cannot embed), or None."""
+    for i, c in enumerate(group.completions):
+        ids = np.asarray(c.token_ids)
+        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
+            return f"completions[{i}].token_ids: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+class Gate:
+    """What a rank lets into a step: staleness, de-duplication, all-equal rewards (with
+    ``loss.drop_zero_variance``), vocabulary, prompt re-processing.
+
+    Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
+    dead-lettered (invalid, poison),
+    counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
+    written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
+    """
+
+    def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int):
+        self.queue, self.loss, self.state, self.audit = queue, loss, state, audit
+        self.processor, self.vocab_size = processor, vocab_size
+        self.drops: Counter = Counter()  # this rank's drops since the last step
+        self._stale: list[int] = []  # policy versions of stale groups not logged yet
+        self._stale_logged = 0.0
+
+    def admit(self, d) -> Accepted | None:
+        from streamgrpo.advantages import is_zero_variance
+        from streamgrpo.data.prompts import processor_inputs
+
+        g, state = d.group, self.state
+        M.GROUPS.labels(event="consumed").inc()
+        staleness = state.version - int(g.policy_version)
+        if abs(staleness) > self.loss.max_staleness:
+            # ahead of the learner: made by weights of a run that was rolled back (resumed) past them
+            self.drop(d.stream_id, g.group_id, "stale" if staleness > 0 else "rolled_back")
+            self._note_stale(int(g.policy_version))
+            return None
+        if state.trained_recently(g.group_id):  # in this learner's checkpoint although Redis forgot it
+            self.drop(d.stream_id, g.group_id, "duplicate")
+            return None
+        if self.loss.drop_zero_variance and is_zero_variance([c.reward for c in g.completions]):
+            self.drop(d.stream_id, g.group_id, "zero_variance")  # no gradient: take another group instead
+            return None
+        problem = token_problem(g, self.vocab_size)
+        if problem:
+            self.dead_letter(d.stream_id, g, f"group {g.group_id}: {problem}", "invalid")
+            return None
+        try:
+            inputs = processor_inputs(self.processor, g.prompt_text, g.visuals)
+            same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
+        except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
+            log.warning("group %s (entry %s): cannot re-process its prompt: %s", g.group_id, d.stream_id, exc)
+            same = False
+        if not same:
+            self.drop(d.stream_id, g.group_id, "mismatch")
+            return None
+        return Accepted(d.stream_id, g, inputs, staleness)
+
+    def drop(self, stream_id: str, group_id: str, reason: str) -> None:
+        M.GROUPS_DROPPED.labels(reason=reason).inc()
+        self.drops[reason] += 1
+        self.audit.write({"event": "dropped", "reason": reason, "group_id": group_id})
+        self.queue.ack([stream_id])
+
+    def dead_letter(self, stream_id: str, group, reason: str, label: str) -> None:
+        self.drops[label] += 1
+        self.audit.write({"event": "dropped", "reason": label, "group_id": group.group_id, "why": reason})
+        self.queue.dead_letter(stream_id, group, reason, label=label)
+
+    def _note_stale(self, version: int) -> None:
+        self._stale.append(version)
+        now = time.monotonic()
+        if now - self._stale_logged >= 10.0:
+            log.warning("dropped %d stale group(s) (policy v%d..v%d; learner at v%d, max_staleness %d): "
+                        "generators are not keeping up with the weights", len(self._stale), min(self._stale),
+                        max(self._stale), self.state.version, self.loss.max_staleness)
+            self._stale, self._stale_logged = [], now
+
+
+def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
+                   timeout_s: float) -> list[Accepted] | None:
+    """This rank's ``want`` usable groups once every rank has its share; None when stopping.
+
+    ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
+    poll in rounds of at most ``timeout_s`` (``learner.get_timeout_s``) and agree after each round (one small
+    all-reduce), so no rank waits in a collective for longer than a round. With
+    ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
+    once every rank holds at least one group.
+    """
+    accepted: list[Accepted] = list(carry)
+    state = gate.state
+    loss = gate.loss
+    fill_by = time.monotonic() + loss.fill_timeout_s if loss.drop_zero_variance else math.inf
+    while True:
+        if len(accepted) < want and not stop:
+            t0 = time.perf_counter()
+            deliveries = queue.get(want - len(accepted), timeout_s=timeout_s)
+            if not deliveries:
+                M.IDLE_SECONDS.labels(role="learner").inc(time.perf_counter() - t0)
+            for d in deliveries:
+                a = gate.admit(d)
+                if a is not None:
+                    accepted.append(a)
+        enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
+        flags = share(dist, [enough, bool(stop), state.version])
+        if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
+            raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
+        if flags[:, 0].all():
+            if len(accepted) < want:
+                log.info("step %d: %d of %d groups after waiting %.0fs for informative ones (drop_zero_variance)",
+                         state.step + 1, len(accepted), want, loss.fill_timeout_s)
+            return accepted
+        if flags[:, 1].any():
+            return None  # held groups stay pending: re-read by this consumer after a restart

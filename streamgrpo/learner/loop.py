@@ -1,0 +1,282 @@
+"""The learner process (``streamgrpo learner --config F``): groups in, new weights out.
+
+One process, or several DeepSpeed ranks under ``torchrun`` (``learner.backend=deepspeed``). Every
+rank is consumer ``learner-<rank>`` of the same Redis consumer group, so groups spread over the
+ranks with no coordinator. One top-down loop per optimizer step:
+
+1. every rank takes its share (``groups_per_step / world_size``) of groups from the queue, dropping
+   stale ones (``loss.max_staleness`` versions behind, or ahead: made by weights a resumed learner
+   rolled back), ones whose token ids the model cannot embed (dead-lettered), ones it trained before
+   (``duplicate``) and ones whose re-processed prompt ids differ from the message (``mismatch``);
+   the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
+2. :meth:`~streamgrpo.learner.trainer.Learner.train_step`: advantages, log-probs (+ reference), the
+   clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.learner.trainer`). If it
+   raises or its loss is not finite, a one-rank learner probes each group alone (forward and
+   backward, nothing applied): groups that fail alone are dead-lettered (``poison``), the others
+   train in a later step. Otherwise the failure is counted per group in Redis and re-raised; a
+   group that failed ``queue.max_failures`` times is dead-lettered when next read;
+3. bump the policy version (identical on every rank by construction);
+4. rank 0 publishes weights every ``weights.sync_every`` steps (ZeRO-3 partitions are gathered
+   first), writes the ``metrics.jsonl`` line (numbers of all ranks merged), sets the Prometheus
+   gauges and logs to wandb;
+5. every ``learner.save_steps`` steps and at the end/SIGTERM: a checkpoint (every rank takes part),
+   then each rank *commits* the groups it trained since the last one (marked trained, acked and
+   deleted in Redis, atomically).
+
+Exactly once. A group's effect becomes durable with the checkpoint that holds it, and only then is
+it committed in Redis: until then its entry stays pending and held. After a crash the learner
+resumes from the newest checkpoint, first commits what that checkpoint recorded as committing (it
+may have crashed in between), trims ``metrics.jsonl`` and its audit log back to the checkpoint's
+step, and re-reads its pending entries: the groups trained after the checkpoint are trained again,
+those in it never are. Cost: Redis keeps the messages of up to ``save_steps x groups_per_step``
+trained groups until the next checkpoint.
+
+Each rank serves ``/metrics`` (rank r on ``metrics.port + r``, or a free port when it is 0; ports in
+``<run_dir>/ports/learner.json`` and ``learner-rank<r>.json``): counters (groups, tokens, drops,
+idle time) are per rank, step gauges (loss, KL, ...) come from rank 0 and cover the whole step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamgrpo import metrics as M
+from streamgrpo.config import Config
+from streamgrpo.learner.distributed import (
+    DistInfo,
+    gather_json,
+    init_distributed,
+)
+from streamgrpo.learner.gate import Gate, collect_groups
+from streamgrpo.learner.poison import guarded_step
+from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
+from streamgrpo.learner.state import Accepted, LearnerState
+from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
+from streamgrpo.learner.trainer import Learner
+from streamgrpo.runtime import (
+    JsonlWriter,
+    StopFlag,
+    queue_url,
+    setup_torch_threads,
+    start_metrics,
+    write_json,
+)
+
+log = logging.getLogger("streamgrpo.learner")
+
+
+def _warn_if_not_durable(queue) -> None:
+    """Say once at start-up when the queue's Redis can lose acknowledged groups in a crash."""
+    import redis
+
+    from streamgrpo.transport.queue.server import durability_warning
+
+    try:
+        settings = queue.client.config_get("append*")
+    except redis.RedisError:  # CONFIG refused (managed Redis, ACL): nothing to say
+        return
+    text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731 - the client replies in bytes
+    line = durability_warning({text(k): text(v) for k, v in settings.items()})
+    if line:
+        log.warning("%s", line)
+
+
+def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
+    from streamgrpo.learner.tracking import Tracker
+    from streamgrpo.models.card import model_card
+    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
+
+    stop = stop if stop is not None else StopFlag()
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
+    main = dist.is_main
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_torch_threads()
+    torch.manual_seed(cfg.seed)
+    ckpt_root = run_dir / "checkpoints"
+    for line in cfg.advice() if main else []:
+        log.warning("config: %s", line)
+    found = start_point(cfg.learner, run_dir, dist)
+
+    # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
+    learner = Learner(cfg, dist=dist)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    if main:
+        _warn_if_not_durable(queue)
+    audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
+    if found:
+        resume_from(found, learner, queue, audit_path, run_dir, dist)
+    state = learner.state
+
+    # --- weights, metrics, wandb ---------------------------------------------------------------
+    publisher = _start_publisher(cfg, run_dir) if main else None
+    learner.publish(publisher, state.version)
+    M.POLICY_VERSION.labels(role="learner").set(state.version)
+    server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
+    audit = _open_audit(audit_path, state, found)
+    tracker = Tracker.from_config(cfg, run_dir, enabled=main)
+    gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size)
+    uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
+    carry: list[Accepted] = []  # groups kept from a step that failed on another group
+
+    def checkpoint_and_commit() -> None:
+        state.committing = [tuple(e) for part in gather_json(dist, uncommitted) for e in part]
+        learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
+        queue.commit(uncommitted)  # the checkpoint is on disk: these groups' training is durable
+        uncommitted.clear()
+        state.committing = []
+
+    last_metrics: dict[str, Any] = {}
+    saved_step = state.step
+    want = cfg.learner.groups_per_step // dist.world_size
+    if main:
+        log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
+                 dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
+    finished = False
+    try:
+        while state.step < cfg.learner.max_steps:
+            # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
+            t_wait = time.perf_counter()
+            batch = collect_groups(queue, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s)
+            wait_s = time.perf_counter() - t_wait
+            carry = []
+            if batch is None:
+                break  # stopping
+            # 2. one optimizer step over all ranks' groups
+            t0 = time.perf_counter()
+            out, carry = guarded_step(learner, queue, gate, batch, dist)
+            step_s = time.perf_counter() - t0
+            if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
+                continue
+            # 3. bump the version (every rank alike); this rank's groups wait for the next checkpoint
+            merged = StepSummary.merge(gather_json(dist, StepSummary.of_rank(batch, out, gate.drops).to_json()))
+            gate.drops.clear()
+            state.step += 1
+            state.version += 1
+            state.groups_trained += merged.groups
+            state.tokens_trained += merged.stats.tokens
+            state.dropped.update(merged.drops)
+            state.remember(merged.group_ids)
+            ids = [a.group.group_id for a in batch]
+            uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
+            audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))
+            # 4. weights out, metrics
+            if state.step % cfg.weights.sync_every == 0:
+                learner.publish(publisher, state.version)
+            rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
+            last_metrics = rec.to_json()
+            export_prometheus(rec, batch, out, main)
+            if main:
+                _log_step(cfg, state, rec, last_metrics, batch, metrics_log, tracker, step_s, wait_s)
+            # 5. checkpoint, then commit what it holds
+            if state.step % cfg.learner.save_steps == 0:
+                checkpoint_and_commit()
+                saved_step = state.step
+        finished = True
+    except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
+        log.warning("%s; stopping", exc)
+        finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
+    finally:
+        if finished:  # a clean stop: every rank is here, so collectives are safe
+            final_checkpoint(dist, gate, state, saved_step, checkpoint_and_commit)
+        if main:
+            write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
+                                                        if k not in ("recent_group_ids", "committing")})
+        _close_all(tracker, publisher, queue, metrics_log, audit, server)
+    return 0
+
+
+def _start_publisher(cfg: Config, run_dir: Path):
+    """Rank 0's weight publisher, its ports written to ``<run_dir>/ports/weights.json``."""
+    from streamgrpo.transport.weights.factory import publisher_from_config
+
+    publisher = publisher_from_config(cfg.weights, run_dir)
+    if publisher is not None:
+        write_json(run_dir / "ports" / "weights.json", {"pub": publisher.pub_port, "snapshot": publisher.snapshot_port})
+    return publisher
+
+
+def _open_audit(path: Path, state: LearnerState, found: Path | None) -> JsonlWriter:
+    """This rank's audit log; a resumed run first notes the checkpoint it resumed from."""
+    audit = JsonlWriter(path)
+    if found:
+        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
+    return audit
+
+
+def _close_all(*parts) -> None:
+    """Close each part that exists, in the given order."""
+    for part in parts:
+        if part is not None:
+            part.close()
+
+
+def _trained_record(state: LearnerState, ids: list[str], learner: Learner, every: int) -> dict[str, Any]:
+    """The audit line of a trained step (with the replicas' weight checksum every ``every`` steps)."""
+    record: dict[str, Any] = {"event": "trained", "step": state.step, "version": state.version, "group_ids": ids}
+    if every and state.step % every == 0:
+        record["weights_checksum"] = learner.replicas_agree()
+    return record
+
+
+def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
+              batch: list[Accepted], metrics_log: JsonlWriter, tracker, step_s: float, wait_s: float) -> None:
+    """Rank 0: the ``metrics.jsonl`` line, wandb (sample rows every ``metrics.sample_every`` steps) and
+    the log line every ``metrics.log_every`` steps."""
+    from streamgrpo.learner.tracking import sample_rows
+
+    metrics_log.write(last_metrics)
+    tracker.log_step(last_metrics, sample_rows(batch, state.step)
+                     if state.step % cfg.metrics.sample_every == 0 else None)
+    if state.step % cfg.metrics.log_every == 0:
+        log.info(
+            "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
+            state.step, state.version, rec.reward, _fmt(rec.accuracy), rec.loss, rec.kl, rec.clip_frac,
+            rec.staleness_mean, step_s, wait_s,
+        )
+
+
+def _rank_metrics_cfg(cfg: Config, dist: DistInfo) -> Config:
+    """Rank r serves /metrics on ``metrics.port + r`` (0 stays 0: a free port each)."""
+    if dist.rank == 0 or not cfg.metrics.port:
+        return cfg
+    return cfg.model_copy(update={"metrics": cfg.metrics.model_copy(update={"port": cfg.metrics.port + dist.rank})})
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+# ------------------------------------------------------------------------------ step numbers
+def export_prometheus(rec: StepRecord, batch: list[Accepted], out: StepOutput, main: bool) -> None:
+    """Rank 0 sets the step gauges (whole step); every rank counts its own groups and tokens."""
+    if main:
+        M.LOSS.set(rec.loss)
+        M.KL.set(rec.kl)
+        if math.isfinite(rec.grad_norm):
+            M.GRAD_NORM.set(rec.grad_norm)
+        if rec.entropy is not None:
+            M.ENTROPY.set(rec.entropy)
+        for side, value in (("low", rec.clip_frac_low), ("high", rec.clip_frac_high), ("total", rec.clip_frac)):
+            M.CLIP_FRACTION.labels(side=side).set(value)
+        for stat, value in (("mean", rec.ratio_mean), ("max", rec.ratio_max), ("min", rec.ratio_min)):
+            if value is not None:
+                M.IMPORTANCE_RATIO.labels(stat=stat).set(value)
+        for stat, value in (("ess", rec.ess), ("kl_behaviour", rec.kl_behaviour), ("is_masked_frac", rec.is_masked_frac)):
+            if value is not None:
+                M.OFF_POLICY.labels(stat=stat).set(value)
+        M.STEP_SECONDS.set(rec.seconds)
+        M.LEARNER_TOKENS_PER_SECOND.set(rec.tokens_per_second)
+        M.LEARNER_MFU.set(math.nan if rec.mfu is None else rec.mfu)
+    M.POLICY_VERSION.labels(role="learner").set(rec.version)
+    M.GROUPS.labels(event="trained").inc(len(batch))
+    M.TOKENS.labels(role="learner").inc(out.tokens)
+    for a in batch:
+        M.STALENESS.observe(a.staleness)

@@ -1,0 +1,70 @@
+"""How one step's groups are cut into micro-batches (pure): whole groups per micro-batch, a token
+budget, one sampling temperature per micro-batch, and an exact count when ranks must agree."""
+
+from __future__ import annotations
+
+from streamgrpo.learner.state import Accepted
+
+__all__ = ["group_tokens", "sampling_temperature", "split_micro_batches"]
+
+
+def _temperature_key(a: Accepted):
+    """The sampling temperature a group's ``meta`` records (None: not recorded, the config's applies)."""
+    return a.group.meta.get("temperature")
+
+
+def sampling_temperature(a: Accepted, default: float) -> float:
+    """The temperature ``a`` was sampled at: its own, else ``default`` (``rollout.temperature``)."""
+    return float(default if _temperature_key(a) is None else _temperature_key(a))
+
+
+def group_tokens(a: Accepted, shared_prompt: bool = False) -> int:
+    """Decoder tokens of one group (what a micro-batch budget counts): prompt + completion per row, or
+    with ``shared_prompt`` (``learner.shared_prompt``) the prompt once and every completion."""
+    completions = sum(len(c.token_ids) for c in a.group.completions)
+    prompts = 1 if shared_prompt else len(a.group.completions)
+    return prompts * len(a.group.prompt_ids) + completions
+
+
+def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
+                        n_parts: int | None = None, shared_prompt: bool = False) -> list[list[Accepted]]:
+    """Whole groups per micro-batch (one vision pass per group), at most ``max_tokens`` tokens each
+    (a single larger group gets a micro-batch of its own), in order. Groups sampled at different
+    temperatures never share a micro-batch (log-probs are recomputed at one temperature per forward).
+
+    ``n_parts`` asks for exactly that many micro-batches (at least the greedy count, at most one
+    per group): the heaviest splittable part is cut at its token midpoint until there are enough.
+    Ranks use it to run the same number of backward passes. ``shared_prompt``: tokens as that layout
+    has them (:func:`group_tokens`).
+    """
+
+    def tokens(a: Accepted) -> int:
+        return group_tokens(a, shared_prompt)
+
+    parts: list[list[Accepted]] = [[]]
+    size = 0
+    for a in batch:
+        n = tokens(a)
+        if parts[-1] and ((max_tokens and size + n > max_tokens)
+                          or _temperature_key(a) != _temperature_key(parts[-1][-1])):
+            parts.append([])
+            size = 0
+        parts[-1].append(a)
+        size += n
+    if n_parts is None or n_parts == len(parts):
+        return parts
+    if not len(parts) <= n_parts <= len(batch):
+        raise ValueError(f"cannot split {len(batch)} groups into {n_parts} micro-batches "
+                         f"(the token budget needs at least {len(parts)})")
+    while len(parts) < n_parts:
+        i = max((i for i, p in enumerate(parts) if len(p) > 1), key=lambda i: sum(map(tokens, parts[i])))
+        p = parts[i]
+        sizes = [tokens(a) for a in p]
+        half, run, cut = sum(sizes) / 2, 0, 1
+        for j in range(1, len(p)):
+            run += sizes[j - 1]
+            cut = j
+            if run >= half:
+                break
+        parts[i:i + 1] = [p[:cut], p[cut:]]
+    return parts

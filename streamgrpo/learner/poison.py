@@ -1,0 +1,69 @@
+"""A step that one bad group cannot stop: on a failure, find the group that fails alone.
+
+Behaviour, not bookkeeping: what is dead-lettered (``poison``), what is carried to the next step,
+what is counted in Redis toward ``queue.max_failures`` and re-raised, and what is dropped as
+``nan_loss``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from streamgrpo import metrics as M
+from streamgrpo.learner.distributed import DistInfo
+from streamgrpo.learner.gate import Gate
+from streamgrpo.learner.state import Accepted
+from streamgrpo.learner.step_data import Probe, StepOutput
+from streamgrpo.learner.trainer import Learner
+
+log = logging.getLogger("streamgrpo.learner")
+
+
+def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
+                 dist: DistInfo) -> tuple[StepOutput | None, list[Accepted]]:
+    """``learner.train_step(batch)`` that one bad group cannot stop: returns ``(out, carry)``.
+
+    ``out`` is None when nothing was applied; ``carry`` are groups to train in the next step. On an
+    exception or a non-finite loss a one-rank torch learner probes each group alone (forward +
+    backward, nothing applied): the groups that fail alone are dead-lettered (``poison``) and the
+    rest carried over. When no single group explains the failure (or with several ranks, where one
+    rank cannot probe alone), an exception is counted per group in Redis and re-raised (a restarted
+    learner dead-letters a group at ``queue.max_failures``), and a non-finite loss drops the step's
+    groups as ``nan_loss``.
+    """
+    try:
+        out = learner.train_step(batch)
+        error = None if out is not None else "non-finite loss or gradient"
+    except Exception as exc:  # noqa: BLE001 - isolated below, re-raised when no group explains it
+        out, error, raised = None, f"{type(exc).__name__}: {exc}", exc
+    else:
+        raised = None
+    if out is not None:
+        return out, []
+    M.ERRORS.labels(kind="train").inc()
+    where = ", ".join(f"{a.group.group_id} (entry {a.stream_id})" for a in batch)
+    log.error("training step failed (%s) on groups %s", error, where)
+    bad: list[tuple[Accepted, str]] = []
+    if dist.world_size == 1 and not learner.deepspeed:
+        learner.discard_gradients()
+        for a in batch:
+            try:
+                probe: Probe = learner.train_step([a], dry_run=True)
+                why = None if probe.finite else "non-finite loss"
+            except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
+                why = f"{type(exc).__name__}: {exc}"
+            if why:
+                bad.append((a, why))
+        learner.discard_gradients()
+    if bad and len(bad) < len(batch):
+        for a, why in bad:
+            gate.dead_letter(a.stream_id, a.group, f"group {a.group.group_id}: training on it alone failed: {why}",
+                             "poison")
+        poisoned = {id(a) for a, _ in bad}
+        return None, [a for a in batch if id(a) not in poisoned]
+    if raised is not None:
+        queue.record_failure([a.group.group_id for a in batch], error)
+        raise raised
+    for a in batch:
+        gate.drop(a.stream_id, a.group.group_id, "nan_loss")
+    return None, []

@@ -1,0 +1,577 @@
+"""The learner's training core: one :class:`Learner` per rank, driven by ``run_learner`` or directly.
+
+``Learner(cfg).train_step(accepted_groups)`` is one optimizer step on groups already checked by the
+loop (no Redis, no ZeroMQ here), so tests and benchmarks can feed a fixed sequence of groups.
+
+What it owns:
+
+* the policy: the transformers model, frozen by ``model.tune_mm_*`` or wrapped in LoRA adapters
+  (``model.lora``; QLoRA with ``quantize_4bit`` on CUDA), with ``learner.gradient_checkpointing``;
+* the reference for ``beta > 0``: the same peft model with its adapters disabled (LoRA: no
+  second copy in memory) or a frozen copy of the base model;
+* AdamW + the lr schedule (:mod:`streamgrpo.learner.optim`), either plain torch or inside a DeepSpeed engine
+  (``learner.backend=deepspeed``; ZeRO stage from ``learner.deepspeed_config``);
+* checkpoints (:meth:`save` / :meth:`load`) and the tensors generators receive (:meth:`policy_tensors`).
+
+Several ranks. Every rank calls :meth:`train_step` with its own share of the step's groups. One
+all-reduce at the start agrees on the step's global completion-token count (the ``dapo``
+normaliser) and on the number of micro-batches (:mod:`streamgrpo.learner.micro_batches`; every rank runs the
+same number of forward/backward passes, since ZeRO-2/3 reduce gradients inside each backward). DeepSpeed
+averages gradients over ranks, so a rank's ``dapo`` loss is scaled by ``world_size``: the sum over
+ranks and micro-batches is then exactly the global token mean. A non-finite loss on any rank
+turns into a non-finite global gradient norm, and DeepSpeed skips the step on every rank.
+
+Precision. The weights that train are kept in float32. ``learner.bf16`` means bfloat16 autocast for
+the torch backend (CUDA, or CPU when asked), with the weights that do not train (the LoRA base, a
+frozen vision tower) stored in bfloat16, and DeepSpeed's bf16 mode (bf16 weights, fp32 master copy
+in the optimizer) for the deepspeed backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import numpy as np
+import torch
+
+from streamgrpo import metrics as M
+from streamgrpo.advantages import AdvantageError
+from streamgrpo.config import Config, ConfigError
+from streamgrpo.learner.deepspeed_setup import (
+    deepspeed_config,
+    import_deepspeed,
+    offloads_optimizer,
+    reference_config,
+)
+from streamgrpo.learner.distributed import DistInfo, barrier, share
+from streamgrpo.learner.flops import LearnerWork
+from streamgrpo.learner.memory import preflight
+from streamgrpo.learner.micro_batches import sampling_temperature, split_micro_batches
+from streamgrpo.learner.optim import fused_adamw, make_optimizer
+from streamgrpo.learner.state import Accepted, LearnerState
+from streamgrpo.learner.step_data import LossStats, Probe, StepOutput
+from streamgrpo.learner.update_guard import UpdateCheck, backtrack, kl_terms, shrink_towards
+from streamgrpo.loss import LossError
+
+log = logging.getLogger("streamgrpo.learner")
+
+# ------------------------------------------------------------------------------ pure helpers
+@contextlib.contextmanager
+def counted_errors():
+    """Count an error of the pure core (:mod:`~streamgrpo.loss`, :mod:`~streamgrpo.advantages`) in
+    ``streamgrpo_errors_total{kind}`` (``loss``: bad loss inputs or settings; ``reward``: a non-finite
+    reward) and re-raise it."""
+    try:
+        yield
+    except (LossError, AdvantageError) as exc:
+        M.ERRORS.labels(kind=exc.kind).inc()
+        raise
+
+
+def _buckets(named: list, budget: int):
+    """Consecutive slices of ``named`` holding about ``budget`` elements each (ZeRO-3 gathers)."""
+    bucket, size = [], 0
+    for n, p in named:
+        bucket.append((n, p))
+        size += int(getattr(p, "ds_numel", p.numel()))
+        if size >= budget:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def weights_checksum(module: torch.nn.Module) -> list[float]:
+    """``[sum, sum of squares]`` of every parameter in float64: equal on ranks holding equal weights."""
+    s = q = 0.0
+    with torch.no_grad():
+        for p in module.parameters():
+            d = p.detach().double()
+            s += float(d.sum())
+            q += float((d * d).sum())
+    return [s, q]
+
+
+def enable_activation_checkpointing(model, every: int = 1, offload: bool = False) -> None:
+    """``learner.gradient_checkpointing``: recompute every ``every``-th layer in backward (non-reentrant),
+    with ``offload`` its saved inputs in pinned host memory (``learner.checkpoint_every`` /
+    ``checkpoint_offload``: transformers' ``every_n_layers`` / ``offload``)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        if every > 1 or offload:
+            raise ConfigError("learner.checkpoint_every / checkpoint_offload need a transformers release whose "
+                              "activation_checkpointing_enable takes every_n_layers and offload (pip install -U "
+                              "transformers), or leave them at 1 / false")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every, offload=offload)
+
+
+def checkpointed_layers(model) -> list[bool]:
+    """Whether each layer of ``model`` (vision blocks and decoder layers, in order) recomputes in backward."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class PolicyLogprobs(torch.nn.Module):
+    """The policy with its forward set to "completion log-probs of a TrainBatch".
+
+    This is the module DeepSpeed wraps, so each micro-batch goes through ``engine(...)`` and gets
+    the engine's forward/backward bookkeeping (ZeRO's per-micro-step gradient accumulation hooks).
+    """
+
+    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False, shared_prompt: bool = False):
+        super().__init__()
+        self.policy = policy
+        self.entropy_grad = entropy_grad  # loss.entropy_coef > 0: the entropies carry the gradient
+        self.shared_prompt = shared_prompt  # learner.shared_prompt: one copy of each group's prompt
+
+    def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
+                                   entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids,
+                                   shared_prompt=self.shared_prompt)
+
+
+# ------------------------------------------------------------------------------------- Learner
+class Learner:
+    """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
+
+    def __init__(self, cfg: Config, *, dist: DistInfo | None = None, device: torch.device | None = None):
+        from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
+        from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
+
+        self.cfg = cfg
+        self.dist = dist or DistInfo()
+        lc = cfg.learner
+        self.deepspeed = lc.backend == "deepspeed"
+        if device is None:
+            device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
+        self.device = device
+        if lc.checkpoint_offload and torch.device(device).type != "cuda":
+            raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
+                              f"learner runs on {torch.device(device).type}: set it to false")
+        if lc.max_update_kl is not None and self.deepspeed:
+            raise ValueError("learner.max_update_kl needs learner.backend: torch (DeepSpeed owns the weights)")
+        if cfg.learner.groups_per_step % self.dist.world_size:
+            raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
+                             f"{self.dist.world_size} learner ranks")
+        self.processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
+        self.memory = preflight(cfg, device, self.dist.world_size)  # refuses what cannot fit, before loading
+        self.state = LearnerState()
+        lora = cfg.model.lora
+        frozen_bf16 = lc.bf16 and not self.deepspeed  # autocast reads a frozen weight as bf16 anyway
+        if lora is not None:
+            check_quantization(lora, device)
+            base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
+                load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32")
+            if lc.gradient_checkpointing:
+                enable_activation_checkpointing(base, lc.checkpoint_every, lc.checkpoint_offload)
+            model = apply_lora(base, lora, seed=cfg.seed)
+            model.train()
+        else:
+            model = load_model(cfg.model, device, dtype="float32", trainable=True)
+            if frozen_bf16:
+                store_frozen_in(model, torch.bfloat16)
+            if lc.gradient_checkpointing:
+                enable_activation_checkpointing(model, lc.checkpoint_every, lc.checkpoint_offload)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids the model can embed
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in model.parameters())
+        if self.dist.is_main and lora is not None:  # full-weight training: apply_freezing logged the counts
+            log.info("trainable parameters: %d of %d (%.2f%%, LoRA adapters)", self.trainable, self.total,
+                     100.0 * self.trainable / max(self.total, 1))
+        # reference: the base itself with adapters off (LoRA), else a frozen copy
+        self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
+        self.module = model  # the peft or transformers module: names, saving, publishing
+        # what computes the policy's log-probs (DeepSpeed wraps it)
+        self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0,
+                                      shared_prompt=cfg.learner.shared_prompt)
+        self.engine = None
+        ds = deepspeed_config(cfg) if self.deepspeed else None
+        fused = fused_adamw(torch.device(device).type, offload=ds is not None and offloads_optimizer(ds))
+        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=fused)
+        self.resumed_from: Path | None = None
+        if self.deepspeed:
+            deepspeed = import_deepspeed()
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=self.forward, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                config=ds, dist_init_required=True)
+            from streamgrpo.learner.checkpoint import SafeTensorsCheckpointEngine
+
+            self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
+            self.forward = self.engine
+            ref_ds = reference_config(ds)
+            if self.ref is not None and ref_ds is not None:  # ZeRO-3: the reference is partitioned too
+                self.ref = deepspeed.initialize(model=self.ref, config=ref_ds, dist_init_required=True)[0].module
+        self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
+        self._mixed_temperatures_logged = False
+        self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
+
+    # -------------------------------------------------------------------------------- helpers
+    @property
+    def is_lora(self) -> bool:
+        return self.cfg.model.lora is not None
+
+    def _autocast(self):
+        if self.cfg.learner.bf16 and not self.deepspeed:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _reference_logprobs(self, tb, temperature: float, suppress) -> torch.Tensor | None:
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        if self.cfg.loss.beta <= 0:
+            return None
+        kw = dict(temperature=temperature, suppress_token_ids=suppress, shared_prompt=self.cfg.learner.shared_prompt)
+        with torch.no_grad(), self._autocast():
+            if self.is_lora:
+                with self.module.disable_adapter():
+                    lp, _ = completion_logprobs(self.module, tb, **kw)
+                return lp
+            lp, _ = completion_logprobs(self.ref, tb, **kw)
+            return lp
+
+    # ----------------------------------------------------------------------------- the step
+    @overload
+    def train_step(self, batch: list[Accepted], *, dry_run: Literal[False] = ...) -> StepOutput | None: ...
+    @overload
+    def train_step(self, batch: list[Accepted], *, dry_run: Literal[True]) -> Probe: ...
+    def train_step(self, batch: list[Accepted], *, dry_run: bool = False) -> StepOutput | Probe | None:
+        """One optimizer step on this rank's share of the groups (every rank calls it together): this
+        rank's :class:`~streamgrpo.learner.step_data.StepOutput`, or None when it was skipped (non-finite loss or
+        gradient). ``dry_run``: forward and backward only, nothing applied (the learner probes suspect
+        groups one at a time so), returns a :class:`~streamgrpo.learner.step_data.Probe`.
+
+        Each group's log-probs are recomputed at its own sampling temperature (``meta["temperature"]``,
+        else ``rollout.temperature``; a step may mix them, e.g. after a resume with a new setting).
+        """
+        from streamgrpo.advantages import batch_advantages
+        from streamgrpo.loss import compute_loss, loss_kwargs
+        from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
+
+        cfg = self.cfg
+        rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
+        with counted_errors():
+            advs, zero_var = batch_advantages(rewards, cfg.loss.scale_rewards, cfg.loss.adv_eps,
+                                              cfg.loss.zero_variance_weight)
+        temperatures = sorted({sampling_temperature(a, cfg.rollout.temperature) for a in batch})
+        if len(temperatures) > 1 and not self._mixed_temperatures_logged:
+            log.warning("groups sampled at different temperatures %s in one step: each is trained at its own "
+                        "(logged once)", temperatures)
+            self._mixed_temperatures_logged = True
+        pad_id = self.processor.tokenizer.pad_token_id
+        # neither engine (hf, vllm) samples vision placeholders (hf: suppress_tokens; vllm: a -inf logit bias
+        # inside its processed log-probs): the learner's softmax excludes them too
+        suppress = vision_token_ids(self.processor)
+        local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
+        shared = cfg.learner.shared_prompt
+        greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens, shared_prompt=shared)
+        agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
+        global_tokens, n_micro = int(agreed[:, 0].sum()), int(agreed[:, 1].max())
+        micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens, n_parts=n_micro, shared_prompt=shared)
+        dapo = cfg.loss.loss_type == "dapo"
+        kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
+        index = {id(a): i for i, a in enumerate(batch)}
+        stats: list[LossStats] = []
+        probes: list[tuple[Any, torch.Tensor, float]] = []  # (inputs, log-probs before the step, temperature)
+        guard = cfg.learner.max_update_kl is not None and not dry_run
+        loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
+        self._zero_grad()
+        for k, part in enumerate(micro):
+            temperature = sampling_temperature(part[0], cfg.rollout.temperature)  # one per micro-batch
+            groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
+                                                            for c in a.group.completions]) for a in part]
+            tb = build_batch(groups, pad_id).to(self.device)
+            ref_lp = self._reference_logprobs(tb, temperature, suppress)
+            with self._autocast():
+                logprobs, entropy = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
+            behaviour = pad_right([torch.from_numpy(np.array(c.logprobs, dtype=np.float32))
+                                   for a in part for c in a.group.completions], 0.0,
+                                  length=logprobs.shape[1]).to(self.device)
+            adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
+            with counted_errors():
+                loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
+                                       token_normaliser=global_tokens if dapo else None, **kw)
+            # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
+            loss = loss * self.dist.world_size if dapo else loss * (len(part) / len(batch))
+            if not torch.isfinite(loss):
+                finite = False
+                if not dry_run:
+                    log.warning("non-finite loss (%s) in micro-batch %d", loss.item(), k)
+                if not self.deepspeed:
+                    self._zero_grad()
+                    return Probe(finite=False) if dry_run else None
+            self._backward(loss, last=k == len(micro) - 1)
+            loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
+            with torch.no_grad():
+                mask = tb.completion_mask.to(torch.bool)
+                seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
+                rows += int(mask.shape[0])
+            stats.append(LossStats.from_loss(m))
+            if guard:
+                probes.append((tb, logprobs.detach(), temperature))
+        if dry_run:
+            self._zero_grad()
+            return Probe(finite=finite)
+        params = [p for p in self.module.parameters() if p.requires_grad] if guard else []
+        before = [p.detach().clone() for p in params]
+        grad_norm, applied = self._optimizer_step()
+        if not applied or not finite:
+            log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
+            return None
+        update = self._bound_update(probes, params, before, suppress) if guard else None
+        return StepOutput(update=update, loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
+                          zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
+                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), **self.work.of_groups(batch))
+
+    def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
+        """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on
+        its own completions (:mod:`streamgrpo.learner.update_guard`)."""
+        lc = self.cfg.learner
+
+        def measure() -> float:
+            total, tokens = 0.0, 0
+            with torch.no_grad(), self._autocast():
+                for tb, old, temperature in probes:
+                    new, _ = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
+                    s, n = kl_terms(old, new, tb.completion_mask)
+                    total, tokens = total + s, tokens + n
+            agreed = share(self.dist, [total, tokens]).sum(axis=0)  # every rank takes the same decision
+            return float(agreed[0] / max(agreed[1], 1.0))
+
+        check = backtrack(measure, lambda f: shrink_towards(params, before, f), lc.max_update_kl,
+                          lc.max_update_halvings)
+        M.UPDATE_KL.set(check.kl)
+        if check.scale < 1.0:  # halved, or undone (also with max_update_halvings 0)
+            M.UPDATES_SHRUNK.labels(outcome="undone" if check.undone else "halved").inc()
+            if self.dist.is_main:
+                log.warning("step %s: it moved the policy by KL %.3g on its own completions (learner.max_update_kl "
+                            "%.3g): %s", self.state.step + 1, check.kl_first, lc.max_update_kl,
+                            "undone" if check.undone else f"applied x{check.scale:g} (KL {check.kl:.3g})")
+        return check
+
+    def discard_gradients(self) -> None:
+        """Forget any gradients of a failed or probing step (nothing is applied)."""
+        self._zero_grad()
+
+    def _zero_grad(self) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        if self.engine is None:
+            loss.backward()
+            return
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, step, schedule; returns ``(grad_norm, applied)`` (identical on every rank)."""
+        if self.engine is not None:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+            applied = bool(self.engine.was_step_applied())
+            return norm, applied and math.isfinite(norm)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.max_grad_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, True
+
+    def last_lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ----------------------------------------------------------------------- weights out
+    def _named_for_generators(self, *, trainable_only: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
+        from streamgrpo.models.lora import filter_lora
+
+        named = list(self.module.named_parameters())
+        if self.is_lora:
+            keep = set(filter_lora(dict(named)))
+            named = [(n, p) for n, p in named if n in keep]
+        elif trainable_only:  # frozen parameters never change: generators hold them from the same checkpoint
+            named = [(n, p) for n, p in named if p.requires_grad]
+        return named
+
+    @property
+    def export_dtype(self) -> torch.dtype | None:
+        """The dtype floating weights travel in: the generators' ``model.dtype`` (never the fp32 master
+        copy); LoRA adapters keep their own (they are merged in float32 on the generator)."""
+        return None if self.is_lora else getattr(torch, self.cfg.model.dtype)
+
+    def publish(self, sync, version: int) -> None:
+        """Hand the policy to a :class:`~streamgrpo.transport.weights.base.WeightSync` as ``version``.
+
+        Every rank calls it (under ZeRO-3 the partitions are gathered bucket by bucket, a collective);
+        only rank 0's ``sync`` is used (the others pass None). The live tensors go in as they are:
+        the channel casts them to :attr:`export_dtype` on their device and copies them out
+        asynchronously, so this returns long before the bytes are on the wire.
+        """
+        named = self._named_for_generators(trainable_only=not self.cfg.weights.send_frozen)
+        dtype = self.export_dtype
+        if self.zero_stage < 3:
+            if sync is not None and self.dist.is_main:
+                sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
+            return
+        from streamgrpo.transport.weights.layout import TensorSpec
+
+        deepspeed = import_deepspeed()
+        writer = None
+        try:  # rank 0 failing anywhere gives the version up (the other ranks then fail or time out in the gather)
+            if sync is not None and self.dist.is_main:
+                specs = [TensorSpec(n, tuple(p.ds_shape), dtype if dtype is not None and p.is_floating_point()
+                                    else p.dtype) for n, p in named]
+                writer = sync.begin(version, specs, cuda=self.device.type == "cuda")
+            for bucket in _buckets(named, budget=1 << 28):
+                with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                    if writer is not None:
+                        for n, p in bucket:
+                            writer.write(n, p.detach())
+                        writer.sync()  # the gathered copies are freed when the context ends
+            if writer is not None:
+                writer.commit()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+
+    def policy_tensors(self) -> dict[str, torch.Tensor] | None:
+        """CPU copies of the trained parameters as the learner holds them (fp32; LoRA: the adapters only),
+        for checkpoints and tests; generators get :meth:`publish`'s export instead.
+
+        Under ZeRO-3 the partitions are gathered (a collective: every rank must call this);
+        only rank 0 gets the tensors, the other ranks get None.
+        """
+        named = self._named_for_generators()
+        if self.zero_stage < 3:
+            if not self.dist.is_main:
+                return None
+            return {n: p.detach().to("cpu").contiguous() for n, p in named}
+        deepspeed = import_deepspeed()
+        out: dict[str, torch.Tensor] = {}
+        for bucket in _buckets(named, budget=1 << 28):  # gather about 256M elements at a time
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                if self.dist.is_main:
+                    for n, p in bucket:
+                        out[n] = p.detach().to("cpu").clone()
+        return out if self.dist.is_main else None
+
+    def replicas_agree(self) -> list[float]:
+        """Compare a checksum of the weights across ranks (ZeRO-0/1/2 replicate them); raises if they differ.
+
+        Returns this rank's checksum.
+        """
+        mine = weights_checksum(self.module)
+        if self.zero_stage >= 3 or not self.dist.active:
+            return mine
+        every = share(self.dist, mine)
+        if not (every == every[0]).all():
+            raise RuntimeError(f"learner ranks hold different weights after step {self.state.step}: checksums {every.tolist()}")
+        return mine
+
+    # --------------------------------------------------------------------------- checkpoints
+    def save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
+        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout)."""
+        from streamgrpo.learner.checkpoint import (
+            commit_checkpoint,
+            save_checkpoint,
+            save_rank_rng,
+            staging_dir,
+            write_trainer_state,
+        )
+
+        root, step, lc = Path(ckpt_root), self.state.step, self.cfg.learner
+        meta = {"learner": self.state.to_json(), "backend": lc.backend, "world_size": self.dist.world_size}
+        if self.engine is None:
+            return save_checkpoint(root, step, model=self.module, processor=self.processor, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, state=meta, model_card=model_card,
+                                   total_limit=lc.save_total_limit)
+        if self.dist.is_main:
+            staging_dir(root, step)
+        barrier(self.dist)
+        tmp = root / f"step-{step:06d}.tmp"
+        gathered = self.policy_tensors() if self.zero_stage >= 3 else None  # ZeRO-3: collective gather
+        if self.dist.is_main:
+            if gathered is not None:
+                self.module.save_pretrained(tmp, state_dict=gathered, safe_serialization=True)
+            else:
+                self.module.save_pretrained(tmp, safe_serialization=True)
+            self.processor.save_pretrained(tmp)
+            if model_card:
+                (tmp / "README.md").write_text(model_card)
+            meta["step"] = step
+            write_trainer_state(tmp, meta)
+        save_rank_rng(tmp, self.dist.rank)
+        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", exclude_frozen_parameters=True)
+        barrier(self.dist)
+        final = root / f"step-{step:06d}"
+        if self.dist.is_main:
+            final = commit_checkpoint(root, step, lc.save_total_limit)
+        barrier(self.dist)
+        return final
+
+    def load(self, ckpt: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank)."""
+        from streamgrpo.learner.checkpoint import load_rank_rng, load_trainer_state, read_model_tensors
+
+        ckpt = Path(ckpt)
+        meta = json.loads((ckpt / "trainer_state.json").read_text())
+        ds_dir = ckpt / "deepspeed"
+        if self.engine is not None and ds_dir.is_dir():
+            path, _ = self.engine.load_checkpoint(str(ds_dir), tag="state", load_module_strict=False,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise RuntimeError(f"{ds_dir}: DeepSpeed found no checkpoint to load")
+            if not load_rank_rng(ckpt, self.dist.rank):
+                log.warning("%s has no RNG state for rank %d (saved by %s ranks)", ckpt, self.dist.rank,
+                            meta.get("world_size"))
+        else:
+            if self.engine is not None or meta.get("backend", "torch") != self.cfg.learner.backend:
+                if self.zero_stage >= 3:
+                    raise RuntimeError(f"{ckpt} has no DeepSpeed state: a ZeRO-3 learner resumes only from its own "
+                                       "checkpoints (start from the weights with model.name_or_path instead)")
+                log.warning("%s was written by the %s backend: weights restored, optimizer state starts fresh",
+                            ckpt, meta.get("backend", "torch"))
+                self._load_weights(read_model_tensors(ckpt))
+                if self.engine is not None and self.zero_stage < 3:
+                    self.engine.optimizer.refresh_fp32_params()
+            else:
+                if self.is_lora:
+                    self._load_weights(read_model_tensors(ckpt))
+                meta = load_trainer_state(ckpt, model=None if self.is_lora else self.module,
+                                          optimizer=self.optimizer, scheduler=self.scheduler)
+        self.state = LearnerState.from_json(meta["learner"])
+        self.resumed_from = ckpt
+        return meta
+
+    def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+
+            res = set_peft_model_state_dict(self.module, tensors)
+            bad = [k for k in getattr(res, "unexpected_keys", []) if "lora_" in k]
+            if bad:
+                raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {bad[:5]})")
+            return
+        from streamgrpo.learner.checkpoint import to_model_names
+
+        missing, unexpected = self.module.load_state_dict(to_model_names(tensors, self.module.state_dict()), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")

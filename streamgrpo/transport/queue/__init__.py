@@ -1,0 +1,1 @@
+"""streamgrpo.transport.queue.redis_stream."""

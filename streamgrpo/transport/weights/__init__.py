@@ -1,0 +1,1 @@
+"""streamgrpo.transport.weights.publisher."""

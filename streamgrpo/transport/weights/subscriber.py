@@ -1,0 +1,467 @@
+"""Generator side of the weight channel: :class:`WeightSubscriber` (see :mod:`.weights` for the design)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import zmq
+
+from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_SYNC_SECONDS
+from streamgrpo.transport.weights.base import WeightsStatus, WeightSyncClient
+from streamgrpo.transport.weights.codec import (
+    TOPIC,
+    TOPIC_BEAT,
+    Assembler,
+    Completed,
+    VersionMeta,
+    WeightsFormatError,
+    decode_header,
+    decode_meta,
+    default_hash_threads,
+    key_of,
+    newer,
+    report_error,
+    select_chunks,
+)
+from streamgrpo.transport.weights.keys import client_keys, server_keys
+from streamgrpo.transport.weights.links import Links
+from streamgrpo.transport.weights.shm import (
+    TOPIC_SHM,
+    EarlyHashes,
+    Lease,
+    Maps,
+    decode_announcement,
+    decode_early,
+    read_version,
+)
+from streamgrpo.transport.weights.sockets import endpoint, ipc_endpoints
+
+log = logging.getLogger("streamgrpo.transport.weights")
+
+
+@dataclass
+class _Fetch:
+    rid: int
+    asm: Assembler
+    last_activity: float
+    key: tuple[int, int] | None = None
+    n_chunks: int = 1
+    next_seq: int = 1
+    outstanding: int = 1
+
+
+class WeightSubscriber(WeightSyncClient):
+    """Generator side: a background thread receives, verifies and parks the newest version.
+
+    ``poll()`` hands out only complete, digest-verified versions newer than the last one it
+    returned. Lost or corrupt versions are counted in ``streamgrpo_errors_total{kind="weights"}``
+    and repaired from the snapshot endpoint, which is also asked at start-up (late joiners).
+    ``pin_memory=True`` receives into pinned buffers (fast, asynchronous copies to a CUDA model).
+    Chunks are copied into preallocated receive buffers and hashed by ``copy_threads`` worker
+    threads, off the receiving thread. ``ipc_dir`` connects to the publisher's ``ipc://`` sockets
+    there instead of TCP (generators on the learner's host). ``shm_dir`` (with ``ipc_dir``) reads each
+    new version from the learner's shared-memory file instead of receiving its bytes
+    (:mod:`.weights_shm`): the tensors :meth:`poll` returns are then views of that file, held for
+    this generator until :meth:`mark_applied`.
+
+    :meth:`status` says why no weights arrive (key refused, handshake failed, learner unreachable,
+    nothing published yet) from the sockets' monitor events (:mod:`.weights_links`); after an auth
+    or protocol failure, which libzmq never retries, both endpoints are dialled again every
+    ``redial_s`` seconds.
+    """
+
+    def __init__(
+        self,
+        connect_host: str = "127.0.0.1",
+        pub_port: int = 5555,
+        snapshot_port: int = 5556,
+        curve_keys_dir: str | None = None,
+        client_key: str | None = None,
+        *,
+        pin_memory: bool = False,
+        snapshot_credit: int = 4,
+        repair_delay_s: float = 0.2,
+        retry_s: float = 0.5,
+        snapshot_timeout_s: float = 10.0,
+        copy_threads: int | None = None,
+        ipc_dir: str | os.PathLike | None = None,
+        redial_s: float = 5.0,
+        shm_dir: str | os.PathLike | None = None,
+    ):
+
+        self.pin_memory = pin_memory
+        self.credit = max(1, snapshot_credit)
+        self.repair_delay_s, self.retry_s, self.snapshot_timeout_s = repair_delay_s, retry_s, snapshot_timeout_s
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.immediate = True  # sends fail fast (EAGAIN) while not connected/authorised
+        for s in (self._sub, self._dealer):
+            s.linger = 0
+            if ":" in connect_host:
+                s.ipv6 = True
+        if curve_keys_dir:
+            server_public, _ = server_keys(curve_keys_dir, secret=False)
+            public, secret = client_keys(curve_keys_dir, client_key)
+            for s in (self._sub, self._dealer):
+                s.curve_serverkey = server_public
+                s.curve_publickey = public
+                s.curve_secretkey = secret
+        self.shm_dir = shm_dir
+        self._sub.subscribe(TOPIC_SHM if shm_dir is not None else TOPIC)
+        self._sub.subscribe(TOPIC_BEAT)
+        if ipc_dir is not None:
+            pub_ep, snap_ep = ipc_endpoints(ipc_dir)
+        else:
+            pub_ep, snap_ep = endpoint(connect_host, pub_port), endpoint(connect_host, snapshot_port)
+        self._links = Links([("PUB", self._sub, pub_ep), ("snapshot", self._dealer, snap_ep)],
+                            curve=bool(curve_keys_dir), client=str(client_key) if client_key else None,
+                            redial_s=redial_s)  # monitors first: they see the first connection attempt
+        self._learner_empty = False  # the snapshot endpoint answered that nothing is published yet
+        self._sub.connect(pub_ep)
+        self._dealer.connect(snap_ep)
+        self._pool = ThreadPoolExecutor(copy_threads or default_hash_threads(), thread_name_prefix="weights-recv")
+        self._wake_addr = f"inproc://weights-sub-{secrets.randbits(62)}"
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._wake_push = self._ctx.socket(zmq.PUSH)
+        self._wake_push.connect(self._wake_addr)
+
+        self._cv = threading.Condition(threading.RLock())
+        self._ready: Completed | None = None
+        self._have: VersionMeta | None = None  # newest of ready / last returned
+        self._last: VersionMeta | None = None  # last returned by poll()
+        self._closing = False
+        self._spares: list[torch.Tensor] = []  # receive buffers ready for reuse (at most 2)
+        self._returned: torch.Tensor | None = None  # buffer of the version poll() last returned
+        self._pub_asm = Assembler(self._alloc, self._release, self._pool)
+        self._fetch: _Fetch | None = None
+        self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
+        self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
+        self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
+        self._rid = 0
+        self._leases: dict[int, Lease] = {}  # shm mode: data_ptr of a version's buffer -> its file lock
+        self._maps = Maps()  # shm mode: the learner's files, mapped once each
+        # shm mode: chunk hashes started while the learner still writes the version
+        self._early = EarlyHashes(shm_dir, self._pool, self._maps) if shm_dir is not None else None
+        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_shm": 0, "discarded": 0,
+                      "snapshot_requests": 0, "beats": 0}
+        self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
+        self._thread.start()
+
+    # -- caller thread ---------------------------------------------------------------------
+    def poll(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest verified version not returned yet, waiting up to ``timeout_s``; else None.
+
+        The tensors are CPU views into one receive buffer; they stay valid until
+        :meth:`mark_applied` hands that buffer back (``release=True``), so copy them (e.g. with
+        :func:`~streamgrpo.models.apply.apply_to_model`) before calling it.
+        """
+        with self._cv:
+            self._cv.wait_for(lambda: self._ready is not None or self._closing, max(0.0, timeout_s))
+            done, self._ready = self._ready, None
+            if done is None:
+                return None
+            self._last = done.meta
+            self._returned = done.buf_N
+        self.stats["returned"] += 1
+        return done.meta.version, done.tensors()
+
+    def request_snapshot(self, timeout_s: float = 10.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Ask the snapshot endpoint for the latest version now and wait for it (or a newer PUB one)."""
+        with self._cv:
+            self._fetch_due = time.monotonic()
+            self._wake_push.send(b"", zmq.NOBLOCK)
+        return self.poll(timeout_s)
+
+    @property
+    def version(self) -> int | None:
+        """Version last returned by :meth:`poll`."""
+        return self._last.version if self._last else None
+
+    def status(self) -> WeightsStatus:
+        """Why weights do (not) arrive: the worst of the two connections (PUB, snapshot), in one line."""
+        with self._cv:
+            have, empty = self._have, self._learner_empty
+        return self._links.status(have.version if have is not None else None, learner_empty=empty)
+
+    @property
+    def published_at(self) -> float | None:
+        """Wall time (``time.time()``) at which the last returned version was published."""
+        return self._last.published_at if self._last else None
+
+    def mark_applied(self, release: bool = True) -> float | None:
+        """Record that the last returned version is now in use: observes ``streamgrpo_weight_sync_seconds``
+        (publish to applied) and sets ``streamgrpo_policy_version{role="generator"}``; returns the seconds.
+
+        ``release=True`` also hands the version's receive buffer back for reuse (a fresh buffer costs
+        page faults at every version): the tensors :meth:`poll` returned must not be read afterwards.
+        Pass ``release=False`` to keep them (e.g. to apply a version later).
+        """
+        if self._last is None:
+            return None
+        if release:
+            with self._cv:
+                buf, self._returned = self._returned, None
+                if buf is not None:
+                    self._release(buf)
+        seconds = max(0.0, time.time() - self._last.published_at)
+        WEIGHT_SYNC_SECONDS.observe(seconds)
+        POLICY_VERSION.labels(role="generator").set(self._last.version)
+        return seconds
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake_push.send(b"", zmq.NOBLOCK)
+            self._cv.notify_all()
+        self._thread.join(5.0)
+        self._pool.shutdown(wait=True)
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- buffers ----------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        with self._cv:
+            for i, b in enumerate(self._spares):
+                if nbytes <= b.numel() <= 2 * nbytes + (1 << 16):
+                    return self._spares.pop(i)[:nbytes]
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin_memory)[:nbytes]
+
+    def _release(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        with self._cv:
+            lease = self._leases.pop(buf.data_ptr(), None)
+            if lease is not None:  # a shared-memory version: let the learner have its file back
+                lease.release()
+                return
+            self._spares = [base, *self._spares][:2]
+
+    # -- receiver thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        monitors = self._links.monitors
+        for s in (self._sub, self._dealer, self._wake_pull, *monitors):
+            poller.register(s, zmq.POLLIN)
+        while not self._closing:
+            try:
+                events = dict(poller.poll(50))
+                if any(m in events for m in monitors):
+                    self._links.drain()
+                if self._wake_pull in events:
+                    while self._wake_pull.poll(0):
+                        self._wake_pull.recv()
+                if self._sub in events:
+                    self._drain_pub()
+                if self._dealer in events:
+                    self._drain_snapshot()
+                self._tick()
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                ERRORS.labels(kind="weights").inc()
+                log.exception("weights subscriber: unexpected error (continuing)")
+                time.sleep(0.05)
+
+    def _dropped(self, why: str, repair: bool) -> None:
+        report_error(why)
+        self.stats["discarded"] += 1
+        if repair and self._fetch is None and self._fetch_due is None:
+            self._fetch_due = time.monotonic() + self.repair_delay_s
+
+    def _offer(self, done: Completed, source: str) -> None:
+        with self._cv:
+            if not newer(done.meta, self._have):
+                self._release(done.buf_N)
+                return
+            old, self._ready, self._have = self._ready, done, done.meta
+            self._cv.notify_all()
+        if old is not None:
+            self._release(old.buf_N)
+        self.stats["from_" + source] += 1
+        self._fetch_due = None
+        cur = self._pub_asm.in_progress
+        if cur is not None and not newer(cur[0], done.meta):
+            self._pub_asm.reset()
+        if self._fetch is not None and (self._fetch.key is None or not newer(self._fetch.key, done.meta)):
+            self._abort_fetch()
+
+    def _drain_pub(self, limit: int = 512) -> None:
+        batch = []
+        for _ in range(limit):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                if frames[0].bytes == TOPIC_BEAT and len(frames) == 2:
+                    beat = msgpack.unpackb(frames[1].bytes)
+                    key = (int(beat["s"]), int(beat["v"]))
+                    self.stats["beats"] += 1
+                    if newer(key, self._announced):
+                        self._announced = key
+                    continue
+                if frames[0].bytes == TOPIC_SHM and len(frames) == 2:
+                    self._read_shm(frames[1].bytes)
+                    continue
+                if len(frames) != 3:
+                    raise WeightsFormatError(f"weights message has {len(frames)} frames, expected 3")
+                h = decode_header(frames[1].bytes)
+            except (WeightsFormatError, KeyError, ValueError, TypeError) as exc:
+                self._dropped(f"weights: malformed message ({exc})", repair=True)
+                continue
+            WEIGHT_BYTES.inc(len(frames[2]))
+            if h.seq == 0:
+                self._joined = True
+            elif not self._joined:
+                continue  # subscribed in the middle of a version: its tail is no loss (the snapshot covers it)
+            if newer(h, self._have):  # older or already-held versions cost nothing
+                batch.append((h, frames[2]))
+        if batch:
+            self._assemble(batch)
+        # Heartbeats follow a version's last chunk: if the announced version is newer than what we
+        # hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark).
+        announced, building = self._announced, self._pub_asm.in_progress
+        if announced is not None and newer(announced, self._have) and (building is None or not newer(building[0], announced)):
+            self._announced = None
+            if building is not None:
+                self._pub_asm.reset()
+                self._dropped(f"weights version {building[0][1]}: incomplete ({building[1]} chunks), its tail was lost",
+                              repair=False)
+            if self._fetch is None:
+                self._fetch_due = time.monotonic()
+
+    def _read_shm(self, raw: bytes) -> None:
+        """A version announced in shared memory: map, verify and offer it (a malformed announcement
+        raises WeightsFormatError for the caller to count)."""
+        early = decode_early(raw)
+        if "b" in early:
+            if newer(decode_meta(early["m"]), self._have):
+                self._early.begin(early["m"], early["p"])
+            return
+        if "c" in early:
+            self._early.chunk(early["s"], early["v"], early["c"])
+            return
+        a = decode_announcement(raw, self.shm_dir)
+        if not newer(a.meta, self._have):
+            self._early.reset()
+            return
+        got = read_version(a, self._pool, self._maps, self._early)
+        self.stats["shm_early_chunks"] = self._early.used
+        if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
+            self._dropped(got, repair=False)
+            return
+        done, lease = got
+        with self._cv:
+            self._leases[done.buf_N.data_ptr()] = lease
+        self._offer(done, "shm")
+
+    def _assemble(self, batch: list) -> None:
+        keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)
+        if keep and keep[0] > 0 and self._pub_asm.in_progress is not None:
+            if self._pub_asm.in_progress[0] == key_of(batch[0][0]):
+                self._pub_asm.reset()  # superseded by a newer complete version in this batch
+        for i in keep:
+            h, frame = batch[i]
+            done, why = self._pub_asm.feed(h, frame.buffer)
+            if why:
+                self._dropped(why, repair=True)
+            if done is not None:
+                self._offer(done, "pub")
+
+    # -- snapshot fetch ----------------------------------------------------------------------------
+    def _request(self, f: _Fetch, version: int, seq: int) -> bool:
+        try:
+            self._dealer.send_multipart([b"snap", msgpack.packb({"r": f.rid, "v": version, "q": seq})], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _tick(self) -> None:
+        self._links.redial_due()
+        now = time.monotonic()
+        f = self._fetch
+        if f is not None and now - f.last_activity > self.snapshot_timeout_s:
+            log.warning("weights subscriber: snapshot fetch timed out after %.1f s; retrying", self.snapshot_timeout_s)
+            self._abort_fetch()
+            self._fetch_due = now + self.retry_s
+        if self._fetch is None and self._fetch_due is not None and now >= self._fetch_due:
+            self._rid += 1
+            f = _Fetch(self._rid, Assembler(self._alloc, self._release, self._pool), now)
+            if self._request(f, -1, 0):
+                self._fetch, self._fetch_due = f, None
+                self.stats["snapshot_requests"] += 1
+            else:  # not connected (yet), or not authorised
+                self._fetch_due = now + self.retry_s
+
+    def _abort_fetch(self) -> None:
+        if self._fetch is not None:
+            self._fetch.asm.reset()
+        self._fetch = None
+
+    def _drain_snapshot(self, limit: int = 64) -> None:
+        for _ in range(limit):
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            f = self._fetch
+            try:
+                kind = frames[0].bytes
+                if kind in (b"none", b"gone"):
+                    rid = msgpack.unpackb(frames[1].bytes)["r"]
+                    if kind == b"none" and self._have is None:
+                        with self._cv:
+                            self._learner_empty = True
+                    if f is not None and rid == f.rid:
+                        self._abort_fetch()
+                        now = time.monotonic()
+                        # nothing published yet: ask again soon; version gone: ask for the new one now
+                        self._fetch_due = now if kind == b"gone" else (now + 2 * self.retry_s if self._have is None else None)
+                    continue
+                if kind != TOPIC or len(frames) != 3:
+                    raise WeightsFormatError(f"weights snapshot reply {kind[:8]!r} with {len(frames)} frames")
+                h = decode_header(frames[1].bytes)
+            except (WeightsFormatError, KeyError, ValueError, TypeError) as exc:
+                self._dropped(f"weights snapshot: malformed reply ({exc})", repair=False)
+                continue
+            if f is None or h.req != f.rid:
+                continue  # a reply to an abandoned fetch
+            WEIGHT_BYTES.inc(len(frames[2]))
+            f.last_activity = time.monotonic()
+            f.outstanding -= 1
+            if h.seq == 0:
+                if not newer(h, self._have):
+                    self._abort_fetch()  # we already hold this version or a newer one
+                    continue
+                f.key, f.n_chunks = key_of(h), h.n_chunks
+            done, why = f.asm.feed(h, frames[2].buffer)
+            if why:
+                self._abort_fetch()
+                self._dropped(why, repair=False)
+                self._fetch_due = time.monotonic() + self.retry_s
+                continue
+            if done is not None:
+                self._fetch = None
+                self._offer(done, "snapshot")
+                continue
+            while f.outstanding < self.credit and f.next_seq < f.n_chunks and f.key is not None:
+                if not self._request(f, f.key[1], f.next_seq):
+                    break
+                f.next_seq += 1
+                f.outstanding += 1
