@@ -111,13 +111,15 @@ def _sub_weights(a) -> None:
     import torch
 
     from streamgrpo.models.apply import apply_to_model
+    from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
     from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     model = torch.nn.Module()
     for name, t in _tensors(a.mib, fill=False)[0].items():
         model.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-    sub = WeightSubscriber("127.0.0.1", a.port, a.snap, a.keys, None, ipc_dir=a.ipc_dir or None,
-                           shm_dir=a.shm_dir or None)
+    shm = {"shm_dir": a.shm_dir} if a.shm_dir else {}
+    sub = (ShmSubscriber if shm else WeightSubscriber)("127.0.0.1", a.port, a.snap, a.keys, None,
+                                                       ipc_dir=a.ipc_dir or None, **shm)
     last = time.monotonic()
     while True:
         got = sub.poll(60.0)  # a generator would call poll(0) between batches; waiting here costs no CPU
@@ -225,10 +227,12 @@ class WeightsChannel:
     def __init__(self, n_subs: int, tensors, mib: int, chunk_mib: float, rounds: int, keys: str | None,
                  ipc_dir: str | None, io_threads: int, shm_dir: str | None = None):
         from streamgrpo.transport.weights.publisher import WeightPublisher
+        from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
         self.tensors = tensors
-        self.pub = WeightPublisher("127.0.0.1", 0, 0, chunk_mib, keys, ipc_dir=ipc_dir, io_threads=io_threads,
-                                   shm_dir=shm_dir)
+        shm = {"shm_dir": shm_dir} if shm_dir else {}
+        self.pub = (ShmPublisher if shm else WeightPublisher)("127.0.0.1", 0, 0, chunk_mib, keys, ipc_dir=ipc_dir,
+                                                              io_threads=io_threads, **shm)
         self.subs = [Child(["--role", "weights", "--port", str(self.pub.pub_port), "--snap", str(self.pub.snapshot_port),
                             "--mib", str(mib), "--rounds", str(rounds)] + (["--keys", keys] if keys else [])
                            + (["--ipc-dir", ipc_dir] if ipc_dir else []) + (["--shm-dir", shm_dir] if shm_dir else []))

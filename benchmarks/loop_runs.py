@@ -208,7 +208,7 @@ def prepare_assets(work: Path = WORK, config: str = "demo") -> dict[str, Path]:
     for stale in (paths["model"], paths["train"].parent):
         shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    code = ("from streamgrpo.config import load_config; from streamgrpo.commands.up import prepare_assets; "
+    code = ("from streamgrpo.config import load_config; from streamgrpo.recipes.demo.assets import prepare_assets; "
             f"prepare_assets(load_config({config!r}, ['model.name_or_path={paths['model']}', "
             f"'data.train_path={paths['train']}']))")
     subprocess.run([sys.executable, "-c", code], check=True, env=bench_env(), cwd=ROOT)

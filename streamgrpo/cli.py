@@ -65,7 +65,7 @@ def _check_before_loading(cfg, role: str, *, data: bool = False) -> None:
 
         prepare_data(cfg.demo, cfg.data.train_path)  # the demo recipe's data set, when its config asks
         require_data_path(cfg.data.train_path)
-    url = queue_url(cfg, Path(cfg.run_dir))
+    url = queue_url(cfg.queue, Path(cfg.run_dir))
     try:
         RedisQueue.from_config(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
     except QueueStopped:

@@ -199,20 +199,22 @@ def _default(obj: Any) -> Any:
     return str(obj)
 
 
-def start_metrics(cfg, run_dir: Path, role: str, health=None):
-    """Serve /metrics and /healthz; record the port in ``<run_dir>/ports/<role>.json``."""
+def start_metrics(mcfg, run_dir: Path, role: str, health=None):
+    """Serve /metrics and /healthz on ``metrics.host:port`` (a :class:`~streamgrpo.config.MetricsConfig`);
+    record the port in ``<run_dir>/ports/<role>.json``."""
     from streamgrpo.metrics import serve
 
-    server = serve(cfg.metrics.host, cfg.metrics.port, health=health)
+    server = serve(mcfg.host, mcfg.port, health=health)
     write_json(run_dir / "ports" / f"{role}.json", {"metrics": server.port, "pid": os.getpid(), "started": time.time()})
     log.info("%s: metrics on port %d", role, server.port)
     return server
 
 
-def queue_url(cfg, run_dir: Path) -> str:
-    """The configured Redis URL, or the embedded server's URL that `streamgrpo up` recorded."""
-    if cfg.queue.url:
-        return cfg.queue.url
+def queue_url(qcfg, run_dir: Path) -> str:
+    """``queue.url`` (a :class:`~streamgrpo.config.QueueConfig`), ``STREAMGRPO_REDIS_URL``, or the embedded
+    server's URL that `streamgrpo up` recorded in the run directory."""
+    if qcfg.url:
+        return qcfg.url
     env = os.environ.get("STREAMGRPO_REDIS_URL")
     if env:
         return env

@@ -227,11 +227,3 @@ def _read_frames(record: Record, cfg: DataConfig, item: tuple[str, str], idx: li
         raise _fail(record, path, exc, "missing_file") from None
 
 
-def visual_tokens(visuals: list[Visual], patch_size: int, merge_size: int, temporal_patch: int = 2) -> int:
-    """LLM tokens the visuals cost (videos: frames / temporal_patch * cells; images: one patch)."""
-    total = 0
-    for v in visuals:
-        t, h, w = v.frames.shape[:3]
-        grid_t = -(-t // temporal_patch)
-        total += grid_t * (h // patch_size) * (w // patch_size) // (merge_size * merge_size)
-    return total

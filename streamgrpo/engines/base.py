@@ -1,4 +1,4 @@
-"""The rollout engine interface: one small protocol, one class per backend (hf.py, vllm.py).
+"""The rollout engine interface: one small abstract class, one subclass per backend (hf.py, vllm.py).
 
 An engine turns prompt requests into G sampled completions each, with the log-probability of every
 sampled token under the distribution it was actually sampled from (after temperature), and takes new
@@ -8,9 +8,10 @@ weights between generation calls. Engines know nothing about rewards, queues or 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -57,19 +58,22 @@ class SampledCompletion:
     """int32 (L,): the weights version each token was sampled under (stamped by the engine)."""
 
 
-class Engine(Protocol):
-    version: int
+class Engine(ABC):
+    """What a generator samples with (:class:`~.hf.HFEngine`, :class:`~.vllm.VLLMEngine`)."""
 
+    version: int = 0
+    """The weight version the engine samples with now (0: the initial weights)."""
+
+    @abstractmethod
     def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
                  between_steps: Callable[[], None] | None = None) -> list[list[SampledCompletion]]:
         """G completions for each request, in request order. An engine that can update weights in
         flight calls ``between_steps`` at safe points between decoding steps (it may call
         :meth:`load_weights`); others never call it."""
-        ...
 
+    @abstractmethod
     def load_weights(self, version: int, tensors: dict[str, Any]) -> None:
         """Apply a complete weight version (between generate calls, or from ``between_steps``)."""
-        ...
 
 
 class TokenVersions:

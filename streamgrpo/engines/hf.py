@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams, cut_at_stop
+from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, cut_at_stop
 from streamgrpo.models.batching import vision_token_ids
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def collate_prompts(inputs: list[Any], pad_token_id: int) -> dict[str, torch.Ten
     return out
 
 
-class HFEngine:
+class HFEngine(Engine):
     """Sampling with ``model.generate``; weights applied in place between calls."""
 
     def __init__(self, model, processor, *, device: torch.device | str = "cpu"):

@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from streamgrpo.engines.base import PromptRequest, SampledCompletion, SamplingParams, TokenVersions
+from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, TokenVersions
 from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
 from streamgrpo.wire import Visual
@@ -336,7 +336,7 @@ def _record_counts(data_cfg) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------------------------- engine
-class VLLMEngine:
+class VLLMEngine(Engine):
     """Sampling with ``vllm.LLM``; weights reloaded in place between calls (see the module docstring)."""
 
     def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", checkpoint: str = "",

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.engines.base import Engine
 from streamgrpo.generator.applier import WeightApplier
 from streamgrpo.generator.sampling import Sampler
 from streamgrpo.generator.send import send_groups
@@ -47,7 +48,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     run_dir = Path(cfg.run_dir)
     setup_torch_threads()
     torch.manual_seed(cfg.seed * 1000 + generator_id)
-    server = start_metrics(cfg, run_dir, name)
+    server = start_metrics(cfg.metrics, run_dir, name)
     audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
 
     # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
@@ -60,7 +61,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     if tc is not None and tc.reward not in rewards.names:
         raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
                           f"({', '.join(rewards.names)})")
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=name, stop=stop)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=name, stop=stop)
     weights = subscriber_from_config(cfg.weights, run_dir, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
                                      pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
     sampler = Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), rewards, name,
@@ -116,7 +117,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     return code
 
 
-def _make_engine(cfg: Config, processor, device):
+def _make_engine(cfg: Config, processor, device) -> Engine:
     if cfg.rollout.engine == "vllm":
         from streamgrpo.engines.vllm import VLLMEngine
 

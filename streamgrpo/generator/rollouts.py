@@ -2,7 +2,7 @@
 
 :func:`sample_groups` runs the same steps a generator runs (records -> visuals -> chat prompt ->
 processor -> HF engine sampling G completions with behaviour log-probs) and builds one
-:class:`~streamgrpo.wire.ScoredGroup` per prompt. Rewards are synthetic by default (alternating
+:class:`~streamgrpo.wire.ScoredGroup` per prompt with the generator's own :func:`score_group`. Rewards are synthetic by default (alternating
 1/0 within a group, so every group carries gradient); pass ``score`` to use real reward functions.
 :func:`accept` turns groups into the learner's :class:`~streamgrpo.learner.trainer.Accepted` form, which is
 what ``Learner.train_step`` takes (a fixed sequence of groups, fed directly).
@@ -11,11 +11,13 @@ what ``Learner.train_step`` takes (a fixed sequence of groups, fed directly).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from streamgrpo.rewards.combine import ScoredRewards
 
 
 def sample_groups(
@@ -30,8 +32,8 @@ def sample_groups(
     from streamgrpo.data.records import load_records
     from streamgrpo.engines.base import PromptRequest, SamplingParams
     from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.generator.sampling import score_group
     from streamgrpo.models.loading import load_model, load_processor
-    from streamgrpo.wire import Completion, ScoredGroup
 
     overrides = [f"data.train_path={records_path}", f"model.name_or_path={model_dir}", "model.dtype=float32",
                  "data.min_frames=4", "data.max_frames=4", "data.min_pixels=3136", "data.max_pixels=3136",
@@ -44,6 +46,7 @@ def sample_groups(
     samples = iter_samples(records, cfg.data, shard=0, num_shards=1, seed=seed, epochs=None, factor=factor,
                            temporal_patch=temporal)
     sampling = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    rewards = _GivenRewards(score)
     groups = []
     for i in range(n_groups):
         record, visuals = next(samples)
@@ -51,17 +54,23 @@ def sample_groups(
         req = PromptRequest(text, visuals, processor_inputs(processor, text, visuals), record.id)
         torch.manual_seed(seed * 100_003 + i)
         outs = engine.generate([req], SamplingParams(**{**sampling.__dict__, "seed": None}))[0]
-        texts = [c.text for c in outs]
-        rewards = score(texts, record.answer) if score else [float(j % 2) for j in range(len(outs))]
-        groups.append(ScoredGroup(
-            prompt_id=record.id, generator_id="rollouts", policy_version=policy_version, model_id=str(model_dir),
-            prompt_ids=np.asarray(req.inputs["input_ids"]).reshape(-1).astype(np.int32), visuals=visuals,
-            answer=record.answer, prompt_text=text, meta={"kind": record.kind, "temperature": temperature},
-            completions=[Completion(c.token_ids, c.logprobs, c.text, c.finish_reason,
-                                    {"accuracy": r, "format": 1.0 - r}, r) for c, r in zip(outs, rewards)],
-            group_id=f"g{seed}-{i:05d}",
-        ))
+        outs = [replace(c, versions=None) for c in outs]  # no token versions: a test may move policy_version
+        group = score_group(record, visuals, req, outs, rewards, version=policy_version, generator_id="rollouts",
+                            model_id=str(model_dir), temperature=temperature)
+        groups.append(replace(group, group_id=f"g{seed}-{i:05d}"))
     return groups
+
+
+class _GivenRewards:
+    """Rewards for :func:`sample_groups`: ``score(texts, answer)`` (default: 1/0 alternating) as ``accuracy``
+    and the total, 1 minus it as ``format`` (the interface of :meth:`streamgrpo.rewards.RewardSet.score`)."""
+
+    def __init__(self, score: Callable[[list[str], str], list[float]] | None):
+        self.fn = score
+
+    def score(self, texts: list[str], answer: str, **_) -> ScoredRewards:
+        values = [float(r) for r in self.fn(texts, answer)] if self.fn else [float(j % 2) for j in range(len(texts))]
+        return ScoredRewards(totals=values, per_fn={"accuracy": values, "format": [1.0 - r for r in values]})
 
 
 def accept(groups: Sequence[Any], processor, *, version: int = 0) -> list[Any]:

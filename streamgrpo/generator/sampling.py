@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from streamgrpo.config import Config
+from streamgrpo.engines.base import Engine, SamplingParams
 
 log = logging.getLogger("streamgrpo.generator")
 
@@ -16,7 +17,8 @@ log = logging.getLogger("streamgrpo.generator")
 class Sampler:
     """Prompts in, scored groups out: the chat prompt, G samples (and T-GRPO's shuffled contrast), rewards."""
 
-    def __init__(self, engine, processor, cfg: Config, sampling, rewards, name: str, shuffle_rng):
+    def __init__(self, engine: Engine, processor, cfg: Config, sampling: SamplingParams, rewards, name: str,
+                 shuffle_rng):
         self.engine, self.processor, self.cfg, self.sampling = engine, processor, cfg, sampling
         self.rewards, self.name, self.shuffle_rng = rewards, name, shuffle_rng
         self.between_steps = None  # rollout.inflight_updates: the weight applier, called between decoding steps
@@ -76,7 +78,7 @@ def score_group(record, visuals, req, outs, rewards, *, version: int, generator_
     )
 
 
-def sample_shuffled(engine, processor, requests, sampling, contrast, rng) -> dict[int, list]:
+def sample_shuffled(engine: Engine, processor, requests, sampling: SamplingParams, contrast, rng) -> dict[int, list]:
     """T-GRPO: ``contrast.num_generations`` completions of each video prompt on its frames in a shuffled
     order (:mod:`streamgrpo.data.shuffle`), by request index; image-only prompts are skipped."""
     from dataclasses import replace

@@ -44,6 +44,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from streamgrpo.models.files import read_model_tensors, to_model_names
+
 log = logging.getLogger(__name__)
 
 
@@ -163,22 +165,6 @@ def load_rank_rng(ckpt_dir: str | Path, rank: int) -> bool:
     return True
 
 
-def read_model_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``save_pretrained`` directory: ``model.safetensors``, its sharded form
-    (``model.safetensors.index.json``) or a peft adapter (``adapter_model.safetensors``)."""
-    d = Path(model_dir)
-    for single in ("model.safetensors", "adapter_model.safetensors"):
-        if (d / single).is_file():
-            return load_file(str(d / single))
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        out: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            out.update(load_file(str(d / shard)))
-        return out
-    raise FileNotFoundError(f"{d}: no model.safetensors, model.safetensors.index.json or adapter_model.safetensors")
-
-
 def _json_default(obj: Any) -> Any:
     if torch.is_tensor(obj):
         return obj.item() if obj.numel() == 1 else obj.tolist()
@@ -219,29 +205,6 @@ def load_trainer_state(ckpt: str | Path, *, model=None, optimizer=None, schedule
     if restore_rng and (ckpt / "rng.safetensors").exists():
         set_rng_state(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
     return meta
-
-
-def to_model_names(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-    """Rename checkpoint keys to the model's parameter names.
-
-    transformers 5 saves some Qwen-VL checkpoints in their original hub layout (Qwen2.5-VL:
-    ``model.layers.*``, ``visual.*``) while the loaded model names them ``model.language_model.*``
-    and ``model.visual.*``; keys that already match are kept.
-    """
-    names = set(names)
-    out = {}
-    for key, t in tensors.items():
-        out[key if key in names or runtime_name(key) not in names else runtime_name(key)] = t
-    return out
-
-
-def runtime_name(key: str) -> str:
-    """The transformers-5 parameter name of a Qwen-VL checkpoint key in the original hub layout."""
-    if key.startswith("visual."):
-        return "model." + key
-    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
-        return "model.language_model." + key[len("model."):]
-    return key
 
 
 def _tied_names(model) -> set[str]:

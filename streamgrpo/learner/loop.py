@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from streamgrpo import metrics as M
-from streamgrpo.config import Config
+from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
@@ -106,7 +106,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     if main:
         _warn_if_not_durable(queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
@@ -118,7 +118,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     publisher = _start_publisher(cfg, run_dir) if main else None
     learner.publish(publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
-    server = start_metrics(_rank_metrics_cfg(cfg, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
+    server = start_metrics(_rank_metrics(cfg.metrics, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
@@ -243,11 +243,11 @@ def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: d
         )
 
 
-def _rank_metrics_cfg(cfg: Config, dist: DistInfo) -> Config:
+def _rank_metrics(mcfg: MetricsConfig, dist: DistInfo) -> MetricsConfig:
     """Rank r serves /metrics on ``metrics.port + r`` (0 stays 0: a free port each)."""
-    if dist.rank == 0 or not cfg.metrics.port:
-        return cfg
-    return cfg.model_copy(update={"metrics": cfg.metrics.model_copy(update={"port": cfg.metrics.port + dist.rank})})
+    if dist.rank == 0 or not mcfg.port:
+        return mcfg
+    return mcfg.model_copy(update={"port": mcfg.port + dist.rank})
 
 
 def _fmt(x) -> str:

@@ -9,7 +9,7 @@ Three stages, one type each, and each metric is named once (a field):
 * :class:`StepSummary` is one rank's numbers of the step as sums (:meth:`StepSummary.of_rank`,
   JSON for ``gather_json``) or the sum of every rank's (:meth:`StepSummary.merge`).
 * :class:`StepRecord` is the ``metrics.jsonl`` line (:meth:`StepRecord.to_json`), built from the merged
-  summary; ``report``, ``tracking``, ``orchestrate`` and the benchmarks read its keys.
+  summary; ``report``, ``tracking``, ``up`` and the benchmarks read its keys.
 
 Shape suffixes: ``_N`` one value per completion of the step, ``_G`` one per group.
 """

@@ -114,13 +114,6 @@ def enable_activation_checkpointing(model, every: int = 1, offload: bool = False
     enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every, offload=offload)
 
 
-def checkpointed_layers(model) -> list[bool]:
-    """Whether each layer of ``model`` (vision blocks and decoder layers, in order) recomputes in backward."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 class PolicyLogprobs(torch.nn.Module):
     """The policy with its forward set to "completion log-probs of a TrainBatch".
 
@@ -529,7 +522,8 @@ class Learner:
 
     def load(self, ckpt: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank)."""
-        from streamgrpo.learner.checkpoint import load_rank_rng, load_trainer_state, read_model_tensors
+        from streamgrpo.learner.checkpoint import load_rank_rng, load_trainer_state
+        from streamgrpo.models.files import read_model_tensors
 
         ckpt = Path(ckpt)
         meta = json.loads((ckpt / "trainer_state.json").read_text())
@@ -570,7 +564,7 @@ class Learner:
             if bad:
                 raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {bad[:5]})")
             return
-        from streamgrpo.learner.checkpoint import to_model_names
+        from streamgrpo.models.files import to_model_names
 
         missing, unexpected = self.module.load_state_dict(to_model_names(tensors, self.module.state_dict()), strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:

@@ -205,7 +205,7 @@ def make_weight_applier(cfg, engine) -> Callable[[int, dict[str, torch.Tensor]],
         return apply_in_place
 
     # other engines (vLLM): pristine base weights read from the checkpoint files, keyed by model names
-    from streamgrpo.learner.checkpoint import runtime_name
+    from streamgrpo.models.files import runtime_name
 
     base: dict[str, torch.Tensor] = {}
     on_disk: dict[str, str] = {}  # model name -> checkpoint key

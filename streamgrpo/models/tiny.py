@@ -251,5 +251,3 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
     return out
 
 
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -1,2 +1,4 @@
-"""Transports between processes: the Redis replay queue (:mod:`.queue`, :mod:`.redis_server`) and the
-ZeroMQ weight channel. Import the submodules directly; this package imports nothing heavy."""
+"""Transports between processes, one folder per channel: the Redis queue of scored groups
+(:mod:`.queue`) and the weight channel (:mod:`.weights`), each with a small interface in ``base.py``,
+one module per backend, and one factory that reads its backend key. Import the submodules directly;
+this package imports nothing heavy."""

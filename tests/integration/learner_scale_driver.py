@@ -32,10 +32,10 @@ def main() -> int:
 
     from streamgrpo.config import load_config
     from streamgrpo.generator.rollouts import accept
-    from streamgrpo.learner.checkpoint import read_model_tensors, to_model_names
     from streamgrpo.learner.distributed import barrier, init_distributed, share
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.learner.trainer import Learner
+    from streamgrpo.models.files import read_model_tensors, to_model_names
     from streamgrpo.runtime import StopFlag
     from streamgrpo.wire import decode
 

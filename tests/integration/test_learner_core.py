@@ -133,7 +133,6 @@ def _mlp_calls(learner):
 @pytest.mark.parametrize("sets", [(), ("model.lora={r: 4, alpha: 8, dropout: 0.0}",)], ids=["full", "lora"])
 def test_checkpoint_every_recomputes_every_other_layer_with_the_same_gradients(groups, tiny_model_dir, tmp_path,
                                                                                 sets):
-    from streamgrpo.learner.trainer import checkpointed_layers
 
     plain = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
     every = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets, "learner.gradient_checkpointing=true",
@@ -372,3 +371,10 @@ def test_a_cuda_learner_steps_with_fused_adamw_and_bf16_frozen_weights(groups, t
     assert _dtypes(learner) == {True: {torch.float32}, False: {torch.bfloat16}}
     out = learner.train_step(_accept(groups[:4], learner))
     assert out is not None and math.isfinite(out.grad_norm) and out.grad_norm > 0
+
+
+def checkpointed_layers(model) -> list[bool]:
+    """Whether each layer of ``model`` (vision blocks and decoder layers, in order) recomputes in backward."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

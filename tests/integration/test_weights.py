@@ -24,11 +24,12 @@ import torch
 import zmq
 from conftest import wait_weights_version as _wait_version
 from prometheus_client import REGISTRY
+from weights_reference import build_version, iter_chunks
 
 from streamgrpo.config import WeightsConfig
 from streamgrpo.models.apply import apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora
-from streamgrpo.transport.weights.codec import TOPIC, TOPIC_BEAT, build_version, encode_header, iter_chunks
+from streamgrpo.transport.weights.codec import TOPIC, TOPIC_BEAT, encode_header
 from streamgrpo.transport.weights.factory import publisher_from_config
 from streamgrpo.transport.weights.publisher import WeightPublisher
 

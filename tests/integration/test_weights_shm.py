@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 from conftest import wait_weights_version as _wait_version
+from weights_reference import build_version
 
 from streamgrpo.config import WeightsConfig
-from streamgrpo.transport.weights.codec import WeightsFormatError, build_version, chunk_digest, chunk_span
+from streamgrpo.transport.weights.codec import WeightsFormatError, chunk_digest, chunk_span
 from streamgrpo.transport.weights.factory import publisher_from_config, subscriber_from_config
-from streamgrpo.transport.weights.publisher import WeightPublisher
 from streamgrpo.transport.weights.shm import (
     PREFIX,
     Announcement,
@@ -30,6 +30,8 @@ from streamgrpo.transport.weights.shm import (
     read_version,
     sweep_stale,
 )
+from streamgrpo.transport.weights.shm_publisher import ShmPublisher
+from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
 from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
 WAIT_S = 30.0
@@ -57,8 +59,8 @@ def dirs(tmp_path):
 
 def test_same_host_generator_reads_versions_from_shared_memory_and_tcp_ones_still_get_chunks(dirs):
     ipc, shm = dirs
-    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, ipc_dir=ipc, shm_dir=shm) as pub:
-        local = WeightSubscriber(ipc_dir=ipc, shm_dir=shm)
+    with ShmPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, ipc_dir=ipc, shm_dir=shm) as pub:
+        local = ShmSubscriber(ipc_dir=ipc, shm_dir=shm)
         remote = WeightSubscriber("127.0.0.1", pub.pub_port, pub.snapshot_port)
         try:
             pub.publish(1, _tensors(1))  # may reach a subscriber still connecting through the snapshot
@@ -73,7 +75,7 @@ def test_same_host_generator_reads_versions_from_shared_memory_and_tcp_ones_stil
                     sub.mark_applied()
             assert local.stats["from_shm"] >= 2 and local.stats["from_pub"] == 0
             assert local.stats["shm_early_chunks"] > 0  # chunks verified while the learner still wrote
-            assert remote.stats["from_shm"] == 0 and remote.stats["from_pub"] >= 2
+            assert remote.stats.get("from_shm", 0) == 0 and remote.stats["from_pub"] >= 2
             assert _files(shm)  # the versions live there while the learner runs
         finally:
             local.close()
@@ -83,8 +85,8 @@ def test_same_host_generator_reads_versions_from_shared_memory_and_tcp_ones_stil
 
 def test_a_version_a_generator_holds_is_never_rewritten(dirs):
     ipc, shm = dirs
-    with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, ipc_dir=ipc, shm_dir=shm, host_buffers=2) as pub:
-        sub = WeightSubscriber(ipc_dir=ipc, shm_dir=shm)
+    with ShmPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, ipc_dir=ipc, shm_dir=shm, host_buffers=2) as pub:
+        sub = ShmSubscriber(ipc_dir=ipc, shm_dir=shm)
         try:
             pub.publish(1, _tensors(1))
             _wait_version(sub, 1)
@@ -208,7 +210,7 @@ def test_config_selects_shared_memory(tmp_path):
     from streamgrpo.transport.weights.shm import ShmUnavailable
 
     with pytest.raises(ShmUnavailable, match="not a directory"):
-        WeightPublisher("127.0.0.1", 0, 0, shm_dir=tmp_path / "missing")
+        ShmPublisher("127.0.0.1", 0, 0, shm_dir=tmp_path / "missing")
 
 
 def test_a_reader_maps_each_learner_file_once_and_again_when_it_is_replaced(tmp_path):

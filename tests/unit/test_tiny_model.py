@@ -33,7 +33,6 @@ def _inputs(proc, arch):
 def test_tiny_builds_reloads_and_generates_with_video(arch, request):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from streamgrpo.models.tiny import count_parameters
 
     d = request.getfixturevalue("tiny_model_dir" if arch == "qwen2_5_vl" else "tiny_qwen3_dir")
     proc = AutoProcessor.from_pretrained(d)
@@ -100,3 +99,7 @@ def test_cli_model_tiny_warms_on_the_prompts_of_its_config(tmp_path):
     assert (tmp_path / "m" / "model.safetensors").is_file()
     videos = list((tmp_path / "motion" / "videos").glob("*.mp4"))  # the config's data set, made on the way
     assert videos and all(v.stem.endswith("r") for v in videos)  # demo_motion: reverse
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from weights_reference import build_version, iter_chunks
 
 from streamgrpo.models.apply import WeightsApplyError, apply_to_model
 from streamgrpo.models.lora import LoraApplier, filter_lora, merge_lora_into
@@ -21,12 +22,10 @@ from streamgrpo.transport.weights.codec import (
     Assembler,
     ChunkHeader,
     WeightsFormatError,
-    build_version,
     decode_header,
     decode_meta,
     encode_header,
     encode_meta,
-    iter_chunks,
     key_of,
     newer,
     select_chunks,
@@ -244,8 +243,9 @@ def test_flipped_payload_byte_is_rejected_once(where, threads):
 
 
 def test_well_hashed_but_malformed_tensor_table_is_rejected():
+    from weights_reference import iter_chunks as chunks_of
+
     from streamgrpo.transport.weights.codec import VersionMeta
-    from streamgrpo.transport.weights.codec import iter_chunks as chunks_of
 
     payload = _payload({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
     meta = VersionMeta(1, 7, len(payload), 16, -(-len(payload) // 16), 0.0, "xxh3_128")

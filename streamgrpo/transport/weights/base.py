@@ -1,7 +1,7 @@
 """The weight-sync interface: how new policy versions get from the learner to the generators.
 
 Two small abstract classes, one per side, and one implementation per backend (today: ZeroMQ over
-TCP or, for generators on the learner's host, ``ipc://``; see :mod:`.weights`), built from a config
+TCP or, for generators on the learner's host, ``ipc://``; see :mod:`.publisher`), built from a config
 by :mod:`.factory` (the only reader of ``weights.transport``). The learner and the generator loops see only these methods::
 
     sync = publisher_from_config(cfg.weights, run_dir)              # learner rank 0

@@ -1,7 +1,7 @@
 """Pure logic of the weight channel: meta records, chunk headers, digests, in-order assembly.
 
 No sockets here. A *version* is one byte payload, a safetensors file image (its layout:
-:mod:`.weights_layout`). Beside the payload, a small *meta* record (msgpack: version, publisher id,
+:mod:`.layout`). Beside the payload, a small *meta* record (msgpack: version, publisher id,
 sizes, publish time, digest algorithm) travels in chunk 0. On the wire a version is ``n_chunks`` multipart messages
 ``[b"w", header, payload_chunk]``; every chunk header carries the digest of its own bytes (chunk 0's
 covers the meta record too), so both sides hash chunks in parallel, off the sending/receiving path.
@@ -28,10 +28,7 @@ from streamgrpo.metrics import ERRORS
 from streamgrpo.transport.weights.layout import (
     TensorEntry,
     WeightsFormatError,
-    pack_into,
     parse_layout,
-    plan_layout,
-    specs_of,
     unpack_tensors,
 )
 
@@ -184,28 +181,6 @@ def chunk_digest(algo: str, chunk, meta_bytes: bytes | None = None) -> bytes:
         h.update(meta_bytes)
     h.update(chunk)
     return h.digest()
-
-
-def build_version(version: int, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, src: int = 0,
-                  published_at: float = 0.0, algo: str = DEFAULT_ALGO,
-                  dtype: torch.dtype | None = None) -> tuple[VersionMeta, bytes, torch.Tensor]:
-    """(meta, meta_bytes, payload) of a version, in one go (the publisher does the same in steps)."""
-    layout = plan_layout(specs_of(tensors, dtype))
-    buf_N = torch.empty(layout.nbytes, dtype=torch.uint8)
-    pack_into(buf_N, tensors, layout)
-    meta = VersionMeta(version, src, layout.nbytes, chunk_bytes, n_chunks_for(layout.nbytes, chunk_bytes),
-                       published_at, algo)
-    return meta, encode_meta(meta), buf_N
-
-
-def iter_chunks(meta: VersionMeta, meta_bytes: bytes, buf_N: torch.Tensor, req: int | None = None):
-    """Yield ``(header, payload)`` per chunk, each with its digest."""
-    mv = memoryview(buf_N.numpy())
-    for seq in range(meta.n_chunks):
-        start, end = chunk_span(meta, seq)
-        chunk = mv[start:end]
-        digest = chunk_digest(meta.algo, chunk, meta_bytes if seq == 0 else None)
-        yield make_header(meta, seq, meta_bytes, digest, req), chunk
 
 
 # ---------------------------------------------------------------------------------- assembly

@@ -1,8 +1,9 @@
 """The weight channel a config asks for: the one place that reads ``weights.transport``.
 
-``tcp``: ZeroMQ over TCP (generators on any host). ``ipc``: the same, plus unix sockets in
-``<run_dir>/ipc`` for generators on the learner's host. ``shm``: as ipc, but each version's bytes
-stay in a shared-memory file under ``weights.shm_dir`` that same-host generators map. Kept apart
+``tcp``: ZeroMQ over TCP (:mod:`.publisher`, :mod:`.subscriber`; generators on any host). ``ipc``:
+the same, plus unix sockets in ``<run_dir>/ipc`` for generators on the learner's host. ``shm``
+(:mod:`.shm_publisher`, :mod:`.shm_subscriber`): as ipc, but each version's bytes stay in a
+shared-memory file under ``weights.shm_dir`` that same-host generators map. Kept apart
 from the interface (:mod:`.base`) so that the interface imports no backend.
 """
 
@@ -20,24 +21,26 @@ def ipc_dir_of(wcfg: WeightsConfig, run_dir: str | Path) -> Path | None:
     return Path(run_dir) / "ipc" if wcfg.transport in ("ipc", "shm") else None
 
 
-def _same_host(wcfg: WeightsConfig, run_dir: str | Path) -> dict:
-    shm = {"shm_dir": wcfg.shm_dir} if wcfg.transport == "shm" else {}
-    return {"ipc_dir": ipc_dir_of(wcfg, run_dir), **shm}
-
-
 def publisher_from_config(wcfg: WeightsConfig, run_dir: str | Path, **kw) -> WeightSync:
     """The learner's weight channel (rank 0)."""
     from streamgrpo.transport.weights.publisher import WeightPublisher
+    from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
-    return WeightPublisher(wcfg.bind_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.chunk_mib, wcfg.curve_keys_dir,
-                           wcfg.sndhwm, io_threads=wcfg.io_threads, host_buffers=wcfg.host_buffers,
-                           **{**_same_host(wcfg, run_dir), **kw})
+    kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), "io_threads": wcfg.io_threads, "host_buffers": wcfg.host_buffers, **kw}
+    args = (wcfg.bind_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.chunk_mib, wcfg.curve_keys_dir, wcfg.sndhwm)
+    if wcfg.transport == "shm":
+        return ShmPublisher(*args, shm_dir=wcfg.shm_dir, **kw)
+    return WeightPublisher(*args, **kw)
 
 
 def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key: str | None = None,
                            **kw) -> WeightSyncClient:
     """A generator's weight channel (``client_key``: e.g. ``client-3``, with CURVE keys)."""
+    from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
     from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
-    return WeightSubscriber(wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key,
-                            **{**_same_host(wcfg, run_dir), **kw})
+    kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), **kw}
+    args = (wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key)
+    if wcfg.transport == "shm":
+        return ShmSubscriber(*args, shm_dir=wcfg.shm_dir, **kw)
+    return WeightSubscriber(*args, **kw)

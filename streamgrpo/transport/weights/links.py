@@ -1,8 +1,8 @@
 """Why a generator has no weights: ZeroMQ socket-monitor events of its two connections, summed up.
 
 :class:`Links` watches the subscriber's SUB and snapshot DEALER sockets with ``get_monitor_socket``
-and turns their events into a :class:`~.weight_sync.WeightsStatus`. What libzmq 4.3.5 (pyzmq 27)
-reports to a connecting socket, observed on loopback against a real :class:`~.weights.WeightPublisher`:
+and turns their events into a :class:`~.base.WeightsStatus`. What libzmq 4.3.5 (pyzmq 27)
+reports to a connecting socket, observed on loopback against a real :class:`~.publisher.WeightPublisher`:
 
 * client key not authorised (CURVE, ZAP refuses it): ``CONNECT_DELAYED, CONNECTED,
   HANDSHAKE_FAILED_AUTH (value: ZAP status 400), DISCONNECTED``, then nothing: libzmq never tries

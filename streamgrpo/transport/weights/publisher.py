@@ -1,15 +1,15 @@
-"""Weight broadcast over ZeroMQ: the :class:`~.weight_sync.WeightSync` backend (learner rank 0 publishes).
+"""Weight broadcast over ZeroMQ: the :class:`~.base.WeightSync` backend (learner rank 0 publishes).
 
 Publisher (learner)::
 
-    pub = WeightPublisher.from_config(cfg.weights)
+    pub = publisher_from_config(cfg.weights, run_dir)   # streamgrpo.transport.weights.factory
     pub.publish(version, dict(model.named_parameters()), dtype=torch.bfloat16)
     pub.close()
 
-Subscriber (generator): :class:`~.weights_subscriber.WeightSubscriber`.
+Subscriber (generator): :class:`~.subscriber.WeightSubscriber`.
 
 How a version goes out. ``publish`` plans the payload (a safetensors image, see
-:mod:`.weights_codec`) and takes a reusable host buffer (pinned when the tensors live on CUDA).
+:mod:`.codec`) and takes a reusable host buffer (pinned when the tensors live on CUDA).
 CUDA tensors are cast to the export dtype and copied device-to-host on a side stream, tensor by
 tensor, with a CUDA event every chunk; the caller's stream is then made to wait for that side
 stream, so ``publish`` returns without waiting for the copies, and the next optimizer step cannot
@@ -53,7 +53,6 @@ import torch
 import zmq
 
 from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
-from streamgrpo.transport.weights import shm as shm_wire
 from streamgrpo.transport.weights.base import VersionWriter, WeightSync
 from streamgrpo.transport.weights.codec import (
     BEAT_S,
@@ -72,7 +71,6 @@ from streamgrpo.transport.weights.codec import (
 )
 from streamgrpo.transport.weights.keys import authorised_dir, server_keys
 from streamgrpo.transport.weights.layout import Layout, LayoutMemo, TensorSpec, view_of
-from streamgrpo.transport.weights.shm import ShmFile, ShmPool
 from streamgrpo.transport.weights.sockets import PortInUse, bind_tcp, endpoint, ipc_endpoints
 
 log = logging.getLogger(__name__)
@@ -93,7 +91,7 @@ class _Version:
     ready: int = 0  # bytes of buf_N known final (the sender's view)
     committed: bool = False
     failed: bool = False  # given up while being written: never send it
-    shm: ShmFile | None = None  # the shared-memory file base maps (shm mode)
+    storage: object | None = None  # a backend's handle of base (the shared-memory file it maps: ShmPublisher)
 
     def released(self) -> bool:
         return all(t.done for t in self.trackers)
@@ -205,7 +203,6 @@ class WeightPublisher(WeightSync):
         hash_threads: int | None = None,
         io_threads: int = 1,
         host_buffers: int = 3,
-        shm_dir: str | os.PathLike | None = None,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.algo = algo
@@ -249,8 +246,6 @@ class WeightPublisher(WeightSync):
         self._hash_pool = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="weights-hash")
         self._stream = None
         self._plan = LayoutMemo()
-        # shm mode: versions live in shared-memory files that same-host generators map (weights_shm)
-        self._shm = ShmPool(shm_dir, self.src, max_files=max(2, host_buffers) + 1) if shm_dir is not None else None
 
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
@@ -266,14 +261,21 @@ class WeightPublisher(WeightSync):
         self.host_buffers = max(2, host_buffers)
         self._pinned = 0
         self.reclaimed = 0  # pinned buffers taken back from a lagging subscriber's queue
+        try:
+            self._setup_backend()
+        except BaseException:
+            if self._auth is not None:
+                self._auth.stop()
+            self._hash_pool.shutdown(wait=False)
+            self._ctx.destroy(linger=0)
+            raise
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
         self._thread.start()
 
         where = f"PUB {endpoint(bind_host, self.pub_port)}, snapshot ROUTER {endpoint(bind_host, self.snapshot_port)}"
         if self._ipc is not None:
             where += f", also {self._ipc[0]} and {self._ipc[1]}"
-        if self._shm is not None:
-            where += f", versions in shared memory under {self._shm.dir}"
+        where += self._describe_backend()
         if curve_keys_dir:
             log.info("weights: %s, CURVE on, clients authorised from %s", where, authorised_dir(curve_keys_dir))
         elif bind_host in _LOOPBACK:
@@ -340,13 +342,10 @@ class WeightPublisher(WeightSync):
                 replaced.failed = True
                 self._recycle(replaced)
                 self.superseded += 1
-        shm = self._take_shm(layout.nbytes) if self._shm is not None else None
-        if shm is not None:
-            shm.stamp(self.src, version)  # before any byte of this version (readers check it)
-        base = shm.tensor if shm is not None else self._take_buffer(layout.nbytes, pinned=cuda)
+        base, storage = self._take_storage(version, layout.nbytes, cuda)
         meta = VersionMeta(version, self.src, layout.nbytes, self.chunk_bytes,
                            n_chunks_for(layout.nbytes, self.chunk_bytes), time.time(), self.algo)
-        job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes], shm=shm)
+        job = _Version(meta, encode_meta(meta), layout, base, base[: layout.nbytes], storage=storage)
         with self._cv:
             self._pending = job
             self._wake_push.send(b"", zmq.NOBLOCK)
@@ -384,8 +383,31 @@ class WeightPublisher(WeightSync):
         if self._auth is not None:
             self._auth.stop()
         self._ctx.destroy(linger=int(min(timeout_s, 1.0) * 1000))
-        if self._shm is not None:
-            self._shm.close()
+        self._close_backend()
+
+    # -- what a backend built on this one changes (ShmPublisher) -------------------------------------
+    def _setup_backend(self) -> None:
+        """Called once, after the sockets are bound and before the sender starts."""
+
+    def _describe_backend(self) -> str:
+        """Appended to the start-up log line."""
+        return ""
+
+    def _take_storage(self, version: int, nbytes: int, cuda: bool) -> tuple[torch.Tensor, object | None]:
+        """The buffer a new version is written into, and the backend's handle of it."""
+        return self._take_buffer(nbytes, pinned=cuda), None
+
+    def _chunk_out(self, job: _Version, seq: int) -> None:
+        """Chunk ``seq`` of ``job`` is final and about to go out (sender thread)."""
+
+    def _version_out(self, job: _Version) -> None:
+        """``job`` went out whole and is the latest version (sender thread)."""
+
+    def _version_dropped(self, job: _Version) -> None:
+        """``job`` was given up by the sender."""
+
+    def _close_backend(self) -> None:
+        """Called last by :meth:`close`."""
 
     # -- buffers -------------------------------------------------------------------------------
     def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -423,22 +445,8 @@ class WeightPublisher(WeightSync):
                      time.perf_counter() - t0)
         return base
 
-    def _take_shm(self, nbytes: int) -> ShmFile:
-        """A shared-memory file for a new version, locked for writing; files of retired versions that
-        ZeroMQ has let go of are reusable (unless a generator still reads them: see ShmPool.take)."""
-        with self._lock:
-            still = []
-            for v in self._retired:
-                (self._shm.give_back(v.shm) if v.released() and v.shm is not None else still.append(v))
-            self._retired = still
-            return self._shm.take(nbytes)
-
     def _recycle(self, job: _Version) -> None:  # lock held: a version that never went out
-        if job.shm is not None:
-            job.shm.unlock()
-            self._shm.give_back(job.shm)
-        else:
-            self._free_buffer(job.base)
+        self._free_buffer(job.base)
 
     def _free_buffer(self, base: torch.Tensor) -> None:  # lock held
         pinned = [b for b in [base, *self._free] if b.is_pinned()]
@@ -521,10 +529,7 @@ class WeightPublisher(WeightSync):
             start, end = chunk_span(meta, seq)
             digest = futures.pop(seq).result()
             job.digests.append(digest)
-            if job.shm is not None:  # same-host readers hash this chunk now, while later ones are written
-                if seq == 0:
-                    self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_begin(job.meta_bytes, str(job.shm.path))])
-                self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_chunk(meta.src, meta.version, seq)])
+            self._chunk_out(job, seq)
             header = encode_header(make_header(meta, seq, job.meta_bytes, digest))
             job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out
@@ -540,14 +545,11 @@ class WeightPublisher(WeightSync):
             self._sending = False
             self.versions_sent += 1
             self._cv.notify_all()
-        if job.shm is not None:  # readers may lock it now; then tell same-host generators where it is
-            job.shm.unlock()
-            self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_announcement(job.meta_bytes, job.digests, str(job.shm.path))])
+        self._version_out(job)
         self._beat()
 
     def _give_up(self, job: _Version) -> None:
-        if job.shm is not None:
-            job.shm.unlock()
+        self._version_dropped(job)
         with self._cv:
             self._sending = False
             self._retired.append(job)

@@ -1,4 +1,4 @@
-"""Generator side of the weight channel: :class:`WeightSubscriber` (see :mod:`.weights` for the design)."""
+"""Generator side of the weight channel: :class:`WeightSubscriber` (see :mod:`.publisher` for the design)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from streamgrpo.transport.weights.codec import (
     VersionMeta,
     WeightsFormatError,
     decode_header,
-    decode_meta,
     default_hash_threads,
     key_of,
     newer,
@@ -33,15 +32,6 @@ from streamgrpo.transport.weights.codec import (
 )
 from streamgrpo.transport.weights.keys import client_keys, server_keys
 from streamgrpo.transport.weights.links import Links
-from streamgrpo.transport.weights.shm import (
-    TOPIC_SHM,
-    EarlyHashes,
-    Lease,
-    Maps,
-    decode_announcement,
-    decode_early,
-    read_version,
-)
 from streamgrpo.transport.weights.sockets import endpoint, ipc_endpoints
 
 log = logging.getLogger("streamgrpo.transport.weights")
@@ -67,13 +57,11 @@ class WeightSubscriber(WeightSyncClient):
     ``pin_memory=True`` receives into pinned buffers (fast, asynchronous copies to a CUDA model).
     Chunks are copied into preallocated receive buffers and hashed by ``copy_threads`` worker
     threads, off the receiving thread. ``ipc_dir`` connects to the publisher's ``ipc://`` sockets
-    there instead of TCP (generators on the learner's host). ``shm_dir`` (with ``ipc_dir``) reads each
-    new version from the learner's shared-memory file instead of receiving its bytes
-    (:mod:`.weights_shm`): the tensors :meth:`poll` returns are then views of that file, held for
-    this generator until :meth:`mark_applied`.
+    there instead of TCP (generators on the learner's host); :class:`~.shm_subscriber.ShmSubscriber`
+    reads each new version from the learner's shared-memory file instead of receiving its bytes.
 
     :meth:`status` says why no weights arrive (key refused, handshake failed, learner unreachable,
-    nothing published yet) from the sockets' monitor events (:mod:`.weights_links`); after an auth
+    nothing published yet) from the sockets' monitor events (:mod:`.links`); after an auth
     or protocol failure, which libzmq never retries, both endpoints are dialled again every
     ``redial_s`` seconds.
     """
@@ -94,7 +82,6 @@ class WeightSubscriber(WeightSyncClient):
         copy_threads: int | None = None,
         ipc_dir: str | os.PathLike | None = None,
         redial_s: float = 5.0,
-        shm_dir: str | os.PathLike | None = None,
     ):
 
         self.pin_memory = pin_memory
@@ -115,8 +102,7 @@ class WeightSubscriber(WeightSyncClient):
                 s.curve_serverkey = server_public
                 s.curve_publickey = public
                 s.curve_secretkey = secret
-        self.shm_dir = shm_dir
-        self._sub.subscribe(TOPIC_SHM if shm_dir is not None else TOPIC)
+        self._sub.subscribe(self._data_topic)
         self._sub.subscribe(TOPIC_BEAT)
         if ipc_dir is not None:
             pub_ep, snap_ep = ipc_endpoints(ipc_dir)
@@ -148,12 +134,9 @@ class WeightSubscriber(WeightSyncClient):
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
         self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
         self._rid = 0
-        self._leases: dict[int, Lease] = {}  # shm mode: data_ptr of a version's buffer -> its file lock
-        self._maps = Maps()  # shm mode: the learner's files, mapped once each
-        # shm mode: chunk hashes started while the learner still writes the version
-        self._early = EarlyHashes(shm_dir, self._pool, self._maps) if shm_dir is not None else None
-        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_shm": 0, "discarded": 0,
-                      "snapshot_requests": 0, "beats": 0}
+        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0,
+                      "beats": 0}
+        self._setup_backend()
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._thread.start()
 
@@ -246,11 +229,17 @@ class WeightSubscriber(WeightSyncClient):
     def _release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
         with self._cv:
-            lease = self._leases.pop(buf.data_ptr(), None)
-            if lease is not None:  # a shared-memory version: let the learner have its file back
-                lease.release()
-                return
             self._spares = [base, *self._spares][:2]
+
+    # -- what a backend built on this one changes (ShmSubscriber) -----------------------------------
+    _data_topic = TOPIC  # the PUB topic that carries versions to this subscriber
+
+    def _setup_backend(self) -> None:
+        """Called once in the constructor, before the receiver thread starts."""
+
+    def _side_message(self, frames: list) -> bool:
+        """A PUB message of the backend's own (receiver thread); True when it was one."""
+        return False
 
     # -- receiver thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -316,8 +305,7 @@ class WeightSubscriber(WeightSyncClient):
                     if newer(key, self._announced):
                         self._announced = key
                     continue
-                if frames[0].bytes == TOPIC_SHM and len(frames) == 2:
-                    self._read_shm(frames[1].bytes)
+                if self._side_message(frames):
                     continue
                 if len(frames) != 3:
                     raise WeightsFormatError(f"weights message has {len(frames)} frames, expected 3")
@@ -345,31 +333,6 @@ class WeightSubscriber(WeightSyncClient):
                               repair=False)
             if self._fetch is None:
                 self._fetch_due = time.monotonic()
-
-    def _read_shm(self, raw: bytes) -> None:
-        """A version announced in shared memory: map, verify and offer it (a malformed announcement
-        raises WeightsFormatError for the caller to count)."""
-        early = decode_early(raw)
-        if "b" in early:
-            if newer(decode_meta(early["m"]), self._have):
-                self._early.begin(early["m"], early["p"])
-            return
-        if "c" in early:
-            self._early.chunk(early["s"], early["v"], early["c"])
-            return
-        a = decode_announcement(raw, self.shm_dir)
-        if not newer(a.meta, self._have):
-            self._early.reset()
-            return
-        got = read_version(a, self._pool, self._maps, self._early)
-        self.stats["shm_early_chunks"] = self._early.used
-        if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
-            self._dropped(got, repair=False)
-            return
-        done, lease = got
-        with self._cv:
-            self._leases[done.buf_N.data_ptr()] = lease
-        self._offer(done, "shm")
 
     def _assemble(self, batch: list) -> None:
         keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)
