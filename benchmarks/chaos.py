@@ -102,7 +102,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
               log=print) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
-    from streamgrpo.commands.up import prepare_assets
+    from streamgrpo.recipes.demo.assets import prepare_assets
     from streamgrpo.config import load_config
     from streamgrpo.runtime import free_port
     from streamgrpo.transport.queue.redis_stream import RedisQueue

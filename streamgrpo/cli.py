@@ -98,7 +98,8 @@ def cmd_up(args) -> int:
     from streamgrpo.commands.up import run_up
 
     return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config,
-                  resume=args.resume)
+                  resume=args.resume, learner_ranks=args.learner_ranks, gpus=args.gpus,
+                  generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan)
 
 
 def cmd_learner(args) -> int:
@@ -163,8 +164,11 @@ def cmd_data_demo(args) -> int:
 
 
 def cmd_model_tiny(args) -> int:
-    from streamgrpo.models.tiny import build_tiny
+    from streamgrpo.models.tiny import build_tiny, write_config
 
+    if args.config_only:
+        print(f"{args.size} {args.arch} config.json written to {write_config(args.out, args.arch, args.size)}")
+        return 0
     out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size)
     if args.warm_format:
         from streamgrpo.recipes.demo.assets import warm_data_config
@@ -210,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync", action="store_true", help="on-policy mode: generate for version v only once v is applied")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in the run directory (default: a new run; the previous one moves to previous/)")
+    p.add_argument("--learner-ranks", type=int, default=None,
+                   help="learner ranks under torchrun, one GPU each (gloo ranks on the CPU); default launch.learner_ranks")
+    p.add_argument("--gpus", default=None,
+                   help="GPUs to place processes on: 0-7, 0,1,4-5 or cpu (default launch.gpus: every visible one)")
+    p.add_argument("--generators-per-gpu", type=int, default=None, help="generators sharing one GPU (default 1)")
+    p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
+                   help="put generators on the learner's GPUs too, when the memory plan allows")
+    p.add_argument("--plan", action="store_true", help="print where each process would run, and exit")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
@@ -292,8 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=["tiny", "3b", "7b"], default="tiny",
-                   help="tiny (tests, demo) or Qwen2.5-VL's real 3B/7B layer sizes with random weights (GPU measurements)")
+    p.add_argument("--size", choices=["tiny", "3b", "7b", "8b"], default="tiny",
+                   help="tiny (tests, demo), or real layer sizes with random weights (GPU measurements): Qwen2.5-VL "
+                        "3b/7b, Qwen3-VL 8b")
+    p.add_argument("--config-only", action="store_true",
+                   help="write only config.json (enough for `config memory` and `up --plan` at a real size)")
     p.add_argument("--warm-format", action="store_true",
                    help="teach the answer format (not the answers) on the prompts of --config's data (default: demo)")
     p.add_argument("--warm-steps", type=int, default=60)

@@ -89,6 +89,21 @@ WEIGHTS_MISSING = Gauge(
     "streamgrpo_weights_missing", "1 while this generator has never received weights from the learner (it samples with its initial ones)"
 )
 
+# Gauges of the whole learner step, set by rank 0 from the step's merged numbers. With several
+# ranks, every rank serves /metrics (rank r on metrics.port + its local rank) and Prometheus sums
+# their counters (groups, tokens, drops, idle seconds: each rank counts its own); ranks > 0 do not
+# export these gauges at all, since a second series at 0 would be averaged or summed into the panels.
+STEP_GAUGES = (LOSS, KL, GRAD_NORM, ENTROPY, STEP_SECONDS, LEARNER_TOKENS_PER_SECOND, LEARNER_MFU, UPDATE_KL)
+
+
+def drop_step_gauges() -> None:
+    """A learner rank > 0: stop exporting :data:`STEP_GAUGES` (rank 0 exports the step's)."""
+    for gauge in STEP_GAUGES:
+        try:
+            REGISTRY.unregister(gauge)
+        except KeyError:  # already dropped
+            pass
+
 
 class _Handler(BaseHTTPRequestHandler):
     health = None  # callable returning (ok: bool, text: str)

@@ -1,9 +1,10 @@
 """``streamgrpo up``: everything on one machine.
 
-Starts an embedded Redis when no ``queue.url`` is set, the learner and N generators as child
-processes (each with its own /metrics port and a log file in the run directory), shows one live
-status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and
-waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and
+Plans where each process runs (:mod:`.placement`: learner ranks and generators on the node's GPUs,
+or the CPU) and prints the plan; starts an embedded Redis when no ``queue.url`` is set, the learner
+(under ``python -m torch.distributed.run`` for several ranks) and N generators as child processes
+(each with its own devices, /metrics port and log file in the run directory), shows one live status
+line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and
 ``reward.png`` into the run directory.
 """
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +135,19 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
 
 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
-           config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False) -> int:
+           config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False,
+           learner_ranks: int | None = None, gpus: str | None = None, generators_per_gpu: int | None = None,
+           colocate: bool | None = None, plan_only: bool = False) -> int:
     _apply_options(cfg, generators=generators, run_dir=run_dir, sync=sync, resume=resume)
+    _apply_launch(cfg, learner_ranks=learner_ranks, gpus=gpus, generators_per_gpu=generators_per_gpu,
+                  colocate=colocate)
+    plan = placement_for(cfg)
+    for line in plan.lines():
+        print(line, flush=True)
+    if plan_only:
+        return 0
     rd = _prepare_run_dir(cfg)
-    env = _child_env()
+    env = _child_env(cfg)
     redis = _start_embedded_redis(cfg, rd, env)
     config_path = _write_child_config(cfg, rd, env)
     watch = _Watch(cfg, env, rd / "metrics.jsonl")
@@ -144,7 +155,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     code, interrupted = 0, False
     previous = _interrupt_on_signals()
     try:
-        children = _start_children(cfg, rd, config_path, env)
+        children = _start_children(cfg, rd, config_path, env, plan)
         code = watch.until_done(children, status_every_s)
     except KeyboardInterrupt as exc:
         interrupted = True
@@ -178,6 +189,75 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
         cfg.loss.max_staleness = 0
 
 
+def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, generators_per_gpu: int | None,
+                  colocate: bool | None) -> None:
+    """The placement flags, into ``cfg.launch``; several learner ranks need the deepspeed backend."""
+    from streamgrpo.commands.placement import parse_gpus
+
+    if gpus is not None:
+        parse_gpus(gpus)  # a malformed --gpus is a one-line PlacementError, not a validation dump
+        cfg.launch.gpus = gpus
+    if learner_ranks is not None:
+        cfg.launch.learner_ranks = learner_ranks
+    if generators_per_gpu is not None:
+        cfg.launch.generators_per_gpu = generators_per_gpu
+    if colocate is not None:
+        cfg.launch.colocate = colocate
+    if cfg.launch.learner_ranks > 1 and cfg.learner.backend == "torch":
+        cfg.learner.backend = "deepspeed"
+        print(f"{cfg.launch.learner_ranks} learner ranks: learner.backend set to deepspeed (ZeRO-2 unless "
+              "learner.deepspeed_config says otherwise)", flush=True)
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> tuple[int, ...]:
+    """The CUDA devices this process sees (indices), without initialising CUDA when none is visible."""
+    import shutil
+
+    env = os.environ if env is None else env
+    if env.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return ()
+    if not Path("/proc/driver/nvidia").exists() and not shutil.which("nvidia-smi"):
+        return ()  # no NVIDIA driver: no need to import torch to know
+    try:
+        import torch
+    except ImportError:
+        return ()
+    return tuple(range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+
+
+def placement_for(cfg: Config):
+    """The placement plan of ``cfg`` on this machine: its devices (``launch.gpus`` or every visible one),
+    their memory, the learner rank's static plan and a generator's weights (when they can be read)."""
+    from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
+
+    lc = cfg.launch
+    devices = parse_gpus(lc.gpus)
+    if devices is None:
+        devices = visible_gpus()
+    device_gib = learner_gib = gen_gib = None
+    if devices:
+        import torch
+
+        if torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
+            device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
+        params = None
+        local = Path(cfg.model.name_or_path).expanduser().is_dir()
+        if local or not os.environ.get("HF_HUB_OFFLINE"):  # a Hub id's config.json is read from the Hub
+            try:
+                from streamgrpo.learner.memory import plan_for
+
+                counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
+                learner_gib, params = mem.device_bytes / (1 << 30), counts.total
+            except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
+                log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+        gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
+                                gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
+    return plan_placement(devices=devices, learner_ranks=lc.learner_ranks, generators=cfg.rollout.num_generators,
+                          generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate, learner_gib=learner_gib,
+                          generator_gib=gen_gib, device_gib=device_gib)
+
+
 def up_outputs(cfg: Config) -> list[str]:
     """What a `streamgrpo up` run leaves in its run directory (globs): moved aside before a new run."""
     return [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
@@ -198,11 +278,14 @@ def _prepare_run_dir(cfg: Config) -> Path:
     return rd
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(cfg: Config) -> dict[str, str]:
+    """The children's environment: one torch thread each, and Hub offline mode only for a local model
+    (a Hub id must be able to download; ``HF_HUB_OFFLINE`` set by the user is kept either way)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    if Path(cfg.model.name_or_path).expanduser().exists():
+        env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
 
@@ -236,14 +319,47 @@ def _write_child_config(cfg: Config, rd: Path, env: dict[str, str]) -> Path:
     return path
 
 
-def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str]) -> list[Child]:
-    base = [sys.executable, "-m", "streamgrpo"]
-    children = [Child("learner", [*base, "learner", "--config", str(config_path)], rd / "logs" / "learner.log", env)]
-    for k in range(cfg.rollout.num_generators):
-        children.append(Child(f"generator-{k}", [*base, "generator", "--config", str(config_path), "--id", str(k)],
-                              rd / "logs" / f"generator-{k}.log", env))
+@dataclass(frozen=True)
+class ChildSpec:
+    """How ``up`` starts one process: its command line and what it changes in the environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    metrics_port: int  # 0: a free one, written to <run_dir>/ports/ by the process
+
+
+def child_specs(cfg: Config, plan, config_path: Path, python: str = sys.executable,
+                visible_ids: list[str] | None = None) -> list[ChildSpec]:
+    """The learner's and the generators' commands for ``plan`` (pure): torchrun for several learner
+    ranks, each process's ``CUDA_VISIBLE_DEVICES`` (``visible_ids``: what this process's device
+    indices are called, from its own ``CUDA_VISIBLE_DEVICES``), and with a fixed ``metrics.port`` P
+    one port each (learner rank r: P + r; generator k: P + ranks + k)."""
+    def devices(p) -> str:
+        return ",".join(visible_ids[d] if visible_ids else str(d) for d in p.devices)
+
+    base, learner = [python, "-m", "streamgrpo"], plan.learner
+    head = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(learner.ranks), "-m",
+            "streamgrpo"] if learner.ranks > 1 else base
+    port = cfg.metrics.port
+    specs = [ChildSpec("learner", [*head, "learner", "--config", str(config_path)],
+                       {"CUDA_VISIBLE_DEVICES": devices(learner)}, port)]
+    for k, g in enumerate(plan.generators):
+        gport = port + learner.ranks + k if port else 0
+        extra = ["--set", f"metrics.port={gport}"] if port else []
+        specs.append(ChildSpec(g.name, [*base, "generator", "--config", str(config_path), "--id", str(k), *extra],
+                               {"CUDA_VISIBLE_DEVICES": devices(g)}, gport))
+    return specs
+
+
+def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str], plan) -> list[Child]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",")] if visible else None
+    children = [Child(s.name, s.argv, rd / "logs" / f"{s.name}.log", {**env, **s.env})
+                for s in child_specs(cfg, plan, config_path, visible_ids=ids)]
     write_json(rd / "processes.json", {c.name: c.pid for c in children})
-    print(f"learner + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+    ranks = f" ({plan.learner.ranks} ranks)" if plan.learner.ranks > 1 else ""
+    print(f"learner{ranks} + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
     for line in cfg.advice():
         print(f"note: {line}", flush=True)
     return children
@@ -254,6 +370,7 @@ class _Watch:
 
     def __init__(self, cfg: Config, env: dict[str, str], metrics_path: Path):
         self.cfg, self.env, self.metrics_path = cfg, env, metrics_path
+        self.ranks = cfg.launch.learner_ranks
         self.rows: list[dict[str, Any]] = []
         self.offset = 0
         self.queue = None
@@ -272,7 +389,9 @@ class _Watch:
             if self.queue is None:
                 self.queue = _try_queue(self.cfg, self.env)
             alive = sum(c.alive() for c in gens)
-            line = _status_line(self.rows, _depth(self.queue), self.started, f"gens {alive}/{len(gens)}")
+            line = _status_line(self.rows, _depth(self.queue), self.started,
+                                f"{self.ranks} learner ranks, gens {alive}/{len(gens)}" if self.ranks > 1
+                                else f"gens {alive}/{len(gens)}")
             if tty:
                 sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
                 sys.stdout.flush()

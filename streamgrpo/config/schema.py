@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from streamgrpo.config.data import DataConfig
+from streamgrpo.config.launch import LaunchConfig
 from streamgrpo.config.learner import LearnerConfig
 from streamgrpo.config.loss import LossConfig
 from streamgrpo.config.metrics import MetricsConfig
@@ -38,6 +39,7 @@ class Config(BaseModel):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
     """The demo recipe's knobs (streamgrpo/recipes/demo): its data, its tiny model, the staleness benchmark's delay."""
 
@@ -85,4 +87,4 @@ class Config(BaseModel):
         return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "demo")
+SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "launch", "demo")

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,8 @@ class RankPlan:
 
     backend: str
     cuda: bool
+    warning: str | None = field(default=None, compare=False)
+    """One line for the log when ``auto`` falls back to gloo on the CPU although CUDA is visible."""
 
 
 def plan_ranks(requested: str, *, cuda_available: bool, device_count: int, local_world_size: int) -> RankPlan:
@@ -86,7 +88,12 @@ def plan_ranks(requested: str, *, cuda_available: bool, device_count: int, local
         raise RuntimeError(f"learner.dist_backend=nccl needs a CUDA device for each of the {local_world_size} learner "
                            f"rank(s) on this host, and {device_count} are visible (use auto or gloo)")
     if requested == "auto":
-        return RankPlan("nccl" if fits else "gloo", fits)
+        why = None
+        if cuda_available and not fits:
+            why = (f"learner.dist_backend=auto: {local_world_size} learner rank(s) on this host and {device_count} "
+                   "visible CUDA device(s): every rank trains on the CPU with gloo (give each rank a GPU, or set "
+                   "learner.dist_backend=nccl to make this an error)")
+        return RankPlan("nccl" if fits else "gloo", fits, why)
     return RankPlan(requested, fits)
 
 
@@ -122,6 +129,8 @@ def init_distributed(backend: str, timeout_s: float = 3600.0, dist_backend: str 
         visible = torch.cuda.is_available()
         plan = plan_ranks(dist_backend, cuda_available=visible, device_count=torch.cuda.device_count() if visible else 0,
                           local_world_size=local_world_size(os.environ))
+        if plan.warning and info.rank == 0:
+            log.warning("%s", plan.warning)
         if plan.cuda:
             torch.cuda.set_device(info.local_rank)
         elif visible and "DS_ACCELERATOR" not in os.environ:  # else DeepSpeed puts rank r on cuda:r regardless

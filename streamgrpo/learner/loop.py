@@ -31,9 +31,10 @@ step, and re-reads its pending entries: the groups trained after the checkpoint 
 those in it never are. Cost: Redis keeps the messages of up to ``save_steps x groups_per_step``
 trained groups until the next checkpoint.
 
-Each rank serves ``/metrics`` (rank r on ``metrics.port + r``, or a free port when it is 0; ports in
-``<run_dir>/ports/learner.json`` and ``learner-rank<r>.json``): counters (groups, tokens, drops,
-idle time) are per rank, step gauges (loss, KL, ...) come from rank 0 and cover the whole step.
+Each rank serves ``/metrics`` (local rank r on ``metrics.port + r``, or a free port when it is 0; ports
+in ``<run_dir>/ports/learner.json`` and ``learner-rank<r>.json``): counters (groups, tokens, drops,
+idle time) are per rank and Prometheus sums them over the scraped ranks; step gauges (loss, KL, ...)
+come from rank 0 alone and cover the whole step.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     publisher = _start_publisher(cfg, run_dir) if main else None
     learner.publish(publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
+    if not main:
+        M.drop_step_gauges()  # rank 0 exports the step's gauges; every rank its own counters
     server = start_metrics(_rank_metrics(cfg.metrics, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found)
@@ -244,10 +247,11 @@ def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: d
 
 
 def _rank_metrics(mcfg: MetricsConfig, dist: DistInfo) -> MetricsConfig:
-    """Rank r serves /metrics on ``metrics.port + r`` (0 stays 0: a free port each)."""
-    if dist.rank == 0 or not mcfg.port:
+    """Rank r serves /metrics on ``metrics.port`` + its local rank (0 stays 0: a free port each), so every
+    node's ranks use the same ports."""
+    if dist.local_rank == 0 or not mcfg.port:
         return mcfg
-    return mcfg.model_copy(update={"port": mcfg.port + dist.rank})
+    return mcfg.model_copy(update={"port": mcfg.port + dist.local_rank})
 
 
 def _fmt(x) -> str:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
-SIZES = ("tiny", "3b", "7b")
+SIZES = ("tiny", "3b", "7b", "8b")
 # Qwen2.5-VL-3B/7B-Instruct's published configs (layer sizes only; random weights, our tokenizer's
 # special-token ids): for GPU measurements at real size without downloading anything.
 REAL_SIZES = {
@@ -27,6 +27,14 @@ REAL_SIZES = {
                          num_attention_heads=28, num_key_value_heads=4),
                vision=dict(out_hidden_size=3584), tie=False),
 }
+# Qwen3-VL-8B-Instruct's published config (layer sizes only).
+REAL_QWEN3_SIZES = {
+    "8b": dict(text=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+               vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]), tie=False),
+}
+REAL_ARCH_SIZES = {"qwen2_5_vl": ("3b", "7b"), "qwen3_vl": ("8b",)}
 _REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
                     fullatt_block_indexes=[7, 15, 23, 31])
 
@@ -160,8 +168,8 @@ def _model_config(arch: str, tokenizer, size: str = "tiny"):
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    if size != "tiny" and arch != "qwen2_5_vl":
-        raise ValueError(f"size {size!r} is available for qwen2_5_vl only")
+    if size != "tiny" and size not in REAL_ARCH_SIZES[arch]:
+        raise ValueError(f"size {size!r} is not a real size of {arch} ({', '.join(REAL_ARCH_SIZES[arch])})")
     if arch == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
@@ -188,6 +196,12 @@ def _model_config(arch: str, tokenizer, size: str = "tiny"):
             depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16, spatial_merge_size=2,
             temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[1],
         )
+        if size != "tiny":
+            real = REAL_QWEN3_SIZES[size]
+            text.update(real["text"], max_position_embeddings=262144)
+            text["rope_parameters"]["mrope_section"] = [24, 20, 20]
+            vision.update(real["vision"])
+            common["tie_word_embeddings"] = real["tie"]
         return Qwen3VLConfig(text_config=text, vision_config=vision, **common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
@@ -217,12 +231,23 @@ def _processor(arch: str, tokenizer):
                             chat_template=CHAT_TEMPLATE)
 
 
+def write_config(out_dir: str | Path, arch: str = "qwen2_5_vl", size: str = "tiny") -> Path:
+    """Only the ``config.json`` of :func:`build_tiny`'s model: enough for the memory plan and the
+    placement check of a real size (``streamgrpo config memory``) without building any weight."""
+    if arch not in ARCHS or size not in SIZES:
+        raise ValueError(f"unknown arch/size {arch!r}/{size!r}; expected {ARCHS} and {SIZES}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _model_config(arch, _train_tokenizer(), size).save_pretrained(out)
+    return out
+
+
 def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny") -> Path:
     """Write a random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path.
 
     ``size="tiny"`` (~0.6M parameters, float32, deterministic per seed) for tests and the demo;
-    ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes in bfloat16, initialised on CUDA when there is one
-    (GPU measurements at real size)."""
+    ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes, ``"8b"``: Qwen3-VL's, in bfloat16, initialised on
+    CUDA when there is one (GPU measurements at real size)."""
     import torch
     from transformers import AutoModelForImageTextToText
 

@@ -301,7 +301,7 @@ def test_docker_compose_config_validates(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
-    assert resolved["services"]["generator"]["deploy"]["replicas"] == 1
+    assert resolved["services"]["generator"]["deploy"]["replicas"] == int(env_example()["GENERATOR_REPLICAS"])
     # a missing password is refused with the message that says where to set it
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")}
     empty = tmp_path / "empty.env"
@@ -418,7 +418,7 @@ def test_alert_rules_are_the_five_of_the_issue_and_weights_missing():
 def test_scrape_configs_use_compose_service_names_and_no_clashing_target_labels():
     doc = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
-    assert jobs["learner"]["static_configs"][0]["targets"] == ["learner:9100"]
+    assert jobs["learner"]["static_configs"][0]["targets"] == [f"learner:{9100 + r}" for r in range(8)]  # every rank
     assert jobs["generator"]["dns_sd_configs"][0]["names"] == ["generator"]
     assert jobs["generator"]["dns_sd_configs"][0]["port"] == 9100
     services = compose()["services"]
@@ -755,3 +755,34 @@ def test_deepspeed_accepts_config_on_cpu(stage, deepspeed_runs):
     result = deepspeed_runs[stage]
     assert result["stage"] == stage and result["steps"] == 3 and result["bf16"]
     assert result["losses"][-1] < result["losses"][0], "the optimizer did not step"
+
+
+def test_compose_gives_each_generator_its_own_gpu_and_the_learner_the_rest():
+    """The GPU profile on one 8-GPU node as .env.example sets it: the learner's ranks and every generator
+    replica see different GPUs (each container reserves every GPU; its entrypoint picks its own)."""
+    from streamgrpo.commands.placement import parse_gpus
+
+    services, env = compose()["services"], env_example()
+    for name in ("learner", "generator"):
+        assert svc_devices(services[name])["count"] == "all", name
+    learner_env = {k: str(v) for k, v in services["learner"]["environment"].items()}
+    out = run_entrypoint("learner", ["learner", "--config", "demo"], NPROC_PER_NODE=learner_env["NPROC_PER_NODE"],
+                         LEARNER_GPU_IDS=learner_env["LEARNER_GPU_IDS"])
+    seen = {"learner": out.stderr.strip().removeprefix("CUDA_VISIBLE_DEVICES=")}
+    assert out.stdout.split()[0] == "torchrun" and seen["learner"] == "0,1,2,3"
+    gen_env = {k: str(v) for k, v in services["generator"]["environment"].items()}
+    for k in range(int(env["GENERATOR_REPLICAS"])):
+        out = run_entrypoint("generator", ["generator", "--config", "demo"], GENERATOR_ID=str(k),
+                             GENERATOR_GPU_IDS=gen_env["GENERATOR_GPU_IDS"], GPUS_PER_GENERATOR=gen_env["GPUS_PER_GENERATOR"])
+        assert out.returncode == 0, out.stderr
+        seen[f"generator-{k}"] = out.stderr.strip().removeprefix("CUDA_VISIBLE_DEVICES=")
+    gpus = [g for v in seen.values() for g in v.split(",")]
+    assert len(gpus) == len(set(gpus)) == 8 and set(map(int, gpus)) == set(parse_gpus("0-7"))
+    too_many = run_entrypoint("generator", ["generator"], GENERATOR_ID="4", GENERATOR_GPU_IDS="4,5,6,7")
+    assert too_many.returncode == 2 and "generator 4 needs GPUs 5 to 5 of GENERATOR_GPU_IDS='4,5,6,7', which lists 4" in too_many.stderr
+    short = run_entrypoint("learner", ["learner"], NPROC_PER_NODE="4", LEARNER_GPU_IDS="0,1")
+    assert short.returncode == 2 and "4 learner ranks need a GPU each" in short.stderr
+
+
+def svc_devices(svc: dict) -> dict:
+    return svc["deploy"]["resources"]["reservations"]["devices"][0]

@@ -61,3 +61,14 @@ def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path):
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_auto_says_in_one_line_when_it_falls_back_to_the_cpu_with_cuda_visible():
+    plan = plan_ranks("auto", cuda_available=True, device_count=1, local_world_size=2)
+    assert plan.backend == "gloo" and not plan.cuda
+    assert "\n" not in plan.warning and "2 learner rank(s)" in plan.warning and "1 visible CUDA device(s)" in plan.warning
+    assert "learner.dist_backend=nccl" in plan.warning
+    for quiet in (plan_ranks("auto", cuda_available=False, device_count=0, local_world_size=2),  # a CPU machine
+                  plan_ranks("auto", cuda_available=True, device_count=2, local_world_size=2),  # NCCL
+                  plan_ranks("gloo", cuda_available=True, device_count=1, local_world_size=2)):  # asked for
+        assert quiet.warning is None

@@ -1,0 +1,28 @@
+"""The ``launch`` section: how ``streamgrpo up`` places its processes on one node's devices
+(:mod:`streamgrpo.commands.placement`); the ``up`` flags ``--gpus``, ``--learner-ranks``,
+``--generators-per-gpu`` and ``--colocate`` override it. Processes started one by one
+(``streamgrpo learner`` / ``generator``, compose, k8s) are placed by their launcher instead."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field, field_validator
+
+from streamgrpo.config.base import Section
+
+
+class LaunchConfig(Section):
+    gpus: Optional[str] = Field(None, pattern=r"^\s*(cpu|none|\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*)?\s*$")
+    """The GPUs `streamgrpo up` places its processes on: `0-7`, `0,1,4-5`, or `cpu`; null: every visible CUDA device (none: the CPU)."""
+    learner_ranks: int = Field(1, ge=1, le=1024)
+    """Learner ranks: more than one runs the learner under torchrun (python -m torch.distributed.run), one GPU each (NCCL), or gloo ranks on the CPU; they need learner.backend=deepspeed, which `up` then sets."""
+    generators_per_gpu: int = Field(1, ge=1, le=64)
+    """Generators that share one GPU (each takes its share of the memory: set rollout.vllm.gpu_memory_utilization to match)."""
+    colocate: bool = False
+    """Put generators on the learner's GPUs too (after any spare ones), when the memory plan allows it."""
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _one_device_is_a_number(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v

@@ -1,0 +1,167 @@
+"""Where `streamgrpo up` puts learner ranks and generators (pure planning) and how it starts them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamgrpo.commands.placement import (
+    PlacementError,
+    format_gpus,
+    generator_gib,
+    parse_gpus,
+    plan_placement,
+)
+from streamgrpo.config import build_config, load_config
+
+
+def test_gpus_specs_parse_and_print_back():
+    assert parse_gpus("0-7") == tuple(range(8))
+    assert parse_gpus("0,1,4-5") == (0, 1, 4, 5)
+    assert parse_gpus("cpu") == () and parse_gpus("") == () and parse_gpus(None) is None
+    assert format_gpus((0, 1, 2, 5)) == "0-2,5" and format_gpus(()) == "cpu"
+    for bad, why in (("a-b", "expected device numbers"), ("3-1", "runs backwards"), ("0,0", "listed twice")):
+        with pytest.raises(PlacementError, match=why) as err:
+            parse_gpus(bad)
+        assert "\n" not in str(err.value)
+
+
+def test_cpu_puts_everything_on_the_cpu_whatever_the_counts():
+    plan = plan_placement(devices=(), learner_ranks=2, generators=3)
+    assert plan.learner.devices == () and plan.learner.ranks == 2
+    assert [g.devices for g in plan.generators] == [(), (), ()]
+    assert plan.lines()[0] == "placement: 2 learner rank(s), 3 generator(s) on the CPU"
+
+
+@pytest.mark.parametrize("n, ranks, gens, learner, generators", [
+    (1, 1, 0, (0,), []),
+    (2, 1, 1, (0,), [(1,)]),
+    (4, 2, 2, (0, 1), [(2,), (3,)]),
+    (8, 4, 4, (0, 1, 2, 3), [(4,), (5,), (6,), (7,)]),
+    (8, 6, 2, (0, 1, 2, 3, 4, 5), [(6,), (7,)]),
+])
+def test_learner_takes_the_first_devices_and_each_generator_one_of_the_rest(n, ranks, gens, learner, generators):
+    plan = plan_placement(devices=tuple(range(n)), learner_ranks=ranks, generators=gens)
+    assert plan.learner.devices == learner
+    assert [g.devices for g in plan.generators] == generators
+    used = [d for p in plan.processes for d in p.devices]
+    assert len(used) == len(set(used))  # no device twice without sharing asked for
+
+
+def test_generators_share_a_device_when_asked():
+    plan = plan_placement(devices=tuple(range(8)), learner_ranks=4, generators=8, generators_per_gpu=2)
+    assert [g.devices for g in plan.generators] == [(4,), (4,), (5,), (5,), (6,), (6,), (7,), (7,)]
+
+
+def test_colocated_generators_use_spare_devices_first_then_the_learners():
+    plan = plan_placement(devices=tuple(range(4)), learner_ranks=3, generators=3, colocate=True)
+    assert plan.learner.devices == (0, 1, 2)
+    assert [g.devices for g in plan.generators] == [(3,), (0,), (1,)]
+    assert any("colocated" in n for n in plan.notes)
+    one = plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True, learner_gib=20.0,
+                         generator_gib=30.0, device_gib=80.0)
+    assert one.generators[0].devices == (0,)
+    assert "  GPU 0: learner (20.0 GiB), generator-0 (30.0 GiB)  = 50.0 GiB" in one.lines()
+
+
+def test_every_refusal_is_one_line_naming_what_to_change():
+    cases = [
+        (dict(devices=(0, 1), learner_ranks=4, generators=0), "4 learner ranks need a GPU each and --gpus names 2"),
+        (dict(devices=(0, 1, 2, 3), learner_ranks=4, generators=1), "--colocate"),
+        (dict(devices=(0, 1, 2, 3), learner_ranks=2, generators=3), "need 3 GPU(s) besides the learner's 2"),
+        (dict(devices=(0, 1), learner_ranks=1, generators=3, generators_per_gpu=2), "need 2 GPU(s)"),
+        (dict(devices=(0,), learner_ranks=1, generators=1, colocate=True, learner_gib=60.0, generator_gib=30.0,
+              device_gib=80.0), "GPU 0 would hold 90.0 GiB (learner 60.0 + generator-0 30.0) of its 80 GiB"),
+        (dict(devices=(0, 1), learner_ranks=1, generators=2, generators_per_gpu=2, generator_gib=50.0,
+              device_gib=80.0), "lower launch.generators_per_gpu"),
+        (dict(devices=(0,), learner_ranks=0, generators=0), "at least one learner rank"),
+    ]
+    for kw, words in cases:
+        with pytest.raises(PlacementError) as err:
+            plan_placement(**kw)
+        assert words in str(err.value) and "\n" not in str(err.value), (kw, str(err.value))
+
+
+def test_a_generators_memory_is_vllms_share_or_the_hf_engines_weights():
+    assert generator_gib("vllm", params=None, dtype_bytes=2, gpu_memory_utilization=0.4, device_gib=80.0) == 32.0
+    assert generator_gib("hf", params=3 * 2**30, dtype_bytes=2, gpu_memory_utilization=0.9, device_gib=80.0) == 6.0
+    assert generator_gib("vllm", params=None, dtype_bytes=2, gpu_memory_utilization=0.4, device_gib=None) is None
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_1node", "qwen2_5_vl_7b_1node", "qwen3_vl_8b_1node"])
+def test_each_shipped_one_node_config_places_on_8_gpus(name):
+    cfg = load_config(name)
+    lc = cfg.launch
+    plan = plan_placement(devices=tuple(range(8)), learner_ranks=lc.learner_ranks, generators=cfg.rollout.num_generators,
+                          generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate)
+    assert plan.learner.ranks + len({g.devices for g in plan.generators}) <= 8
+    assert lc.gpus == "0-7"
+
+
+# ------------------------------------------------------------------------------ how up starts them
+def _specs(*sets, ranks=1, gens=2, devices=()):
+    from streamgrpo.commands.up import child_specs
+
+    cfg = build_config({}, list(sets))
+    plan = plan_placement(devices=devices, learner_ranks=ranks, generators=gens)
+    return child_specs(cfg, plan, Path("/run/config.yaml"), python="py")
+
+
+def test_several_learner_ranks_run_under_torchrun_and_one_rank_without():
+    one, *_ = _specs()
+    assert one.argv == ["py", "-m", "streamgrpo", "learner", "--config", "/run/config.yaml"]
+    two, *_ = _specs(ranks=2)
+    assert two.argv[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert two.argv[6:] == ["-m", "streamgrpo", "learner", "--config", "/run/config.yaml"]
+
+
+def test_no_two_processes_of_one_up_share_a_metrics_port():
+    specs = _specs("metrics.port=9100", ranks=4, gens=4, devices=tuple(range(8)))
+    learner_ports = [9100 + r for r in range(4)]  # rank r serves metrics.port + r
+    ports = learner_ports + [s.metrics_port for s in specs[1:]]
+    assert len(ports) == len(set(ports)) == 8
+    assert [s.metrics_port for s in specs[1:]] == [9104, 9105, 9106, 9107]
+    assert all(f"metrics.port={s.metrics_port}" in s.argv for s in specs[1:])
+    free = _specs("metrics.port=0", ranks=2, gens=2)
+    assert all(s.metrics_port == 0 for s in free) and not any("--set" in s.argv for s in free)  # each picks a free one
+
+
+def test_each_process_sees_only_its_own_devices():
+    specs = _specs(ranks=2, gens=2, devices=(0, 1, 2, 3))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2", "3"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in _specs(ranks=1, gens=1)] == ["", ""]  # CPU: no GPU seen
+    from streamgrpo.commands.up import child_specs
+
+    cfg = build_config({})
+    plan = plan_placement(devices=(0, 1), learner_ranks=1, generators=1)
+    named = child_specs(cfg, plan, Path("c.yaml"), python="py", visible_ids=["4", "6"])  # up saw GPUs 4 and 6 only
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in named] == ["4", "6"]
+
+
+@pytest.fixture(scope="module")
+def real_configs(tmp_path_factory):
+    """config.json of Qwen2.5-VL-3B/7B and Qwen3-VL-8B at their published layer sizes (no weights)."""
+    from streamgrpo.models.tiny import write_config
+
+    root = tmp_path_factory.mktemp("real")
+    return {name: write_config(root / name, arch, size) for name, arch, size in
+            [("qwen2_5_vl_3b_1node", "qwen2_5_vl", "3b"), ("qwen2_5_vl_7b_1node", "qwen2_5_vl", "7b"),
+             ("qwen3_vl_8b_1node", "qwen3_vl", "8b")]}
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_1node", "qwen2_5_vl_7b_1node", "qwen3_vl_8b_1node"])
+def test_each_one_node_config_fits_its_learner_and_its_plan_on_8_gpus_of_80_gib(name, real_configs):
+    from streamgrpo.learner.memory import GiB, plan_for, report
+
+    cfg = load_config(name, [f"model.name_or_path={real_configs[name]}"])
+    counts, place, mem = plan_for(cfg, cfg.launch.learner_ranks)
+    lines, fits = report(counts, place, mem, 80 * GiB)
+    assert fits, lines
+    gib = generator_gib(cfg.rollout.engine, params=counts.total, dtype_bytes=2,
+                        gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=80.0)
+    plan = plan_placement(devices=tuple(range(8)), learner_ranks=cfg.launch.learner_ranks,
+                          generators=cfg.rollout.num_generators, learner_gib=mem.device_bytes / GiB,
+                          generator_gib=gib, device_gib=80.0)
+    assert all(len(parts) == 1 for parts in plan.load().values())  # one process per GPU: 4 learner ranks, 4 vLLM
+    assert f"{name}" in (Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / f"{name}.yaml").read_text()
