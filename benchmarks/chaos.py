@@ -102,8 +102,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
               log=print) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
-    from streamgrpo.recipes.demo.assets import prepare_assets
     from streamgrpo.config import load_config
+    from streamgrpo.recipes.demo.assets import prepare_assets
     from streamgrpo.runtime import free_port
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.transport.queue.server import EmbeddedRedis
