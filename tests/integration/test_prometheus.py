@@ -1,12 +1,13 @@
 """The shipped Grafana dashboard and alert rules against a real Prometheus scraping a real run.
 
-`streamgrpo up` (tiny demo: embedded Redis, learner, one generator, each serving /metrics on a
-free port recorded in ``<run_dir>/ports/<role>.json``) runs as a subprocess; a real Prometheus
-(apt's ``/usr/bin/prometheus``) scrapes both every second with deploy/prometheus/rules.yml loaded.
+`streamgrpo up` (tiny demo: embedded Redis, two learner ranks under torchrun, one generator, each
+serving /metrics on a free port recorded in ``<run_dir>/ports/<role>.json``) runs as a subprocess; a
+real Prometheus (apt's ``/usr/bin/prometheus``) scrapes all three every second with
+deploy/prometheus/rules.yml loaded, both ranks in the ``learner`` job as docker-compose.yml has them.
 Then EVERY PromQL expression of deploy/grafana/dashboards/streamgrpo.json must return data, every
 alert rule expression must evaluate without error (and Prometheus' own rule manager must report
-every rule healthy), and every metric name they mention must be exported by a scraped process.
-Both servers are stopped by PID.
+every rule healthy), and every metric name they mention must be exported by a scraped process, and the learner's totals summed
+over its ranks must equal the audit logs' count. Both servers are stopped by PID.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def live_run(tmp_path_factory, tiny_model_dir):
     env.pop("STREAMGRPO_REDIS_URL", None)
     argv = [
         sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir), "--generators", "1",
+        "--learner-ranks", "2",
         "--set", f"model.name_or_path={tiny_model_dir}",
         "--set", "demo.tiny_model=false",
         "--set", f"data.train_path={tmp / 'data' / 'train.jsonl'}",
@@ -184,19 +186,20 @@ def live_run(tmp_path_factory, tiny_model_dir):
     try:
         ports = {}
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and len(ports) < 2:
+        roles = ("learner", "learner-rank1", "generator-0")
+        while time.monotonic() < deadline and len(ports) < len(roles):
             if up.poll() is not None:
                 pytest.fail(f"`streamgrpo up` exited with {up.returncode} before serving metrics:\n"
                             + _tail(up_log) + _tail_logs(run_dir))
-            for role in ("learner", "generator-0"):
+            for role in roles:
                 f = run_dir / "ports" / f"{role}.json"
                 if role not in ports and f.is_file():
                     port = json.loads(f.read_text())["metrics"]
                     if http_ok(f"http://127.0.0.1:{port}/healthz"):
                         ports[role] = port
             time.sleep(1.0)
-        if len(ports) < 2:
-            pytest.fail(f"no /metrics from learner and generator-0 after {START_TIMEOUT_S}s (got {ports}):\n"
+        if len(ports) < len(roles):
+            pytest.fail(f"no /metrics from {', '.join(roles)} after {START_TIMEOUT_S}s (got {ports}):\n"
                         + _tail(up_log) + _tail_logs(run_dir))
 
         prom_port = free_port()
@@ -207,7 +210,8 @@ def live_run(tmp_path_factory, tiny_model_dir):
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": ["rules.yml"],
             "scrape_configs": [
-                {"job_name": "learner", "static_configs": [{"targets": [f"127.0.0.1:{ports['learner']}"]}]},
+                {"job_name": "learner", "static_configs": [{"targets": [f"127.0.0.1:{ports['learner']}",
+                                                                         f"127.0.0.1:{ports['learner-rank1']}"]}]},
                 {"job_name": "generator", "static_configs": [{"targets": [f"127.0.0.1:{ports['generator-0']}"]}]},
             ],
         }))
@@ -326,3 +330,38 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     firing = {a["labels"]["alertname"] for a in api(prom_port, "/api/v1/alerts")["data"]["alerts"]
               if a["state"] == "firing"}
     assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights"}, firing
+
+
+def test_learner_totals_over_both_ranks_equal_the_audit_logs(live_run):
+    """Each rank counts its own groups; summed over the scraped ranks they are the audit logs' count. The
+    generators are paused (SIGSTOP by PID) so that the learner settles and the numbers hold still."""
+    prom_port, run_dir, up_log = live_run
+    _wait_for_training(prom_port, run_dir, up_log)
+    gens = [pid for name, pid in json.loads((run_dir / "processes.json").read_text()).items()
+            if name.startswith("generator")]
+    for pid in gens:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        last, still_since = None, time.monotonic()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the learner takes what is queued, then waits: nothing moves
+            r = query(prom_port, 'sum(streamgrpo_groups_total{job="learner", event="trained"})')
+            now = r["data"]["result"][0]["value"][1] if _has_data(r) else None
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > 6:
+                break
+            time.sleep(1)
+        trained = [g for name in ("learner", "learner-rank1") for line in
+                   (run_dir / "audit" / f"{name}.jsonl").read_text().splitlines() if line.strip()
+                   for g in (json.loads(line).get("group_ids") or []) if json.loads(line).get("event") == "trained"]
+        per_rank = query(prom_port, 'streamgrpo_groups_total{job="learner", event="trained"}')["data"]["result"]
+        assert len(per_rank) == 2 and all(float(x["value"][1]) > 0 for x in per_rank)  # both ranks count
+        assert float(last) == len(trained) == len(set(trained)), (last, len(trained))
+        steps = query(prom_port, 'max(streamgrpo_policy_version{role="learner"})')["data"]["result"][0]["value"][1]
+        assert len(trained) == 2 * int(float(steps))  # groups_per_step 2: one on each rank, every step
+        loss = query(prom_port, 'streamgrpo_loss{job="learner"}')["data"]["result"]
+        assert len(loss) == 1  # the step's gauges come from rank 0 alone
+    finally:
+        for pid in gens:
+            os.kill(pid, signal.SIGCONT)
