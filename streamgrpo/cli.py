@@ -99,7 +99,8 @@ def cmd_up(args) -> int:
 
     return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config,
                   resume=args.resume, learner_ranks=args.learner_ranks, gpus=args.gpus,
-                  generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan)
+                  generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan,
+                  gpu_gib=args.gpu_gib)
 
 
 def cmd_learner(args) -> int:
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
                    help="put generators on the learner's GPUs too, when the memory plan allows")
     p.add_argument("--plan", action="store_true", help="print where each process would run, and exit")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="memory of one GPU for the plan's check (default: what CUDA reports; none on a CPU)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")

@@ -159,7 +159,7 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
                 who = " + ".join(f"{n} {g:.1f}" for n, g in parts if g is not None)
                 raise PlacementError(
                     f"GPU {d} would hold {known:.1f} GiB ({who}) of its {device_gib:.0f} GiB before any activation: "
-                    + ("stop colocating (--colocate off), " if colocate else "")
+                    + ("stop colocating (--no-colocate), " if colocate else "")
                     + ("lower launch.generators_per_gpu, " if generators_per_gpu > 1 else "")
                     + "use more GPUs, or shrink the learner's plan (streamgrpo config memory)")
     return plan

@@ -137,11 +137,11 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
            config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False,
            learner_ranks: int | None = None, gpus: str | None = None, generators_per_gpu: int | None = None,
-           colocate: bool | None = None, plan_only: bool = False) -> int:
+           colocate: bool | None = None, plan_only: bool = False, gpu_gib: float | None = None) -> int:
     _apply_options(cfg, generators=generators, run_dir=run_dir, sync=sync, resume=resume)
     _apply_launch(cfg, learner_ranks=learner_ranks, gpus=gpus, generators_per_gpu=generators_per_gpu,
                   colocate=colocate)
-    plan = placement_for(cfg)
+    plan = placement_for(cfg, gpu_gib)
     for line in plan.lines():
         print(line, flush=True)
     if plan_only:
@@ -225,37 +225,40 @@ def visible_gpus(env: dict[str, str] | None = None) -> tuple[int, ...]:
     return tuple(range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
 
 
-def placement_for(cfg: Config):
+def placement_for(cfg: Config, gpu_gib: float | None = None):
     """The placement plan of ``cfg`` on this machine: its devices (``launch.gpus`` or every visible one),
-    their memory, the learner rank's static plan and a generator's weights (when they can be read)."""
+    their memory (``gpu_gib``: say it, e.g. to plan a GPU node from elsewhere), the learner rank's
+    static plan and a generator's weights (when they can be read)."""
     from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 
     lc = cfg.launch
     devices = parse_gpus(lc.gpus)
     if devices is None:
         devices = visible_gpus()
-    device_gib = learner_gib = gen_gib = None
-    if devices:
-        import torch
+    shape = dict(devices=devices, learner_ranks=lc.learner_ranks, generators=cfg.rollout.num_generators,
+                 generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate)
+    plan = plan_placement(**shape)  # what can never work is said before any model config is read
+    if not devices:
+        return plan
+    import torch
 
-        if torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
-            device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
-        params = None
-        local = Path(cfg.model.name_or_path).expanduser().is_dir()
-        if local or not os.environ.get("HF_HUB_OFFLINE"):  # a Hub id's config.json is read from the Hub
-            try:
-                from streamgrpo.learner.memory import plan_for
+    device_gib, learner_gib = gpu_gib, None
+    if device_gib is None and torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
+        device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
+    params = None
+    local = Path(cfg.model.name_or_path).expanduser().is_dir()
+    if local or not os.environ.get("HF_HUB_OFFLINE"):  # a Hub id's config.json is read from the Hub
+        try:
+            from streamgrpo.learner.memory import plan_for
 
-                counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
-                learner_gib, params = mem.device_bytes / (1 << 30), counts.total
-            except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
-                log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
-        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
-        gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
-                                gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
-    return plan_placement(devices=devices, learner_ranks=lc.learner_ranks, generators=cfg.rollout.num_generators,
-                          generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate, learner_gib=learner_gib,
-                          generator_gib=gen_gib, device_gib=device_gib)
+            counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
+            learner_gib, params = mem.device_bytes / (1 << 30), counts.total
+        except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
+            log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
+                            gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
+    return plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib)
 
 
 def up_outputs(cfg: Config) -> list[str]:

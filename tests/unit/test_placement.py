@@ -165,3 +165,31 @@ def test_each_one_node_config_fits_its_learner_and_its_plan_on_8_gpus_of_80_gib(
                           generator_gib=gib, device_gib=80.0)
     assert all(len(parts) == 1 for parts in plan.load().values())  # one process per GPU: 4 learner ranks, 4 vLLM
     assert f"{name}" in (Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / f"{name}.yaml").read_text()
+
+
+def test_children_are_offline_only_for_a_local_model(tmp_path, monkeypatch):
+    from streamgrpo.commands.up import _child_env
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub = _child_env(build_config({}, ["model.name_or_path=Qwen/Qwen2.5-VL-7B-Instruct"]))
+    assert "HF_HUB_OFFLINE" not in hub  # a Hub id must be able to download
+    local = _child_env(build_config({}, [f"model.name_or_path={tmp_path}"]))
+    assert local["HF_HUB_OFFLINE"] == "1" and local["OMP_NUM_THREADS"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the user's choice is kept
+    assert _child_env(build_config({}, ["model.name_or_path=Qwen/Qwen2.5-VL-7B-Instruct"]))["HF_HUB_OFFLINE"] == "1"
+
+
+def test_up_plan_prints_the_placement_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    from streamgrpo.commands.up import run_up
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", "rollout.num_generators=2"])
+    assert run_up(cfg, learner_ranks=2, gpus="cpu", plan_only=True) == 0
+    out = capsys.readouterr().out
+    assert "placement: 2 learner rank(s), 2 generator(s) on the CPU" in out and "learner: cpu (2 ranks)" in out
+    assert not (tmp_path / "run").exists()  # nothing made, nothing started
+    with pytest.raises(PlacementError, match="4 learner ranks need a GPU each and --gpus names 2"):
+        run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), learner_ranks=4, gpus="0,1", plan_only=True)
+    with pytest.raises(PlacementError, match="expected device numbers"):
+        run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), gpus="x", plan_only=True)
