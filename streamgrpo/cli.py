@@ -362,6 +362,9 @@ def _user_error(exc: BaseException) -> int | None:
     memory = sys.modules.get("streamgrpo.learner.memory")
     if memory is not None and isinstance(exc, memory.MemoryPlanError):
         return USAGE_EXIT
+    checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
+    if checkpoint is not None and isinstance(exc, checkpoint.CheckpointUnusable):
+        return FAILED_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
         return USAGE_EXIT

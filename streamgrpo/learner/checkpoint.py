@@ -106,13 +106,34 @@ def staging_dir(ckpt_root: str | Path, step: int) -> Path:
     return tmp
 
 
+def fsync_tree(folder: str | Path) -> None:
+    """Make ``folder`` durable: every file under it, then every directory (children first) including it."""
+    for dirpath, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
+def fsync_path(path: str | Path) -> None:
+    """``fsync`` a file or a directory by path (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit_checkpoint(ckpt_root: str | Path, step: int, total_limit: int | None = None) -> Path:
-    """Rename the complete ``step-N.tmp`` to ``step-N`` and prune to the newest ``total_limit``."""
+    """Make the complete ``step-N.tmp`` durable (every file and folder fsynced), rename it to ``step-N``,
+    make the rename durable, and prune to the newest ``total_limit``. Only then may the queue commit
+    the groups it holds: a host crash cannot leave a newest checkpoint that lacks what Redis deleted."""
     root = Path(ckpt_root)
     final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    fsync_path(root)
     if total_limit:
         for old in list_checkpoints(root)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
@@ -215,6 +236,11 @@ def _tied_names(model) -> set[str]:
 # ------------------------------------------------------------ state trees as safetensors (no pickle)
 class CheckpointError(RuntimeError):
     """A state tree cannot be written or read back (the message names the file and the path in the tree)."""
+
+
+class CheckpointUnusable(CheckpointError):
+    """The checkpoint to resume from cannot be used (does not load, holds non-finite weights, or is older
+    than what Redis already committed): one line that says what to do."""
 
 
 TRUSTED_MODULES = ("deepspeed.",)

@@ -113,6 +113,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
+    elif main:
+        queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
@@ -132,7 +134,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     def checkpoint_and_commit() -> None:
         state.committing = [tuple(e) for part in gather_json(dist, uncommitted) for e in part]
         learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
-        queue.commit(uncommitted)  # the checkpoint is on disk: these groups' training is durable
+        queue.commit(uncommitted, step=state.step)  # the checkpoint is durable: so is these groups' training
         uncommitted.clear()
         state.committing = []
 

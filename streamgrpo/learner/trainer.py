@@ -421,6 +421,9 @@ class Learner:
         dtype = self.export_dtype
         if self.zero_stage < 3:
             if sync is not None and self.dist.is_main:
+                bad = next((n for n, p in named if not bool(torch.isfinite(p.detach()).all())), None)
+                if bad is not None:
+                    return self._refuse_publish(version, bad)
                 sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
             return
         from streamgrpo.transport.weights.layout import TensorSpec
@@ -432,18 +435,39 @@ class Learner:
                 specs = [TensorSpec(n, tuple(p.ds_shape), dtype if dtype is not None and p.is_floating_point()
                                     else p.dtype) for n, p in named]
                 writer = sync.begin(version, specs, cuda=self.device.type == "cuda")
+            bad = None
             for bucket in _buckets(named, budget=1 << 28):
                 with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-                    if writer is not None:
-                        for n, p in bucket:
+                    if writer is not None and bad is None:  # every rank gathers to the end either way
+                        bad = next((n for n, p in bucket if not bool(torch.isfinite(p.detach()).all())), None)
+                        for n, p in bucket if bad is None else ():
                             writer.write(n, p.detach())
                         writer.sync()  # the gathered copies are freed when the context ends
+            if writer is not None and bad is not None:
+                writer.abort()
+                writer = None
+                self._refuse_publish(version, bad)
             if writer is not None:
                 writer.commit()
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
+
+    def _refuse_publish(self, version: int, name: str) -> None:
+        """Non-finite weights never reach a generator: the version is not sent (counted, one line)."""
+        M.ERRORS.labels(kind="weights").inc()
+        log.error("weights v%d not published: %s holds a NaN or infinite value (generators keep the last good "
+                  "version)", version, name)
+
+    def nonfinite_weight(self) -> str | None:
+        """The name of a parameter this rank holds with a NaN or infinite value (ZeRO-3: its partition), or None."""
+        for name, p in self.module.named_parameters():
+            t = getattr(p, "ds_tensor", None)
+            t = p if t is None else t
+            if t.numel() and not bool(torch.isfinite(t.detach()).all()):
+                return name
+        return None
 
     def policy_tensors(self) -> dict[str, torch.Tensor] | None:
         """CPU copies of the trained parameters as the learner holds them (fp32; LoRA: the adapters only),

@@ -94,3 +94,38 @@ def test_real_model_checkpoint_loads_with_transformers(tmp_path, tiny_model_dir)
         assert torch.equal(a, b), n
     text = (path / "README.md").read_text()
     assert f"base_model: {tiny_model_dir}" in text and "accuracy" in text and "groups trained" in text
+
+
+def test_a_checkpoint_is_durable_before_it_is_renamed_and_the_rename_before_it_returns(tmp_path, monkeypatch):
+    """Every file and folder of ``step-N.tmp`` is fsynced before the rename, the checkpoints folder after
+    it: only then may the queue commit the groups the checkpoint holds."""
+    import os
+    from pathlib import Path
+
+    from streamgrpo.learner import checkpoint as ck
+
+    tmp = ck.staging_dir(tmp_path / "ckpts", 3)
+    (tmp / "model.safetensors").write_bytes(b"w" * 10)
+    (tmp / "deepspeed" / "state").mkdir(parents=True)
+    (tmp / "deepspeed" / "state" / "optim.pt").write_bytes(b"o")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(self, target):
+        events.append(("rename", str(self)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    final = ck.commit_checkpoint(tmp_path / "ckpts", 3)
+    at = events.index(("rename", str(tmp)))
+    before = {p for kind, p in events[:at] if kind == "fsync"}
+    want = {str(tmp), str(tmp / "model.safetensors"), str(tmp / "deepspeed"), str(tmp / "deepspeed" / "state"),
+            str(tmp / "deepspeed" / "state" / "optim.pt")}
+    assert want <= before, want - before
+    assert ("fsync", str(tmp_path / "ckpts")) in events[at + 1:]  # the rename itself is durable
+    assert final == tmp_path / "ckpts" / "step-000003" and (final / "model.safetensors").read_bytes() == b"w" * 10

@@ -112,6 +112,7 @@ class RedisQueue(GroupQueue):
         self.trained = f"{namespace}:trained"
         self.held = f"{namespace}:held"
         self.failures = f"{namespace}:failures"
+        self.committed_step_key = f"{namespace}:committed_step"
         self.max_failures = int(max_failures)
         self._block_s = max(0.05, min(2.0, socket_timeout_s / 4))
         self._closed = False
@@ -522,24 +523,27 @@ class RedisQueue(GroupQueue):
             entries = [(sid, self._inflight.pop(sid, ("", 0.0))[0]) for sid in stream_ids]
         return self._release(entries)
 
-    def commit(self, entries: list[tuple[str, str]]) -> int:
+    def commit(self, entries: list[tuple[str, str]], step: int | None = None) -> int:
         """The training of these ``(stream id, group id)`` entries is durable (in a checkpoint): mark
         the groups trained, acknowledge and delete the entries, drop their holds -- atomically.
 
         Idempotent, and any consumer may commit any entry (a resumed learner rolls forward the
         commit its checkpoint records). The trained set is a sorted set ``<ns>:trained`` (member =
         group id, score = time), trimmed to ``dedupe_ttl_s`` and expiring when idle that long: one
-        entry (~100 B) per group. Returns how many entries were still pending.
+        entry (~100 B) per group. ``step``: the checkpoint that holds their training; the highest one
+        committed is kept (:meth:`committed_step`). Returns how many entries were still pending.
         """
         entries = [(to_str(s), g) for s, g in entries if g]
-        if not entries:
+        if not entries and step is None:
             return 0
         acked, now = 0, time.time()
-        for i in range(0, len(entries), 1000):
-            args: list[Any] = [CONSUMER_GROUP, now, now - self.dedupe_ttl_s, max(1, int(self.dedupe_ttl_s))]
+        for i in range(0, max(1, len(entries)), 1000):
+            args: list[Any] = [CONSUMER_GROUP, now, now - self.dedupe_ttl_s, max(1, int(self.dedupe_ttl_s)),
+                               -1 if step is None else int(step)]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
-            acked += int(self._call("commit", self._commit_script, keys=self._keys(), args=args))
+            acked += int(self._call("commit", self._commit_script, keys=[*self._keys(), self.committed_step_key],
+                                    args=args))
         with self._lock:
             for sid, _ in entries:
                 self._inflight.pop(sid, None)
@@ -553,6 +557,15 @@ class RedisQueue(GroupQueue):
             return []
         out = self._call("record_failure", self._fail_script, keys=[self.failures], args=[error[:2000], *gids])
         return [int(x) for x in out]
+
+    def committed_step(self) -> int | None:
+        """The highest checkpoint step whose groups were committed (None: none since the last reset)."""
+        raw = self._call("GET", self._r.get, self.committed_step_key)
+        return None if raw is None else int(raw)
+
+    def reset_committed_step(self) -> None:
+        """A learner starting at step 0 (a new run in this namespace) forgets the previous run's."""
+        self._call("DEL", self._r.delete, self.committed_step_key)
 
     def is_trained(self, group_ids: list[str]) -> list[bool]:
         """Whether each group id was committed as trained within ``dedupe_ttl_s``."""

@@ -58,10 +58,15 @@ return acked
 
 # COMMIT: the entries' training is durable (in a checkpoint): remember the group ids as trained,
 # acknowledge and delete the entries, drop their holds and failure counts -- one atomic step.
-# ARGV: consumer group, now, horizon, ttl seconds, then (sid, gid) pairs.
+# ARGV: consumer group, now, horizon, ttl seconds, the checkpoint's step (-1: none), then (sid, gid)
+# pairs. KEYS[5] keeps the highest step committed: a resume from an older checkpoint would lose what
+# the newer one committed, and the learner refuses it.
 COMMIT_LUA = """
 local acked = 0
-for i = 5, #ARGV, 2 do
+if tonumber(ARGV[5]) >= 0 and tonumber(redis.call('GET', KEYS[5]) or '-1') < tonumber(ARGV[5]) then
+  redis.call('SET', KEYS[5], ARGV[5])
+end
+for i = 6, #ARGV, 2 do
   local sid, gid = ARGV[i], ARGV[i + 1]
   acked = acked + redis.call('XACK', KEYS[1], ARGV[1], sid)
   redis.call('XDEL', KEYS[1], sid)

@@ -1,0 +1,119 @@
+"""A checkpoint the learner cannot stand on is refused in one line, never trained on or published:
+one that does not load (truncated by a crash), one with non-finite weights, and one older than the
+newest step whose groups Redis already committed (resuming there would lose them silently). Real
+Redis, the tiny model, real checkpoint files."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamgrpo import metrics
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir, demo_data_dir):
+    from streamgrpo.generator.rollouts import sample_groups
+
+    return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
+
+
+def _cfg(model_dir, run_dir, url, ns, *sets):
+    from streamgrpo.config import load_config
+
+    return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", f"queue.url={url}",
+                                f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.max_steps=2",
+                                "learner.save_steps=1", "learner.get_timeout_s=0.5", "weights.pub_port=0",
+                                "weights.snapshot_port=0", "metrics.port=0", "loss.max_staleness=100", *sets])
+
+
+@pytest.fixture
+def trained_run(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
+    """Two steps trained, each checkpointed and committed: checkpoints step-1 and step-2."""
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")
+    q.put_many([copy.deepcopy(g) for g in groups])
+    run = tmp_path / "run"
+    cfg = _cfg(tiny_model_dir, run, redis_server.url, redis_ns)
+    assert run_learner(cfg) == 0
+    assert q.committed_step() == 2 and q.depth() == 0
+    yield cfg, run, q
+    q.close()
+
+
+def _resume(cfg):
+    from streamgrpo.learner.loop import run_learner
+
+    return run_learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"resume": True,
+                                                                                     "max_steps": 2})}))
+
+
+def test_a_truncated_newest_checkpoint_is_one_line_that_says_what_to_do(trained_run, tmp_path):
+    cfg, run, _ = trained_run
+    weights = run / "checkpoints" / "step-000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a crash in the middle of writing it
+    path = tmp_path / "cfg.yaml"
+    path.write_text(cfg.to_yaml())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(path), "--resume"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("streamgrpo learner:")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "step-000002 cannot be loaded" in lines[0] and "move it aside" in lines[0]
+
+
+def test_resuming_from_an_older_checkpoint_than_redis_committed_is_refused(trained_run, tmp_path):
+    from streamgrpo.learner.checkpoint import CheckpointUnusable
+
+    cfg, run, q = trained_run
+    shutil.move(run / "checkpoints" / "step-000002", tmp_path / "step-000002")  # "it looked broken"
+    with pytest.raises(CheckpointUnusable) as err:
+        _resume(cfg)
+    msg = str(err.value)
+    assert "step-000001 is step 1, but Redis already committed the groups of step 2" in msg and "\n" not in msg
+    assert "restore checkpoints/step-000002" in msg
+    shutil.move(tmp_path / "step-000002", run / "checkpoints" / "step-000002")  # put back: it resumes
+    assert _resume(cfg) == 0 and q.committed_step() >= 2
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(trained_run):
+    from streamgrpo.learner.checkpoint import CheckpointUnusable
+
+    cfg, run, _ = trained_run
+    path = run / "checkpoints" / "step-000002" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = next(n for n, t in tensors.items() if t.is_floating_point() and "lm_head" not in n)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(CheckpointUnusable, match="holds non-finite weights"):
+        _resume(cfg)
+
+
+def test_non_finite_weights_are_never_published(tiny_model_dir, tmp_path):
+    from streamgrpo.config import load_config
+    from streamgrpo.learner.trainer import Learner
+    from streamgrpo.transport.weights.publisher import WeightPublisher
+
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}"])
+    learner = Learner(cfg)
+    errors = metrics.ERRORS.labels(kind="weights")._value.get()
+    with WeightPublisher("127.0.0.1", 0, 0) as pub:
+        learner.publish(pub, 1)
+        assert pub.flush(10) and pub.latest_version == 1
+        with torch.no_grad():
+            next(p for p in learner.module.parameters() if p.requires_grad).view(-1)[0] = float("inf")
+        learner.publish(pub, 2)
+        assert pub.flush(10) and pub.latest_version == 1  # generators keep the last good version
+    assert metrics.ERRORS.labels(kind="weights")._value.get() == errors + 1
