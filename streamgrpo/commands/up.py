@@ -26,7 +26,9 @@ from streamgrpo.runtime import (
     LEARNER_OUTPUTS,
     TARGET_ACCURACY,
     WINDOW_GROUPS,
+    RunLock,
     archive_previous,
+    die_with_parent,
     free_port,
     group_accuracies,
     stop_process,
@@ -44,7 +46,7 @@ class Child:
         self.log_path = log_path
         self._fh = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)  # gone with `up`
         self.pid = self.proc.pid
 
     def alive(self) -> bool:
@@ -146,6 +148,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
         print(line, flush=True)
     if plan_only:
         return 0
+    owner = RunLock(cfg.run_dir, "up", "`streamgrpo up`")  # one `up` per run directory
     rd = _prepare_run_dir(cfg)
     env = _child_env(cfg)
     redis = _start_embedded_redis(cfg, rd, env)
@@ -173,6 +176,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _finish(rd, watch, interrupted)
+    owner.close()
     return code
 
 
@@ -298,7 +302,7 @@ def _start_embedded_redis(cfg: Config, rd: Path, env: dict[str, str]):
         return None
     from streamgrpo.transport.queue.server import EmbeddedRedis
 
-    redis = EmbeddedRedis(rd / "redis")
+    redis = EmbeddedRedis(rd / "redis", die_with_parent=True)
     url = redis.start()
     write_json(rd / "redis.json", {"url": url, "pid": redis.pid})
     env["STREAMGRPO_REDIS_URL"] = url
@@ -437,9 +441,11 @@ def _finish(rd: Path, watch: _Watch, interrupted: bool) -> None:
 
 
 def _interrupt_on_signals() -> dict[int, Any]:
-    """SIGINT (Ctrl-C) and SIGTERM both raise KeyboardInterrupt (its message: the signal's name) in
-    ``up``, so either stops every child by PID, also when ``up`` was started where SIGINT is ignored
-    (a background job of a script). Returns the previous handlers; {} off the main thread."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP (a closed terminal) raise KeyboardInterrupt (its message: the
+    signal's name) in ``up``, so each stops every child by PID, also when ``up`` was started where
+    SIGINT is ignored (a background job of a script). SIGKILL cannot be caught: the children die with
+    ``up`` then through ``PR_SET_PDEATHSIG`` (:func:`~streamgrpo.runtime.die_with_parent`). Returns the
+    previous handlers; {} off the main thread."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -448,7 +454,7 @@ def _interrupt_on_signals() -> dict[int, Any]:
     def handler(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def _try_queue(cfg: Config, env: dict[str, str]):

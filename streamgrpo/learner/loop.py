@@ -62,6 +62,7 @@ from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
 from streamgrpo.learner.trainer import Learner
 from streamgrpo.runtime import (
     JsonlWriter,
+    RunLock,
     StopFlag,
     queue_url,
     setup_torch_threads,
@@ -103,6 +104,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     ckpt_root = run_dir / "checkpoints"
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
+    owner = RunLock(run_dir, "learner", "learner") if main else None  # a stray learner there: refuse
     found = start_point(cfg.learner, run_dir, dist)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
@@ -194,7 +196,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})
-        _close_all(tracker, publisher, queue, metrics_log, audit, server)
+        _close_all(tracker, publisher, queue, metrics_log, audit, server, owner)
     return 0
 
 

@@ -234,10 +234,12 @@ def _ignore_sigint() -> None:  # what a shell does to a background job (`cmd &` 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["ctrl-c", "sigterm", "sighup"])
 def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
-    """Ctrl-C, also when `up` inherited an ignored SIGINT, and SIGTERM (docker stop, kill) both stop
-    every child and the embedded Redis, with a checkpoint and a summary."""
+    """Ctrl-C, also when `up` inherited an ignored SIGINT, SIGTERM (docker stop, kill) and SIGHUP (a
+    closed terminal or ssh session) all stop every child and the embedded Redis, with a checkpoint and
+    a summary."""
     run = tmp_path / "ctrlc"
     cfg = _config(demo_assets, run, **{"learner.max_steps": 10000})
     up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
@@ -263,3 +265,52 @@ def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
     # the learner checkpointed on the way out
     assert any((run / "checkpoints").iterdir())
     assert yaml.safe_load((run / "config.yaml").read_text())["learner"]["max_steps"] == 10000
+
+
+def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refused(demo_assets, tmp_path,
+                                                                                    redis_server, redis_ns):
+    """`up` killed with -9 cannot stop anyone itself: its children (learner, generators, and its own
+    Redis) get SIGTERM from the kernel and stop cleanly. While it lives, a second `up` on the same run
+    directory refuses in one line. Then `up --resume` goes on, and the audit finds nothing lost or
+    trained twice."""
+    from streamgrpo.audit import audit_run
+    from streamgrpo.config import QueueConfig
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    run = tmp_path / "kill9"
+    sets = {"learner.max_steps": 10000, "learner.save_steps": 3, "queue.url": redis_server.url,
+            "queue.namespace": redis_ns}
+    cfg = _config(demo_assets, run, **sets)
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"]
+    up = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= 4, 600, "four steps", [up])
+        pids = json.loads((run / "processes.json").read_text())
+        second = subprocess.run([*argv, "--resume"], env=ENV, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert f"{run} is in use by another `streamgrpo up` (pid {up.pid})" in second.stderr
+        assert "Traceback" not in second.stderr and json.loads((run / "processes.json").read_text()) == pids
+        up.kill()
+        up.wait(30)
+        _wait_for(lambda: not any(_pid_alive(p) for p in pids.values()), 120, "the children to stop")
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in json.loads((run / "processes.json").read_text()).values():  # no orphans on failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    log = (run / "logs" / "learner.log").read_text()
+    assert "SIGTERM received" in log  # stopped cleanly by the kernel's signal, not killed
+    done = len(_jsonl(run / "metrics.jsonl"))
+    cfg = _config(demo_assets, run, **{**sets, "learner.max_steps": done + 3})
+    out = subprocess.run([*argv[:5], str(cfg), "--generators", "2", "--resume"], env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    q = RedisQueue.from_config(QueueConfig(url=redis_server.url, namespace=redis_ns), redis_server.url,
+                               consumer="audit")
+    try:
+        audit = audit_run(run, q)
+    finally:
+        q.close()
+    assert (audit.lost, audit.twice, audit.uncommitted) == (0, 0, 0), audit
+    assert audit.steps == done + 3 and audit.steps_in_order

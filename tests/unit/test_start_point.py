@@ -93,3 +93,76 @@ def test_up_writes_no_redis_password_to_disk(tmp_path):
     child = load_config(str(path))
     assert child.queue.url is None and child.weights.pub_port > 0 and child.weights.snapshot_port > 0
     assert cfg.queue.url  # the caller's config keeps it
+
+
+def test_one_run_directory_has_one_owner_until_it_dies(tmp_path):
+    """A second lock on a run directory is refused in one line naming the holder's pid; the lock goes
+    with its process, kill -9 included."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from streamgrpo.runtime import RunDirBusy, RunLock
+
+    first = RunLock(tmp_path, "up", "`streamgrpo up`")
+    with pytest.raises(RunDirBusy) as err:
+        RunLock(tmp_path, "up", "`streamgrpo up`")
+    assert str(err.value) == (f"{tmp_path} is in use by another `streamgrpo up` (pid {os.getpid()}): stop it "
+                              "first, or use another run directory")
+    RunLock(tmp_path, "learner", "learner").close()  # another owner name is another lock
+    first.close()
+    code = ("import sys, time; from streamgrpo.runtime import RunLock; RunLock(sys.argv[1], 'up', 'up'); "
+            "print('locked', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            RunLock(tmp_path, "up", "up")
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+        RunLock(tmp_path, "up", "up").close()  # the kernel dropped the dead holder's lock
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_killed(tmp_path):
+    """PR_SET_PDEATHSIG: `up` killed with -9 still stops its children (they get SIGTERM and exit)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child_py, parent_py, mark = tmp_path / "child.py", tmp_path / "parent.py", tmp_path / "child-got"
+    child_py.write_text(
+        "import signal, sys, time\n"
+        "def term(*_):\n"
+        "    open(sys.argv[1], 'w').write('term')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "time.sleep(600)\n")
+    parent_py.write_text(
+        "import subprocess, sys, time\n"
+        "from streamgrpo.runtime import die_with_parent\n"
+        "c = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], preexec_fn=die_with_parent)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(parent_py), str(child_py), str(mark)], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child has installed its handler
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not mark.exists():
+        time.sleep(0.1)
+    try:
+        assert mark.read_text() == "term"  # SIGTERM, not a kill: the child could finish its step
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
 
-from streamgrpo.runtime import free_port, stop_process  # noqa: F401 - free_port: part of this module's API
+from streamgrpo.runtime import die_with_parent, free_port, stop_process  # noqa: F401 - free_port: part of this module's API
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class EmbeddedRedis:
         appendfsync: Literal["always", "everysec", "no"] = "always",
         extra_config: dict[str, str] | None = None,
         startup_timeout_s: float = 20.0,
+        die_with_parent: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir).absolute()
         self.host = host
@@ -108,6 +109,7 @@ class EmbeddedRedis:
         self.appendfsync = appendfsync
         self.extra_config = dict(extra_config or {})
         self.startup_timeout_s = startup_timeout_s
+        self.die_with_parent = die_with_parent  # `up`'s own server: SIGTERM when `up` dies, however it dies
         self.socket_path: str | None = None
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
@@ -182,6 +184,7 @@ class EmbeddedRedis:
                 self._proc = subprocess.Popen(
                     [self.binary, str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=err, start_new_session=True,  # Ctrl-C in a terminal leaves it to stop()
+                    preexec_fn=die_with_parent if self.die_with_parent else None,
                 )
             # Stopped by PID when this object is collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, stop_process, self._proc, 5.0)
