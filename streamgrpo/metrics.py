@@ -107,6 +107,7 @@ def drop_step_gauges() -> None:
 
 class _Handler(BaseHTTPRequestHandler):
     health = None  # callable returning (ok: bool, text: str)
+    timeout = 5.0  # seconds a connection may stay silent (socket timeout): half-open ones are closed
 
     def do_GET(self) -> None:  # noqa: N802 (http.server API)
         if self.path.startswith("/metrics"):
@@ -129,12 +130,45 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` at once: a connection beyond that is closed
+    at once (counted), so a flood of connections cannot take the process's threads and descriptors."""
+
+    daemon_threads = True
+    max_connections = 32
+    request_queue_size = 128  # listen backlog: a burst is accepted (then served or closed), not left in SYN
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
-    """``/metrics`` + ``/healthz`` on a daemon thread. ``port=0`` picks a free port (see ``.port``)."""
+    """``/metrics`` + ``/healthz`` on a daemon thread. ``port=0`` picks a free port (see ``.port``).
+    Connections time out after :attr:`_Handler.timeout` seconds of silence, and at most
+    :attr:`_BoundedServer.max_connections` are served at once (metrics.host may be 0.0.0.0)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, health=None):
         _Handler.health = health
-        self._httpd = ThreadingHTTPServer((host, port), _Handler)
+        self._httpd = _BoundedServer((host, port), _Handler)
         self._httpd.daemon_threads = True
         self.host = host
         self.port = self._httpd.server_address[1]

@@ -1,0 +1,59 @@
+"""The /metrics endpoint cannot take its process down: silent connections are closed after a timeout,
+and connections beyond a bound are closed at once instead of each taking a thread (real sockets)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+from streamgrpo.metrics import MetricsServer, _BoundedServer, _Handler
+
+
+def _handler_threads() -> int:
+    return sum(1 for t in threading.enumerate() if "process_request" in t.name)
+
+
+def _closed_by_server(s: socket.socket, wait_s: float = 30.0) -> bool:
+    s.settimeout(wait_s)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_beyond_the_bound_are_closed_at_once_and_take_no_thread(monkeypatch):
+    monkeypatch.setattr(_Handler, "timeout", 120.0)  # nothing times out during this test: the bound alone acts
+    server = MetricsServer("127.0.0.1", 0)
+    socks = []
+    try:
+        for _ in range(200):  # connect, send nothing: the half-open connections that exhausted the learner
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        over = 200 - _BoundedServer.max_connections
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and server._httpd.refused < over:
+            time.sleep(0.05)
+        assert server._httpd.refused == over
+        assert _handler_threads() == _BoundedServer.max_connections
+        assert all(_closed_by_server(s) for s in socks[_BoundedServer.max_connections:])
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
+def test_a_silent_connection_is_closed_after_the_timeout_and_the_endpoint_still_answers(monkeypatch):
+    monkeypatch.setattr(_Handler, "timeout", 1.0)
+    server = MetricsServer("127.0.0.1", 0)
+    try:
+        silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(5)]
+        assert all(_closed_by_server(s) for s in silent)  # before, each held a thread and a descriptor forever
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            assert r.status == 200 and b"streamgrpo_" in r.read()
+        for s in silent:
+            s.close()
+    finally:
+        server.close()
