@@ -274,7 +274,7 @@ def make_group(mb: float, seed: int = 0):
     frame = 112 * 112 * 3
     t = max(1, round(mb * 1e6 / frame))
     completions = [
-        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), rng.standard_normal(256).astype(np.float32),
+        Completion(rng.integers(0, 150_000, 256, dtype=np.int32), -np.abs(rng.standard_normal(256)).astype(np.float32),
                    "<answer>(B) green</answer>", "stop", {"accuracy": 1.0}, 1.0)
         for _ in range(8)
     ]

@@ -45,6 +45,8 @@ from streamgrpo.wire_arrays import (
     _resolve_tree,
 )
 
+LOGPROB_MIN = -1000.0  # below any sampler's reach: the smallest positive float64 is e^-745
+LOGPROB_MAX = 1e-3  # a log-probability is at most 0 (this much rounding above it is allowed)
 SCHEMA_VERSION = 2  # 2: per-token policy versions (Completion.versions)
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
@@ -151,7 +153,7 @@ def _check_array(x: Any, path: str, dtype: str, ndim: int) -> None:
 
 
 def _all_values_ok(completions: list[Completion], policy_version: int) -> bool:
-    """No negative token id, no non-finite log-prob, and token versions that never go back and start no
+    """No negative token id, no log-prob that is not finite or not in [LOGPROB_MIN, LOGPROB_MAX], and token versions that never go back and start no
     earlier than ``policy_version``, in any completion (arrays already well-typed)."""
     ids = [c.token_ids for c in completions if c.token_ids.size]
     lps = [c.logprobs for c in completions]
@@ -163,7 +165,8 @@ def _all_values_ok(completions: list[Completion], policy_version: int) -> bool:
         starts = np.cumsum([len(x) for x in vs])[:-1]  # where one completion's versions follow another's
         if int(v.min()) < policy_version or not np.isin(np.flatnonzero(np.diff(v) < 0) + 1, starts).all():
             return False
-    return bool(np.isfinite(np.concatenate(lps)).all()) if lps else True
+    x = np.concatenate(lps) if lps else np.zeros(0, np.float32)
+    return bool(np.isfinite(x).all()) and (not x.size or (float(x.max()) <= LOGPROB_MAX and float(x.min()) >= LOGPROB_MIN))
 
 
 def _arrays_well_typed(completions: list[Any]) -> bool:
@@ -242,6 +245,11 @@ def _check_completion_arrays(c: Completion, p: str, policy_version: int) -> None
     if not np.isfinite(c.logprobs).all():
         bad = int(np.flatnonzero(~np.isfinite(c.logprobs))[0])
         _fail(f"{p}.logprobs", f"behaviour log-prob {c.logprobs[bad]!r} at token {bad} is not finite")
+    out = (c.logprobs > LOGPROB_MAX) | (c.logprobs < LOGPROB_MIN)
+    if out.any():
+        bad = int(np.flatnonzero(out)[0])
+        _fail(f"{p}.logprobs", f"behaviour log-prob {float(c.logprobs[bad])!r} at token {bad} is outside what a sampler "
+                               f"can produce ([{LOGPROB_MIN:g}, 0]: a sampled token has probability above 0 and at most 1)")
     if c.versions is None:  # not normalised yet: every token at the group's version
         return
     _check_array(c.versions, f"{p}.versions", "int32", 1)

@@ -49,7 +49,7 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         for a in batch:
             try:
                 probe: Probe = learner.train_step([a], dry_run=True)
-                why = None if probe.finite else "non-finite loss"
+                why = None if probe.finite else "non-finite loss or gradient"
             except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
                 why = f"{type(exc).__name__}: {exc}"
             if why:

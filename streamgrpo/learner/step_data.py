@@ -78,7 +78,7 @@ class LossStats:
 
 @dataclass
 class Probe:
-    """A dry run's answer (``train_step(..., dry_run=True)``): was the loss finite on every micro-batch."""
+    """A dry run's answer (``train_step(..., dry_run=True)``): were the loss and the gradient finite."""
 
     finite: bool
 

@@ -313,7 +313,9 @@ class Learner:
             stats.append(LossStats.from_loss(m))
             if guard:
                 probes.append((tb, logprobs.detach(), temperature))
-        if dry_run:
+        if dry_run:  # the loss can be finite while its gradient is not (inf x 0 in a masked ratio)
+            finite = finite and all(p.grad is None or bool(torch.isfinite(p.grad).all())
+                                    for p in self.module.parameters() if p.requires_grad)
             self._zero_grad()
             return Probe(finite=finite)
         params = [p for p in self.module.parameters() if p.requires_grad] if guard else []

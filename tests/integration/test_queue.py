@@ -35,7 +35,7 @@ def group(i: int = 0, frames: int = 2) -> ScoredGroup:
         visuals=[Visual("video", rng.integers(0, 256, (frames, 8, 8, 3), dtype=np.uint8), 2.0,
                         np.arange(frames, dtype=np.int32))],
         answer="B",
-        completions=[Completion(np.arange(3, dtype=np.int32), rng.standard_normal(3).astype(np.float32), f"c{k}",
+        completions=[Completion(np.arange(3, dtype=np.int32), -np.abs(rng.standard_normal(3)).astype(np.float32), f"c{k}",
                                 "stop", {"format": 1.0}, 0.5) for k in range(2)],
     )
 

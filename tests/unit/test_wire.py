@@ -34,10 +34,10 @@ def make_group(seed: int = 0, n_videos: int = 2, g: int = 4) -> ScoredGroup:
     completions = []
     for i in range(g):
         n = 5 + i
-        lp = rng.standard_normal(n).astype(np.float32)
+        lp = -np.abs(rng.standard_normal(n)).astype(np.float32)  # log-probabilities: at most 0
         lp[0] = -0.0  # bit patterns that a float round trip through text would lose
         if n > 3:
-            lp[1], lp[2], lp[3] = np.float32(-3.4e38), -np.float32(1e-45), np.float32(1e-45)
+            lp[1], lp[2], lp[3] = np.float32(-999.99994), -np.float32(1e-45), np.float32(1e-45)
         completions.append(Completion(
             token_ids=rng.integers(0, 2**31 - 1, n, dtype=np.int64).astype(np.int32),
             logprobs=lp, text=f"<think>t{i}</think> <answer>(B) é中</answer>", finish_reason="stop" if i else "length",
@@ -82,7 +82,7 @@ def test_round_trip_bit_exact_multi_video():
     assert [v.frames.shape[0] for v in out.visuals] == [3, 4, 5, 1]
     assert out.meta == g.meta
     lp = out.completions[0].logprobs
-    assert lp[1] == np.float32(-3.4e38) and lp[3] == np.float32(1e-45) and np.signbit(lp[0]) and np.signbit(lp[2])
+    assert lp[1] == np.float32(-999.99994) and lp[3] == np.float32(1e-45) and np.signbit(lp[0]) and np.signbit(lp[2])
 
 
 def test_decode_is_zero_copy_and_aligned():
@@ -342,3 +342,17 @@ def test_validate_names_the_first_bad_completion_of_several():
         encode(g)
     g.completions[3].logprobs[0] = -1.0
     assert decode(encode(g)).completions[3].logprobs[0] == -1.0
+
+
+@pytest.mark.parametrize("value", [-3e38, -1001.0, 0.5, 1e30])
+def test_a_behaviour_log_prob_no_sampler_can_produce_is_refused(value):
+    """Finite but impossible: a log-probability above 0, or below what a float64 sampler can reach;
+    one such value made every gradient of its step NaN."""
+    g = make_group(g=4)
+    g.completions[2].logprobs[3] = value
+    with pytest.raises(WireError, match=r"^completions\[2\]\.logprobs: behaviour log-prob .* at token 3 is outside what a "
+                                        r"sampler can produce"):
+        encode(g)
+    for ok in (-999.0, -100.0, 0.0, 1e-4):  # the edges a real sampler (or its rounding) can give
+        g.completions[2].logprobs[3] = ok
+        assert decode(encode(g)).completions[2].logprobs[3] == np.float32(ok)
