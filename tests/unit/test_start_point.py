@@ -102,7 +102,6 @@ def test_one_run_directory_has_one_owner_until_it_dies(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     from streamgrpo.runtime import RunDirBusy, RunLock
 
