@@ -26,6 +26,8 @@ class DataConfig(Section):
     """HF source: column holding the question text."""
     hf_answer_column: str = "answer"
     """HF source: column holding the ground-truth answer."""
+    max_question_chars: int = Field(100_000, ge=1, le=1 << 30)
+    """A record whose question is longer than this many characters is skipped (counted as a data error, named by `streamgrpo data check`): one huge record would otherwise stop the tokenizer on every pass."""
     kinds: Optional[list[str]] = None
     """Only use records whose meta.kind is in this list (the demo data set tags colour/direction/numeric/multi_video)."""
     fps: float = Field(2.0, gt=0.0, le=60.0)

@@ -53,7 +53,7 @@ class DataError(ValueError):
 
     ``kind`` is a short machine label for reports: ``bad_record``, ``no_answer``,
     ``placeholder_mismatch``, ``missing_file``, ``unreadable_video``, ``zero_frames``,
-    ``bad_image``, ``budget``.
+    ``bad_image``, ``budget``, ``too_long``, ``outside_media_root``, ``not_a_file``.
     """
 
     def __init__(self, record_id: str | None, path: str | os.PathLike | None, message: str, kind: str = "bad_record"):
@@ -190,13 +190,21 @@ def _turns(raw: Mapping[str, Any], rid: str, where: str) -> tuple[str, str]:
 
 
 def parse_record(raw: Any, *, media_root: str | os.PathLike, answer_tag: str = "answer", where: str = "",
-                 default_id: str | None = None) -> Record:
-    """One raw LLaVA (or Video-R1 ``problem``/``solution``) record -> :class:`Record`, or DataError."""
+                 default_id: str | None = None, bounded: bool = False,
+                 max_question_chars: int | None = None) -> Record:
+    """One raw LLaVA (or Video-R1 ``problem``/``solution``) record -> :class:`Record`, or DataError.
+
+    ``bounded`` (an explicit ``data.media_root``): a relative media path must stay inside ``media_root``
+    (``../`` cannot climb out of it; an absolute path names its file itself); ``max_question_chars``: a
+    longer question is refused (``too_long``)."""
     if not isinstance(raw, Mapping):
         raise DataError(default_id, where, f"record is not a JSON object but {type(raw).__name__}")
     rid = raw.get("id", raw.get("problem_id", default_id))
     rid = str(rid) if rid is not None else default_id
     question, gpt = _turns(raw, rid, where)
+    if max_question_chars is not None and len(question) > max_question_chars:
+        raise DataError(rid, where, f"question has {len(question):,} characters, over data.max_question_chars "
+                        f"({max_question_chars:,})", kind="too_long")
     videos = _as_list(raw.get("video", raw.get("videos")), "video", rid, where)
     images = _as_list(raw.get("image", raw.get("images")), "image", rid, where)
     if not videos and not images and isinstance(raw.get("path"), str):  # Video-R1: path + data_type
@@ -213,6 +221,15 @@ def parse_record(raw: Any, *, media_root: str | os.PathLike, answer_tag: str = "
         )
     meta = _check_meta(raw.get("meta"), rid, where, len(videos))
     kind = meta.get("kind", raw.get("kind", raw.get("problem_type")))
+    if bounded:
+        root = os.path.normpath(os.path.abspath(os.path.expanduser(str(media_root))))
+        for p in videos + images:
+            if Path(os.path.expanduser(p)).is_absolute():
+                continue
+            full = os.path.normpath(os.path.abspath(resolve_path(p, media_root)))
+            if os.path.commonpath([root, full]) != root:
+                raise DataError(rid, where, f"media path {p!r} lies outside data.media_root ({root})",
+                                kind="outside_media_root")
     return Record(
         id=rid,
         question=question,
@@ -349,7 +366,8 @@ def _iter_hf(path: Path, cfg: DataConfig) -> Iterator[tuple[str, Any]]:
                 "meta": row.get("meta") if isinstance(row.get("meta"), Mapping) else None,
                 "kind": row.get("kind"),
             }
-            yield where, parse_record(raw, media_root=media_root, answer_tag=cfg.answer_tag, where=where)
+            yield where, parse_record(raw, media_root=media_root, answer_tag=cfg.answer_tag, where=where,
+                                      max_question_chars=cfg.max_question_chars)
         except DataError as exc:
             yield where, exc
 
@@ -374,7 +392,8 @@ def iter_raw(path: str | os.PathLike, cfg: DataConfig) -> Iterator[Record | Data
             continue
         try:
             yield parse_record(raw, media_root=media_root, answer_tag=cfg.answer_tag, where=where,
-                               default_id=f"{path.stem}-{i}")
+                               default_id=f"{path.stem}-{i}", bounded=cfg.media_root is not None,
+                               max_question_chars=cfg.max_question_chars)
         except DataError as exc:
             yield exc
 

@@ -157,6 +157,8 @@ def _probe_media(record: Record, cfg: DataConfig, params: dict[str, Any], media:
 def _probe_file(record: Record, kind: str, path: str, backend: str, readers: dict[str, Any]) -> tuple[tuple, Any]:
     """:func:`_probe` with its failures as the record's :class:`DataError`."""
     if not os.path.isfile(path):
+        if os.path.exists(path):  # a FIFO, a device or a folder: reading it would block or never end
+            raise DataError(record.id, path, f"{kind} path is not a regular file", kind="not_a_file")
         raise DataError(record.id, path, f"{kind} file not found", kind="missing_file")
     try:
         return _probe(kind, path, backend, readers)

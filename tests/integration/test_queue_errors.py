@@ -64,11 +64,17 @@ def test_plain_redis_url_on_a_tls_port(tls_redis, redis_ns):
 
 
 def test_rediss_url_on_a_plain_port(tls_redis, redis_ns):
-    """The handshake waits for an answer a plain server never sends: a timeout, then a plain PING confirms it."""
-    url = f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={tls_redis.ca}"
-    msg = queue_error(url, namespace=redis_ns, socket_timeout_s=1.0)
-    assert msg.startswith("TLS handshake with redis at") and "answers plain (non-TLS) Redis" in msg, msg
-    assert "use redis://" in msg
+    """A plain PING before the first TLS handshake tells at once (the handshake would wait out the socket
+    timeout, a minute by default, for an answer a plain server never sends)."""
+    url = f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={tls_redis.ca}&ssl_password=hunter2"
+    msg = queue_error(url, namespace=redis_ns, socket_timeout_s=600.0)
+    assert msg.startswith("redis at rediss://") and "answers plain (non-TLS) Redis" in msg, msg
+    assert "use redis://" in msg and "hunter2" not in msg and "ssl_password=***" in msg
+
+
+def test_an_unknown_url_option_is_one_line_not_a_type_error(redis_server, redis_ns):
+    msg = queue_error(redis_server.url + "?sockettimeout=5", namespace=redis_ns)
+    assert "unknown option(s) sockettimeout" in msg, msg
 
 
 def test_right_tls_settings_work(tls_redis, redis_ns):

@@ -342,3 +342,9 @@ def test_metrics_listen_on_loopback_by_default():
         assert server._httpd.server_address[0] == "127.0.0.1"
     finally:
         server.close()
+
+
+def test_config_show_masks_an_ssl_password_in_the_queue_url():
+    cfg = build_config({"queue": {"url": "rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_password=hunter2"}})
+    shown = cfg.to_yaml(redact=True)
+    assert "hunter2" not in shown and "ssl_password=***" in shown and "ssl_ca_certs=/ca.pem" in shown

@@ -250,3 +250,42 @@ def test_reverse_demo_data_set_uses_its_own_clip_files(tmp_path):
     assert np.abs(decoded.astype(int) - expected.astype(int)).mean() < 4  # lossy codec, same picture
     with pytest.raises(ValueError, match="motion"):
         make_demo(tmp_path / "bad", n=10, motion="sideways")
+
+
+def test_a_huge_question_is_refused_and_named(tmp_path):
+    """A 100 MB question crash-looped a generator's tokenizer; now it is one data error that names it."""
+    raw = _row(q="<video> " + "x" * 200, video="a.mp4")
+    with pytest.raises(DataError) as err:
+        parse_record(raw, media_root=tmp_path, where="d.jsonl:4", max_question_chars=100)
+    assert err.value.kind == "too_long" and "over data.max_question_chars (100)" in str(err.value)
+    assert parse_record(raw, media_root=tmp_path, max_question_chars=1000).question.startswith("<video>")
+
+
+def test_an_explicit_media_root_is_a_boundary(tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    inside = parse_record(_row(q="<video> q", video="clips/a.mp4"), media_root=root, bounded=True)
+    assert inside.videos == [str(root / "clips" / "a.mp4")]
+    for escape in ("../secret.mp4", "clips/../../secret.mp4", "clips/../../media-other/x.mp4"):
+        with pytest.raises(DataError) as err:
+            parse_record(_row(q="<video> q", video=escape), media_root=root, bounded=True)
+        assert err.value.kind == "outside_media_root" and "lies outside data.media_root" in str(err.value)
+    absolute = str(tmp_path / "elsewhere.mp4")  # an absolute path names its file itself (documented)
+    assert parse_record(_row(q="<video> q", video=absolute), media_root=root, bounded=True).videos == [absolute]
+    # without an explicit media_root (the records' own folder) relative paths may go up, as data sets do
+    assert parse_record(_row(q="<video> q", video="../videos/a.mp4"), media_root=root).videos
+
+
+def test_records_over_the_size_are_skipped_and_counted_and_data_check_names_them(tmp_path):
+    import json
+
+    from streamgrpo.config import DataConfig
+    from streamgrpo.data.records import iter_raw
+
+    f = tmp_path / "d.jsonl"
+    rows = [_row(q="<video> short", video="a.mp4"), _row(q="<video> " + "y" * 500, video="a.mp4")]
+    rows[1]["id"] = "huge-1"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    items = list(iter_raw(f, DataConfig(max_question_chars=100)))
+    bad = [i for i in items if isinstance(i, DataError)]
+    assert len(items) == 2 and len(bad) == 1 and bad[0].record_id == "huge-1" and bad[0].kind == "too_long"

@@ -428,3 +428,16 @@ def test_shards_are_disjoint_and_shuffled_deterministically(demo_data_dir):
     assert set(got) == {r.id for r in shards[1]}
     with pytest.raises(ValueError):
         shard_records(records, 3, 3)
+
+
+@pytest.mark.parametrize("what", ["fifo", "device", "folder"])
+def test_a_path_that_is_not_a_regular_file_is_named_as_such_not_missing(what, tmp_path):
+    """A FIFO (reading it would block forever), a device such as /dev/zero (never ends) or a folder."""
+    import os
+
+    path = {"fifo": tmp_path / "clip.mp4", "device": Path("/dev/zero"), "folder": tmp_path}[what]
+    if what == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(DataError) as info:
+        load_visuals(_record("rec-odd", [path]), _cfg(), factor=28)
+    assert info.value.kind == "not_a_file" and "is not a regular file" in str(info.value) and str(path) in str(info.value)

@@ -87,6 +87,16 @@ def misconfiguration(exc: BaseException, client: redis.Redis, url: str, what: st
     return None
 
 
+def tls_on_plain_port(client: redis.Redis, url: str) -> str | None:
+    """Before the first command: a ``rediss://`` URL whose port answers plain Redis, in one line (the TLS
+    handshake would otherwise wait out the socket timeout, a minute, before saying so). None otherwise."""
+    ep = _endpoint(client)
+    if ep is None or not ep[2] or not probe_plain(ep[0], ep[1]):
+        return None
+    return (f"redis at {url} answers plain (non-TLS) Redis on port {ep[1]}: use redis://... in queue.url, or point "
+            "rediss:// at the server's tls-port")
+
+
 def _closed(chain: list[BaseException]) -> bool:
     return any(isinstance(e, _CLOSED) or "Connection closed by server" in str(e) for e in chain)
 

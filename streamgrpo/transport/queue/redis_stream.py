@@ -70,6 +70,22 @@ DEAD_MAXLEN = 10_000
 DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
 
 
+def _unknown_url_options(client: redis.Redis) -> set[str]:
+    """URL query options the client's connection class does not take (redis-py passes them on, and the
+    first command then fails with a TypeError)."""
+    import inspect
+
+    pool = client.connection_pool
+    cls = pool.connection_class
+    accepted: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            accepted |= {p.name for p in inspect.signature(init).parameters.values()
+                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k for k in pool.connection_kwargs if k not in accepted}
+
+
 class RedisQueue(GroupQueue):
     """ScoredGroups over a Redis stream; see the module docstring for the keys and guarantees.
 
@@ -134,6 +150,16 @@ class RedisQueue(GroupQueue):
             )
         except ValueError as exc:
             raise QueueError(f"bad redis url {self.safe_url}: {exc}") from None
+        unknown = _unknown_url_options(self._r)
+        if unknown:
+            raise QueueError(f"bad redis url {self.safe_url}: unknown option(s) {', '.join(sorted(unknown))} (redis-py's "
+                             "URL options: ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ssl_password, "
+                             "socket_timeout, db, ...)") from None
+        from streamgrpo.transport.queue.errors import tls_on_plain_port
+
+        mixed = tls_on_plain_port(self._r, self.safe_url)
+        if mixed:
+            raise QueueError(mixed) from None
         for cmd in ("XREADGROUP", "XAUTOCLAIM", "XCLAIM"):  # parse replies ourselves (deleted entries keep ids)
             self._r.set_response_callback(cmd, lambda r, **_: r)
         self._hold_script = self._r.register_script(HOLD_LUA)

@@ -106,7 +106,7 @@ def safe_url(url: str, mask: str | None = None) -> str:
         if mask is not None:
             cred += f":{mask}"
         out = out.replace(parts.netloc, f"{cred}@{host}" if cred else host, 1)
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", out)
+    return re.sub(r"([?&](?:ssl_)?password=)[^&]*", r"\1***", out)
 
 
 def xadd_command(stream: bytes, fields: list[tuple[bytes, list[Any]]]) -> list[Any]:
