@@ -363,7 +363,7 @@ def _user_error(exc: BaseException) -> int | None:
     if memory is not None and isinstance(exc, memory.MemoryPlanError):
         return USAGE_EXIT
     checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
-    if checkpoint is not None and isinstance(exc, checkpoint.CheckpointUnusable):
+    if checkpoint is not None and isinstance(exc, (checkpoint.CheckpointUnusable, checkpoint.CheckpointWriteError)):
         return FAILED_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):

@@ -238,6 +238,11 @@ class CheckpointError(RuntimeError):
     """A state tree cannot be written or read back (the message names the file and the path in the tree)."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, file too large, permissions): one line; the partial
+    ``step-N.tmp`` is removed and nothing is committed, so its groups are trained again after --resume."""
+
+
 class CheckpointUnusable(CheckpointError):
     """The checkpoint to resume from cannot be used (does not load, holds non-finite weights, or is older
     than what Redis already committed): one line that says what to do."""

@@ -90,12 +90,23 @@ def _warn_if_not_durable(queue) -> None:
 
 
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
+    """Train until ``learner.max_steps`` or a stop signal; rank 0 owns the run directory meanwhile (a
+    second learner there refuses in one line)."""
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
+    owner = RunLock(cfg.run_dir, "learner", "learner") if dist.is_main else None
+    try:
+        return _train(cfg, stop=stop, dist=dist)
+    finally:
+        if owner is not None:
+            owner.close()
+
+
+def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     from streamgrpo.learner.tracking import Tracker
     from streamgrpo.models.card import model_card
     from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
 
     stop = stop if stop is not None else StopFlag()
-    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
     main = dist.is_main
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +115,6 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
     ckpt_root = run_dir / "checkpoints"
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
-    owner = RunLock(run_dir, "learner", "learner") if main else None  # a stray learner there: refuse
     found = start_point(cfg.learner, run_dir, dist)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
@@ -196,7 +206,7 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})
-        _close_all(tracker, publisher, queue, metrics_log, audit, server, owner)
+        _close_all(tracker, publisher, queue, metrics_log, audit, server)
     return 0
 
 

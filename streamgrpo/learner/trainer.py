@@ -507,7 +507,28 @@ class Learner:
 
     # --------------------------------------------------------------------------- checkpoints
     def save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
-        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout)."""
+        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout).
+        A write that fails (disk full...) removes ``step-N.tmp`` and raises a one-line
+        :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed."""
+        import shutil
+
+        from safetensors import SafetensorError
+
+        from streamgrpo.learner.checkpoint import CheckpointWriteError
+
+        try:
+            return self._save(ckpt_root, model_card=model_card)
+        except (OSError, SafetensorError) as exc:  # safetensors reports an I/O error as its own type
+            tmp = Path(ckpt_root) / f"step-{self.state.step:06d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            why = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+            raise CheckpointWriteError(
+                f"cannot write checkpoint step-{self.state.step:06d} in {ckpt_root}: {why}{where}; "
+                "nothing was committed: the groups since the last checkpoint stay in Redis and are trained again "
+                "after --resume (free space there, or lower learner.save_total_limit)") from None
+
+    def _save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
         from streamgrpo.learner.checkpoint import (
             commit_checkpoint,
             save_checkpoint,

@@ -117,3 +117,36 @@ def test_non_finite_weights_are_never_published(tiny_model_dir, tmp_path):
         learner.publish(pub, 2)
         assert pub.flush(10) and pub.latest_version == 1  # generators keep the last good version
     assert metrics.ERRORS.labels(kind="weights")._value.get() == errors + 1
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(groups, tiny_model_dir, redis_server,
+                                                                                   redis_ns, tmp_path):
+    """A real write failure: the learner runs with a 1 MB file-size limit (RLIMIT_FSIZE), so its first
+    checkpoint's weights cannot be written. One line (exit 1), no step-N.tmp left, nothing committed."""
+    import resource
+    import signal
+
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")
+    try:
+        q.put_many([copy.deepcopy(g) for g in groups[:4]])
+        run = tmp_path / "run"
+        path = tmp_path / "cfg.yaml"
+        path.write_text(_cfg(tiny_model_dir, run, redis_server.url, redis_ns, "learner.max_steps=1").to_yaml())
+
+        def small_files():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(path)], capture_output=True,
+                             text=True, env=env, timeout=300, preexec_fn=small_files)
+        assert out.returncode == 1, out.stderr[-3000:]
+        lines = [line for line in out.stderr.splitlines() if line.startswith("streamgrpo learner:")]
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert "cannot write checkpoint step-000001" in lines[0] and "nothing was committed" in lines[0]
+        assert not list((run / "checkpoints").glob("*.tmp")) and not list((run / "checkpoints").glob("step-*"))
+        assert q.committed_step() is None and q.held_count() == 4  # held, to be trained again after --resume
+    finally:
+        q.close()
