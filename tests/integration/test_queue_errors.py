@@ -175,3 +175,44 @@ def test_proxy_that_closes_connections_before_redis_is_up_is_an_outage(redis_ser
         q.close()
     finally:
         proxy.close()
+
+
+def test_redis_at_maxmemory_is_backpressure_for_a_generator_not_a_crash(redis_factory, redis_ns):
+    """The generator used to die with an OutOfMemoryError traceback (again on every restart): now a put
+    at maxmemory is QueueFull (the generator waits and retries), counted and said in one warning."""
+    import numpy as np
+
+    from streamgrpo import metrics
+    from streamgrpo.transport.queue.base import QueueFull
+    from streamgrpo.wire import Completion, ScoredGroup, Visual
+
+    srv = redis_factory("system")
+    q = RedisQueue(srv.url, namespace=redis_ns, consumer="gen", max_pending=10_000)
+    try:
+        used = int(q.client.info("memory")["used_memory"])
+        q.client.config_set("maxmemory-policy", "noeviction")
+        q.client.config_set("maxmemory", str(used + (2 << 20)))
+        rng = np.random.default_rng(0)
+
+        def group(i: int) -> ScoredGroup:
+            return ScoredGroup(
+                prompt_id=f"p{i}", generator_id="g", policy_version=0, model_id="m",
+                prompt_ids=np.arange(4, dtype=np.int32), answer="A", prompt_text="q",
+                visuals=[Visual("image", rng.integers(0, 256, (1, 224, 224, 3), dtype=np.uint8))],
+                completions=[Completion(np.arange(3, dtype=np.int32), np.full(3, -1.0, np.float32), "c", "stop",
+                                        {"accuracy": 1.0}, 1.0)], group_id=f"oom-{i}")
+
+        oom0 = metrics.ERRORS.labels(kind="queue_oom")._value.get()
+        refused = None
+        for i in range(200):  # 150 KB a group: 2 MB of room runs out
+            try:
+                q.put_many([group(i)], timeout_s=0.1)
+            except QueueFull as exc:
+                refused = (i, str(exc))
+                break
+        assert refused is not None and "is at maxmemory" in refused[1], refused
+        assert metrics.ERRORS.labels(kind="queue_oom")._value.get() == oom0 + 1
+        q.client.config_set("maxmemory", "0")  # room again (the learner committed): the same group goes in
+        assert len(q.put_many([group(refused[0])], timeout_s=1.0)) == 1
+    finally:
+        q.close()

@@ -272,3 +272,23 @@ def test_early_hashes_count_only_for_the_version_they_were_taken_for(tmp_path):
         assert isinstance(why, str) and "digest mismatch" in why
     finally:
         f.close()
+
+
+def test_a_directory_too_small_for_the_versions_the_learner_may_keep_is_refused_at_the_first_version(tmp_path):
+    """Checked against the directory's real free space before the first file is made: a folder that
+    holds one version but not max_files of them would otherwise stop the learner mid-run."""
+    from streamgrpo.transport.weights.shm import ShmPool, ShmUnavailable
+
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    pool = ShmPool(tmp_path, src=7, max_files=3)
+    try:
+        with pytest.raises(ShmUnavailable) as err:
+            pool.take(free // 2)  # one would fit, three cannot
+        msg = str(err.value)
+        assert "may keep 3 versions" in msg and "shm_size" in msg and "transport=ipc" in msg and "\n" not in msg
+        assert _files(tmp_path) == []  # refused before anything was allocated
+        f = pool.take(4096)  # a version that fits three times over is fine
+        assert f.capacity >= 4096
+    finally:
+        pool.close()

@@ -142,6 +142,7 @@ class RedisQueue(GroupQueue):
         self._last_depth: int | None = None  # producer: depth seen by the last put (skips a round trip)
         self._full_since: float | None = None  # producer: start of the current backpressure spell
         self._full_logged = 0.0
+        self._oom_logged = -1e9
         try:
             tcp = {} if url.startswith("unix:") else {"socket_connect_timeout": 5.0, "socket_keepalive": True}
             self._r = redis.Redis.from_url(
@@ -318,7 +319,19 @@ class RedisQueue(GroupQueue):
                 chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts)])
             return self._send_raw(chunks, 2 + len(messages))
 
-        length, held, *sids = self._call("XADD", add)
+        try:
+            length, held, *sids = self._call("XADD", add)
+        except redis.exceptions.OutOfMemoryError as exc:  # Redis at maxmemory: backpressure, not a crash
+            self._last_depth = None
+            metrics.ERRORS.labels(kind="queue_oom").inc()
+            now = time.monotonic()
+            if now - self._oom_logged >= 30.0:
+                self._oom_logged = now
+                log.warning("redis at %s refuses writes: it is at maxmemory (%s); waiting for the learner to commit "
+                            "and free what it holds (raise maxmemory, or lower learner.save_steps x groups_per_step)",
+                            self.safe_url, str(exc).split("\n")[0])
+            time.sleep(min(1.0, timeout_s if timeout_s is not None else 1.0))
+            raise QueueFull(f"redis at {self.safe_url} is at maxmemory: group(s) not added yet") from None
         self._last_depth = max(0, int(length) - int(held)) + len(messages)
         return [to_str(sid) for sid in sids]
 

@@ -204,8 +204,21 @@ class ShmPool:
         self.idle: list[ShmFile] = []  # not holding a version the learner still serves
         self._n = 0
 
+    def check_room(self, nbytes: int) -> None:
+        """Before the first version: the directory must hold ``max_files`` versions of ``nbytes``, or the
+        learner would stop mid-run when readers keep files and a new one does not fit."""
+        st = os.statvfs(self.dir)
+        free, need = st.f_bavail * st.f_frsize, self.max_files * (max(1, nbytes) + TRAILER)
+        if free < need:
+            raise ShmUnavailable(
+                f"weights.shm_dir {str(self.dir)!r} has {free / 1e9:.2f} GB free and the learner may keep "
+                f"{self.max_files} versions of {nbytes / 1e9:.2f} GB there ({need / 1e9:.2f} GB): give it more "
+                "(Docker: shm_size), lower weights.host_buffers, or use weights.transport=ipc")
+
     def take(self, nbytes: int) -> ShmFile:
         """An exclusively locked file of a fitting size (the caller unlocks it when the version is out)."""
+        if not self.files:
+            self.check_room(nbytes)
         for f in list(self.idle):
             if nbytes <= f.capacity <= 2 * nbytes + (1 << 16) and f.try_lock():
                 self.idle.remove(f)
