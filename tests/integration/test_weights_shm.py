@@ -83,7 +83,7 @@ def test_same_host_generator_reads_versions_from_shared_memory_and_tcp_ones_stil
     assert _files(shm) == []  # close() removes them
 
 
-def test_a_version_a_generator_holds_is_never_rewritten(dirs):
+def test_a_version_a_generator_holds_never_changes(dirs):
     ipc, shm = dirs
     with ShmPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64, ipc_dir=ipc, shm_dir=shm, host_buffers=2) as pub:
         sub = ShmSubscriber(ipc_dir=ipc, shm_dir=shm)
@@ -92,12 +92,12 @@ def test_a_version_a_generator_holds_is_never_rewritten(dirs):
             _wait_version(sub, 1)
             sub.mark_applied()
             pub.publish(2, _tensors(2))
-            version, held = _wait_version(sub, 2)  # held: views of the learner's file, not applied yet
+            version, held = _wait_version(sub, 2)  # held: the generator's verified copy, not applied yet
             assert version == 2 and sub.stats["from_shm"] >= 1
             for v in range(3, 9):  # many newer versions while the generator still holds version 2
                 pub.publish(v, _tensors(v))
                 assert pub.flush(WAIT_S)
-            assert _same(held, _tensors(2))  # its file was never taken for a newer version
+            assert _same(held, _tensors(2))  # what it holds is its own copy, whatever the files hold now
             assert _wait_version(sub, 8)[0] == 8
             sub.mark_applied()
         finally:
@@ -113,15 +113,20 @@ def _announce_for(f: ShmFile, version: int, tensors: dict) -> Announcement:
     return decode_announcement(encode_announcement(meta_bytes, digests, str(f.path)), f.path.parent)
 
 
+def _announce_payload(version: int):
+    return build_version(version, _tensors(version), chunk_bytes=4096, src=7)[2].numpy()
+
+
 def test_read_version_verifies_digests_and_refuses_a_file_being_rewritten(tmp_path):
     f = ShmFile(tmp_path / f"{PREFIX}{os.getpid()}-7-1", 1 << 20)
     try:
         a = _announce_for(f, 3, _tensors(3))
-        done, lease = read_version(a)
+        done = read_version(a)
         assert done.meta.version == 3 and _same(done.tensors(), _tensors(3))
-        assert not f.try_lock()  # the reader's shared lock keeps the learner out
-        lease.release()
-        assert f.try_lock()  # ... until it lets go; now the learner rewrites it
+        f.tensor[: a.meta.nbytes].zero_()  # another same-user process rewrites the file after the check ...
+        assert _same(done.tensors(), _tensors(3))  # ... and what the generator applies is still what it verified
+        f.tensor[: a.meta.nbytes].copy_(torch.from_numpy(_announce_payload(3)))
+        assert f.try_lock()  # the reader let go of its lock once its copy was verified: the learner may rewrite
         why = read_version(a)
         assert isinstance(why, str) and "being rewritten" in why
         f.unlock()
@@ -258,13 +263,12 @@ def test_early_hashes_count_only_for_the_version_they_were_taken_for(tmp_path):
         for seq in range(a.meta.n_chunks):
             early.chunk(7, 3, seq)
         early.chunk(7, 2, 0)  # another version's chunk: ignored
-        done, lease = read_version(a, early=early)
-        lease.release()
+        done = read_version(a, early=early)
         assert early.used == a.meta.n_chunks and _same(done.tensors(), _tensors(3))
         early.begin(a.meta_bytes, a.path)
         early.chunk(7, 3, 0)
         other = Announcement(a.meta, a.meta_bytes, a.digests, str(tmp_path / f"{PREFIX}{os.getpid()}-7-9"))
-        assert early.take(other) == {}  # named another file: not used
+        assert early.take(other) == (None, {})  # named another file: not used
         f.tensor[10] ^= 0xFF  # bytes hashed early that changed are still caught (all digests are compared)
         early.begin(a.meta_bytes, a.path)
         early.chunk(7, 3, 0)

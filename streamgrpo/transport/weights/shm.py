@@ -8,12 +8,13 @@ hashed, the learner sends one small message on its PUB socket::
     [b"s", msgpack {"m": meta record, "d": [chunk digests], "p": file path}]
 
 and a subscriber in shm mode (it subscribes to that topic instead of the chunk topic) maps the
-file, verifies every chunk digest (a thread pool; one pass over the bytes, nothing copied), and
-hands out tensors that are views of the mapping. So that this pass overlaps the learner's writing,
-the learner also sends ``{"b": 1, "m", "p"}`` when it starts a version and ``{"c": seq, "s", "v"}``
-as each chunk's digest is known (its bytes are final then); a reader hashes each chunk as it is
-announced and, at the last message, only what it has not hashed yet, then compares every digest
-with the last message's list.
+file, copies every chunk into its own memory and verifies the digest of the copy (a thread pool; one
+pass over the bytes), and hands out tensors of that copy: what was verified is exactly what is
+applied, whatever writes into the shared file later (another process of the same user included).
+So that this pass overlaps the learner's writing, the learner also sends ``{"b": 1, "m", "p"}`` when
+it starts a version and ``{"c": seq, "s", "v"}`` as each chunk's digest is known (its bytes are final
+then); a reader copies and hashes each chunk as it is announced and, at the last message, only what
+it has not done yet, then compares every digest with the last message's list.
 
 Each file ends in a 4 KiB trailer page whose last 16 bytes name the version it holds (publisher
 id, version), written before any byte of that version. A reader checks it after taking its lock:
@@ -21,10 +22,10 @@ chunks hashed before the lock then provably belong to the announced version (a f
 newer one carries the newer stamp). Remote (TCP) subscribers get the same version as
 chunks, as before; late joiners use the snapshot endpoint, as before.
 
-Who may overwrite a file: a reader holds a shared ``flock`` on it from before it verifies until it
-releases the version (``mark_applied``); the learner takes a file for a new version only with an
-exclusive ``flock`` it gets without waiting, so a file someone still reads is never rewritten (the
-learner makes another one instead, up to ``max_files``). A reader that finds the file locked, or
+Who may overwrite a file: a reader holds a shared ``flock`` on it while it copies and verifies; the
+learner takes a file for a new version only with an exclusive ``flock`` it gets without waiting, so a
+file someone still copies is never rewritten (the learner makes another one instead, up to
+``max_files``). A reader that finds the file locked, or
 whose digests do not match (the file was taken for a newer version before it locked it), drops
 that announcement: the newer version's own announcement follows. Locks die with their process,
 so a reader killed with ``kill -9`` blocks nothing.
@@ -41,12 +42,13 @@ import mmap
 import os
 import re
 import struct
-import warnings
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import torch
 
 from streamgrpo.transport.weights.codec import (
@@ -251,18 +253,6 @@ class ShmPool:
 
 
 # ------------------------------------------------------------------------------------ generator side
-class Lease:
-    """A reader's hold on one version's file: a shared lock until :meth:`release`."""
-
-    def __init__(self, fd: int):
-        self.fd: int | None = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # drops the shared lock; views stay mapped (no crash if read late, just stale)
-            self.fd = None
-
-
 class Maps:
     """A reader's mappings of the learner's files, kept across versions: the learner reuses a few files,
     and a mapping whose pages are already in this process's page tables costs no page faults the next
@@ -301,10 +291,25 @@ def stamp_of(view: mmap.mmap) -> tuple[int, int]:
     return _STAMP.unpack(view[len(view) - _STAMP.size:])
 
 
+def _copy_hash(algo: str, src: memoryview, dst: np.ndarray, meta_bytes: bytes | None) -> bytes:
+    """Copy one chunk out of the shared file into private memory and hash the copy: what is verified is
+    exactly what will be used, whatever writes into the file afterwards."""
+    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))
+    return chunk_digest(algo, dst, meta_bytes)
+
+
+def _private(alloc: Callable[[int], torch.Tensor] | None, nbytes: int) -> torch.Tensor:
+    return alloc(nbytes) if alloc is not None else torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+
+
 def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | None = None,
-                 early: EarlyHashes | None = None) -> tuple[Completed, Lease] | str:
-    """Map and verify the announced version: ``(completed, lease)``, or a one-line reason it was dropped.
-    ``early``: digests of chunks already hashed while the learner was still writing (see module doc)."""
+                 early: EarlyHashes | None = None,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> Completed | str:
+    """Copy the announced version out of its file into private memory (``alloc(nbytes)``), verify the
+    copy's digests, and return it (or a one-line reason it was dropped). The file is read under a
+    shared lock (the learner does not take it for a newer version meanwhile), released before this
+    returns: nothing the generator uses afterwards lives in the file. ``early``: chunks already copied
+    and hashed while the learner was still writing (see module doc)."""
     try:
         fd = os.open(a.path, os.O_RDONLY)
     except OSError as exc:
@@ -321,15 +326,15 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
         view = (maps or Maps()).get(a.path, st.st_ino, st.st_size)
         if stamp_of(view) != (a.meta.src, a.meta.version):
             raise WeightsFormatError("the file now holds another version (rewritten)")
-        with warnings.catch_warnings():  # a read-only mapping: torch warns, nothing here writes to it
-            warnings.simplefilter("ignore")
-            buf_N = torch.frombuffer(view, dtype=torch.uint8)[: a.meta.nbytes]
-        mv = memoryview(view)[: a.meta.nbytes]
-        done = early.take(a) if early is not None else {}
+        buf_N, done = early.take(a) if early is not None else (None, {})
+        if buf_N is None:
+            buf_N = _private(alloc, a.meta.nbytes)
+        mv, dst = memoryview(view)[: a.meta.nbytes], buf_N.numpy()
         todo = [q for q in range(a.meta.n_chunks) if q not in done]
         spans = {q: chunk_span(a.meta, q) for q in todo}
         run = pool.map if pool is not None else map
-        rest = run(lambda q: chunk_digest(a.meta.algo, mv[spans[q][0]:spans[q][1]], a.meta_bytes if q == 0 else None), todo)
+        rest = run(lambda q: _copy_hash(a.meta.algo, mv[spans[q][0]:spans[q][1]], dst[spans[q][0]:spans[q][1]],
+                                        a.meta_bytes if q == 0 else None), todo)
         got_by = {**{q: f.result() if hasattr(f, "result") else f for q, f in done.items()}, **dict(zip(todo, rest))}
         got = [got_by[q] for q in range(a.meta.n_chunks)]
         bad = [i for i, (x, y) in enumerate(zip(got, a.digests)) if x != y]
@@ -337,25 +342,30 @@ def read_version(a: Announcement, pool: Executor | None = None, maps: Maps | Non
             raise WeightsFormatError(f"digest mismatch ({a.meta.algo}) in chunk {bad[0]}: rewritten or tampered")
         entries = parse_layout(buf_N)
     except (WeightsFormatError, OSError, ValueError) as exc:
-        os.close(fd)
         return f"weights version {a.meta.version} (shared memory): {exc}, discarded"
-    return Completed(a.meta, buf_N, entries), Lease(fd)
+    finally:
+        os.close(fd)  # the copy is verified (or dropped): the learner may have its file back
+    return Completed(a.meta, buf_N, entries)
 
 
 class EarlyHashes:
-    """A reader's chunk hashes started before a version is complete (the learner's begin and chunk
-    messages), so that verifying overlaps the learner's writing. Only the version in progress is
-    kept; its hashes are used only if the final announcement names the same (publisher, version,
-    file) and the file's stamp, read under the reader's lock, still names it."""
+    """A reader's chunk copies and hashes started before a version is complete (the learner's begin and
+    chunk messages), so that verifying overlaps the learner's writing. Each announced chunk is copied
+    out of the file into the version's private buffer and the copy hashed. Only the version in
+    progress is kept; its work is used only if the final announcement names the same (publisher,
+    version, file) and the file's stamp, read under the reader's lock, still names it (a chunk
+    rewritten after its copy cannot matter: the copy is what is used)."""
 
-    def __init__(self, shm_dir: str | os.PathLike, pool: Executor | None = None, maps: Maps | None = None):
-        self.dir, self.pool, self.maps = shm_dir, pool, maps or Maps()
+    def __init__(self, shm_dir: str | os.PathLike, pool: Executor | None = None, maps: Maps | None = None,
+                 alloc: Callable[[int], torch.Tensor] | None = None):
+        self.dir, self.pool, self.maps, self.alloc = shm_dir, pool, maps or Maps(), alloc
         self._key: tuple[int, int, str] | None = None
         self._meta: VersionMeta | None = None
         self._meta_bytes = b""
         self._view: memoryview | None = None
+        self._buf: torch.Tensor | None = None
         self._futures: dict[int, object] = {}
-        self.used = 0  # chunks whose early hash a verified version used
+        self.used = 0  # chunks whose early copy a verified version used
 
     def begin(self, raw_meta: bytes, path: str) -> None:
         meta = decode_meta(raw_meta)
@@ -365,33 +375,39 @@ class EarlyHashes:
             st = os.stat(path)
             view = self.maps.get(path, st.st_ino, st.st_size)
         except (OSError, ValueError):
-            return  # the final announcement verifies everything instead
+            return  # the final announcement copies and verifies everything instead
         self._key, self._meta, self._meta_bytes = (meta.src, meta.version, path), meta, raw_meta
         self._view = memoryview(view)
+        self._buf = _private(self.alloc, meta.nbytes)
 
     def chunk(self, src: int, version: int, seq: int) -> None:
-        meta, view = self._meta, self._view
-        if meta is None or view is None or (src, version) != (meta.src, meta.version) or not 0 <= seq < meta.n_chunks:
+        meta, view, buf = self._meta, self._view, self._buf
+        if meta is None or view is None or buf is None or (src, version) != (meta.src, meta.version) \
+                or not 0 <= seq < meta.n_chunks:
             return
         s, e = chunk_span(meta, seq)
         if e > len(view):
             return
-        args = (meta.algo, view[s:e], self._meta_bytes if seq == 0 else None)
-        self._futures[seq] = self.pool.submit(chunk_digest, *args) if self.pool is not None else chunk_digest(*args)
+        args = (meta.algo, view[s:e], buf.numpy()[s:e], self._meta_bytes if seq == 0 else None)
+        self._futures[seq] = self.pool.submit(_copy_hash, *args) if self.pool is not None else _copy_hash(*args)
 
-    def take(self, a: Announcement) -> dict[int, object]:
-        """The hashes started for ``a`` (then forgotten); {} if they were for something else."""
-        out = self._futures if self._key == (a.meta.src, a.meta.version, a.path) else {}
-        self._futures = {}  # handed over: the caller waits for them
+    def take(self, a: Announcement) -> tuple[torch.Tensor | None, dict[int, object]]:
+        """The private buffer and the chunk hashes started for ``a`` (then forgotten); ``(None, {})`` if
+        they were for something else."""
+        if self._key == (a.meta.src, a.meta.version, a.path):
+            out = self._buf, self._futures
+            self._buf, self._futures = None, {}  # handed over: the caller waits for them
+        else:
+            out = None, {}
         self.reset()
-        self.used += len(out)
+        self.used += len(out[1])
         return out
 
     def reset(self) -> None:
-        for f in self._futures.values():  # never leave a worker reading a mapping we let go of
+        for f in self._futures.values():  # never leave a worker writing into a buffer we let go of
             if hasattr(f, "result"):
                 f.result()
-        self._key, self._meta, self._view, self._futures = None, None, None, {}
+        self._key, self._meta, self._view, self._buf, self._futures = None, None, None, None, {}
 
 
 def decode_early(raw: bytes) -> dict:

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from streamgrpo.transport.weights.codec import decode_meta, newer
 from streamgrpo.transport.weights.shm import (
     DEFAULT_SHM_DIR,
     TOPIC_SHM,
     EarlyHashes,
-    Lease,
     Maps,
     decode_announcement,
     decode_early,
@@ -22,10 +19,10 @@ from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
 
 class ShmSubscriber(WeightSubscriber):
-    """:class:`~.subscriber.WeightSubscriber` (with ``ipc_dir``) that maps each new version's file under
-    ``shm_dir``, verifies every chunk digest in one pass, and hands out views of the mapping: nothing is
-    copied. The file stays locked for this generator until :meth:`mark_applied` releases it; snapshots
-    (late joiners, repairs) still arrive as chunks."""
+    """:class:`~.subscriber.WeightSubscriber` (with ``ipc_dir``) that reads each new version from its file
+    under ``shm_dir`` instead of receiving it: one pass copies every chunk into this process's memory
+    and verifies the copy's digest (no socket, no second copy), so what is applied is what was
+    verified; snapshots (late joiners, repairs) still arrive as chunks."""
 
     _data_topic = TOPIC_SHM
 
@@ -34,9 +31,9 @@ class ShmSubscriber(WeightSubscriber):
         super().__init__(*args, **kw)
 
     def _setup_backend(self) -> None:
-        self._leases: dict[int, Lease] = {}  # data_ptr of a version's buffer -> its file lock
         self._maps = Maps()  # the learner's files, mapped once each
-        self._early = EarlyHashes(self.shm_dir, self._pool, self._maps)  # chunks hashed while the learner writes
+        # chunks copied and hashed while the learner still writes the version
+        self._early = EarlyHashes(self.shm_dir, self._pool, self._maps, alloc=self._alloc)
         self.stats["from_shm"] = 0
 
     def _side_message(self, frames: list) -> bool:
@@ -44,14 +41,6 @@ class ShmSubscriber(WeightSubscriber):
             return False
         self._read_shm(frames[1].bytes)
         return True
-
-    def _release(self, buf: torch.Tensor) -> None:
-        with self._cv:
-            lease = self._leases.pop(buf.data_ptr(), None)
-        if lease is not None:  # a shared-memory version: let the learner have its file back
-            lease.release()
-            return
-        super()._release(buf)
 
     def _read_shm(self, raw: bytes) -> None:
         """A version announced in shared memory: map, verify and offer it (a malformed announcement
@@ -68,12 +57,9 @@ class ShmSubscriber(WeightSubscriber):
         if not newer(a.meta, self._have):
             self._early.reset()
             return
-        got = read_version(a, self._pool, self._maps, self._early)
+        got = read_version(a, self._pool, self._maps, self._early, alloc=self._alloc)
         self.stats["shm_early_chunks"] = self._early.used
         if isinstance(got, str):  # superseded while we looked, or rewritten: the newer one follows
             self._dropped(got, repair=False)
             return
-        done, lease = got
-        with self._cv:
-            self._leases[done.buf_N.data_ptr()] = lease
-        self._offer(done, "shm")
+        self._offer(got, "shm")
