@@ -104,15 +104,58 @@ class Gate:
             self._stale, self._stale_logged = [], now
 
 
+class MemoryWatch:
+    """Rank 0: when Redis uses ``at`` of its ``maxmemory`` (read every ``every_s`` with INFO) and the
+    learner holds trained groups not committed yet, say why to checkpoint now; with nothing to commit,
+    warn (once a minute) that only more memory helps. Silent when Redis has no limit or refuses INFO."""
+
+    def __init__(self, queue, every_s: float = 5.0, at: float = 0.8):
+        self.queue, self.every_s, self.at = queue, every_s, at
+        self._next = 0.0
+        self._warned = -1e9
+        self._off = False
+
+    def check(self, holding: bool) -> str | None:
+        now = time.monotonic()
+        if self._off or now < self._next:
+            return None
+        self._next = now + self.every_s
+        try:
+            used, limit = self.queue.memory()
+        except Exception:  # noqa: BLE001 - INFO refused (ACL, managed Redis): nothing to watch
+            self._off = True
+            return None
+        if not limit or used < self.at * limit:
+            return None
+        why = f"Redis uses {used / limit:.0%} of its maxmemory ({used / 2**20:.0f} of {limit / 2**20:.0f} MiB)"
+        if holding:
+            return why
+        if now - self._warned >= 60.0:
+            self._warned = now
+            log.warning("%s and the learner holds nothing to commit: raise maxmemory, or lower "
+                        "queue.max_pending", why)
+        return None
+
+
+class CommitNow(Exception):
+    """Raised by :func:`collect_groups` on every rank when Redis nears ``maxmemory``: checkpoint now so
+    that the commit frees the messages the learner holds; ``carry`` are the groups accepted so far."""
+
+    def __init__(self, carry: list[Accepted], why: str):
+        super().__init__(why)
+        self.carry = carry
+
+
 def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
-                   timeout_s: float) -> list[Accepted] | None:
+                   timeout_s: float, pressure=None) -> list[Accepted] | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
 
     ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
     poll in rounds of at most ``timeout_s`` (``learner.get_timeout_s``) and agree after each round (one small
     all-reduce), so no rank waits in a collective for longer than a round. With
     ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
-    once every rank holds at least one group.
+    once every rank holds at least one group. ``pressure`` (rank 0): a callable that returns a reason
+    to checkpoint now (Redis near ``maxmemory``) or None; then every rank raises :class:`CommitNow`.
     """
     accepted: list[Accepted] = list(carry)
     state = gate.state
@@ -129,7 +172,8 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
                 if a is not None:
                     accepted.append(a)
         enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
-        flags = share(dist, [enough, bool(stop), state.version])
+        why = pressure() if pressure is not None and not enough else None
+        flags = share(dist, [enough, bool(stop), state.version, why is not None])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 0].all():
@@ -139,3 +183,5 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
             return accepted
         if flags[:, 1].any():
             return None  # held groups stay pending: re-read by this consumer after a restart
+        if flags[:, 3].any():
+            raise CommitNow(accepted, why or "rank 0 asked for an early checkpoint")

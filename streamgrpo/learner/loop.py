@@ -54,7 +54,7 @@ from streamgrpo.learner.distributed import (
     gather_json,
     init_distributed,
 )
-from streamgrpo.learner.gate import Gate, collect_groups
+from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
 from streamgrpo.learner.state import Accepted, LearnerState
@@ -156,12 +156,22 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     if main:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
+    watch = MemoryWatch(queue) if main else None
+    pressure = (lambda: watch.check(holding=state.step > saved_step)) if watch is not None else None
     finished = False
     try:
         while state.step < cfg.learner.max_steps:
             # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
-            batch = collect_groups(queue, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s)
+            try:
+                batch = collect_groups(queue, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
+                                       pressure=pressure)
+            except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
+                log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
+                            "free them", early, state.step - saved_step, state.step)
+                checkpoint_and_commit()
+                saved_step, carry = state.step, early.carry
+                continue
             wait_s = time.perf_counter() - t_wait
             carry = []
             if batch is None:

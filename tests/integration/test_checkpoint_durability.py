@@ -150,3 +150,43 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_behi
         assert q.committed_step() is None and q.held_count() == 4  # held, to be trained again after --resume
     finally:
         q.close()
+
+
+def test_a_learner_checkpoints_early_when_redis_nears_maxmemory(groups, tiny_model_dir, redis_factory, redis_ns,
+                                                                 tmp_path, caplog):
+    """Redis at maxmemory would refuse the generators' writes while the learner idles holding messages it
+    cannot free before its next checkpoint (save_steps away): past 80% of maxmemory, with groups
+    trained and not committed, the learner checkpoints now, and the commit frees them."""
+    import logging
+
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    srv = redis_factory("system")
+    q = RedisQueue(srv.url, namespace=redis_ns, consumer="test-producer")
+    try:
+        q.put_many([copy.deepcopy(g) for g in groups[:6]])  # one step of 4, then 2: the learner waits for more
+        used, _ = q.memory()
+        q.client.config_set("maxmemory-policy", "noeviction")
+        q.client.config_set("maxmemory", str(int(used / 0.85)))  # 85% used: over the watch's 80%
+        run = tmp_path / "run"
+        cfg = _cfg(tiny_model_dir, run, srv.url, redis_ns, "learner.save_steps=1000", "learner.max_steps=2")
+        def later():  # the second step's groups come once the learner, idling, has checkpointed step 1 early
+            import time
+
+            deadline = time.monotonic() + 300
+            while not (run / "checkpoints" / "step-000001").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            q.put_many([copy.deepcopy(g) for g in groups[6:8]])
+
+        stopper = __import__("threading").Thread(target=later, daemon=True)
+        stopper.start()
+        with caplog.at_level(logging.WARNING, logger="streamgrpo.learner"):
+            assert run_learner(cfg) == 0
+        stopper.join()
+        early = [r.getMessage() for r in caplog.records if "checkpointing at step 1 now" in r.getMessage()]
+        assert early and "of its maxmemory" in early[0], [r.getMessage() for r in caplog.records]
+        assert (run / "checkpoints" / "step-000001").is_dir()  # long before save_steps=1000
+        assert q.committed_step() == 2 and q.depth() == 0  # the final one committed the rest
+    finally:
+        q.close()

@@ -597,6 +597,11 @@ class RedisQueue(GroupQueue):
         out = self._call("record_failure", self._fail_script, keys=[self.failures], args=[error[:2000], *gids])
         return [int(x) for x in out]
 
+    def memory(self) -> tuple[int, int]:
+        """``(used_memory, maxmemory)`` of the Redis server in bytes (maxmemory 0: no limit)."""
+        info = self._call("INFO", self._r.info, "memory")
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+
     def committed_step(self) -> int | None:
         """The highest checkpoint step whose groups were committed (None: none since the last reset)."""
         raw = self._call("GET", self._r.get, self.committed_step_key)
