@@ -1,11 +1,15 @@
-"""Chaos soak: the demo under kill -9 of the learner, a generator and redis-server, then an audit.
+"""Chaos soak: the demo under kill -9 of the learner, a generator, redis-server and `up`, then an audit.
 
 Runs a learner, ``--generators`` generator processes and a redis-server (AOF, ``appendfsync
 always``, as ``streamgrpo up`` runs it) on loopback with the demo task, for ``--minutes``. Meanwhile, at seeded random moments,
 it kills (SIGKILL, by PID) the learner ``--learner-kills`` times and a generator and redis-server
 about a third as often each, restarting each at once (the learner with ``--resume``, the same
-generator id, redis-server on the same port and AOF). Then it stops the generators and the learner
-with SIGTERM (a clean stop: final checkpoint and commit) and audits the run directory against Redis
+generator id, redis-server on the same port and AOF); one learner kill waits until the learner is
+writing a checkpoint (``step-N.tmp`` exists) and kills it then. Then it stops the generators and
+the learner with SIGTERM (a clean stop: final checkpoint and commit). With ``--up-minutes``, the same
+run goes on under ``streamgrpo up --resume`` (same run directory, same Redis): `up` is killed with
+-9 (its children stop with it: SIGTERM from the kernel) and restarted, then sent SIGHUP (a closed
+terminal: a clean stop) and restarted, then stopped with SIGTERM. Then it audits the run directory against Redis
 (:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
@@ -37,8 +41,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 @dataclass
 class Kill:
     at_s: float
-    target: str  # learner | generator-K | redis
+    target: str  # learner | learner-ckpt | generator-K | redis | up | up-hup
     step: int | None = None  # the learner's newest logged step when it happened
+    note: str = ""
 
 
 @dataclass
@@ -52,7 +57,7 @@ def make_plan(duration_s: float, learner_kills: int, generators: int, seed: int)
     """``learner_kills`` learner kills and about a third as many generator and redis kills each, at
     seeded random moments in [10%, 85%] of the run (pure)."""
     rng = random.Random(seed)
-    targets = ["learner"] * learner_kills
+    targets = ["learner-ckpt"] + ["learner"] * (learner_kills - 1) if learner_kills else []  # one while checkpointing
     targets += [f"generator-{rng.randrange(generators)}" for _ in range(max(1, learner_kills // 3))]
     targets += ["redis"] * max(1, learner_kills // 3)
     rng.shuffle(targets)
@@ -98,9 +103,75 @@ def _last_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def _writing_checkpoint(run_dir: Path) -> str | None:
+    tmp = sorted((run_dir / "checkpoints").glob("step-*.tmp")) if (run_dir / "checkpoints").is_dir() else []
+    return tmp[-1].name if tmp else None
+
+
+def _kill_while_checkpointing(learner: Proc, run_dir: Path, wait_s: float = 60.0) -> str:
+    """Kill -9 the learner as soon as a checkpoint is being written (within ``wait_s``); say which."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and learner.p.poll() is None:
+        name = _writing_checkpoint(run_dir)
+        if name:
+            learner.kill9()
+            return f"while writing {name}"
+        time.sleep(0.005)
+    learner.kill9()
+    return "no checkpoint was being written in time: killed anyway"
+
+
+def _pids_gone(run_dir: Path, timeout_s: float) -> bool:
+    """Wait until every process `up` recorded has exited (a killed `up`'s children stop by themselves)."""
+    pids = list(json.loads((run_dir / "processes.json").read_text()).values())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().split(")")[-1].split()[0] != "Z":
+                        alive.append(pid)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float, kills: list[Kill], t0: float,
+              log) -> None:
+    """The run goes on under `up --resume`: kill -9 it, restart; SIGHUP it, restart; SIGTERM it."""
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg_path), "--resume", "--generators",
+            str(generators)]
+    up = Proc("up", argv, run_dir / "logs" / "up.log")
+    end = time.monotonic() + duration_s
+    try:
+        for target, sig in (("up", signal.SIGKILL), ("up-hup", signal.SIGHUP)):
+            time.sleep(max(5.0, duration_s / 3))
+            kills.append(Kill(round(time.monotonic() - t0, 1), target, _last_step(run_dir)))
+            log(f"[{time.monotonic() - t0:6.1f}s] {'kill -9' if sig == signal.SIGKILL else 'SIGHUP to'} up "
+                f"(learner at step {kills[-1].step})")
+            os.kill(up.p.pid, sig)
+            up.p.wait(180)
+            if not _pids_gone(run_dir, 180):
+                kills[-1].note = "children still running after 180 s"
+                log(f"  {kills[-1].note}")
+            up.start()  # `up --resume` again: the learner resumes, the generators carry on
+        time.sleep(max(0.0, end - time.monotonic()))
+        log(f"[{time.monotonic() - t0:6.1f}s] stopping up (SIGTERM)")
+        code = up.term(180)
+        if code not in (0, 143, None):
+            log(f"up's clean stop exited with {code}; see {up.log}")
+    finally:
+        up.kill9()
+
+
 def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generators: int = 2, seed: int = 0,
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
-              log=print) -> tuple[object, list[Kill], dict]:
+              log=print, up_s: float = 0.0) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
     from streamgrpo.config import load_config
     from streamgrpo.recipes.demo.assets import prepare_assets
@@ -141,7 +212,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                     proc.start()
             if pending and now >= pending[0][0]:
                 _, target = pending.pop(0)
-                if target == "learner" and time.monotonic() - learner.started < 15.0:
+                if target.startswith("learner") and time.monotonic() - learner.started < 15.0:
                     pending.insert(0, (now + 5.0, target))  # let a fresh learner load and train first
                     continue
                 kills.append(Kill(round(now, 1), target, _last_step(run_dir)))
@@ -150,6 +221,10 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                     redis.kill()
                     time.sleep(1.0)
                     redis.start()
+                elif target == "learner-ckpt":
+                    kills[-1].note = _kill_while_checkpointing(learner, run_dir)
+                    log(f"  {kills[-1].note}")
+                    learner.start()
                 else:
                     proc = learner if target == "learner" else gens[target]
                     proc.kill9()
@@ -161,6 +236,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
         code = learner.term()
         if code not in (0, None):
             log(f"the learner's clean stop exited with {code}; see {learner.log}")
+        if up_s > 0:
+            _up_phase(run_dir, cfg_path, generators, up_s, kills, t0, log)
         from streamgrpo.audit import audit_run
 
         queue = RedisQueue(url, namespace=cfg.queue.namespace, consumer="chaos-audit")
@@ -182,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learner-kills", type=int, default=10)
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--up-minutes", type=float, default=3.0,
+                    help="then go on under `up --resume`: kill -9 it, SIGHUP it (0: skip)")
     ap.add_argument("--run-dir", default=str(ROOT / "benchmarks" / ".work" / "chaos"))
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every process")
     args = ap.parse_args(argv)
@@ -190,10 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     result, kills, info = run_chaos(run_dir, duration_s=args.minutes * 60, learner_kills=args.learner_kills,
-                                    generators=args.generators, seed=args.seed, sets=tuple(args.sets))
+                                    generators=args.generators, seed=args.seed, sets=tuple(args.sets),
+                                    up_s=args.up_minutes * 60)
     by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
-    print(f"kills: learner {by['learner']}, generator {by['generator']}, redis {by['redis']} "
-          f"in {info['seconds']:.0f}s; resumes {result.resumes}")
+    up = {t: sum(k.target == t for k in kills) for t in ("up", "up-hup")}
+    ckpt = next((k.note for k in kills if k.target == "learner-ckpt"), "none")
+    print(f"kills: learner {by['learner']} (one {ckpt}), generator {by['generator']}, redis {by['redis']}, "
+          f"up kill -9 {up['up']}, up SIGHUP {up['up-hup']} in {info['seconds']:.0f}s; resumes {result.resumes}")
     print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
           f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
           f"still queued {result.queued}, uncommitted {result.uncommitted}")

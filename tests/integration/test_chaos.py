@@ -1,6 +1,8 @@
-"""The chaos soak, short: kill -9 of the learner (twice), a generator and redis-server during a run,
-each restarted, then the audit: every produced group trained exactly once (or dropped with a
-reason, or still queued), steps 1..N with version N. The 10-minute version: python -m benchmarks.chaos."""
+"""The chaos soak, short: kill -9 of the learner (twice, once while it writes a checkpoint), a generator
+and redis-server during a run, each restarted; then the run goes on under `up --resume`, which is
+killed with -9 and sent SIGHUP, each time restarted; then the audit: every produced group trained
+exactly once (or dropped with a reason, or still queued), steps 1..N with version N. The 10-minute
+version: python -m benchmarks.chaos."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from benchmarks import chaos
 def test_make_plan_spreads_seeded_kills_over_the_middle_of_the_run():
     plan = chaos.make_plan(600.0, 10, 2, seed=3)
     targets = [t for _, t in plan.kills]
-    assert targets.count("learner") == 10 and targets.count("redis") == 3
+    assert targets.count("learner") == 9 and targets.count("learner-ckpt") == 1 and targets.count("redis") == 3
     assert sum(t.startswith("generator-") for t in targets) == 3
     assert all(60.0 <= at <= 510.0 for at, _ in plan.kills)
     assert [at for at, _ in plan.kills] == sorted(at for at, _ in plan.kills)
@@ -24,10 +26,14 @@ def test_kill9_learner_generator_and_redis_loses_nothing_and_trains_nothing_twic
     lines: list[str] = []
     result, kills, _ = chaos.run_chaos(tmp_path / "chaos", duration_s=75.0, learner_kills=2, generators=2, seed=1,
                                        model=str(tiny_model_dir), data=str(Path(demo_data_dir) / "train.jsonl"),
-                                       sets=("learner.save_steps=4",), log=lines.append)
+                                       sets=("learner.save_steps=4",), log=lines.append, up_s=30.0)
     targets = [k.target for k in kills]
-    assert targets.count("learner") == 2 and targets.count("redis") == 1 and any(t.startswith("generator") for t in targets), lines
-    assert result.resumes == 2 and result.steps > 0, lines
+    assert targets.count("learner") == 1 and targets.count("learner-ckpt") == 1, lines
+    assert targets.count("redis") == 1 and any(t.startswith("generator") for t in targets), lines
+    assert targets.count("up") == 1 and targets.count("up-hup") == 1, lines
+    assert all(not k.note.startswith("children still running") for k in kills), lines
+    assert next(k.note for k in kills if k.target == "learner-ckpt").startswith("while writing step-"), lines
+    assert result.resumes >= 4 and result.steps > 0, lines  # 2 learner kills, and 3 starts of `up --resume`
     assert result.steps_in_order and result.version == result.steps, lines
     assert result.trained > 0 and result.uncommitted == 0, lines
     assert (result.lost, result.twice) == (0, 0), (result.lost_ids, result.twice_ids, lines)
