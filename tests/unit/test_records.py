@@ -289,3 +289,11 @@ def test_records_over_the_size_are_skipped_and_counted_and_data_check_names_them
     items = list(iter_raw(f, DataConfig(max_question_chars=100)))
     bad = [i for i in items if isinstance(i, DataError)]
     assert len(items) == 2 and len(bad) == 1 and bad[0].record_id == "huge-1" and bad[0].kind == "too_long"
+    import io
+
+    from streamgrpo.data.check import run_check
+
+    report = io.StringIO()
+    assert run_check(str(f), DataConfig(max_question_chars=100), out=report) == 1
+    line = next(x for x in report.getvalue().splitlines() if "too_long" in x)
+    assert line.startswith("ERROR too_long") and "huge-1" in line and "data.max_question_chars (100)" in line
