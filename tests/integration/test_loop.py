@@ -84,6 +84,13 @@ def _stop(procs, sig=signal.SIGTERM, grace=30):
             p.wait()
 
 
+def _kill_recorded(run: Path) -> None:
+    """No orphans when a test fails: kill -9 what `up` recorded it started (by PID)."""
+    for pid in json.loads((run / "processes.json").read_text()).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -254,9 +261,7 @@ def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
     finally:
         if up.poll() is None:
             up.kill()
-            for pid in json.loads((run / "processes.json").read_text()).values():  # no orphans on failure
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _kill_recorded(run)
     assert up.returncode == code, out[-2000:]
     alive = {name: pid for name, pid in {**pids, "redis": redis_pid}.items() if _pid_alive(pid)}
     assert not alive, f"still running after Ctrl-C: {alive}"
@@ -296,9 +301,7 @@ def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refu
     finally:
         if up.poll() is None:
             up.kill()
-        for pid in json.loads((run / "processes.json").read_text()).values():  # no orphans on failure
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_recorded(run)
     log = (run / "logs" / "learner.log").read_text()
     assert "SIGTERM received" in log  # stopped cleanly by the kernel's signal, not killed
     done = len(_jsonl(run / "metrics.jsonl"))
