@@ -4,8 +4,9 @@ Plans where each process runs (:mod:`.placement`: learner ranks and generators o
 or the CPU) and prints the plan; starts an embedded Redis when no ``queue.url`` is set, the learner
 (under ``python -m torch.distributed.run`` for several ranks) and N generators as child processes
 (each with its own devices, /metrics port and log file in the run directory), shows one live status
-line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and
-``reward.png`` into the run directory.
+line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and waits for it.
+Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and ``reward.png`` into
+the run directory.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from streamgrpo.runtime import (
 )
 
 log = logging.getLogger("streamgrpo.up")
-
 
 
 class Child:
