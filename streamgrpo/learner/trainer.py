@@ -87,6 +87,16 @@ def _buckets(named: list, budget: int):
         yield bucket
 
 
+def _first_nonfinite(named: list) -> str | None:
+    """The name of the first tensor holding a NaN or inf, or None; one device sync for all of them."""
+    if not named:
+        return None
+    flags = torch.stack([torch.isfinite(p.detach()).all().to(named[0][1].device) for _, p in named])
+    if bool(flags.all()):
+        return None
+    return named[int((~flags).nonzero()[0, 0])][0]
+
+
 def weights_checksum(module: torch.nn.Module) -> list[float]:
     """``[sum, sum of squares]`` of every parameter in float64: equal on ranks holding equal weights."""
     s = q = 0.0
@@ -423,7 +433,7 @@ class Learner:
         dtype = self.export_dtype
         if self.zero_stage < 3:
             if sync is not None and self.dist.is_main:
-                bad = next((n for n, p in named if not bool(torch.isfinite(p.detach()).all())), None)
+                bad = _first_nonfinite(named)
                 if bad is not None:
                     return self._refuse_publish(version, bad)
                 sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
@@ -441,7 +451,7 @@ class Learner:
             for bucket in _buckets(named, budget=1 << 28):
                 with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
                     if writer is not None and bad is None:  # every rank gathers to the end either way
-                        bad = next((n for n, p in bucket if not bool(torch.isfinite(p.detach()).all())), None)
+                        bad = _first_nonfinite(bucket)
                         for n, p in bucket if bad is None else ():
                             writer.write(n, p.detach())
                         writer.sync()  # the gathered copies are freed when the context ends
