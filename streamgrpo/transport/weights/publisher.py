@@ -418,10 +418,7 @@ class WeightPublisher(WeightSync):
         digest and repairs from the snapshot, and the learner never waits."""
         fits = lambda b: nbytes <= b.numel() <= 2 * nbytes + (1 << 16) and b.is_pinned() == pinned  # noqa: E731
         with self._lock:
-            still = []
-            for v in self._retired:
-                (self._free.append(v.base) if v.released() else still.append(v))
-            self._retired = still
+            self._free.extend(v.base for v in self._released())
             for i, b in enumerate(self._free):
                 if fits(b):
                     return self._free.pop(i)
@@ -444,6 +441,12 @@ class WeightPublisher(WeightSync):
             log.info("weights: %d pinned host buffers of %.2f GB ready (%.1fs)", spares + 1, nbytes / 1e9,
                      time.perf_counter() - t0)
         return base
+
+    def _released(self) -> list[_Version]:  # lock held
+        """Retired versions whose every frame ZeroMQ has let go of, taken off the retired list."""
+        flags = [(v, v.released()) for v in self._retired]
+        self._retired = [v for v, done in flags if not done]
+        return [v for v, done in flags if done]
 
     def _recycle(self, job: _Version) -> None:  # lock held: a version that never went out
         self._free_buffer(job.base)

@@ -36,10 +36,8 @@ class ShmPublisher(WeightPublisher):
         """A shared-memory file for a new version, locked for writing; files of retired versions that
         ZeroMQ has let go of are reusable (unless a generator still reads them: see ShmPool.take)."""
         with self._lock:
-            still = []
-            for v in self._retired:
-                (self._shm.give_back(v.storage) if v.released() and v.storage is not None else still.append(v))
-            self._retired = still
+            for v in self._released():
+                self._shm.give_back(v.storage)
             f = self._shm.take(nbytes)
         f.stamp(self.src, version)  # before any byte of this version (readers check it)
         return f.tensor, f
