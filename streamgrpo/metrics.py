@@ -53,7 +53,8 @@ QUEUE_DEPTH = Gauge("streamgrpo_queue_depth", "Groups in the stream not yet ackn
 GROUPS = Counter("streamgrpo_groups", "Groups by event (produced, consumed, trained)", ["event"])
 GROUPS_DROPPED = Counter(
     "streamgrpo_groups_dropped",
-    "Groups dropped, by reason (stale, rolled_back, mismatch, duplicate, malformed, invalid, poison, nan_loss)",
+    "Groups dropped, by reason (stale, rolled_back, mismatch, duplicate, malformed, invalid, poison, nan_loss, "
+    "media_missing, media_mismatch)",
     ["reason"],
 )
 TOKENS = Counter("streamgrpo_tokens", "Completion tokens generated (generator) or trained (learner)", ["role"])
@@ -85,6 +86,14 @@ LEARNER_MFU.set(float("nan"))  # unknown until a learner step with a known peak:
 IDLE_SECONDS = Counter("streamgrpo_idle_seconds", "Seconds spent waiting (learner for groups, generator on backpressure)", ["role"])
 ERRORS = Counter("streamgrpo_errors", "Errors by kind (data, reward, wire, queue, weights, loss, ...)", ["kind"])
 BACKPRESSURE = Gauge("streamgrpo_backpressure", "1 while this producer is blocked because the queue is full")
+MEDIA_CACHE = Counter("streamgrpo_media_cache", "Learner: referenced visuals by decoded-frame cache result (hit, miss)",
+                      ["result"])
+MEDIA_DECODE_SECONDS = Histogram(
+    "streamgrpo_media_decode_seconds", "Learner: seconds to decode and resize one referenced visual (cache misses)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+MEDIA_WAIT_SECONDS = Counter("streamgrpo_media_wait_seconds",
+                             "Learner: seconds steps waited for referenced visuals to decode (0 while decoding is hidden)")
 WEIGHTS_MISSING = Gauge(
     "streamgrpo_weights_missing", "1 while this generator has never received weights from the learner (it samples with its initial ones)"
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import msgpack
@@ -44,25 +44,47 @@ from streamgrpo.wire_arrays import (
     _resolve,
     _resolve_tree,
 )
+from streamgrpo.wire_media import MediaRef, check_ref, ref_from_wire, ref_to_wire
 
 LOGPROB_MIN = -1000.0  # below any sampler's reach: the smallest positive float64 is e^-745
 LOGPROB_MAX = 1e-3  # a log-probability is at most 0 (this much rounding above it is allowed)
-SCHEMA_VERSION = 2  # 2: per-token policy versions (Completion.versions)
+SCHEMA_VERSION = 3  # 2: per-token policy versions (Completion.versions); 3: visuals by reference (Visual.ref)
+SCHEMAS = (2, 3)  # versions this build reads (a schema-2 message is a schema-3 one without references)
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
 _MAX_VERSION = 2**31 - 1  # versions travel as int32
-__all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "ScoredGroup", "Visual", "WireError",
-           "decode", "encode", "encode_parts", "normalized", "validate"]
+__all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "MediaRef", "ScoredGroup", "Visual", "WireError",
+           "decode", "encode", "encode_parts", "inline", "normalized", "validate"]
 
 
 @dataclass
 class Visual:
-    """One video or image exactly as the generator fed it to the model (already resized)."""
+    """One video or image exactly as the generator fed it to the model (already resized).
+
+    It travels as its pixels (``frames``) or, with ``ref`` set, as a reference the learner decodes
+    again and checks against the digest (:mod:`streamgrpo.wire_media`); a visual with both travels
+    by reference. A decoded reference visual has ``frames`` None until the learner resolves it.
+    """
 
     kind: str  # "video" | "image"
-    frames: np.ndarray  # uint8, T x H x W x 3 (images: T == 1)
+    frames: np.ndarray | None  # uint8, T x H x W x 3 (images: T == 1); None: by reference, not resolved yet
     fps: float = 0.0  # source frames per second the frames were sampled at (0 for images)
     frame_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32 (T,)
+    ref: MediaRef | None = None  # where the frames come from (schema 3)
+
+    @property
+    def nframes(self) -> int:
+        """T, whether the frames are here or referenced."""
+        if self.frames is not None:
+            return int(self.frames.shape[0])
+        return len(self.frame_indices) if self.kind == "video" else 1
+
+    @property
+    def pixel_bytes(self) -> int:
+        """Bytes of the T x H x W x 3 frames (here, or once a reference is resolved)."""
+        if self.frames is not None:
+            return int(self.frames.nbytes)
+        return self.nframes * self.ref.height * self.ref.width * 3 if self.ref is not None else 0
 
 
 @dataclass
@@ -100,7 +122,7 @@ class ScoredGroup:
         """Bytes of array data in the group (frames dominate)."""
         return int(
             self.prompt_ids.nbytes
-            + sum(v.frames.nbytes + v.frame_indices.nbytes for v in self.visuals)
+            + sum((0 if v.frames is None else v.frames.nbytes) + v.frame_indices.nbytes for v in self.visuals)
             + sum(c.token_ids.nbytes + c.logprobs.nbytes + (0 if c.versions is None else c.versions.nbytes)
                   for c in self.completions)
         )
@@ -182,11 +204,12 @@ def _arrays_well_typed(completions: list[Any]) -> bool:
 
 
 def _check_schema(schema: Any) -> None:
+    reads = " and ".join(map(str, SCHEMAS))
     if _is_int(schema) and schema == 1:
         _fail("schema", "version 1 comes from a streamgrpo older than per-token policy versions; "
-                        f"upgrade the generator that sent it (this build reads {SCHEMA_VERSION})")
-    if not (_is_int(schema) and schema == SCHEMA_VERSION):
-        _fail("schema", f"version {schema!r} is not supported (this build reads {SCHEMA_VERSION})")
+                        f"upgrade the generator that sent it (this build reads {reads})")
+    if not (_is_int(schema) and schema in SCHEMAS):
+        _fail("schema", f"version {schema!r} is not supported (this build reads {reads})")
 
 
 def _normalized_completion(c: Completion, i: int, policy_version: Any) -> Completion:
@@ -205,18 +228,40 @@ def _normalized_completion(c: Completion, i: int, policy_version: Any) -> Comple
                       _scalar(c.reward), versions)
 
 
-def _check_visual(v: Any, p: str) -> None:
+def _check_visual(v: Any, p: str, schema: int) -> None:
     if not isinstance(v, Visual):
         _fail(p, f"expected a Visual, got {_tname(v)}")
     _check_str(v.kind, f"{p}.kind", choices=("video", "image"))
+    _check_num(v.fps, f"{p}.fps", lo=0.0)
+    _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
+    if v.ref is not None:
+        _check_ref_visual(v, p, schema)
+    elif v.frames is None:
+        _fail(f"{p}.frames", "missing (a visual carries its frames, or a ref to them)")
+    if v.frames is None:
+        return
     _check_array(v.frames, f"{p}.frames", "uint8", 4)
     t, h, w, c = v.frames.shape
     if not (t >= 1 and h >= 1 and w >= 1 and c == 3):
         _fail(f"{p}.frames", f"expected T x H x W x 3 with T, H, W >= 1, got {v.frames.shape}")
-    _check_num(v.fps, f"{p}.fps", lo=0.0)
-    _check_array(v.frame_indices, f"{p}.frame_indices", "int32", 1)
     if len(v.frame_indices) not in (0, t):
         _fail(f"{p}.frame_indices", f"{len(v.frame_indices)} indices for {t} frames")
+    if v.ref is not None and (h, w) != (v.ref.height, v.ref.width):
+        _fail(f"{p}.frames", f"{h} x {w} frames but the ref says {v.ref.height} x {v.ref.width}")
+
+
+def _check_ref_visual(v: Visual, p: str, schema: int) -> None:
+    """A visual by reference: schema 3, a valid ref, the frame indices that say which frames."""
+    if schema < 3:
+        _fail(f"{p}.ref", f"visuals by reference need schema 3 (this message says {schema})")
+    check_ref(v.ref, f"{p}.ref")
+    n = len(v.frame_indices)
+    if v.kind == "video" and n == 0:
+        _fail(f"{p}.frame_indices", "a video by reference needs the indices of its sampled frames")
+    if v.kind == "image" and n:
+        _fail(f"{p}.frame_indices", f"an image has no frame indices, got {n}")
+    if n and int(v.frame_indices.min()) < 0:
+        _fail(f"{p}.frame_indices", f"negative frame index {int(v.frame_indices.min())}")
 
 
 def _check_completion(c: Any, p: str, policy_version: int, arrays: bool = True) -> None:
@@ -282,7 +327,7 @@ def validate(group: ScoredGroup) -> None:
     if not isinstance(group.visuals, list):
         _fail("visuals", f"expected a list, got {_tname(group.visuals)}")
     for i, v in enumerate(group.visuals):
-        _check_visual(v, f"visuals[{i}]")
+        _check_visual(v, f"visuals[{i}]", group.schema)
     if not (isinstance(group.completions, list) and group.completions):
         _fail("completions", f"expected a non-empty list, got {_tname(group.completions)}")
     # Value checks over all completions at once (two reductions instead of two per completion); a
@@ -292,6 +337,13 @@ def validate(group: ScoredGroup) -> None:
         _check_completion(c, f"completions[{i}]", group.policy_version, arrays=not checked)
     if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
         _fail("meta", "expected a mapping with string keys")
+
+
+def inline(group: ScoredGroup) -> ScoredGroup:
+    """``group`` with every visual travelling as its pixels (references dropped; the frames must be here)."""
+    if not any(v.ref is not None for v in group.visuals):
+        return group
+    return replace(group, visuals=[replace(v, ref=None) for v in group.visuals])
 
 
 # -------------------------------------------------------------------------------------- encode
@@ -327,8 +379,8 @@ def normalized(group: ScoredGroup) -> ScoredGroup:
     visuals = group.visuals
     if isinstance(visuals, list):
         visuals = [
-            Visual(v.kind, _coerce(v.frames, f"visuals[{i}].frames", "uint8"), _scalar(v.fps),
-                   _coerce(v.frame_indices, f"visuals[{i}].frame_indices", "int32"))
+            Visual(v.kind, None if v.frames is None else _coerce(v.frames, f"visuals[{i}].frames", "uint8"),
+                   _scalar(v.fps), _coerce(v.frame_indices, f"visuals[{i}].frame_indices", "int32"), v.ref)
             if isinstance(v, Visual) else v
             for i, v in enumerate(visuals)
         ]
@@ -372,7 +424,8 @@ def encode_parts(group: ScoredGroup, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
         "policy_version": g.policy_version, "created_at": float(g.created_at), "model_id": g.model_id,
         "prompt_ids": body.ext(g.prompt_ids), "answer": g.answer, "prompt_text": g.prompt_text,
         "visuals": [
-            {"kind": v.kind, "frames": body.ext(v.frames), "fps": float(v.fps), "frame_indices": body.ext(v.frame_indices)}
+            {"kind": v.kind, **({"ref": ref_to_wire(v.ref)} if v.ref is not None else {"frames": body.ext(v.frames)}),
+             "fps": float(v.fps), "frame_indices": body.ext(v.frame_indices)}
             for v in g.visuals
         ],
         "completions": [
@@ -464,9 +517,15 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
     visuals = []
     for i, v in enumerate(_list(h["visuals"], "visuals")):
         p = f"visuals[{i}]"
+        if isinstance(v, dict) and "ref" in v:
+            if "frames" in v:
+                _fail(p, "has both frames and a ref (a visual travels one way)")
+            frames, ref = None, ref_from_wire(v["ref"], f"{p}.ref")
+        else:
+            frames, ref = _arr(_get(v, "frames", p), body, f"{p}.frames"), None
         visuals.append(Visual(
-            kind=_get(v, "kind", p), frames=_arr(_get(v, "frames", p), body, f"{p}.frames"),
-            fps=_get(v, "fps", p), frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"),
+            kind=_get(v, "kind", p), frames=frames, fps=_get(v, "fps", p),
+            frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"), ref=ref,
         ))
     completions = []
     for i, c in enumerate(_list(h["completions"], "completions")):
@@ -486,4 +545,8 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
         schema=schema,
     )
     validate(group)
+    expands = sum(v.pixel_bytes for v in visuals if v.frames is None)
+    if expands > max_bytes:
+        _fail("visuals", f"references expand to {expands} bytes of pixels, over the limit of {max_bytes} bytes "
+                         "(queue.max_message_mib: what the message could hold inline)")
     return group

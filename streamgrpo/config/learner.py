@@ -50,6 +50,10 @@ class LearnerConfig(Section):
     """Optimizer steps to train; `streamgrpo up` stops everything after this many."""
     get_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How long one queue read waits for groups before counting idle time and retrying."""
+    media_cache_mib: int = Field(1024, ge=0, le=1 << 20)
+    """Byte budget of the learner's cache of frames decoded from references (rollout.media: reference), keyed by file, frame indices and size: a prompt that comes back is not decoded again."""
+    media_workers: int = Field(1, ge=1, le=64)
+    """Threads that decode referenced visuals ahead of the step (the next step's groups are read and decoded while a step trains)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = Field(1, ge=1, le=1000)

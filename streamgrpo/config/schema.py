@@ -68,11 +68,13 @@ class Config(BaseModel):
 
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
-        held = self.learner.save_steps * self.learner.groups_per_step
-        if held <= 10_000:
+        from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes
+
+        if held_bytes(self) <= ADVICE_BYTES:
             return []
-        return [f"learner.save_steps x groups_per_step = {held}: Redis keeps that many trained groups' messages until "
-                "the checkpoint that commits them (exactly-once training); a smaller save_steps bounds it"]
+        return [f"Redis may hold {describe(self)}: trained groups stay there until the checkpoint that commits them "
+                "(exactly-once training); size its maxmemory for that, or lower learner.save_steps"
+                + (", or send visuals by reference (rollout.media: reference)" if self.rollout.media == "inline" else "")]
 
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """The config as plain data; ``redact`` masks secrets (:func:`streamgrpo.config.redact.redact_secrets`)."""

@@ -126,6 +126,41 @@ def resolve_path(path: str, media_root: str | os.PathLike) -> str:
     return str(p if p.is_absolute() else Path(media_root) / p)
 
 
+def default_media_root(cfg: DataConfig) -> str:
+    """The directory relative media paths of ``cfg.train_path`` resolve against: ``data.media_root``,
+    else the records file's directory (a ``datasets`` directory itself)."""
+    if cfg.media_root:
+        return os.path.abspath(os.path.expanduser(cfg.media_root))
+    path = Path(os.path.expanduser(cfg.train_path)).absolute()
+    return str(path if path.is_dir() else path.parent)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def ref_path(path: str, cfg: DataConfig) -> str | None:
+    """How a generator names the media file ``path`` in a reference: relative to its media root when
+    it lies there, else absolute; None for a file only this machine has (extracted from a ``datasets``
+    row into the local cache), which must travel inline."""
+    full = os.path.normpath(os.path.abspath(path))
+    if _inside(full, os.path.normpath(str(_cache_dir() / "hf_media"))):
+        return None
+    root = os.path.normpath(default_media_root(cfg))
+    return os.path.relpath(full, root) if _inside(full, root) else full
+
+
+def ref_file(path: str, cfg: DataConfig) -> str:
+    """The local file a reference's ``path`` names, by the rule records follow (:func:`parse_record`):
+    relative to this machine's media root and inside it; absolute only inside it when ``data.media_root``
+    is set. Raises ``ValueError`` saying why a path is refused."""
+    root = os.path.normpath(default_media_root(cfg))
+    full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
+    if (not os.path.isabs(path) or cfg.media_root) and not _inside(full, root):
+        raise ValueError(f"{path!r} lies outside data.media_root ({root})")
+    return full
+
+
 def _check_meta(meta: Any, rid: str, where: str, n_videos: int) -> dict[str, Any]:
     if meta is None:
         return {}

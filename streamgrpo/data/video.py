@@ -20,6 +20,10 @@ record id and the file.
 A video's ``Visual.fps`` is the source frame rate and ``frame_indices`` the sampled source frames;
 the last sampled index is always the last frame, so ``total = frame_indices[-1] + 1`` (this is
 what :func:`streamgrpo.data.prompts.processor_inputs` gives the processor as video metadata).
+
+Every visual also carries its :class:`~streamgrpo.wire.MediaRef` (file, decoder, size, digest of the
+pixels) so that it can travel by reference (``rollout.media``); :func:`decode_resized` is the one
+decode path, used here and by the learner to resolve a reference.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from streamgrpo.data.decode import (
     read_image,
     resize_frames,
 )
-from streamgrpo.data.records import DataError, Record
+from streamgrpo.data.records import DataError, Record, ref_path
 from streamgrpo.data.sampling import (
     BudgetError,
     MediaPlan,
@@ -55,10 +59,12 @@ from streamgrpo.data.sampling import (
     smart_nframes,
     smart_resize,
 )
-from streamgrpo.wire import Visual
+from streamgrpo.wire import MediaRef, Visual
+from streamgrpo.wire_media import frames_digest
 
 __all__ = [
     "DataError",
+    "decode_resized",
     "load_visuals",
     "sample_frame_indices",
     "sampling_params",
@@ -206,23 +212,33 @@ def _visual(record: Record, cfg: DataConfig, item: tuple[str, str], key: tuple, 
         frames = _read_frames(record, cfg, item, idx, plan, readers)
         if cache is not None:
             cache.put(ckey, frames)
+    named = ref_path(path, cfg)
+    ref = None if named is None else MediaRef(path=named, height=plan.height, width=plan.width,
+                                              digest=frames_digest(frames), decoder=cfg.video_backend)
     if kind == "image":
-        return Visual(kind="image", frames=frames, fps=0.0, frame_indices=np.zeros(0, dtype=np.int32))
+        return Visual(kind="image", frames=frames, fps=0.0, frame_indices=np.zeros(0, dtype=np.int32), ref=ref)
     fps = info.fps if info.fps > 0 else _FALLBACK_FPS
-    return Visual(kind="video", frames=frames, fps=float(fps), frame_indices=np.asarray(idx, dtype=np.int32))
+    return Visual(kind="video", frames=frames, fps=float(fps), frame_indices=np.asarray(idx, dtype=np.int32), ref=ref)
+
+
+def decode_resized(kind: str, path: str, indices: list[int], height: int, width: int, backend: str,
+                   readers: dict[str, Any] | None = None) -> np.ndarray:
+    """The frames ``indices`` of a video (an image: its one frame) decoded and resized to ``height`` x
+    ``width``: what a generator feeds its model, and what the learner decodes again for a reference.
+    ``readers`` keeps open videos by path (closed by the caller). Raises DecodeError or OSError."""
+    if kind == "image":
+        return resize_frames(read_image(path)[None], height, width)
+    readers = {} if readers is None else readers
+    if path not in readers:
+        readers[path] = open_video(path, backend)
+    return resize_frames(readers[path].read(indices), height, width)
 
 
 def _read_frames(record: Record, cfg: DataConfig, item: tuple[str, str], idx: list[int], plan: MediaPlan,
                  readers: dict[str, Any]) -> np.ndarray:
     kind, path = item
     try:
-        if kind == "image":
-            raw = read_image(path)[None]
-        else:
-            if path not in readers:
-                readers[path] = open_video(path, cfg.video_backend)
-            raw = readers[path].read(idx)
-        return resize_frames(raw, plan.height, plan.width)
+        return decode_resized(kind, path, idx, plan.height, plan.width, cfg.video_backend, readers)
     except DecodeError as exc:
         raise _fail(record, path, exc) from None
     except OSError as exc:  # removed or unreadable since it was probed

@@ -23,9 +23,12 @@ from streamgrpo.rewards.combine import ScoredRewards
 def sample_groups(
     model_dir: str | Path, records_path: str | Path, n_groups: int, *, num_generations: int = 4,
     max_tokens: int = 6, seed: int = 0, data_overrides: Sequence[str] = (), temperature: float = 1.0,
-    score: Callable[[list[str], str], list[float]] | None = None, policy_version: int = 0,
+    score: Callable[[list[str], str], list[float]] | None = None, policy_version: int = 0, media: str = "inline",
 ) -> list[Any]:
-    """``n_groups`` ScoredGroups of real prompts (demo records) and completions sampled by ``model_dir``."""
+    """``n_groups`` ScoredGroups of real prompts (demo records) and completions sampled by ``model_dir``.
+
+    ``media``: ``inline`` (self-contained groups, the default here) or ``reference`` (visuals name their
+    files under ``records_path``'s directory, as a generator with ``rollout.media: reference`` sends them)."""
     from streamgrpo.config import build_config
     from streamgrpo.data.dataset import iter_samples
     from streamgrpo.data.prompts import build_prompt_text, processor_inputs, vision_factors
@@ -34,6 +37,7 @@ def sample_groups(
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.generator.sampling import score_group
     from streamgrpo.models.loading import load_model, load_processor
+    from streamgrpo.wire import inline
 
     overrides = [f"data.train_path={records_path}", f"model.name_or_path={model_dir}", "model.dtype=float32",
                  "data.min_frames=4", "data.max_frames=4", "data.min_pixels=3136", "data.max_pixels=3136",
@@ -57,7 +61,7 @@ def sample_groups(
         outs = [replace(c, versions=None) for c in outs]  # no token versions: a test may move policy_version
         group = score_group(record, visuals, req, outs, rewards, version=policy_version, generator_id="rollouts",
                             model_id=str(model_dir), temperature=temperature)
-        groups.append(replace(group, group_id=f"g{seed}-{i:05d}"))
+        groups.append(replace(group if media == "reference" else inline(group), group_id=f"g{seed}-{i:05d}"))
     return groups
 
 

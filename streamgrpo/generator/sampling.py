@@ -10,6 +10,7 @@ import numpy as np
 
 from streamgrpo.config import Config
 from streamgrpo.engines.base import Engine, SamplingParams
+from streamgrpo.wire import inline
 
 log = logging.getLogger("streamgrpo.generator")
 
@@ -38,10 +39,11 @@ class Sampler:
         contrast = sample_shuffled(self.engine, self.processor, requests, self.sampling, tc, self.shuffle_rng) \
             if tc else {}
         log.debug("%s: %d groups at v%d in %.2fs", self.name, len(chunk), version, time.perf_counter() - t0)
-        return [score_group(record, visuals, req, out, self.rewards, version=version, generator_id=self.name,
-                            model_id=cfg.model.name_or_path, temperature=self.sampling.temperature,
-                            shuffled=contrast.get(i), contrast=tc)
-                for i, ((record, visuals), req, out) in enumerate(zip(chunk, requests, outs))]
+        groups = [score_group(record, visuals, req, out, self.rewards, version=version, generator_id=self.name,
+                              model_id=cfg.model.name_or_path, temperature=self.sampling.temperature,
+                              shuffled=contrast.get(i), contrast=tc)
+                  for i, ((record, visuals), req, out) in enumerate(zip(chunk, requests, outs))]
+        return groups if cfg.rollout.media == "reference" else [inline(g) for g in groups]
 
 
 def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,

@@ -37,22 +37,34 @@ class Gate:
     """What a rank lets into a step: staleness, de-duplication, all-equal rewards (with
     ``loss.drop_zero_variance``), vocabulary, prompt re-processing.
 
+    Visuals by reference are decoded and digest-checked by ``media``
+    (:class:`~streamgrpo.learner.media.MediaResolver`) before the prompt is re-processed.
+
     Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
-    dead-lettered (invalid, poison),
+    dead-lettered (invalid, poison, media_missing, media_mismatch),
     counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
     written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
     """
 
-    def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int):
+    def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int, media=None):
         self.queue, self.loss, self.state, self.audit = queue, loss, state, audit
         self.processor, self.vocab_size = processor, vocab_size
+        self.media = media  # MediaResolver: visuals by reference (None: a group by reference is dead-lettered)
         self.drops: Counter = Counter()  # this rank's drops since the last step
         self._stale: list[int] = []  # policy versions of stale groups not logged yet
         self._stale_logged = 0.0
 
     def admit(self, d) -> Accepted | None:
+        try:
+            return self._admit(d)
+        finally:
+            if self.media is not None:
+                self.media.discard(d.stream_id)  # a group dropped early: its decode is not needed
+
+    def _admit(self, d) -> Accepted | None:
         from streamgrpo.advantages import is_zero_variance
         from streamgrpo.data.prompts import processor_inputs
+        from streamgrpo.learner.media import MediaError, by_reference
 
         g, state = d.group, self.state
         M.GROUPS.labels(event="consumed").inc()
@@ -72,6 +84,15 @@ class Gate:
         if problem:
             self.dead_letter(d.stream_id, g, f"group {g.group_id}: {problem}", "invalid")
             return None
+        if by_reference(g):
+            try:
+                if self.media is None:
+                    raise MediaError("media_missing", "visuals by reference, and this consumer decodes none")
+                g = self.media.resolved(d)
+            except MediaError as exc:
+                log.warning("group %s (entry %s): %s", g.group_id, d.stream_id, exc)
+                self.dead_letter(d.stream_id, g, f"group {g.group_id}: {exc}", exc.label)
+                return None
         try:
             inputs = processor_inputs(self.processor, g.prompt_text, g.visuals)
             same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)

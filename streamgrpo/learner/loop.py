@@ -49,12 +49,14 @@ import torch
 
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
+from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
     init_distributed,
 )
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
+from streamgrpo.learner.media import MediaResolver, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
 from streamgrpo.learner.state import Accepted, LearnerState
@@ -85,6 +87,18 @@ def _warn_if_not_durable(queue) -> None:
         return
     text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731 - the client replies in bytes
     line = durability_warning({text(k): text(v) for k, v in settings.items()})
+    if line:
+        log.warning("%s", line)
+
+
+def _warn_if_redis_small(queue, cfg: Config) -> None:
+    """Say once at start-up when the groups the learner may hold (uncommitted window and backlog)
+    would not fit in Redis' ``maxmemory``."""
+    try:
+        _used, limit = queue.memory()
+    except Exception:  # noqa: BLE001 - INFO refused (ACL, managed Redis): nothing to compare with
+        return
+    line = redis_budget_warning(cfg, limit)
     if line:
         log.warning("%s", line)
 
@@ -122,6 +136,11 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     if main:
         _warn_if_not_durable(queue)
+        _warn_if_redis_small(queue, cfg)
+        no_media = check_media_root(cfg.data)
+        if no_media:
+            log.warning("%s: groups whose visuals travel by reference (rollout.media: reference) will be "
+                        "dead-lettered; point data.media_root at the media here, or send inline", no_media)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
@@ -139,7 +158,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
-    gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size)
+    media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
+    gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media)
     uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
 
@@ -153,6 +173,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     last_metrics: dict[str, Any] = {}
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
+    source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decode while this one trains
     if main:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
@@ -164,7 +185,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
             try:
-                batch = collect_groups(queue, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
+                batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
                                        pressure=pressure)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
@@ -216,7 +237,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})
-        _close_all(tracker, publisher, queue, metrics_log, audit, server)
+        _close_all(media, tracker, publisher, queue, metrics_log, audit, server)
     return 0
 
 

@@ -70,7 +70,7 @@ def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, ti
     nan.group_id = "poison-nan"
     old = copy.deepcopy(groups[8])
     old.group_id = "poison-old-schema"
-    old_message = encode(old).replace(b"\xa6schema\x02", b"\xa6schema\x01", 1)  # as a pre-v2 generator wrote it
+    old_message = encode(old).replace(b"\xa6schema\x03", b"\xa6schema\x01", 1)  # as a pre-v2 generator wrote it
     assert old_message != encode(old)
     q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")
     try:

@@ -235,12 +235,15 @@ def test_every_field_is_documented():
     walk(Config)
 
 
-def test_advice_flags_a_checkpoint_interval_that_holds_many_groups_in_redis():
-    """Trained groups stay in Redis until the checkpoint that commits them: a long save interval is flagged."""
+def test_advice_flags_a_run_whose_uncommitted_groups_need_many_gib_of_redis():
+    """Trained groups stay in Redis until the checkpoint that commits them: the bytes that holds are
+    estimated, and flagged above 8 GiB (the 7B video config with inline frames: ~31 GiB)."""
     assert load_config("demo").advice() == []
-    assert load_config("qwen2_5_vl_7b_video").advice() == []
-    (line,) = load_config("demo", ["learner.save_steps=2000", "learner.groups_per_step=8"]).advice()
-    assert "16000" in line and "save_steps" in line
+    assert load_config("qwen2_5_vl_7b_video").advice() == []  # by reference (the default): ~0.4 GiB
+    (line,) = load_config("qwen2_5_vl_7b_video", ["rollout.media=inline"]).advice()
+    assert "3456 groups" in line and "GiB" in line and "rollout.media: reference" in line
+    (line,) = load_config("demo", ["learner.save_steps=200000", "learner.groups_per_step=8"]).advice()
+    assert "1600008 groups" in line and "save_steps" in line
 
 
 def test_weights_wait_bounds_default_and_switch_off():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -123,8 +125,10 @@ def test_processor_inputs_rejects_bad_visuals(tiny_model_dir):
 
 
 def test_learner_recreates_identical_inputs_from_the_wire(tiny_qwen3_dir, demo_data_dir):
-    """Generator side -> msgpack ScoredGroup -> learner side: same input_ids and pixel values."""
+    """Generator side -> msgpack ScoredGroup -> learner side: same input_ids and pixel values, with the
+    frames inline and by reference (an absolute path: the file lies outside the default media root)."""
     from streamgrpo import wire
+    from streamgrpo.learner.media import MediaResolver
 
     processor = _processor(tiny_qwen3_dir)
     factor, tp = vision_factors(processor)
@@ -136,7 +140,13 @@ def test_learner_recreates_identical_inputs_from_the_wire(tiny_qwen3_dir, demo_d
     done = wire.Completion(np.array([1, 2], np.int32), np.zeros(2, np.float32), "x", "stop", {"accuracy": 0.0}, 0.0)
     group = wire.ScoredGroup("eight", "g0", 0, "tiny", gen["input_ids"][0].numpy().astype(np.int32), visuals,
                              rec.answer, [done], prompt_text=text)
-    back = wire.decode(wire.encode(group))
+    by_ref = wire.decode(wire.encode(group))
+    assert all(v.frames is None and Path(v.ref.path).is_absolute() for v in by_ref.visuals)
+    for back in (wire.decode(wire.encode(wire.inline(group))), MediaResolver(cfg).resolve(by_ref)):
+        _same_inputs(processor, back, gen)
+
+
+def _same_inputs(processor, back, gen) -> None:
     learn = processor_inputs(processor, back.prompt_text, back.visuals)
     assert np.array_equal(learn["input_ids"][0].numpy(), back.prompt_ids)
     for key in ("pixel_values_videos", "video_grid_thw", "pixel_values", "image_grid_thw", "mm_token_type_ids"):

@@ -192,7 +192,7 @@ def test_decode_names_the_bad_field():
             decode(_frame(h, body))
         return str(info.value)
 
-    assert bad({**header, "schema": 3}).startswith("schema: version 3 is not supported")
+    assert bad({**header, "schema": 4}).startswith("schema: version 4 is not supported")
     assert bad({**header, "schema": 1}).startswith("schema: version 1 comes from a streamgrpo older than per-token")
     assert bad({k: v for k, v in header.items() if k != "answer"}) == "answer: missing"
     assert bad({**header, "policy_version": "7"}).startswith("policy_version:")
@@ -210,7 +210,7 @@ def test_token_versions_round_trip_and_default_to_the_group_version():
     g = make_group(g=3)
     g.completions[1].versions = np.array([42, 42, 43, 43, 45, 45], dtype=np.int64)  # two in-flight updates
     out = decode(encode(g))
-    assert out.schema == SCHEMA_VERSION == 2
+    assert out.schema == SCHEMA_VERSION == 3
     assert out.completions[0].versions.tolist() == [42] * 5  # not given: every token at policy_version
     assert out.completions[1].versions.dtype == np.int32
     assert out.completions[1].versions.tolist() == [42, 42, 43, 43, 45, 45]
@@ -356,3 +356,79 @@ def test_a_behaviour_log_prob_no_sampler_can_produce_is_refused(value):
     for ok in (-999.0, -100.0, 0.0, 1e-4):  # the edges a real sampler (or its rounding) can give
         g.completions[2].logprobs[3] = ok
         assert decode(encode(g)).completions[2].logprobs[3] == np.float32(ok)
+
+
+# ------------------------------------------------------------------------- visuals by reference (schema 3)
+def _by_reference(g: ScoredGroup, algorithm: str = "xxh3_128") -> ScoredGroup:
+    from dataclasses import replace
+
+    from streamgrpo.wire import MediaRef
+    from streamgrpo.wire_media import frames_digest
+
+    return replace(g, visuals=[replace(v, ref=MediaRef(f"clips/{i}.mp4", v.frames.shape[1], v.frames.shape[2],
+                                                       frames_digest(v.frames, algorithm), "auto"))
+                               for i, v in enumerate(g.visuals)])
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
+def test_reference_visuals_round_trip_without_pixels(algorithm):
+    from streamgrpo.wire import inline
+    from streamgrpo.wire_media import digest_matches
+
+    g = make_group()
+    ref = _by_reference(g, algorithm)
+    data = encode(ref)
+    assert len(data) < len(encode(g)) - sum(v.frames.nbytes for v in g.visuals) + 2048
+    out = decode(data)
+    assert out.schema == 3
+    for v, w in zip(out.visuals, g.visuals):
+        assert v.frames is None and v.ref == _by_reference(g, algorithm).visuals[out.visuals.index(v)].ref
+        assert v.nframes == w.frames.shape[0] and v.pixel_bytes == w.frames.nbytes
+        assert digest_matches(w.frames, v.ref.digest)
+        assert not digest_matches(w.frames[::-1], v.ref.digest) or w.frames.shape[0] == 1
+    assert_same_array(out.visuals[0].frame_indices, g.visuals[0].frame_indices)
+    back = decode(encode(inline(ref)))  # the same group with its pixels: exactly the inline message
+    assert all(v.ref is None and v.frames is not None for v in back.visuals)
+    assert encode(inline(ref))[:4] == MAGIC and decode(encode(out)).visuals[0].ref == out.visuals[0].ref
+
+
+def test_reference_visuals_are_validated_field_by_field():
+    from dataclasses import replace
+
+    ref = _by_reference(make_group(n_videos=1))
+    data = encode(ref)
+    header = _header_of(data)
+    _, hlen, blen = struct.unpack_from("<4sIQ", data)
+    body = data[len(data) - blen:]
+
+    def bad(visual: dict, schema: int = 3, i: int = 0) -> str:
+        vis = [dict(v) for v in header["visuals"]]
+        vis[i] = visual
+        with pytest.raises(WireError) as info:
+            decode(_frame({**header, "schema": schema, "visuals": vis}, body))
+        return str(info.value)
+
+    v0, img = header["visuals"][0], header["visuals"][1]
+    r0 = v0["ref"]
+    assert bad(v0, schema=2).startswith("visuals[0].ref: visuals by reference need schema 3")
+    assert bad({**v0, "ref": {**r0, "digest": "md5:00"}}).startswith("visuals[0].ref.digest: algorithm 'md5'")
+    assert bad({**v0, "ref": {**r0, "digest": "xxh3_128:abc"}}).startswith("visuals[0].ref.digest: xxh3_128 has 32")
+    assert bad({**v0, "ref": {**r0, "digest": "nohex"}}).startswith("visuals[0].ref.digest: expected '<algorithm>:")
+    assert bad({**v0, "ref": {**r0, "height": 0}}).startswith("visuals[0].ref.height: expected an integer")
+    assert bad({**v0, "ref": {**r0, "path": ""}}).startswith("visuals[0].ref.path: expected a non-empty string")
+    assert bad({**v0, "ref": {**r0, "decoder": "ffmpeg"}}).startswith("visuals[0].ref.decoder: 'ffmpeg' is not one of")
+    assert bad({k: x for k, x in {**v0, "ref": {k: x for k, x in r0.items() if k != "width"}}.items()}) \
+        .startswith("visuals[0].ref.width: missing")
+    assert bad({**v0, "frames": img["ref"]}).startswith("visuals[0]: has both frames and a ref")
+    empty = msgpack.ExtType(1, msgpack.packb(["int32", [0], 0, 0]))
+    assert bad({**v0, "frame_indices": empty}).startswith("visuals[0].frame_indices: a video by reference needs")
+    assert bad({**img, "frame_indices": v0["frame_indices"]}, i=1).startswith("visuals[1].frame_indices: an image has no")
+    # what references expand to counts against the message limit (what the message could hold inline)
+    huge = replace(ref, visuals=[replace(ref.visuals[0], frames=None,
+                                         ref=replace(ref.visuals[0].ref, height=60000, width=60000))])
+    with pytest.raises(WireError, match=r"visuals\[0\].frames: 28 x 56 frames but the ref says 60000 x 60000"):
+        encode(replace(huge, visuals=[replace(huge.visuals[0], frames=ref.visuals[0].frames)]))
+    with pytest.raises(WireError, match="visuals: references expand to"):
+        decode(encode(huge), max_bytes=256 << 20)
+    with pytest.raises(WireError, match=r"visuals\[0\].frames: missing"):
+        encode(replace(ref, visuals=[replace(ref.visuals[0], frames=None, ref=None)]))

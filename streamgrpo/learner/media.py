@@ -1,0 +1,176 @@
+"""Visuals by reference on the learner: decoded ahead of the step, checked against their digest.
+
+A group whose visuals travel by reference (``rollout.media: reference``, wire schema 3) names each
+file, its frame indices, size and decoder, and the digest of the pixels the generator used. The
+learner decodes the same frames with the same code (:func:`streamgrpo.data.video.decode_resized`),
+checks the digest and trains on them; a missing file or other pixels (the file changed, another
+decoder build) make the group a dead letter (``media_missing`` / ``media_mismatch``, the reason names
+the file), never a step on other pixels.
+
+:class:`MediaResolver` decodes in a small thread pool as groups arrive, through a byte-bounded LRU
+keyed by what decides the pixels (file and its stat, decoder, indices, size); :class:`ReadAhead`
+reads the next step's groups from the queue as soon as a step has its own, so their decoding runs
+while the step trains. Metrics: ``media_cache{result}``, ``media_decode_seconds`` and
+``media_wait_seconds`` (time a step waited for decoding: 0 when it is hidden).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from streamgrpo import metrics as M
+from streamgrpo.config import DataConfig
+from streamgrpo.data.decode import DecodeError, FrameCache, file_key
+from streamgrpo.data.records import default_media_root, ref_file
+from streamgrpo.data.video import decode_resized
+from streamgrpo.wire import ScoredGroup, Visual
+from streamgrpo.wire_media import digest_matches, frames_digest
+
+log = logging.getLogger("streamgrpo.learner")
+
+
+class MediaError(Exception):
+    """A referenced visual cannot give the generator's pixels; ``label`` is the dead-letter reason."""
+
+    def __init__(self, label: str, message: str):
+        super().__init__(message)
+        self.label = label
+
+
+def by_reference(group: ScoredGroup) -> bool:
+    """Whether some visual of ``group`` still has to be decoded from its reference."""
+    return any(v.frames is None for v in group.visuals)
+
+
+def check_media_root(data: DataConfig) -> str | None:
+    """One line saying why this machine cannot read the media references point into, or None."""
+    root = default_media_root(data)
+    if not os.path.isdir(root):
+        return f"data.media_root {root} is not a directory here"
+    if not os.access(root, os.R_OK | os.X_OK):
+        return f"data.media_root {root} is not readable by this user"
+    return None
+
+
+class MediaResolver:
+    """Decodes groups' referenced visuals in ``workers`` threads, through a ``cache_mib`` MiB cache."""
+
+    def __init__(self, data: DataConfig, cache_mib: int = 1024, workers: int = 1):
+        self.data = data
+        self.cache = FrameCache(cache_mib << 20)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="media")
+        self._pending: dict[str, Future] = {}
+
+    def submit(self, deliveries: list) -> bool:
+        """Start decoding the referenced visuals of ``deliveries``; True if any had one."""
+        any_ref = False
+        for d in deliveries:
+            if by_reference(d.group):
+                any_ref = True
+                self._pending[d.stream_id] = self._pool.submit(self.resolve, d.group)
+        return any_ref
+
+    def resolved(self, d) -> ScoredGroup:
+        """``d.group`` with its referenced frames decoded and checked (waits for its decode if still
+        running; counted in ``media_wait_seconds``). Raises :class:`MediaError`."""
+        if not by_reference(d.group):
+            return d.group
+        fut = self._pending.pop(d.stream_id, None)
+        if fut is None:
+            fut = self._pool.submit(self.resolve, d.group)
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            M.MEDIA_WAIT_SECONDS.inc(time.perf_counter() - t0)
+
+    def discard(self, stream_id: str) -> None:
+        """Forget a delivery's decode (the group was dropped before it was needed)."""
+        fut = self._pending.pop(stream_id, None)
+        if fut is not None:
+            fut.cancel()
+
+    def resolve(self, group: ScoredGroup) -> ScoredGroup:
+        """``group`` with every referenced visual's frames decoded and digest-checked (any thread)."""
+        return replace(group, visuals=[self._frames(v, f"visuals[{i}]") for i, v in enumerate(group.visuals)])
+
+    def _frames(self, v: Visual, where: str) -> Visual:
+        if v.frames is not None:
+            return v
+        ref = v.ref
+        try:
+            path = ref_file(ref.path, self.data)
+        except ValueError as exc:
+            raise MediaError("media_missing", f"{where}: media file {exc}") from None
+        if not os.path.isfile(path):
+            what = "is not a regular file" if os.path.exists(path) else "not found"
+            raise MediaError("media_missing", f"{where}: media file {path} {what} on the learner "
+                                              f"(reference {ref.path!r}; data.media_root {default_media_root(self.data)})")
+        indices = [int(i) for i in v.frame_indices] if v.kind == "video" else [0]
+        try:
+            key = (*file_key(path), v.kind, ref.decoder, tuple(indices), ref.height, ref.width)
+        except OSError as exc:
+            raise MediaError("media_missing", f"{where}: media file {path}: {exc}") from None
+        frames = self.cache.get(key)
+        M.MEDIA_CACHE.labels(result="miss" if frames is None else "hit").inc()
+        if frames is None:
+            frames = self._decode(v, path, indices, where)
+            self.cache.put(key, frames)
+        if not digest_matches(frames, ref.digest):
+            here = frames_digest(frames, ref.digest.split(":", 1)[0])
+            raise MediaError("media_mismatch", f"{where}: media file {path} decodes to other pixels than the "
+                                               f"generator's (digest {ref.digest}, here {here}): the file changed since "
+                                               "it was sampled, or the decoder build differs (rollout.media: inline "
+                                               "avoids re-decoding)")
+        return replace(v, frames=frames)
+
+    def _decode(self, v: Visual, path: str, indices: list[int], where: str) -> Any:
+        ref = v.ref
+        readers: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            return decode_resized(v.kind, path, indices, ref.height, ref.width, ref.decoder, readers)
+        except (DecodeError, OSError) as exc:
+            raise MediaError("media_mismatch", f"{where}: media file {path} cannot be decoded here as the generator "
+                                               f"did ({exc})") from None
+        finally:
+            for reader in readers.values():
+                reader.close()
+            M.MEDIA_DECODE_SECONDS.observe(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+
+
+class ReadAhead:
+    """A queue's ``get`` that, once groups by reference have been seen, reads up to ``ahead`` more
+    groups (without waiting) after serving a request, and starts decoding them: the next step's
+    frames decode while this step trains. Groups read ahead stay pending for this consumer in Redis,
+    like any group held for a step (a restart re-reads them)."""
+
+    def __init__(self, queue, resolver: MediaResolver, ahead: int):
+        self.queue, self.resolver, self.ahead = queue, resolver, ahead
+        self._buffer: list = []
+        self._refs_seen = False
+
+    def get(self, n: int, timeout_s: float) -> list:
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        if len(out) < n:
+            fresh = self.queue.get(n - len(out), 0.0 if out else timeout_s)
+            self._refs_seen |= self.resolver.submit(fresh)
+            out += fresh
+        if self._refs_seen and len(self._buffer) < self.ahead:
+            more = self.queue.get(self.ahead - len(self._buffer), 0.0)
+            self.resolver.submit(more)
+            self._buffer += more
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)

@@ -1,0 +1,213 @@
+"""Visuals by reference: real demo mp4s and PNGs, the tiny Qwen2.5-VL, a real Redis.
+
+A group whose visuals travel by reference must train on exactly the pixels the generator used: the
+learner decodes them again and checks the digest. A changed or missing file is a dead letter that
+names the file; a schema-2 (inline) message from the previous release still trains.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from streamgrpo import metrics
+
+
+def value(metric, **labels) -> float:
+    return (metric.labels(**labels) if labels else metric)._value.get()
+
+
+def _copy(demo_data_dir, dst: Path) -> Path:
+    shutil.copytree(demo_data_dir, dst)
+    return dst
+
+
+def _sample(model_dir, data: Path, n: int, kinds: str, seed: int = 0, records: str = "train.jsonl"):
+    from streamgrpo.generator.rollouts import sample_groups
+
+    return sample_groups(model_dir, data / records, n, num_generations=2, max_tokens=4, seed=seed,
+                         data_overrides=[f"data.kinds={kinds}"], media="reference")
+
+
+@pytest.fixture(scope="module")
+def media(demo_data_dir, tmp_path_factory):
+    return _copy(demo_data_dir, tmp_path_factory.mktemp("media") / "demo")
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model_dir, media):
+    """A video, a multi-video and an image group, by reference."""
+    return (_sample(tiny_model_dir, media, 1, "[direction]") + _sample(tiny_model_dir, media, 1, "[multi_video]")
+            + _sample(tiny_model_dir, media, 1, "null", records="train_image.jsonl"))
+
+
+def _cfg(model_dir, data: Path, run_dir, *sets):
+    from streamgrpo.config import load_config
+
+    return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}",
+                                f"data.train_path={data / 'train.jsonl'}", "learner.groups_per_step=2",
+                                "learner.get_timeout_s=0.5", "weights.pub_port=0", "weights.snapshot_port=0",
+                                "metrics.port=0", "loss.max_staleness=100", *sets])
+
+
+def _logprobs(learner, accepted) -> torch.Tensor:
+    from streamgrpo.models.batching import GroupInputs, build_batch
+
+    groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.asarray(c.token_ids, dtype=np.int64))
+                                                    for c in a.group.completions]) for a in accepted]
+    with torch.no_grad():
+        return learner.forward(build_batch(groups, learner.processor.tokenizer.pad_token_id))[0]
+
+
+def test_a_group_by_reference_trains_on_the_generators_pixels_exactly(mixed, tiny_model_dir, media, tmp_path):
+    """Video, multi-video and image groups: the message is a fraction of the inline one; the learner
+    decodes the same pixels (bit-exact) and computes the same log-probs; a second read hits the cache."""
+    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.trainer import Learner
+    from streamgrpo.wire import decode, encode, inline
+
+    cfg = _cfg(tiny_model_dir, media, tmp_path / "run")
+    assert [len(g.visuals) > 1 for g in mixed] == [False, True, False]
+    assert [v.kind for v in mixed[2].visuals] == ["image"]
+    by_ref = [decode(encode(g)) for g in mixed]
+    by_pixels = [decode(encode(inline(g))) for g in mixed]
+    for g, sent in zip(mixed, by_ref):
+        assert all(v.frames is None and v.ref is not None and not Path(v.ref.path).is_absolute() for v in sent.visuals)
+        assert len(encode(g)) < len(encode(inline(g)))  # (the ratio at real sizes is in benchmarks/bench_media.py)
+    resolver = MediaResolver(cfg.data, cache_mib=64)
+    misses0, hits0 = value(metrics.MEDIA_CACHE, result="miss"), value(metrics.MEDIA_CACHE, result="hit")
+    resolved = [resolver.resolve(g) for g in by_ref]
+    n_visuals = sum(len(g.visuals) for g in mixed)
+    assert value(metrics.MEDIA_CACHE, result="miss") - misses0 == n_visuals
+    for a, b in zip(resolved, by_pixels):
+        for va, vb in zip(a.visuals, b.visuals):
+            assert va.frames.dtype == np.uint8 and np.array_equal(va.frames, vb.frames)
+    learner = Learner(cfg)
+    lp_ref = _logprobs(learner, accept(resolved, learner.processor))
+    lp_inline = _logprobs(learner, accept(by_pixels, learner.processor))
+    assert torch.equal(lp_ref, lp_inline)
+    again = resolver.resolve(by_ref[1])
+    assert value(metrics.MEDIA_CACHE, result="hit") - hits0 == len(mixed[1].visuals)
+    assert all(np.array_equal(x.frames, y.frames) for x, y in zip(again.visuals, resolved[1].visuals))
+    resolver.close()
+
+
+def test_tgrpo_group_by_reference_names_the_ordered_frames(tiny_model_dir, media, tmp_path):
+    """T-GRPO: the group sent is the ordered one; its references resolve to the ordered frames."""
+    from streamgrpo.config import TemporalContrastConfig
+    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.prompts import vision_factors
+    from streamgrpo.data.records import load_records
+    from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.engines.hf import HFEngine
+    from streamgrpo.generator.sampling import Sampler
+    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.models.loading import load_model, load_processor
+    from streamgrpo.rewards import RewardSet
+    from streamgrpo.wire import decode, encode
+
+    cfg = _cfg(tiny_model_dir, media, tmp_path / "run", "data.min_frames=4", "data.max_frames=4",
+               "rollout.max_completion_length=4", "rollout.num_generations=2", "data.kinds=[direction]")
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+        "temporal_contrast": TemporalContrastConfig(num_generations=2)})})
+    processor = load_processor(str(tiny_model_dir))
+    engine = HFEngine(load_model(cfg.model, "cpu"), processor)
+    factor, temporal = vision_factors(processor)
+    samples = iter_samples(load_records(cfg.data.train_path, cfg.data), cfg.data, shard=0, num_shards=1, seed=0,
+                           epochs=None, factor=factor, temporal_patch=temporal)
+    chunk = [next(samples) for _ in range(2)]
+    sampler = Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), RewardSet(cfg), "g0",
+                      np.random.default_rng(0))
+    groups = sampler.groups(chunk)
+    assert all("temporal" in g.meta for g in groups)
+    resolver = MediaResolver(cfg.data)
+    for (_record, visuals), g in zip(chunk, groups):
+        sent = decode(encode(g))
+        assert all(v.frames is None for v in sent.visuals)
+        got = resolver.resolve(sent)
+        assert all(np.array_equal(v.frames, w.frames) for v, w in zip(got.visuals, visuals))  # ordered, not shuffled
+    resolver.close()
+
+
+def test_changed_and_missing_files_are_dead_letters_that_name_the_file(tiny_model_dir, demo_data_dir, redis_server,
+                                                                       redis_ns, tmp_path):
+    """Through a real Redis stream and the learner's gate: the untouched group is admitted, the one
+    whose file was rewritten with other frames is ``media_mismatch``, the one whose file is gone
+    ``media_missing``; each reason names its file."""
+    from streamgrpo.config import load_config
+    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.media import MediaResolver, ReadAhead
+    from streamgrpo.learner.state import LearnerState
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    data = _copy(demo_data_dir, tmp_path / "demo")
+    groups = _sample(tiny_model_dir, data, 6, "[direction]", seed=3)
+    files = {}  # one group per distinct clip
+    for g in groups:
+        files.setdefault(g.visuals[0].ref.path, g)
+    assert len(files) >= 3, "the demo sample should name three different clips"
+    (keep, keep_g), (change, change_g), (gone, gone_g) = list(files.items())[:3]
+    shutil.copyfile(data / keep, data / change)  # the same size class of file, other frames
+    (data / gone).unlink()
+    cfg = load_config("demo", [f"data.train_path={data / 'train.jsonl'}"])
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="learner-0")
+    try:
+        q.put_many([keep_g, change_g, gone_g])
+        resolver = MediaResolver(cfg.data, cache_mib=16)
+        audit = JsonlWriter(tmp_path / "audit.jsonl")
+        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6, media=resolver)
+        source = ReadAhead(q, resolver, ahead=2)
+        deliveries = source.get(3, timeout_s=5.0)
+        admitted = [a for a in (gate.admit(d) for d in deliveries) if a is not None]
+        assert [a.group.group_id for a in admitted] == [keep_g.group_id]
+        assert all(v.frames is not None for v in admitted[0].group.visuals)
+        dead = {d["group_id"]: d for d in q.dead_letters()}
+        assert str(data / change) in dead[change_g.group_id]["reason"]
+        assert "other pixels" in dead[change_g.group_id]["reason"]
+        assert str(data / gone) in dead[gone_g.group_id]["reason"] and "not found" in dead[gone_g.group_id]["reason"]
+        assert gate.drops == {"media_mismatch": 1, "media_missing": 1}
+        audit.close()
+        reasons = [json.loads(x)["reason"] for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert sorted(reasons) == ["media_mismatch", "media_missing"]
+        resolver.close()
+    finally:
+        q.close()
+
+
+def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_model_dir, media, redis_server,
+                                                                  redis_ns, tmp_path):
+    """A whole learner run: groups by reference (read ahead, decoded while a step trains) and a message
+    as the previous release's generators wrote it (schema 2, pixels inline) all train; nothing is
+    dead-lettered; every referenced visual was decoded by the learner."""
+    from dataclasses import replace
+
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.wire import encode, inline
+
+    old = replace(inline(mixed[0]), group_id="schema-2", schema=2)
+    old_message = encode(old)
+    assert b"\xa6schema\x02" in old_message and b"ref" not in old_message
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="producer")
+    misses0 = value(metrics.MEDIA_CACHE, result="miss")
+    try:
+        q.put_many([replace(g, group_id=f"ref-{i}") for i, g in enumerate(mixed)])
+        q.client.xadd(q.stream, {b"g": b"schema-2", b"d": old_message})
+        run = tmp_path / "run"
+        assert run_learner(_cfg(tiny_model_dir, media, run, f"queue.url={redis_server.url}",
+                                f"queue.namespace={redis_ns}", "learner.max_steps=2")) == 0
+        trained = [g for line in (run / "audit" / "learner.jsonl").read_text().splitlines()
+                   for e in [json.loads(line)] if e["event"] == "trained" for g in e["group_ids"]]
+        assert sorted(trained) == ["ref-0", "ref-1", "ref-2", "schema-2"]
+        assert q.dead_letters() == [] and q.depth() == 0
+        assert value(metrics.MEDIA_CACHE, result="miss") - misses0 == sum(len(g.visuals) for g in mixed)
+    finally:
+        q.close()
