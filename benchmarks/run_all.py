@@ -8,7 +8,8 @@ Markdown to ``benchmarks/results/table.md``).
 Budget (``make bench``, the default; about 50 minutes on 2 cores, setup excluded): the
 microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_cluster`` on 1 MB groups only, N in
 {1, 4, 16, 64} generators x M in {1, 2} learners (~1 minute; ``--full``: its own 3 sizes x 4 x 3
-grid); ``bench_e2e`` at its default 100 steps (800 groups per run; async, sync, TRL: ~10 minutes);
+grid), and again with visuals by reference at 10 MB-equivalent groups (~1 minute); ``bench_media``
+(reference vs inline: bytes, Redis memory, learner time per step; ~5 minutes); ``bench_e2e`` at its default 100 steps (800 groups per run; async, sync, TRL: ~10 minutes);
 ``bench_staleness`` at its default (k in {0, 2, 4, 8, 16} x five losses, 100 steps, two lockstep
 runs at a time: ~25 minutes); ``bench_motion``: one ``up --config demo-motion`` run and its
 shuffled-frame probe (~8 minutes). ``--full`` runs the microbenchmarks at their own defaults,
@@ -38,6 +39,10 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "learner": ("bench_learner", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
     "engine": ("bench_engine", ["--repeats", "5"], [], 300),
     "cluster": ("bench_cluster", ["--gens", "1,4,16,64", "--learners", "1,2", "--sizes", "1", "--seconds", "2"], [], 600),
+    "cluster_ref": ("bench_cluster", ["--media", "reference", "--gens", "1,4,16,64", "--learners", "1", "--sizes", "10",
+                                      "--seconds", "2", "--out", "benchmarks/results/bench_cluster_ref.json"],
+                    ["--media", "reference", "--sizes", "10", "--out", "benchmarks/results/bench_cluster_ref.json"], 600),
+    "media": ("bench_media", ["--steps", "6", "--repeats", "2"], ["--steps", "10", "--repeats", "3"], 900),
     "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 2700),
     "motion": ("bench_motion", [], ["--seeds", "0,1,2", "--compare"], 900),

@@ -1,8 +1,12 @@
-"""ScoredGroup: the message a generator sends the learner (design.md §2), and its codec.
+"""ScoredGroup: the message a generator sends the learner (docs/design.md, "Processes and data flow"), and its codec.
 
 Frame layout (all integers little-endian)::
 
     b"SGRP"  u32 header_len  u64 body_len  header (msgpack map)  zero padding to 8  body (raw array bytes)
+
+A visual travels as its frames or, schema 3, as a reference (``Visual.ref``, a
+:class:`~streamgrpo.wire_media.MediaRef`: file, decoder, size and the digest of the pixels; the
+learner decodes it again and checks the digest). Schema 2 messages (every visual inline) still decode.
 
 The header holds every scalar, string and list of the group. Each array in it is a msgpack
 extension (code 1) whose payload is ``msgpack([dtype, shape, offset, nbytes])`` pointing into the

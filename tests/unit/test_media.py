@@ -1,0 +1,114 @@
+"""Visuals by reference, the pure parts: how paths are named and resolved, the Redis byte budget,
+the media-root check, and the read-ahead's order of reads (a list-backed queue: pure logic)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from streamgrpo.config import DataConfig, load_config
+
+
+def test_a_reference_names_its_file_relative_to_the_media_root_and_resolves_back(tmp_path):
+    from streamgrpo.data.records import ref_file, ref_path
+
+    root = tmp_path / "data"
+    (root / "videos").mkdir(parents=True)
+    cfg = DataConfig(train_path=str(root / "train.jsonl"))
+    assert ref_path(str(root / "videos" / "a.mp4"), cfg) == "videos/a.mp4"
+    assert ref_path(str(tmp_path / "elsewhere.mp4"), cfg) == str(tmp_path / "elsewhere.mp4")  # outside: absolute
+    assert ref_file("videos/a.mp4", cfg) == str(root / "videos" / "a.mp4")
+    other = DataConfig(train_path=str(tmp_path / "other" / "train.jsonl"), media_root=str(tmp_path / "mnt"))
+    assert ref_file("videos/a.mp4", other) == str(tmp_path / "mnt" / "videos" / "a.mp4")  # another host's mount
+    with pytest.raises(ValueError, match="lies outside data.media_root"):
+        ref_file("../../etc/passwd", cfg)
+    assert ref_file("/srv/clips/a.mp4", cfg) == "/srv/clips/a.mp4"  # unbounded root: records may name any file
+    with pytest.raises(ValueError, match="lies outside data.media_root"):
+        ref_file("/srv/clips/a.mp4", other)  # an explicit media_root bounds absolute paths too
+
+
+def test_a_file_extracted_from_a_datasets_row_travels_inline(tmp_path, monkeypatch):
+    from streamgrpo.data import records
+
+    monkeypatch.setattr(records, "_cache_dir", lambda: tmp_path / "cache")
+    cfg = DataConfig(train_path=str(tmp_path / "ds"))
+    assert records.ref_path(str(tmp_path / "cache" / "hf_media" / "x" / "img.png"), cfg) is None
+
+
+def test_media_root_check_says_why_in_one_line(tmp_path):
+    from streamgrpo.learner.media import check_media_root
+
+    (tmp_path / "d").mkdir()
+    assert check_media_root(DataConfig(train_path=str(tmp_path / "d" / "train.jsonl"))) is None
+    line = check_media_root(DataConfig(media_root=str(tmp_path / "missing")))
+    assert line == f"data.media_root {tmp_path / 'missing'} is not a directory here"
+    if os.geteuid() != 0:  # root reads everything
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0)
+        assert "not readable" in check_media_root(DataConfig(media_root=str(locked)))
+
+
+def test_redis_budget_counts_the_window_and_warns_against_maxmemory():
+    from streamgrpo.config.budget import held_bytes, held_groups, message_bytes, redis_budget_warning
+
+    inline = load_config("qwen2_5_vl_7b_video", ["rollout.media=inline"])
+    ref = load_config("qwen2_5_vl_7b_video")
+    assert held_groups(ref) == 50 * 64 + 256
+    assert message_bytes(inline) > ref.data.total_pixels * 3  # pixels dominate inline
+    assert message_bytes(ref) * 50 < message_bytes(inline)
+    assert held_bytes(inline) > 16 << 30 > held_bytes(ref) * 1.25  # a 16 GiB Redis: too small inline only
+    line = redis_budget_warning(inline, 16 << 30)
+    assert line.startswith("Redis maxmemory 16.0 GiB is below what this run may hold, ~")
+    assert "rollout.media: reference" in line
+    assert redis_budget_warning(ref, 16 << 30) is None
+    assert redis_budget_warning(inline, 0) is None  # no limit
+
+
+class _ListQueue:
+    """A queue over a list of items, recording each get (n, timeout)."""
+
+    def __init__(self, items):
+        self.items, self.calls = list(items), []
+
+    def get(self, n, timeout_s):
+        self.calls.append((n, timeout_s))
+        out, self.items = self.items[:n], self.items[n:]
+        return out
+
+
+class _Resolver:
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, deliveries):
+        self.submitted += deliveries
+        return any(d.startswith("ref") for d in deliveries)
+
+
+def test_read_ahead_reads_the_next_step_only_once_references_are_seen():
+    from streamgrpo.learner.media import ReadAhead
+
+    q = _ListQueue(["in0", "in1", "ref2", "ref3", "ref4", "ref5", "ref6", "ref7"])
+    r = _Resolver()
+    ahead = ReadAhead(q, r, ahead=2)
+    assert ahead.get(2, 5.0) == ["in0", "in1"] and ahead.buffered == 0  # inline only: no read-ahead
+    assert ahead.get(2, 5.0) == ["ref2", "ref3"] and ahead.buffered == 2  # the next step's two, decoding already
+    assert q.calls[-1] == (2, 0.0)  # read without waiting
+    assert r.submitted == ["in0", "in1", "ref2", "ref3", "ref4", "ref5"]
+    assert ahead.get(3, 5.0) == ["ref4", "ref5", "ref6"]  # the buffer first, the rest without waiting
+    assert q.calls[-2] == (1, 0.0)
+    assert ahead.get(2, 5.0) == ["ref7"] and q.items == []
+
+
+def test_frames_digest_is_of_the_bytes_in_c_order():
+    from streamgrpo.wire_media import digest_matches, frames_digest
+
+    a = np.arange(2 * 4 * 6 * 3, dtype=np.uint8).reshape(2, 4, 6, 3)
+    assert frames_digest(a) == frames_digest(np.asfortranarray(a))  # the same pixels, another memory layout
+    assert frames_digest(a, "sha256").startswith("sha256:") and len(frames_digest(a, "sha256")) == 7 + 64
+    b = a.copy()
+    b[1, 3, 5, 2] ^= 1
+    assert not digest_matches(b, frames_digest(a)) and digest_matches(a, frames_digest(a, "blake2b"))
+    assert not digest_matches(a, "md5:" + "0" * 32)
