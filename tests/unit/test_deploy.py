@@ -406,10 +406,11 @@ def test_promtool_alert_rule_unit_tests():
     assert tested == {name for name, _ in rule_exprs()}
 
 
-def test_alert_rules_are_the_five_of_the_issue_and_weights_missing():
+def test_alert_rules_are_the_five_of_the_issue_weights_missing_and_media():
     names = {name for name, _ in rule_exprs()}
     assert names == {"StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
-                     "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights"}
+                     "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights",
+                     "StreamgrpoMediaDeadLetters"}
     for g in rules_doc()["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"], r["alert"]
@@ -453,7 +454,8 @@ def test_every_promql_metric_name_is_exported_by_streamgrpo_metrics():
         "streamgrpo_staleness_steps", "streamgrpo_queue_depth", "streamgrpo_groups", "streamgrpo_groups_dropped",
         "streamgrpo_tokens", "streamgrpo_weight_sync_seconds", "streamgrpo_weight_bytes", "streamgrpo_step_seconds",
         "streamgrpo_idle_seconds", "streamgrpo_errors", "streamgrpo_backpressure", "streamgrpo_off_policy",
-        "streamgrpo_learner_tokens_per_second", "streamgrpo_learner_mfu",
+        "streamgrpo_learner_tokens_per_second", "streamgrpo_learner_mfu", "streamgrpo_media_cache",
+        "streamgrpo_media_decode_seconds", "streamgrpo_media_wait_seconds",
     }
     assert expected <= base, f"metrics not on the dashboard or in the rules: {sorted(expected - base)}"
 
@@ -489,7 +491,7 @@ def test_dashboard_structure_and_rows():
     assert len(ids) == len(set(ids)), "duplicate panel ids"
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == ["Overview", "Rewards", "Optimisation", "Staleness", "Queue and groups",
-                    "Throughput and idle time", "Weights"]
+                    "Throughput and idle time", "Weights", "Media (visuals by reference)"]
     titles = " | ".join(p["title"] for p in panels).lower()
     for needle in ("reward per function", "accuracy", "kl", "loss", "clip fractions", "staleness of trained groups",
                    "queue depth", "groups produced", "dropped by reason", "tokens / s by role",
