@@ -173,7 +173,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     last_metrics: dict[str, Any] = {}
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
-    source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decode while this one trains
+    source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
@@ -184,6 +184,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         while state.step < cfg.learner.max_steps:
             # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
+            source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
             try:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
                                        pressure=pressure)

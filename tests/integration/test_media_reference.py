@@ -207,7 +207,7 @@ def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_mod
         trained = [g for line in (run / "audit" / "learner.jsonl").read_text().splitlines()
                    for e in [json.loads(line)] if e["event"] == "trained" for g in e["group_ids"]]
         assert sorted(trained) == ["ref-0", "ref-1", "ref-2", "schema-2"]
-        assert q.dead_letters() == [] and q.depth() == 0
+        assert q.dead_letters() == [] and q.depth() == 0 and q.held_count() == 0
         assert value(metrics.MEDIA_CACHE, result="miss") - misses0 == sum(len(g.visuals) for g in mixed)
     finally:
         q.close()
