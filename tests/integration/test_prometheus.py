@@ -309,7 +309,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     rules = rule_exprs()
     assert {name for name, _ in rules} == {
         "StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
-        "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights",
+        "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights", "StreamgrpoMediaDeadLetters",
     }
     for name, expr in rules:
         r = query(prom_port, expr)
@@ -329,7 +329,8 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     # The run is healthy: the learner is up, nothing is NaN.
     firing = {a["labels"]["alertname"] for a in api(prom_port, "/api/v1/alerts")["data"]["alerts"]
               if a["state"] == "firing"}
-    assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights"}, firing
+    assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights",
+                         "StreamgrpoMediaDeadLetters"}, firing
 
 
 def test_learner_totals_over_both_ranks_equal_the_audit_logs(live_run):
