@@ -14,12 +14,12 @@ against inline measured in the same run.
   gradient with sensor-like noise) are kinder to compression than most camera video.
 * ``media_learner_step_s_<shape>``: a real learner (``run_learner``, the tiny Qwen2.5-VL, a real
   redis-server holding every group before it starts) training ``--steps`` steps on groups sampled
-  by the tiny model, wall seconds per step (the gaps between ``metrics.jsonl`` lines, the first
+  by the tiny model (``--demo-steps`` on the demo's clips, ``--steps`` on 448x448), wall seconds per step (the gaps between ``metrics.jsonl`` lines, the first
   step left out) with visuals by reference and the learner's frame cache off (every visual decoded);
   baseline: the same groups inline. Shapes: ``demo`` (8 frames of 56x56, the demo's clips) and
   ``448`` (16 frames of 448x448). Goal: <= 1.05. Runs alternate inline/reference ``--repeats`` times.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_media [--steps 6] [--repeats 2] [--window 32]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_media [--steps 6] [--demo-steps 30] [--repeats 3] [--window 32]
 """
 
 from __future__ import annotations
@@ -129,19 +129,26 @@ def _learner_pair(model_dir: str, records: Path, shape_sets: list[str], steps: i
     groups = sample_groups(model_dir, records, n, num_generations=4, max_tokens=32, data_overrides=shape_sets,
                            media="reference")
     sets = [f"model.name_or_path={model_dir}", f"data.train_path={records}", f"learner.groups_per_step={per_step}"]
-    ref_s, inline_s = [], []
+    from streamgrpo import metrics as M
+
+    ref_s, inline_s, waited = [], [], []
     for r in range(repeats):
         inline_s.append(_learner_step_s([inline(g) for g in groups], sets, tmp / f"{name}-inline-{r}", steps))
+        w0 = M.MEDIA_WAIT_SECONDS._value.get()
         ref_s.append(_learner_step_s(groups, sets, tmp / f"{name}-ref-{r}", steps))
+        waited.append(round((M.MEDIA_WAIT_SECONDS._value.get() - w0) / steps, 4))
     value, base = statistics.median(ref_s), statistics.median(inline_s)
+    runs = f"ref {[round(x, 4) for x in ref_s]} inline {[round(x, 4) for x in inline_s]}"
     return figure(f"media_learner_step_s_{name}", value, base, unit="s/step",
-                  note=f"reference/inline, {steps} steps of {per_step} groups, runs: ref {ref_s} inline {inline_s}")
+                  note=f"reference/inline, {steps} steps of {per_step} groups; runs: {runs}; "
+                       f"waited for decoding per step (reference): {waited} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6, help="learner steps per timed run")
-    ap.add_argument("--repeats", type=int, default=2, help="inline/reference run pairs per shape")
+    ap.add_argument("--steps", type=int, default=6, help="learner steps per timed run (16-frame 448x448 clips)")
+    ap.add_argument("--demo-steps", type=int, default=30, help="learner steps per timed run on the demo's clips")
+    ap.add_argument("--repeats", type=int, default=3, help="inline/reference run pairs per shape")
     ap.add_argument("--window", type=int, default=32, help="3B-shape groups held in Redis")
     a = ap.parse_args(argv)
     from streamgrpo.config import load_config
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                 _redis_bytes([inline(x) for x in held], tmp / "r4"), unit="bytes",
                                 note=f"the demo's uncommitted window: {n_window} groups (save_steps x groups_per_step)")))
         figs.append(emit(_learner_pair(model, demo / "train.jsonl", ["data.min_frames=8", "data.max_frames=8"],
-                                       a.steps, 4, a.repeats, tmp, "demo")))
+                                       a.demo_steps, 4, a.repeats, tmp, "demo")))
         big = _records(tmp / "clips448", a.steps * 4 + 4, 16, 448)
         figs.append(emit(_learner_pair(model, big, ["data.min_frames=16", "data.max_frames=16", "data.fps=24",
                                                      f"data.min_pixels={448 * 448}", f"data.max_pixels={448 * 448}",

@@ -42,7 +42,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "cluster_ref": ("bench_cluster", ["--media", "reference", "--gens", "1,4,16,64", "--learners", "1", "--sizes", "10",
                                       "--seconds", "2", "--out", "benchmarks/results/bench_cluster_ref.json"],
                     ["--media", "reference", "--sizes", "10", "--out", "benchmarks/results/bench_cluster_ref.json"], 600),
-    "media": ("bench_media", ["--steps", "6", "--repeats", "2"], ["--steps", "10", "--repeats", "3"], 900),
+    "media": ("bench_media", ["--steps", "6", "--repeats", "3"], ["--steps", "10", "--repeats", "5"], 900),
     "e2e": ("bench_e2e", [], ["--steps", "200", "--cap-s", "1200"], 1500),
     "staleness": ("bench_staleness", [], ["--seeds", "0,1,2"], 2700),
     "motion": ("bench_motion", [], ["--seeds", "0,1,2", "--compare"], 900),
