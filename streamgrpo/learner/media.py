@@ -135,9 +135,10 @@ class MediaResolver:
         t0 = time.perf_counter()
         try:
             return decode_resized(v.kind, path, indices, ref.height, ref.width, ref.decoder, readers)
-        except (DecodeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - DecodeError, OSError, or a decoder's own: never the learner's crash
+            why = str(exc) if isinstance(exc, (DecodeError, OSError)) else f"{type(exc).__name__}: {exc}"
             raise MediaError("media_mismatch", f"{where}: media file {path} cannot be decoded here as the generator "
-                                               f"did ({exc})") from None
+                                               f"did ({why})") from None
         finally:
             for reader in readers.values():
                 reader.close()
