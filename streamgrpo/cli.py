@@ -156,6 +156,12 @@ def cmd_data_check(args) -> int:
     return run_check(args.path, cfg.data, workers=args.workers, allow_errors=args.allow_errors)
 
 
+def cmd_queue_check(args) -> int:
+    from streamgrpo.commands.queue_check import run_queue_check
+
+    return run_queue_check(_load(args), file=args.file, count=args.count)
+
+
 def cmd_data_demo(args) -> int:
     from streamgrpo.recipes.demo.data import make_demo
 
@@ -300,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_data_demo)
+
+    queue = sub.add_parser("queue", help="queue tools").add_subparsers(dest="queue_command", metavar="SUBCOMMAND")
+    queue.required = True
+    p = queue.add_parser("check", help="run the learner's checks on queued messages (or a file of them) without "
+                                       "training: one OK/DROP line each, with the reason")
+    p.add_argument("--file", default=None, help="a file of messages one after another (default: the run's Redis stream)")
+    p.add_argument("--count", type=int, default=100, help="stream entries to check, oldest first")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_queue_check)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     model.required = True

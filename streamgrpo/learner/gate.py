@@ -13,24 +13,13 @@ import math
 import time
 from collections import Counter
 
-import numpy as np
-
 from streamgrpo import metrics as M
 from streamgrpo.config import LossConfig
+from streamgrpo.learner.checks import reprocess, token_problem
 from streamgrpo.learner.distributed import DistInfo, share
 from streamgrpo.learner.state import Accepted, LearnerState
 
 log = logging.getLogger("streamgrpo.learner")
-
-
-def token_problem(group, vocab_size: int) -> str | None:
-    """Why the model cannot train on ``group``'s completion tokens (an id it cannot embed), or None."""
-    for i, c in enumerate(group.completions):
-        ids = np.asarray(c.token_ids)
-        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-            bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
-            return f"completions[{i}].token_ids: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
-    return None
 
 
 class Gate:
@@ -53,6 +42,7 @@ class Gate:
         self.drops: Counter = Counter()  # this rank's drops since the last step
         self._stale: list[int] = []  # policy versions of stale groups not logged yet
         self._stale_logged = 0.0
+        self._mismatches, self._mismatch_logged = 0, -1e9
 
     def admit(self, d) -> Accepted | None:
         try:
@@ -63,7 +53,6 @@ class Gate:
 
     def _admit(self, d) -> Accepted | None:
         from streamgrpo.advantages import is_zero_variance
-        from streamgrpo.data.prompts import processor_inputs
         from streamgrpo.learner.media import MediaError, by_reference
 
         g, state = d.group, self.state
@@ -93,27 +82,33 @@ class Gate:
                 log.warning("group %s (entry %s): %s", g.group_id, d.stream_id, exc)
                 self.dead_letter(d.stream_id, g, f"group {g.group_id}: {exc}", exc.label)
                 return None
-        try:
-            inputs = processor_inputs(self.processor, g.prompt_text, g.visuals)
-            same = np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids)
-        except Exception as exc:  # noqa: BLE001 - any failure to re-create the inputs is a mismatch
-            log.warning("group %s (entry %s): cannot re-process its prompt: %s", g.group_id, d.stream_id, exc)
-            same = False
-        if not same:
-            self.drop(d.stream_id, g.group_id, "mismatch")
+        inputs, problem = reprocess(self.processor, g)
+        if problem is not None:
+            self._note_mismatch(g, d.stream_id, problem.reason)
+            self.drop(d.stream_id, g.group_id, "mismatch", why=problem.reason)
             return None
         return Accepted(d.stream_id, g, inputs, staleness)
 
-    def drop(self, stream_id: str, group_id: str, reason: str) -> None:
+    def drop(self, stream_id: str, group_id: str, reason: str, why: str | None = None) -> None:
         M.GROUPS_DROPPED.labels(reason=reason).inc()
         self.drops[reason] += 1
-        self.audit.write({"event": "dropped", "reason": reason, "group_id": group_id})
+        self.audit.write({"event": "dropped", "reason": reason, "group_id": group_id, **({"why": why} if why else {})})
         self.queue.ack([stream_id])
 
     def dead_letter(self, stream_id: str, group, reason: str, label: str) -> None:
         self.drops[label] += 1
         self.audit.write({"event": "dropped", "reason": label, "group_id": group.group_id, "why": reason})
         self.queue.dead_letter(stream_id, group, reason, label=label)
+
+    def _note_mismatch(self, g, stream_id: str, why: str) -> None:
+        """One warning per mismatched group, at most one per 10 s (the others counted in the next one)."""
+        self._mismatches += 1
+        now = time.monotonic()
+        if now - self._mismatch_logged >= 10.0:
+            more = f" ({self._mismatches - 1} more since the last warning)" if self._mismatches > 1 else ""
+            log.warning("group %s (entry %s, generator %s) dropped as mismatch: %s%s; the generator's model, chat "
+                        "template or frames are not the learner's", g.group_id, stream_id, g.generator_id, why, more)
+            self._mismatches, self._mismatch_logged = 0, now
 
     def _note_stale(self, version: int) -> None:
         self._stale.append(version)
