@@ -1,4 +1,4 @@
-"""ScoredGroup: the message a generator sends the learner (docs/design.md, "Processes and data flow"), and its codec.
+"""ScoredGroup: the message a generator sends the learner, and its codec (the format in prose: docs/protocol.md).
 
 Frame layout (all integers little-endian)::
 
