@@ -1,6 +1,9 @@
 """Did every group get trained exactly once? An audit of a run directory and its Redis queue.
 
-Sources: the generators' audit logs (``audit/generator-*.jsonl``: every group they put, by id), the
+Sources: the producers' audit logs (``audit/generator-*.jsonl`` of streamgrpo's generators, and any
+other ``audit/*.jsonl`` a producer writes with ``{"event": "produced", "group_id": ...}`` lines, see
+docs/protocol.md: every group they put, by id), the groups the learner read (its ``consumed``
+lines: groups from producers that keep no log are accounted from their first read on), the
 learner's (``audit/learner.jsonl`` and ``learner-rank<R>.jsonl``: each rank's groups of every
 step, rewound to the checkpoint on each resume, and every group it dropped or dead-lettered), the queue's dead letters, the entries still
 in the stream, and the trained set in Redis (what was committed). :func:`tally` is the pure part
@@ -34,6 +37,7 @@ class RunAudit:
     twice: int
     uncommitted: int
     resumes: int
+    unlogged: int = 0  # produced groups known only from the learner's reads (their producer keeps no audit log)
     lost_ids: list[str] = field(default_factory=list)
     twice_ids: list[str] = field(default_factory=list)
 
@@ -64,9 +68,11 @@ def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str
           committed_ids: set[str], other_ranks: list[list[dict]] = ()) -> RunAudit:
     """The audit from the logs' rows and what Redis holds (pure). ``learner_rows``: rank 0's log (the
     step sequence); ``other_ranks``: the logs of ranks 1.. (their groups of each step, their drops)."""
-    produced = {r["group_id"] for r in produced_rows if r.get("event") == "produced"}
+    logged = {r["group_id"] for r in produced_rows if r.get("event") == "produced"}
     steps = [r for r in learner_rows if r.get("event") == "trained"]
     every = [learner_rows, *other_ranks]
+    read = {r["group_id"] for rows in every for r in rows if r.get("event") == "consumed"}
+    produced = logged | read
     counts = Counter(g for rows in every for r in rows if r.get("event") == "trained" for g in r.get("group_ids", []))
     dropped_rows = [r for rows in every for r in rows if r.get("event") == "dropped"]
     dropped = Counter(r.get("reason", "?") for r in dropped_rows)
@@ -83,14 +89,16 @@ def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str
         produced=len(produced), trained=len(counts), steps=len(steps), version=steps[-1]["version"] if steps else 0,
         steps_in_order=in_order, dropped=dict(dropped), queued=len(produced & queued_ids), lost=len(lost),
         twice=sum(n - 1 for n in counts.values() if n > 1), uncommitted=len(set(counts) - committed_ids),
-        resumes=sum(r.get("event") == "resumed" for r in learner_rows), lost_ids=lost[:20], twice_ids=twice[:20],
+        resumes=sum(r.get("event") == "resumed" for r in learner_rows), unlogged=len(read - logged),
+        lost_ids=lost[:20], twice_ids=twice[:20],
     )
 
 
 def audit_run(run_dir: str | Path, queue) -> RunAudit:
     """Audit ``run_dir`` against the queue (a :class:`~streamgrpo.transport.queue.redis_stream.RedisQueue`)."""
     run_dir = Path(run_dir)
-    produced = [r for p in sorted((run_dir / "audit").glob("generator-*.jsonl")) for r in read_jsonl(p)]
+    produced = [r for p in sorted((run_dir / "audit").glob("*.jsonl")) if not p.name.startswith("learner")
+                for r in read_jsonl(p)]
     learner = read_jsonl(run_dir / "audit" / "learner.jsonl")
     ranks = [read_jsonl(p) for p in sorted((run_dir / "audit").glob("learner-rank*.jsonl"))]
     r = queue.client

@@ -57,6 +57,7 @@ class Gate:
 
         g, state = d.group, self.state
         M.GROUPS.labels(event="consumed").inc()
+        self.audit.write({"event": "consumed", "group_id": g.group_id, "generator": g.generator_id})
         staleness = state.version - int(g.policy_version)
         if abs(staleness) > self.loss.max_staleness:
             # ahead of the learner: made by weights of a run that was rolled back (resumed) past them

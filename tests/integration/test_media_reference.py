@@ -175,7 +175,8 @@ def test_changed_and_missing_files_are_dead_letters_that_name_the_file(tiny_mode
         assert str(data / gone) in dead[gone_g.group_id]["reason"] and "not found" in dead[gone_g.group_id]["reason"]
         assert gate.drops == {"media_mismatch": 1, "media_missing": 1}
         audit.close()
-        reasons = [json.loads(x)["reason"] for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        reasons = [r["reason"] for x in (tmp_path / "audit.jsonl").read_text().splitlines()
+                   for r in [json.loads(x)] if r["event"] == "dropped"]
         assert sorted(reasons) == ["media_mismatch", "media_missing"]
         resolver.close()
     finally:
@@ -189,6 +190,7 @@ def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_mod
     dead-lettered; every referenced visual was decoded by the learner."""
     from dataclasses import replace
 
+    from streamgrpo.audit import audit_run
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.wire import encode, inline
@@ -208,6 +210,8 @@ def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_mod
                    for e in [json.loads(line)] if e["event"] == "trained" for g in e["group_ids"]]
         assert sorted(trained) == ["ref-0", "ref-1", "ref-2", "schema-2"]
         assert q.dead_letters() == [] and q.depth() == 0 and q.held_count() == 0
+        audit = audit_run(run, q)  # no producer kept a log: every group is accounted from the learner's reads
+        assert audit.ok and audit.produced == audit.unlogged == 4 and audit.trained == 4
         assert value(metrics.MEDIA_CACHE, result="miss") - misses0 == sum(len(g.visuals) for g in mixed)
     finally:
         q.close()

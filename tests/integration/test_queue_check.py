@@ -131,4 +131,6 @@ def test_gate_says_why_a_prompt_mismatches_in_one_warning(good, tiny_model_dir, 
     import json
 
     rows = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert [r["reason"] for r in rows] == ["mismatch", "mismatch"] and all("first difference" in r["why"] for r in rows)
+    assert [r["event"] for r in rows] == ["consumed", "dropped"] * 2
+    dropped = [r for r in rows if r["event"] == "dropped"]
+    assert [r["reason"] for r in dropped] == ["mismatch", "mismatch"] and all("first difference" in r["why"] for r in dropped)

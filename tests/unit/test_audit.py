@@ -41,3 +41,15 @@ def test_other_ranks_groups_count_toward_trained_and_twice():
              {"event": "trained", "step": 2, "version": 2, "group_ids": ["a"]}]
     out = tally(_produced("a", "b", "c"), _steps(["a"], ["b"]), set(), set(), {"a", "b", "c"}, [rank1])
     assert out.trained == 3 and out.lost == 0 and out.twice == 1 and out.twice_ids == ["a"] and out.steps == 2
+
+
+def test_groups_of_a_producer_without_a_log_are_accounted_from_the_learners_reads():
+    """A third-party producer keeps no audit log: the groups the learner read count as produced, so one
+    read but then neither trained, dropped, dead-lettered nor queued is lost."""
+    read = [{"event": "consumed", "group_id": g, "generator": "my-server"} for g in ("x1", "x2", "x3")]
+    rows = read + _steps(["a", "x1"]) + [{"event": "dropped", "reason": "mismatch", "group_id": "x2"}]
+    out = tally(_produced("a"), rows, dead_ids=set(), queued_ids=set(), committed_ids={"a", "x1"})
+    assert out.produced == 4 and out.unlogged == 3
+    assert out.lost == 1 and out.lost_ids == ["x3"] and not out.ok
+    fine = tally(_produced("a"), read[:1] + _steps(["a", "x1"]), set(), set(), {"a", "x1"})
+    assert fine.ok and fine.unlogged == 1 and fine.produced == 2
