@@ -26,6 +26,8 @@ class WeightsConfig(Section):
     """Directory made by `streamgrpo keys`: enables CURVE encryption and client authorisation."""
     sndhwm: int = Field(64, ge=1)
     """Minimum PUB high-water mark in messages; raised automatically to hold two versions (a subscriber that falls further behind repairs through the snapshot endpoint)."""
+    digest: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    """Hash of every chunk of a version (its meta says which): xxh3_128 (fast; needs the xxhash package on subscribers) or sha256 (the standard library's, for subscribers written without xxhash; several times slower on the learner and every subscriber)."""
     transport: Literal["tcp", "ipc", "shm"] = "tcp"
     """How generators reach the weights: tcp (any host); ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well); shm (as ipc, but each version's bytes are read from the learner's shared-memory file in shm_dir instead of being sent: no socket copy at all)."""
     shm_dir: str = "/dev/shm"

@@ -83,11 +83,14 @@ def _until(pred, what: str, timeout: float = WAIT_S):
 
 
 # ------------------------------------------------------------------------------- round trips
-def test_round_trip_is_bit_exact_for_many_dtypes_and_shapes(weight_subscriber_factory):
-    cfg = WeightsConfig(pub_port=0, snapshot_port=0, chunk_mib=1 / 64)
+@pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
+def test_round_trip_is_bit_exact_for_many_dtypes_and_shapes(weight_subscriber_factory, digest):
+    """Also with the standard library's sha256 (weights.digest) for subscribers written without xxhash."""
+    cfg = WeightsConfig(pub_port=0, snapshot_port=0, chunk_mib=1 / 64, digest=digest)
     syncs = REGISTRY.get_sample_value("streamgrpo_weight_sync_seconds_count") or 0.0
     sent = REGISTRY.get_sample_value("streamgrpo_weight_bytes_total") or 0.0
     with publisher_from_config(cfg, "unused-for-tcp") as pub:
+        assert pub.algo == digest
         sub = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
         for version in (1, 2, 3):
             t = _tensors(version, big=50_000 * version)  # versions differ in size too: many 16 KiB chunks

@@ -26,7 +26,8 @@ def publisher_from_config(wcfg: WeightsConfig, run_dir: str | Path, **kw) -> Wei
     from streamgrpo.transport.weights.publisher import WeightPublisher
     from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
-    kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), "io_threads": wcfg.io_threads, "host_buffers": wcfg.host_buffers, **kw}
+    kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), "io_threads": wcfg.io_threads, "host_buffers": wcfg.host_buffers,
+          "algo": wcfg.digest, **kw}
     args = (wcfg.bind_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.chunk_mib, wcfg.curve_keys_dir, wcfg.sndhwm)
     if wcfg.transport == "shm":
         return ShmPublisher(*args, shm_dir=wcfg.shm_dir, **kw)
