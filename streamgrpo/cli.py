@@ -162,6 +162,12 @@ def cmd_queue_check(args) -> int:
     return run_queue_check(_load(args), file=args.file, count=args.count)
 
 
+def cmd_weights_pull(args) -> int:
+    from streamgrpo.commands.weights_pull import pull_weights
+
+    return pull_weights(_load(args), args.out, timeout_s=args.timeout_s, client_key=args.client_key)
+
+
 def cmd_data_demo(args) -> int:
     from streamgrpo.recipes.demo.data import make_demo
 
@@ -315,6 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=100, help="stream entries to check, oldest first")
     _add_config_args(p)
     p.set_defaults(func=cmd_queue_check)
+
+    weights = sub.add_parser("weights", help="weight channel tools").add_subparsers(dest="weights_command",
+                                                                                 metavar="SUBCOMMAND")
+    weights.required = True
+    p = weights.add_parser("pull", help="receive one weight version from the learner into a .safetensors file")
+    p.add_argument("--out", required=True, help="the .safetensors file to write")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up (exit 1) after this long without a version")
+    p.add_argument("--client-key", default=None, help="with CURVE keys: the client key pair to use, e.g. client-0")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_weights_pull)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     model.required = True

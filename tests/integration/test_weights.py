@@ -350,3 +350,31 @@ def test_a_weights_port_in_use_is_one_line_naming_the_setting():
         # the first publisher is unharmed: a second one on free ports starts fine next to it
         with WeightPublisher("127.0.0.1", 0, 0, chunk_mib=1 / 64) as second:
             assert second.pub_port not in (first.pub_port, first.snapshot_port)
+
+
+def test_weights_pull_writes_the_latest_version_to_safetensors(weight_publisher, tmp_path):
+    """`streamgrpo weights pull` (the real CLI) gets the version a late joiner gets, bit for bit, with
+    the learner's tensor names; with nothing published it gives up in one line, exit code 1."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    pub = weight_publisher
+    ports = ["--set", f"weights.pub_port={pub.pub_port}", "--set", f"weights.snapshot_port={pub.snapshot_port}",
+             "--set", f"run_dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "streamgrpo", "weights", "pull", "--config", "demo", *ports]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    none = subprocess.run([*cmd, "--out", str(tmp_path / "none.safetensors"), "--timeout-s", "2"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 1 and "no weight version from 127.0.0.1" in none.stdout and "Traceback" not in none.stderr
+    for version in (1, 2):
+        pub.publish(version, _tensors(version))
+    assert pub.flush(WAIT_S)
+    out = tmp_path / "w.safetensors"
+    done = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("weights v2: ")
+    sent = _tensors(2)
+    got = load_file(str(out))
+    assert _same({k: got[k] for k in sent if k in got}, sent) and got.keys() == sent.keys()  # (safetensors sorts names)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"streamgrpo_version": "2"}
