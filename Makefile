@@ -108,7 +108,7 @@ chaos: setup
 	$(PY) -m benchmarks.chaos
 
 lint: setup
-	$(VENV)/bin/ruff check streamgrpo tests benchmarks
+	$(VENV)/bin/ruff check streamgrpo tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs
