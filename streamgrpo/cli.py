@@ -1,4 +1,4 @@
-"""The `streamgrpo` command line (design.md §6).
+"""The `streamgrpo` command line (every command: `streamgrpo --help`; the manual: README.md).
 
 Only argparse and the config module are imported at start-up, so `--help` is fast and torch stays
 out of `sys.modules` until a command that needs it runs.

@@ -1,4 +1,4 @@
-"""Prometheus metrics shared by every streamgrpo process (names: design.md §5).
+"""Prometheus metrics shared by every streamgrpo process (what they mean: docs/design.md, "Metrics").
 
 Import the metric objects from here; never create a second metric with one of these names. Each
 process calls :func:`serve` once to expose ``/metrics`` and ``/healthz``. Labels are low

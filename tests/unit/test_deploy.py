@@ -445,7 +445,7 @@ def test_every_promql_metric_name_is_exported_by_streamgrpo_metrics():
         unknown = names - exported - {"up"}
         assert not unknown, f"{where}: {sorted(unknown)} not exported by streamgrpo/metrics.py ({expr})"
         used |= names
-    # the dashboard covers the whole of design.md §5 (plus backpressure)
+    # the dashboard covers every metric of docs/design.md "Metrics" (plus backpressure)
     families = {n for n in used if n.startswith("streamgrpo_")}
     base = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in families}
     expected = {
