@@ -4,7 +4,8 @@ For a producer written outside streamgrpo (docs/protocol.md): each message of a 
 frames one after another, as ``wire.encode`` writes them) or of the run's Redis stream (read with
 XRANGE: nothing is consumed, acknowledged or changed) is decoded and put through what the learner
 checks before a step (:mod:`streamgrpo.learner.checks`: the wire contract, the model's vocabulary,
-visuals by reference, the re-processed prompt), with the learner's own processor and media root.
+visuals by reference, the re-processed prompt; with ``loss.drop_zero_variance`` equal rewards), with
+the learner's own processor and media root.
 One line per message (``OK`` or ``DROP`` with the reason the learner would count and the field);
 exit code 0 when every message would train, 1 otherwise. Staleness depends on the learner's version
 at the time and is not checked.
@@ -56,8 +57,11 @@ def vocab_size(model_path: str) -> int:
     return int(getattr(getattr(cfg, "text_config", None), "vocab_size", None) or cfg.vocab_size)
 
 
-def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, entry_gid: str = ""):
-    """``(group id or "?", Problem or None, group or None)`` for one message."""
+def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, entry_gid: str = "",
+                  drop_zero_variance: bool = False):
+    """``(group id or "?", Problem or None, group or None)`` for one message; with
+    ``drop_zero_variance`` (``loss.drop_zero_variance``) a group whose rewards are all equal is dropped too."""
+    from streamgrpo.advantages import is_zero_variance
     from streamgrpo.learner.checks import Problem, check_group
     from streamgrpo.wire import WireError, decode
 
@@ -67,6 +71,9 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
         return entry_gid or "?", Problem("malformed", str(exc)), None
     if entry_gid and entry_gid != group.group_id:
         return entry_gid, Problem("malformed", f"group_id: entry says {entry_gid!r}, message says {group.group_id!r}"), None
+    if drop_zero_variance and is_zero_variance([c.reward for c in group.completions]):
+        return group.group_id, Problem("zero_variance", f"completions: all {len(group.completions)} rewards are "
+                                                        f"{group.completions[0].reward!r} (loss.drop_zero_variance)"), group
     group, _inputs, problem = check_group(group, processor, vocab, media)
     return group.group_id, problem, group
 
@@ -91,7 +98,8 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
             items = stream_messages(queue, count)
         verdicts: Counter = Counter()
         for where, data, gid in items:
-            gid, problem, group = check_message(data, processor, vocab, media, max_bytes, gid)
+            gid, problem, group = check_message(data, processor, vocab, media, max_bytes, gid,
+                                                drop_zero_variance=cfg.loss.drop_zero_variance)
             if problem is None:
                 kinds = sorted({"reference" if v.ref is not None else "inline" for v in group.visuals}) or ["none"]
                 print(f"OK    {where}: group {gid} (v{group.policy_version}, {len(group.completions)} completions, "

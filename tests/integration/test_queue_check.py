@@ -49,6 +49,7 @@ def _faults(good) -> dict[str, object]:
         "media_mismatch": replace(g, group_id="bad-pixels", visuals=[replace(v, frames=None, ref=replace(
             v.ref, digest="xxh3_128:" + other))]),
         "mismatch": replace(g, group_id="bad-prompt", prompt_ids=ids),
+        "zero_variance": replace(g, group_id="all-equal", completions=[replace(c, reward=0.5) for c in g.completions]),
     }
 
 
@@ -65,10 +66,10 @@ def test_queue_check_names_every_drop_reason_from_a_file(good, tiny_model_dir, d
     path = tmp_path / "messages.bin"
     path.write_bytes(b"".join([encode(good[0]), encode(inline(good[1])), *(encode(f) for f in faults.values()),
                                b"SGRX" + bytes(12)]))
-    out = _check(tiny_model_dir, data, "--file", str(path))
+    out = _check(tiny_model_dir, data, "--file", str(path), "--set", "loss.drop_zero_variance=true")
     assert out.returncode == 1, out.stdout + out.stderr
     lines = [x for x in out.stdout.splitlines() if x.startswith(("OK", "DROP"))]
-    assert len(lines) == 7 and "Traceback" not in out.stderr
+    assert len(lines) == 8 and "Traceback" not in out.stderr
     assert lines[0].startswith("OK") and "visuals reference" in lines[0]
     assert lines[1].startswith("OK") and "visuals inline" in lines[1]
     by_group = {line.split("group ")[1].split(":")[0].split(" ")[0]: line for line in lines}
@@ -79,8 +80,9 @@ def test_queue_check_names_every_drop_reason_from_a_file(good, tiny_model_dir, d
     assert f"mismatch: prompt_ids: the message has {n} tokens, the learner's processor gives {n}" in by_group["bad-prompt"]
     assert "first difference at token 5" in by_group["bad-prompt"]
     assert lines[-1].startswith("DROP") and "malformed: message: bad magic" in lines[-1]
-    assert out.stdout.splitlines()[-1] == ("7 message(s): 2 would train, 5 would be dropped (invalid 1, malformed 1, "
-                                           "media_mismatch 1, media_missing 1, mismatch 1)")
+    assert "zero_variance: completions: all 2 rewards are 0.5 (loss.drop_zero_variance)" in by_group["all-equal"]
+    assert out.stdout.splitlines()[-1] == ("8 message(s): 2 would train, 6 would be dropped (invalid 1, malformed 1, "
+                                           "media_mismatch 1, media_missing 1, mismatch 1, zero_variance 1)")
 
 
 def test_queue_check_reads_a_stream_without_consuming_it(good, tiny_model_dir, data, redis_server, redis_ns):
