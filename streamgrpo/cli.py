@@ -396,6 +396,9 @@ def _user_error(exc: BaseException) -> int | None:
     checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
     if checkpoint is not None and isinstance(exc, (checkpoint.CheckpointUnusable, checkpoint.CheckpointWriteError)):
         return FAILED_EXIT
+    media = sys.modules.get("streamgrpo.learner.media")
+    if media is not None and isinstance(exc, media.MediaUnavailable):
+        return FAILED_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
         return USAGE_EXIT
@@ -405,7 +408,7 @@ def _user_error(exc: BaseException) -> int | None:
 def command_name(args: argparse.Namespace) -> str:
     """``learner``, ``config show``, ``data check``...: the words that chose the command."""
     words = [args.command]
-    for attr in ("config_command", "data_command", "model_command"):
+    for attr in ("config_command", "data_command", "model_command", "queue_command", "weights_command"):
         if getattr(args, attr, None):
             words.append(getattr(args, attr))
     return " ".join(words)

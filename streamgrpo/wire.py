@@ -48,7 +48,7 @@ from streamgrpo.wire_arrays import (
     _resolve,
     _resolve_tree,
 )
-from streamgrpo.wire_media import MediaRef, check_ref, ref_from_wire, ref_to_wire
+from streamgrpo.wire_media import MAX_FRAMES, MediaRef, check_ref, ref_from_wire, ref_to_wire
 
 LOGPROB_MIN = -1000.0  # below any sampler's reach: the smallest positive float64 is e^-745
 LOGPROB_MAX = 1e-3  # a log-probability is at most 0 (this much rounding above it is allowed)
@@ -264,6 +264,8 @@ def _check_ref_visual(v: Visual, p: str, schema: int) -> None:
         _fail(f"{p}.frame_indices", "a video by reference needs the indices of its sampled frames")
     if v.kind == "image" and n:
         _fail(f"{p}.frame_indices", f"an image has no frame indices, got {n}")
+    if n > MAX_FRAMES:
+        _fail(f"{p}.frame_indices", f"{n} frames by reference, over the {MAX_FRAMES} a video may have")
     if n and int(v.frame_indices.min()) < 0:
         _fail(f"{p}.frame_indices", f"negative frame index {int(v.frame_indices.min())}")
 

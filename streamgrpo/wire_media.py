@@ -27,6 +27,7 @@ from streamgrpo.wire_arrays import WireError
 DECODERS = ("auto", "decord", "pyav")  # data.video_backend values; images always decode with PIL
 MAX_PATH_CHARS = 4096
 MAX_SIDE = 1 << 16
+MAX_FRAMES = 4096  # frames of one video by reference (data.max_frames' own bound)
 
 
 def _xxh3_128(buf: memoryview) -> str:

@@ -2,7 +2,8 @@
 
 Exactly-once keeps every trained group's message in Redis until the checkpoint that commits it, and
 producers may queue ``queue.max_pending`` more, so Redis holds up to
-``(learner.save_steps x learner.groups_per_step + queue.max_pending) x message bytes``. A message is
+``((learner.save_steps + 2) x learner.groups_per_step + queue.max_pending) x message bytes`` (the two
+steps: the one being collected and the next one, read ahead while a step trains). A message is
 dominated by its pixels when visuals travel inline (``data.total_pixels x 3`` bytes at most) and by
 its completions when they travel by reference (``rollout.media``). Size ``maxmemory`` at least 1.25x
 the estimate (Redis' own overhead, fragmentation).
@@ -32,8 +33,9 @@ def message_bytes(cfg: Config) -> int:
 
 
 def held_groups(cfg: Config) -> int:
-    """Groups Redis may hold at once: the uncommitted window and the producers' backlog."""
-    return cfg.learner.save_steps * cfg.learner.groups_per_step + cfg.queue.max_pending
+    """Groups Redis may hold at once: the uncommitted window, the step being collected and the next one
+    read ahead, and the producers' backlog."""
+    return (cfg.learner.save_steps + 2) * cfg.learner.groups_per_step + cfg.queue.max_pending
 
 
 def held_bytes(cfg: Config) -> int:
@@ -42,8 +44,8 @@ def held_bytes(cfg: Config) -> int:
 
 def describe(cfg: Config) -> str:
     """``~N GiB (G groups of up to M MiB, visuals <media>)``."""
-    return (f"~{held_bytes(cfg) / 2**30:.1f} GiB ({held_groups(cfg)} groups: save_steps x groups_per_step + "
-            f"max_pending, of up to {message_bytes(cfg) / 2**20:.2f} MiB each, visuals {cfg.rollout.media})")
+    return (f"~{held_bytes(cfg) / 2**30:.1f} GiB ({held_groups(cfg)} groups: (save_steps + 2) x groups_per_step "
+            f"+ max_pending, of up to {message_bytes(cfg) / 2**20:.2f} MiB each, visuals {cfg.rollout.media})")
 
 
 def redis_budget_warning(cfg: Config, maxmemory: int) -> str | None:

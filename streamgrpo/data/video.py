@@ -72,7 +72,8 @@ __all__ = [
     "smart_resize",
 ]
 
-_FALLBACK_FPS = 24.0  # a video whose container has no frame rate (as transformers assumes)
+_FALLBACK_FPS = 24.0
+DECODE_CHUNK = 32  # frames decoded at their native size at once (a 4K clip: ~0.8 GB), then resized  # a video whose container has no frame rate (as transformers assumes)
 
 
 def sampling_params(record: Record, cfg: DataConfig) -> dict[str, Any]:
@@ -225,13 +226,21 @@ def decode_resized(kind: str, path: str, indices: list[int], height: int, width:
                    readers: dict[str, Any] | None = None) -> np.ndarray:
     """The frames ``indices`` of a video (an image: its one frame) decoded and resized to ``height`` x
     ``width``: what a generator feeds its model, and what the learner decodes again for a reference.
-    ``readers`` keeps open videos by path (closed by the caller). Raises DecodeError or OSError."""
+    ``readers`` keeps open videos by path (closed by the caller). Frames are decoded :data:`DECODE_CHUNK`
+    at a time, so the memory a call needs is bounded by its output, whatever the source's resolution.
+    Raises DecodeError or OSError."""
     if kind == "image":
         return resize_frames(read_image(path)[None], height, width)
     readers = {} if readers is None else readers
     if path not in readers:
         readers[path] = open_video(path, backend)
-    return resize_frames(readers[path].read(indices), height, width)
+    if len(indices) <= DECODE_CHUNK:
+        return resize_frames(readers[path].read(indices), height, width)
+    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # at most DECODE_CHUNK frames at full size
+    for i in range(0, len(indices), DECODE_CHUNK):
+        part = indices[i:i + DECODE_CHUNK]
+        out[i:i + len(part)] = resize_frames(readers[path].read(part), height, width)
+    return out
 
 
 def _read_frames(record: Record, cfg: DataConfig, item: tuple[str, str], idx: list[int], plan: MediaPlan,

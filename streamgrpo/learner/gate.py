@@ -43,6 +43,7 @@ class Gate:
         self._stale: list[int] = []  # policy versions of stale groups not logged yet
         self._stale_logged = 0.0
         self._mismatches, self._mismatch_logged = 0, -1e9
+        self._media_failures = 0  # referenced groups in a row that could not be resolved
 
     def admit(self, d) -> Accepted | None:
         try:
@@ -53,6 +54,7 @@ class Gate:
 
     def _admit(self, d) -> Accepted | None:
         from streamgrpo.advantages import is_zero_variance
+        from streamgrpo.learner import media as media_mod
         from streamgrpo.learner.media import MediaError, by_reference
 
         g, state = d.group, self.state
@@ -79,9 +81,16 @@ class Gate:
                 if self.media is None:
                     raise MediaError("media_missing", "visuals by reference, and this consumer decodes none")
                 g = self.media.resolved(d)
+                self._media_failures = 0
             except MediaError as exc:
                 log.warning("group %s (entry %s): %s", g.group_id, d.stream_id, exc)
                 self.dead_letter(d.stream_id, g, f"group {g.group_id}: {exc}", exc.label)
+                self._media_failures += 1
+                if self._media_failures >= media_mod.STOP_AFTER:
+                    raise media_mod.MediaUnavailable(
+                        f"stopping: the last {self._media_failures} groups by reference could not be resolved here "
+                        f"(the last one: {exc.label}: {exc}); the groups not read yet stay queued. Mount the "
+                        "generators' media where data.media_root says, or have them send rollout.media: inline") from None
                 return None
         inputs, problem = reprocess(self.processor, g)
         if problem is not None:

@@ -34,6 +34,14 @@ from streamgrpo.wire_media import digest_matches, frames_digest
 log = logging.getLogger("streamgrpo.learner")
 
 
+class MediaUnavailable(RuntimeError):
+    """This learner cannot resolve references at all (many in a row failed): it stops, so that the groups
+    not read yet stay queued instead of all becoming dead letters."""
+
+
+STOP_AFTER = 16  # referenced groups in a row that failed before the learner stops
+
+
 class MediaError(Exception):
     """A referenced visual cannot give the generator's pixels; ``label`` is the dead-letter reason."""
 
@@ -122,11 +130,12 @@ class MediaResolver:
             frames = self._decode(v, path, indices, where)
             self.cache.put(key, frames)
         if not digest_matches(frames, ref.digest):
-            here = frames_digest(frames, ref.digest.split(":", 1)[0])
+            log.debug("%s: %s decodes to %s here, the message says %s", where, path,
+                      frames_digest(frames, ref.digest.split(":", 1)[0]), ref.digest)
             raise MediaError("media_mismatch", f"{where}: media file {path} decodes to other pixels than the "
-                                               f"generator's (digest {ref.digest}, here {here}): the file changed since "
-                                               "it was sampled, or the decoder build differs (rollout.media: inline "
-                                               "avoids re-decoding)")
+                                               f"generator's (digest {ref.digest}): the file changed since it was "
+                                               "sampled, or the decoder build differs (rollout.media: inline avoids "
+                                               "re-decoding)")
         return replace(v, frames=frames)
 
     def _decode(self, v: Visual, path: str, indices: list[int], where: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -213,5 +214,52 @@ def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_mod
         audit = audit_run(run, q)  # no producer kept a log: every group is accounted from the learner's reads
         assert audit.ok and audit.produced == audit.unlogged == 4 and audit.trained == 4
         assert value(metrics.MEDIA_CACHE, result="miss") - misses0 == sum(len(g.visuals) for g in mixed)
+    finally:
+        q.close()
+
+
+def test_long_clips_decode_in_chunks_to_the_same_pixels(tmp_path):
+    """Past DECODE_CHUNK frames, decoding goes chunk by chunk (bounded memory) to the same pixels."""
+    from streamgrpo.data.video import DECODE_CHUNK, decode_resized
+    from streamgrpo.recipes.demo.data import write_mp4
+
+    rng = np.random.default_rng(0)
+    n = DECODE_CHUNK + 9
+    write_mp4(tmp_path / "long.mp4", rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8))
+    idx = list(range(n))
+    whole = decode_resized("video", str(tmp_path / "long.mp4"), idx, 56, 56, "auto")
+    parts = [decode_resized("video", str(tmp_path / "long.mp4"), idx[i:i + 20], 56, 56, "auto") for i in (0, 20, 40)]
+    assert whole.shape == (n, 56, 56, 3) and np.array_equal(whole, np.concatenate(parts))
+
+
+def test_a_learner_that_cannot_read_any_reference_stops_instead_of_draining_the_stream(mixed, tiny_model_dir,
+                                                                                       redis_server, redis_ns,
+                                                                                       tmp_path, monkeypatch):
+    """Its media root is empty (not mounted): after STOP_AFTER dead letters in a row it stops in one
+    line (exit 1 from the CLI), and the groups it has not read stay queued."""
+    from streamgrpo.config import load_config
+    from streamgrpo.learner import media
+    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.media import MediaResolver, MediaUnavailable
+    from streamgrpo.learner.state import LearnerState
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    monkeypatch.setattr(media, "STOP_AFTER", 3)
+    (tmp_path / "empty").mkdir()
+    cfg = load_config("demo", [f"data.train_path={tmp_path / 'empty' / 'train.jsonl'}"])
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="learner-0")
+    try:
+        q.put_many([replace(mixed[0], group_id=f"unreadable-{i}") for i in range(5)])
+        resolver = MediaResolver(cfg.data)
+        gate = Gate(q, cfg.loss, LearnerState(), JsonlWriter(tmp_path / "audit.jsonl"),
+                    load_processor(str(tiny_model_dir)), 10**6, media=resolver)
+        deliveries = q.get(5, timeout_s=5.0)
+        assert gate.admit(deliveries[0]) is None and gate.admit(deliveries[1]) is None
+        with pytest.raises(MediaUnavailable, match="the last 3 groups by reference could not be resolved here"):
+            gate.admit(deliveries[2])
+        assert len(q.dead_letters()) == 3 and q.client.xlen(q.stream) == 2  # the two not admitted stay
+        resolver.close()
     finally:
         q.close()

@@ -241,9 +241,9 @@ def test_advice_flags_a_run_whose_uncommitted_groups_need_many_gib_of_redis():
     assert load_config("demo").advice() == []
     assert load_config("qwen2_5_vl_7b_video").advice() == []  # by reference (the default): ~0.4 GiB
     (line,) = load_config("qwen2_5_vl_7b_video", ["rollout.media=inline"]).advice()
-    assert "3456 groups" in line and "GiB" in line and "rollout.media: reference" in line
+    assert "3584 groups" in line and "GiB" in line and "rollout.media: reference" in line
     (line,) = load_config("demo", ["learner.save_steps=200000", "learner.groups_per_step=8"]).advice()
-    assert "1600008 groups" in line and "save_steps" in line
+    assert "1600024 groups" in line and "save_steps" in line
 
 
 def test_weights_wait_bounds_default_and_switch_off():

@@ -401,11 +401,12 @@ def test_reference_visuals_are_validated_field_by_field():
     _, hlen, blen = struct.unpack_from("<4sIQ", data)
     body = data[len(data) - blen:]
 
-    def bad(visual: dict, schema: int = 3, i: int = 0) -> str:
+    def bad(visual: dict, schema: int = 3, i: int = 0, body_extra: bytes = b"") -> str:
         vis = [dict(v) for v in header["visuals"]]
         vis[i] = visual
         with pytest.raises(WireError) as info:
-            decode(_frame({**header, "schema": schema, "visuals": vis}, body))
+            decode(_frame({**header, "schema": schema, "visuals": vis}, body_extra + body[len(body_extra):]
+                          if len(body_extra) <= len(body) else body_extra))
         return str(info.value)
 
     v0, img = header["visuals"][0], header["visuals"][1]
@@ -423,6 +424,9 @@ def test_reference_visuals_are_validated_field_by_field():
     empty = msgpack.ExtType(1, msgpack.packb(["int32", [0], 0, 0]))
     assert bad({**v0, "frame_indices": empty}).startswith("visuals[0].frame_indices: a video by reference needs")
     assert bad({**img, "frame_indices": v0["frame_indices"]}, i=1).startswith("visuals[1].frame_indices: an image has no")
+    many = msgpack.ExtType(1, msgpack.packb(["int32", [4097], 0, 4097 * 4]))
+    assert bad({**v0, "frame_indices": many}, body_extra=bytes(4097 * 4)).startswith(
+        "visuals[0].frame_indices: 4097 frames by reference, over the 4096")
     # what references expand to counts against the message limit (what the message could hold inline)
     huge = replace(ref, visuals=[replace(ref.visuals[0], frames=None,
                                          ref=replace(ref.visuals[0].ref, height=60000, width=60000))])
