@@ -88,6 +88,7 @@ def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server,
 
     from streamgrpo.config import load_config
     from streamgrpo.data.prompts import processor_inputs
+    from streamgrpo.learner.media import MediaResolver
     from streamgrpo.models.batching import vision_token_ids
     from streamgrpo.models.loading import load_processor
     from streamgrpo.transport.queue.redis_stream import RedisQueue
@@ -149,6 +150,9 @@ def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server,
     # every group is one the learner accepts, with G well-formed completions
     banned = set(vision_token_ids(processor))
     n_visuals = set()
+    media = MediaResolver(cfg.data)  # the groups name their files (rollout.media: reference): decode them as the learner does
+    assert all(v.frames is None and v.ref is not None for g in groups for v in g.visuals)
+    groups = [media.resolve(g) for g in groups]
     for g in groups:
         inputs = processor_inputs(processor, g.prompt_text, g.visuals)
         assert np.array_equal(np.asarray(inputs["input_ids"]).reshape(-1), g.prompt_ids), g.prompt_id
@@ -195,7 +199,7 @@ def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, d
     from streamgrpo.generator.sampling import score_group
     from streamgrpo.models.loading import load_processor
     from streamgrpo.rewards import RewardSet
-    from streamgrpo.wire import decode, encode
+    from streamgrpo.wire import decode, encode, inline
 
     demo = Path(demo_data_dir)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # what inflight_updates sets; undone afterwards
@@ -238,8 +242,8 @@ def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, d
     assert all(c.versions.tolist() == [1] * len(c.token_ids) for c in again[0])  # the next batch: all v1
     rewards = RewardSet(cfg)
     for (record, visuals), req, out in zip(chunk, requests, outs):
-        group = decode(encode(score_group(record, visuals, req, out, rewards, version=0, generator_id="g",
-                                          model_id="m", temperature=1.0)))  # the versions travel on the wire
+        group = decode(encode(inline(score_group(record, visuals, req, out, rewards, version=0, generator_id="g",
+                                                 model_id="m", temperature=1.0))))  # the versions travel on the wire
         assert group.policy_version == 0
         old, new = _learner_logprobs(v0, processor, group), _learner_logprobs(v1, processor, group)
         for c, lp0, lp1 in zip(group.completions, old, new):
