@@ -131,6 +131,15 @@ def cmd_generator(args) -> int:
     return run_generator(cfg, generator_id=args.id)
 
 
+def cmd_evaluator(args) -> int:
+    cfg = _load(args)
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    from streamgrpo.evaluator.loop import run_evaluator
+
+    return run_evaluator(cfg)
+
+
 def cmd_infer(args) -> int:
     from streamgrpo.commands.infer import run_infer
 
@@ -254,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_generator)
 
+    p = sub.add_parser("evaluator", help="held-out accuracy at the learner's weight versions, while it trains")
+    p.add_argument("--run-dir", default=None, help="override run_dir")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_evaluator)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory on top of --model")

@@ -94,6 +94,16 @@ MEDIA_DECODE_SECONDS = Histogram(
 )
 MEDIA_WAIT_SECONDS = Counter("streamgrpo_media_wait_seconds",
                              "Learner: seconds steps waited for referenced visuals to decode (0 while decoding is hidden)")
+EVAL_ACCURACY = Gauge("streamgrpo_eval_accuracy",
+                      "Evaluator: held-out accuracy at the last evaluated version, by question kind (all: every record) "
+                      "and frame order (ordered, shuffled)", ["kind", "frames"])
+EVAL_REWARD = Gauge("streamgrpo_eval_reward", "Evaluator: mean held-out reward at the last evaluated version, by function "
+                    "(total: the weighted sum)", ["fn"])
+EVAL_FORMAT = Gauge("streamgrpo_eval_format_compliance", "Evaluator: share of held-out completions in the right format")
+EVAL_TOKENS = Gauge("streamgrpo_eval_completion_tokens", "Evaluator: mean held-out completion length in tokens")
+EVAL_VERSION = Gauge("streamgrpo_eval_version", "Evaluator: the weight version its last results are for")
+EVAL_SKIPPED = Counter("streamgrpo_eval_versions_skipped", "Evaluator: weight versions not evaluated (between "
+                       "eval.every_versions, or superseded while it was busy)")
 WEIGHTS_MISSING = Gauge(
     "streamgrpo_weights_missing", "1 while this generator has never received weights from the learner (it samples with its initial ones)"
 )

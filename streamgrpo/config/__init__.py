@@ -10,6 +10,7 @@ Unknown keys are errors naming the key, value and file.
 from streamgrpo.config.aliases import ALIASES, REWARD_WEIGHT_ALIASES
 from streamgrpo.config.base import ConfigError
 from streamgrpo.config.data import DataConfig
+from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig
 from streamgrpo.config.learner import LearnerConfig
 from streamgrpo.config.loading import build_config, find_config, load_config, parse_override, shipped_configs
@@ -23,7 +24,7 @@ from streamgrpo.config.schema import SECTIONS, Config
 from streamgrpo.config.weights import WeightsConfig
 
 __all__ = [
-    "ALIASES", "REWARD_WEIGHT_ALIASES", "SECTIONS", "Config", "ConfigError", "DataConfig", "LaunchConfig", "LearnerConfig", "LossConfig", "LoraConfig", "MetricsConfig",
+    "ALIASES", "REWARD_WEIGHT_ALIASES", "SECTIONS", "Config", "ConfigError", "DataConfig", "EvalConfig", "LaunchConfig", "LearnerConfig", "LossConfig", "LoraConfig", "MetricsConfig",
     "ModelConfig", "QueueConfig", "RewardSpec", "RewardsConfig", "RolloutConfig", "TemporalContrastConfig",
     "VllmConfig", "WandbConfig", "WeightsConfig", "build_config", "find_config", "load_config", "parse_override",
     "shipped_configs",

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from streamgrpo.config.data import DataConfig
+from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig
 from streamgrpo.config.learner import LearnerConfig
 from streamgrpo.config.loss import LossConfig
@@ -40,6 +41,8 @@ class Config(BaseModel):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """The evaluator (`streamgrpo evaluator`): held-out accuracy at the learner's weight versions, while it trains."""
     demo: DemoConfig = Field(default_factory=DemoConfig)
     """The demo recipe's knobs (streamgrpo/recipes/demo): its data, its tiny model, the staleness benchmark's delay."""
 
@@ -89,4 +92,5 @@ class Config(BaseModel):
         return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "launch", "demo")
+SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "launch", "eval",
+            "demo")

@@ -1,0 +1,28 @@
+"""The ``eval`` section: the evaluator, which scores held-out records at the learner's weight versions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from streamgrpo.config.base import Section
+
+
+class EvalConfig(Section):
+    every_versions: int = Field(10, ge=1)
+    """Evaluate the held-out set (data.eval_path) at every this many-th weight version; versions in between, and any the evaluator falls behind on, are skipped (counted in streamgrpo_eval_versions_skipped_total)."""
+    samples: int = Field(1, ge=1, le=64)
+    """Completions per held-out record."""
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """0: greedy answers; above 0: sampled at this temperature."""
+    max_tokens: Optional[int] = Field(None, ge=1, le=131072)
+    """Completion length cap; null: rollout.max_completion_length."""
+    max_records: Optional[int] = Field(None, ge=1)
+    """Evaluate only the first this many held-out records (null: all)."""
+    batch_size: int = Field(8, ge=1, le=1024)
+    """Prompts generated together."""
+    shuffle_frames: bool = False
+    """Also answer every record with each video's frames in a random order, and report the ordered and shuffled accuracy per question kind and their drop (how much the model relies on frame order)."""
+    shuffle_seed: int = Field(0, ge=0)
+    """Seed of the frame orders for shuffle_frames (per record: the same order at every version)."""
