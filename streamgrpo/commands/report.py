@@ -10,6 +10,8 @@ Reads ``<run>/metrics.jsonl`` (one line per learner step) and, when present, the
   mean/max over steps;
 * ``throughput.png``  -- groups per second per role (learner trained, each generator produced) and
   learner tokens per second over wall time;
+* ``eval.png``        -- held-out accuracy over weight versions (``eval.jsonl`` of ``streamgrpo evaluator``),
+  overall and per kind, ordered and (dashed) with shuffled frames;
 * ``weight_sync.png`` -- publish-to-applied latency, from any ``weight_sync_s`` field in the
   metrics or audit lines (the live histogram is Prometheus' ``streamgrpo_weight_sync_seconds``).
 
@@ -176,6 +178,47 @@ def plot_rewards(rows: Sequence[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def eval_series(lines: Sequence[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Held-out accuracy over versions from ``eval.jsonl`` lines (pure): ``all`` and each kind, ordered,
+    and with shuffled frames ``<kind> (shuffled)``."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+
+    def add(label: str, version: Any, value: Any) -> None:
+        v, a = num(version), num(value)
+        if v is not None and a is not None:
+            xs, ys = out.setdefault(label, ([], []))
+            xs.append(v)
+            ys.append(a)
+
+    for line in sorted(lines, key=lambda x: num(x.get("version")) or 0.0):
+        for suffix, s in (("", line), (" (shuffled)", line.get("shuffled") or {})):
+            add(f"all{suffix}", line.get("version"), s.get("accuracy"))
+            for kind, v in sorted((s.get("by_kind") or {}).items()):
+                add(f"{kind}{suffix}", line.get("version"), (v or {}).get("accuracy"))
+    return out
+
+
+def plot_eval(lines: Sequence[dict], path: Path) -> Path | None:
+    curves = eval_series(lines)
+    if not curves:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colours: dict[str, Any] = {}
+    for label, (xs, ys) in curves.items():
+        kind = label.removesuffix(" (shuffled)")
+        shuffled = label.endswith("(shuffled)")
+        line = ax.plot(xs, ys, lw=2.0 if kind == "all" else 1.2, ls="--" if shuffled else "-", marker=".",
+                       color=colours.get(kind), label=label)[0]
+        colours.setdefault(kind, line.get_color())
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("Held-out accuracy (dashed: frames shuffled)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plot_loss_kl(rows: Sequence[dict], path: Path) -> Path | None:
     panels = [("loss", [("loss", "loss")]), ("KL to reference", [("kl", "kl")]),
               ("clipped token fraction", [("clip_frac_low", "low"), ("clip_frac_high", "high"), ("clip_frac", "total")]),
@@ -325,6 +368,7 @@ PLOTS = (
     ("staleness.png", "Staleness distribution"),
     ("throughput.png", "Throughput per role"),
     ("weight_sync.png", "Weight-sync latency"),
+    ("eval.png", "Held-out accuracy over weight versions"),
 )
 MISSING = {
     "rewards.png": "no `reward`/`rewards`/`accuracy` values in metrics.jsonl",
@@ -333,6 +377,7 @@ MISSING = {
     "throughput.png": "no `time` values in metrics.jsonl and no generator audit logs",
     "weight_sync.png": "not recorded in this run's files (no `weight_sync_s` field in metrics.jsonl or audit/*.jsonl); "
                        "the live histogram is Prometheus' `streamgrpo_weight_sync_seconds`",
+    "eval.png": "no eval.jsonl in the run directory (`streamgrpo evaluator` did not run)",
 }
 
 
@@ -359,6 +404,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "staleness.png": plot_staleness(rows, per_group, out / "staleness.png"),
         "throughput.png": plot_throughput(rows, audit, out / "throughput.png"),
         "weight_sync.png": plot_weight_sync(sync_values(rows, audit), out / "weight_sync.png"),
+        "eval.png": plot_eval(read_jsonl(run / "eval.jsonl")[0] if (run / "eval.jsonl").is_file() else [],
+                              out / "eval.png"),
     }
     md = [f"# Run report: `{run}`", "", *summary_lines(rows, per_group)]
     if bad:

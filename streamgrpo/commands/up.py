@@ -97,6 +97,15 @@ def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> di
     }
 
 
+def best_eval(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best held-out accuracy of ``eval.jsonl`` lines and its version (pure); None when there is none."""
+    scored = [(line["accuracy"], line.get("version")) for line in lines if isinstance(line.get("accuracy"), (int, float))]
+    if not scored:
+        return {"best_eval_accuracy": None, "best_eval_version": None}
+    acc, version = max(scored, key=lambda x: (x[0], -(x[1] or 0)))  # the earliest version reaching the best
+    return {"best_eval_accuracy": acc, "best_eval_version": version}
+
+
 def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
     import matplotlib
 
@@ -430,6 +439,10 @@ def _finish(rd: Path, watch: _Watch, interrupted: bool) -> None:
     watch.read()
     summary = summarise(watch.rows, watch.started, watch.finished or time.time())
     summary["interrupted"] = interrupted
+    if (rd / "eval.jsonl").is_file():
+        from streamgrpo.audit import read_jsonl
+
+        summary.update(best_eval(read_jsonl(rd / "eval.jsonl")))
     write_json(rd / "summary.json", summary)
     outputs = [rd / "config.yaml", watch.metrics_path, rd / "summary.json"]
     if watch.rows:

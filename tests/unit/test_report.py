@@ -118,11 +118,11 @@ def test_report_copes_with_sparse_metrics(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 6)))
     report = build_report(run)
     _check_png(run / "report" / "rewards.png")
-    for name in ("loss_kl.png", "staleness.png", "throughput.png", "weight_sync.png"):
+    for name in ("loss_kl.png", "staleness.png", "throughput.png", "weight_sync.png", "eval.png"):
         assert not (run / "report" / name).exists()
     md = report.read_text()
     assert "](rewards.png)" in md
-    assert md.count("*Not plotted:") == 4
+    assert md.count("*Not plotted:") == 5 and "`streamgrpo evaluator` did not run" in md
     assert "weight_sync_s" in md
 
 
@@ -229,3 +229,35 @@ def test_per_kind_accuracy_and_the_shuffled_frames_table():
     md = render_markdown(result)
     assert "| kind | records | model ordered | model shuffled | model drop |" in md
     assert "| colour | 2 | 0.5000 | 0.5000 | +0.0000 |" in md
+
+
+def _eval_lines() -> list[dict]:
+    def line(v, acc, direction, colour, shuffled_dir):
+        return {"version": v, "accuracy": acc, "by_kind": {"colour": {"accuracy": colour}, "direction": {"accuracy": direction}},
+                "shuffled": {"accuracy": acc - 0.1, "by_kind": {"colour": {"accuracy": colour},
+                                                               "direction": {"accuracy": shuffled_dir}}}}
+    return [line(20, 0.6, 0.5, 0.7, 0.25), line(0, 0.3, 0.25, 0.35, 0.25), line(10, 0.6, 0.45, 0.75, 0.3)]
+
+
+def test_eval_curves_and_the_best_held_out_accuracy():
+    """eval.jsonl lines (any order) become curves over versions per kind, ordered and shuffled; the
+    summary's best held-out accuracy is the earliest version that reached it."""
+    from streamgrpo.commands.report import eval_series
+    from streamgrpo.commands.up import best_eval
+
+    curves = eval_series(_eval_lines())
+    assert curves["all"] == ([0.0, 10.0, 20.0], [0.3, 0.6, 0.6])
+    assert curves["direction (shuffled)"] == ([0.0, 10.0, 20.0], [0.25, 0.3, 0.25])
+    assert set(curves) == {"all", "colour", "direction", "all (shuffled)", "colour (shuffled)", "direction (shuffled)"}
+    assert best_eval(_eval_lines()) == {"best_eval_accuracy": 0.6, "best_eval_version": 10}
+    assert best_eval([{"version": 1, "accuracy": None}]) == {"best_eval_accuracy": None, "best_eval_version": None}
+
+
+def test_report_plots_held_out_accuracy_from_eval_jsonl(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 6)))
+    (run / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in _eval_lines()))
+    md = build_report(run).read_text()
+    _check_png(run / "report" / "eval.png")
+    assert (run / "report" / "eval.png").stat().st_size > 5000 and "](eval.png)" in md
