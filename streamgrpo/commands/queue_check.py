@@ -13,7 +13,6 @@ at the time and is not checked.
 
 from __future__ import annotations
 
-import struct
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -21,8 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from streamgrpo.config import Config
-
-_HEAD = struct.Struct("<4sIQ")  # magic, header length, body length (streamgrpo.wire)
+from streamgrpo.wire_arrays import _ALIGN, _HEAD
 
 
 def file_messages(path: str | Path) -> Iterator[tuple[str, bytes]]:
@@ -35,7 +33,7 @@ def file_messages(path: str | Path) -> Iterator[tuple[str, bytes]]:
             yield f"{path}#{i} (byte {at})", data[at:]
             return
         _magic, hlen, blen = _HEAD.unpack_from(data, at)
-        body_start = _HEAD.size + hlen + (-(_HEAD.size + hlen) % 8)
+        body_start = _HEAD.size + hlen + (-(_HEAD.size + hlen) % _ALIGN)
         end = at + body_start + blen
         yield f"{path}#{i} (byte {at})", data[at:min(end, len(data))]
         at, i = end, i + 1

@@ -139,14 +139,14 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def ref_path(path: str, cfg: DataConfig) -> str | None:
-    """How a generator names the media file ``path`` in a reference: relative to its media root when
-    it lies there, else absolute; None for a file only this machine has (extracted from a ``datasets``
-    row into the local cache), which must travel inline."""
+def ref_path(path: str, cfg: DataConfig, root: str | None = None) -> str | None:
+    """How a generator names the media file ``path`` in a reference: relative to its media root
+    (``root``, else :func:`default_media_root`) when it lies there, else absolute; None for a file only
+    this machine has (extracted from a ``datasets`` row into the local cache), which must travel inline."""
     full = os.path.normpath(os.path.abspath(path))
     if _inside(full, os.path.normpath(str(_cache_dir() / "hf_media"))):
         return None
-    root = os.path.normpath(default_media_root(cfg))
+    root = os.path.normpath(root or default_media_root(cfg))
     return os.path.relpath(full, root) if _inside(full, root) else full
 
 

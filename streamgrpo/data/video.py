@@ -47,7 +47,7 @@ from streamgrpo.data.decode import (
     read_image,
     resize_frames,
 )
-from streamgrpo.data.records import DataError, Record, ref_path
+from streamgrpo.data.records import DataError, Record, default_media_root, ref_path
 from streamgrpo.data.sampling import (
     BudgetError,
     MediaPlan,
@@ -132,7 +132,8 @@ def _load(record: Record, cfg: DataConfig, params: dict[str, Any], media: list[t
     keys, infos, indices, specs = _probe_media(record, cfg, params, media, readers, temporal_patch)
     plans = _plan_media(record, media, specs, params, factor, temporal_patch)
     cache = frame_cache(cfg.frame_cache_mib)
-    return [_visual(record, cfg, item, key, info, idx, plan, readers, cache)
+    root = default_media_root(cfg)  # once per record: what references are relative to
+    return [_visual(record, cfg, item, key, info, idx, plan, readers, cache, root)
             for item, key, info, idx, plan in zip(media, keys, infos, indices, plans)]
 
 
@@ -202,7 +203,7 @@ def _plan_media(record: Record, media: list[tuple[str, str]], specs: list[MediaS
 
 
 def _visual(record: Record, cfg: DataConfig, item: tuple[str, str], key: tuple, info: Any, idx: list[int],
-            plan: MediaPlan, readers: dict[str, Any], cache: FrameCache | None) -> Visual:
+            plan: MediaPlan, readers: dict[str, Any], cache: FrameCache | None, root: str) -> Visual:
     """One medium decoded (or taken from the frame cache) at its planned size."""
     kind, path = item
     if kind == "video" and plan.nframes != len(idx):  # the budget took frames away
@@ -213,7 +214,7 @@ def _visual(record: Record, cfg: DataConfig, item: tuple[str, str], key: tuple, 
         frames = _read_frames(record, cfg, item, idx, plan, readers)
         if cache is not None:
             cache.put(ckey, frames)
-    named = ref_path(path, cfg)
+    named = ref_path(path, cfg, root)
     ref = None if named is None else MediaRef(path=named, height=plan.height, width=plan.width,
                                               digest=frames_digest(frames), decoder=cfg.video_backend)
     if kind == "image":
