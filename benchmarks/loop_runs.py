@@ -319,7 +319,7 @@ def run_up(name: str, run_dir: Path, *, model: Path, train: Path, sets: Sequence
     if sync:
         argv.append("--sync")
     for s in [f"model.name_or_path={model_copy}", "demo.tiny_model=false", f"data.train_path={train}",
-              "demo.make_data=false", "learner.save_steps=100000", *sets]:
+              "demo.make_data=false", "learner.save_steps=100000", "eval.enabled=false", *sets]:
         argv += ["--set", s]
     t0 = time.time()
     returncode, capped = run_capped(argv, run_dir / "up.log", cap_s, threads=threads)

@@ -116,6 +116,25 @@ class JsonlWriter:
         self._fh.close()
 
 
+def read_new_lines(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
+    """Append the whole JSON lines of ``path`` past byte ``offset`` to ``rows`` (a line still being
+    written waits for the next call; a malformed one is skipped); returns the new offset."""
+    if not path.exists():
+        return offset
+    with open(path) as fh:
+        fh.seek(offset)
+        while True:
+            line = fh.readline()
+            if not line or not line.endswith("\n"):
+                break
+            offset += len(line.encode())
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return offset
+
+
 def rewind_jsonl(path: str | Path, step: int) -> int:
     """Drop the lines of ``path`` whose ``step`` is after ``step`` (and a torn last line), in place
     and atomically; lines without a step stay. Returns how many lines were dropped."""

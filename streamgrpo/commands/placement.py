@@ -11,6 +11,8 @@ The rules, as TRL's and OpenRLHF's one-node layouts have them:
 * generators take the devices after them, ``generators_per_gpu`` to a device (default 1);
 * with ``colocate`` generators share the learner's devices instead (and any spare ones), when the
   memory allows;
+* the evaluator (``eval.enabled``) takes a device nobody else uses, else shares the last generator's
+  (it holds the weights once, in the HF engine, and answers a few held-out records now and then);
 * a plan that puts more on a device than it holds (static lower bounds: the learner's plan from
   ``streamgrpo config memory``, a generator's weights or vLLM's share of the device) is refused, as
   are more learner ranks than devices and a device used twice without ``colocate`` or
@@ -85,17 +87,18 @@ class PlacementPlan:
     devices: tuple[int, ...]
     device_gib: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    evaluator: Proc | None = None
 
     @property
     def processes(self) -> tuple[Proc, ...]:
-        return (self.learner, *self.generators)
+        return (self.learner, *self.generators, *((self.evaluator,) if self.evaluator else ()))
 
     def load(self) -> dict[int, list[tuple[str, float | None]]]:
         """Device -> ``(who, GiB)`` of everything placed on it (a learner rank counts on its own device)."""
         out: dict[int, list[tuple[str, float | None]]] = {d: [] for d in self.devices}
         for r, d in enumerate(self.learner.devices):
             out[d].append((f"learner rank {r}" if self.learner.ranks > 1 else "learner", self.learner.gib))
-        for g in self.generators:
+        for g in (*self.generators, *((self.evaluator,) if self.evaluator else ())):
             for d in g.devices:
                 out[d].append((g.name, g.gib))
         return out
@@ -103,7 +106,8 @@ class PlacementPlan:
     def lines(self) -> list[str]:
         """The plan as printed before anything starts (``up --plan`` prints only this)."""
         cap = f" of {self.device_gib:.0f} GiB" if self.device_gib else ""
-        rows = [f"placement: {self.learner.ranks} learner rank(s), {len(self.generators)} generator(s) on "
+        rows = [f"placement: {self.learner.ranks} learner rank(s), {len(self.generators)} generator(s)"
+                + (", the evaluator" if self.evaluator else "") + " on "
                 + (f"GPU {format_gpus(self.devices)}{cap}" if self.devices else "the CPU")]
         if not self.devices:
             return rows + [f"  {p.name}: cpu" + (f" ({p.ranks} ranks)" if p.ranks > 1 else "") for p in self.processes] \
@@ -118,10 +122,12 @@ class PlacementPlan:
 
 def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: int, generators_per_gpu: int = 1,
                    colocate: bool = False, learner_gib: float | None = None, generator_gib: float | None = None,
-                   device_gib: float | None = None) -> PlacementPlan:
-    """Place ``learner_ranks`` learner ranks and ``generators`` generators on ``devices`` (see the module
-    docstring). ``learner_gib``: one rank's static memory; ``generator_gib``: one generator's; both per
-    device and None when not known; ``device_gib``: one device's memory (None: not checked)."""
+                   device_gib: float | None = None, evaluator: bool = False,
+                   evaluator_gib: float | None = None) -> PlacementPlan:
+    """Place ``learner_ranks`` learner ranks, ``generators`` generators and with ``evaluator`` the
+    evaluator on ``devices`` (see the module docstring). ``learner_gib``: one rank's static memory;
+    ``generator_gib``: one generator's; ``evaluator_gib``: the evaluator's; all per device and None when
+    not known; ``device_gib``: one device's memory (None: not checked)."""
     devices = tuple(devices)
     if learner_ranks < 1:
         raise PlacementError(f"--learner-ranks {learner_ranks}: at least one learner rank")
@@ -131,7 +137,8 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
         raise PlacementError(f"launch.generators_per_gpu={generators_per_gpu}: at least 1")
     if not devices:  # CPU: nothing to share out
         gens = tuple(Proc(f"generator-{k}", (), gib=generator_gib) for k in range(generators))
-        return PlacementPlan(Proc("learner", (), learner_ranks, learner_gib), gens, ())
+        return PlacementPlan(Proc("learner", (), learner_ranks, learner_gib), gens, (),
+                             evaluator=Proc("evaluator", (), gib=evaluator_gib) if evaluator else None)
     if learner_ranks > len(devices):
         raise PlacementError(f"{learner_ranks} learner ranks need a GPU each and --gpus names {len(devices)} "
                              f"({format_gpus(devices)}): lower --learner-ranks or name more GPUs")
@@ -151,7 +158,13 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
             + f"and --gpus {format_gpus(devices)} leaves {len(pool)}: name more GPUs, lower --generators, raise "
             "launch.generators_per_gpu" + ("" if colocate else ", or colocate them with the learner (--colocate)"))
     gens = tuple(Proc(f"generator-{k}", (pool[k // generators_per_gpu],), gib=generator_gib) for k in range(generators))
-    plan = PlacementPlan(learner, gens, devices, device_gib, tuple(notes))
+    ev = None
+    if evaluator:
+        d = evaluator_device(devices, learner, gens)
+        ev = Proc("evaluator", (d,), gib=evaluator_gib)
+        if any(d in p.devices for p in (learner, *gens)):
+            notes.append(f"the evaluator shares GPU {d} (no GPU is left for it alone)")
+    plan = PlacementPlan(learner, gens, devices, device_gib, tuple(notes), ev)
     if device_gib:
         for d, parts in plan.load().items():
             known = sum(g for _, g in parts if g is not None)
@@ -161,8 +174,20 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
                     f"GPU {d} would hold {known:.1f} GiB ({who}) of its {device_gib:.0f} GiB before any activation: "
                     + ("stop colocating (--no-colocate), " if colocate else "")
                     + ("lower launch.generators_per_gpu, " if generators_per_gpu > 1 else "")
+                    + ("turn the evaluator off here (eval.enabled=false) and run it elsewhere, " if ev else "")
                     + "use more GPUs, or shrink the learner's plan (streamgrpo config memory)")
     return plan
+
+
+def evaluator_device(devices: Sequence[int], learner: Proc, generators: Sequence[Proc]) -> int:
+    """The evaluator's device: the first one no learner rank or generator uses, else the last generator's
+    (else the last learner rank's, when there is no generator on a device)."""
+    used = {d for p in (learner, *generators) for d in p.devices}
+    spare = [d for d in devices if d not in used]
+    if spare:
+        return spare[0]
+    on_device = [p for p in generators if p.devices]
+    return on_device[-1].devices[-1] if on_device else learner.devices[-1]
 
 
 def generator_gib(engine: str, *, params: int | None, dtype_bytes: int, gpu_memory_utilization: float,

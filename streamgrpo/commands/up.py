@@ -2,11 +2,12 @@
 
 Plans where each process runs (:mod:`.placement`: learner ranks and generators on the node's GPUs,
 or the CPU) and prints the plan; starts an embedded Redis when no ``queue.url`` is set, the learner
-(under ``python -m torch.distributed.run`` for several ranks) and N generators as child processes
-(each with its own devices, /metrics port and log file in the run directory), shows one live status
-line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops every child by PID and waits for it.
-Writes ``config.yaml``, ``metrics.jsonl`` (by the learner), ``summary.json`` and ``reward.png`` into
-the run directory.
+(under ``python -m torch.distributed.run`` for several ranks), N generators and with ``eval.enabled``
+the evaluator as child processes (each with its own devices, /metrics port and log file in the run
+directory), shows one live status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops
+every child by PID and waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner),
+``eval.jsonl`` (by the evaluator), ``summary.json``, ``reward.png`` and ``eval.png`` into the run
+directory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from streamgrpo.runtime import (
     die_with_parent,
     free_port,
     group_accuracies,
+    read_new_lines,
     stop_process,
     target_reached,
     write_json,
@@ -57,23 +59,6 @@ class Child:
         code = stop_process(self.proc, grace_s)
         self._fh.close()
         return code
-
-
-def _read_metrics(path: Path, offset: int, rows: list[dict[str, Any]]) -> int:
-    if not path.exists():
-        return offset
-    with open(path) as fh:
-        fh.seek(offset)
-        while True:
-            line = fh.readline()
-            if not line or not line.endswith("\n"):
-                break
-            offset += len(line.encode())
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return offset
 
 
 def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
@@ -133,8 +118,12 @@ def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
     return out
 
 
-def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, alive: str) -> str:
+def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, alive: str,
+                 evals: list[dict[str, Any]] | None = None) -> str:
     r = rows[-1] if rows else {}
+    e = evals[-1] if evals else None
+    held_out = "" if e is None else (f"eval {'-' if e.get('accuracy') is None else format(e['accuracy'], '.3f')}"
+                                     f"@v{e.get('version')}  ")
     elapsed = time.time() - started
     gps = r.get("groups_trained", 0) / elapsed if elapsed > 0 else 0.0
     acc, mfu = r.get("accuracy"), r.get("mfu")
@@ -142,7 +131,7 @@ def _status_line(rows: list[dict[str, Any]], depth: int | None, started: float, 
             f"reward {r.get('reward', float('nan')):.3f}  acc {'-' if acc is None else f'{acc:.3f}'}  "
             f"stale {r.get('staleness_mean', 0.0):.1f}  queue {'-' if depth is None else depth:>3}  "
             f"{gps:.2f} groups/s  {r.get('tokens_per_second', 0.0):.0f} tok/s  "
-            f"{'' if mfu is None else f'MFU {100 * mfu:.1f}%  '}{alive}")
+            f"{held_out}{'' if mfu is None else f'MFU {100 * mfu:.1f}%  '}{alive}")
 
 
 def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
@@ -249,7 +238,7 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     if devices is None:
         devices = visible_gpus()
     shape = dict(devices=devices, learner_ranks=lc.learner_ranks, generators=cfg.rollout.num_generators,
-                 generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate)
+                 generators_per_gpu=lc.generators_per_gpu, colocate=lc.colocate, evaluator=cfg.eval.enabled)
     plan = plan_placement(**shape)  # what can never work is said before any model config is read
     if not devices:
         return plan
@@ -271,12 +260,16 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
                             gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
-    return plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib)
+    eval_gib = generator_gib("hf", params=params, dtype_bytes=dtype_bytes, gpu_memory_utilization=0.0,
+                             device_gib=device_gib)  # the evaluator answers with the HF engine: its weights
+    return plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib,
+                          evaluator_gib=eval_gib)
 
 
 def up_outputs(cfg: Config) -> list[str]:
     """What a `streamgrpo up` run leaves in its run directory (globs): moved aside before a new run."""
-    return [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png"] + ([] if cfg.queue.url else ["redis", "redis.json"])
+    return [*LEARNER_OUTPUTS, "audit", "summary.json", "reward.png", "eval.jsonl", "eval.png"] + \
+        ([] if cfg.queue.url else ["redis", "redis.json"])
 
 
 def _prepare_run_dir(cfg: Config) -> Path:
@@ -365,6 +358,11 @@ def child_specs(cfg: Config, plan, config_path: Path, python: str = sys.executab
         extra = ["--set", f"metrics.port={gport}"] if port else []
         specs.append(ChildSpec(g.name, [*base, "generator", "--config", str(config_path), "--id", str(k), *extra],
                                {"CUDA_VISIBLE_DEVICES": devices(g)}, gport))
+    if plan.evaluator is not None:
+        eport = port + learner.ranks + len(plan.generators) if port else 0
+        extra = ["--set", f"metrics.port={eport}"] if port else []
+        specs.append(ChildSpec("evaluator", [*base, "evaluator", "--config", str(config_path), *extra],
+                               {"CUDA_VISIBLE_DEVICES": devices(plan.evaluator)}, eport))
     return specs
 
 
@@ -375,7 +373,9 @@ def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str
                 for s in child_specs(cfg, plan, config_path, visible_ids=ids)]
     write_json(rd / "processes.json", {c.name: c.pid for c in children})
     ranks = f" ({plan.learner.ranks} ranks)" if plan.learner.ranks > 1 else ""
-    print(f"learner{ranks} + {cfg.rollout.num_generators} generators started; logs in {rd / 'logs'}", flush=True)
+    evaluator = " + the evaluator" if plan.evaluator is not None else ""
+    print(f"learner{ranks} + {cfg.rollout.num_generators} generators{evaluator} started; logs in {rd / 'logs'}",
+          flush=True)
     for line in cfg.advice():
         print(f"note: {line}", flush=True)
     return children
@@ -386,19 +386,24 @@ class _Watch:
 
     def __init__(self, cfg: Config, env: dict[str, str], metrics_path: Path):
         self.cfg, self.env, self.metrics_path = cfg, env, metrics_path
+        self.eval_path = metrics_path.with_name("eval.jsonl")
         self.ranks = cfg.launch.learner_ranks
         self.rows: list[dict[str, Any]] = []
-        self.offset = 0
+        self.evals: list[dict[str, Any]] = []
+        self.offset = self.eval_offset = 0
         self.queue = None
         self.started = time.time()
         self.finished: float | None = None
 
     def read(self) -> None:
-        self.offset = _read_metrics(self.metrics_path, self.offset, self.rows)
+        self.offset = read_new_lines(self.metrics_path, self.offset, self.rows)
+        self.eval_offset = read_new_lines(self.eval_path, self.eval_offset, self.evals)
 
     def until_done(self, children: list[Child], status_every_s: float) -> int:
-        """Show the status until the learner exits (its code) or every generator has (0)."""
-        learner, gens = children[0], children[1:]
+        """Show the status until the learner exits (its code) or every generator has (0); an evaluator
+        that exits is reported and training goes on."""
+        learner, others = children[0], children[1:]
+        gens = [c for c in others if c.name != "evaluator"]
         tty, last_print, reported = sys.stdout.isatty(), 0.0, set()
         while True:
             self.read()
@@ -407,14 +412,14 @@ class _Watch:
             alive = sum(c.alive() for c in gens)
             line = _status_line(self.rows, _depth(self.queue), self.started,
                                 f"{self.ranks} learner ranks, gens {alive}/{len(gens)}" if self.ranks > 1
-                                else f"gens {alive}/{len(gens)}")
+                                else f"gens {alive}/{len(gens)}", self.evals)
             if tty:
                 sys.stdout.write("\r" + line[: os.get_terminal_size().columns - 1])
                 sys.stdout.flush()
             elif time.time() - last_print >= 10.0:
                 print(line, flush=True)
                 last_print = time.time()
-            for c in gens:
+            for c in others:
                 if not c.alive() and c.name not in reported:
                     reported.add(c.name)
                     print(f"\n{c.name} exited with code {c.proc.returncode}; see {c.log_path}", flush=True)
@@ -439,16 +444,19 @@ def _finish(rd: Path, watch: _Watch, interrupted: bool) -> None:
     watch.read()
     summary = summarise(watch.rows, watch.started, watch.finished or time.time())
     summary["interrupted"] = interrupted
-    if (rd / "eval.jsonl").is_file():
-        from streamgrpo.audit import read_jsonl
-
-        summary.update(best_eval(read_jsonl(rd / "eval.jsonl")))
+    if watch.evals:
+        summary.update(best_eval(watch.evals))
     write_json(rd / "summary.json", summary)
     outputs = [rd / "config.yaml", watch.metrics_path, rd / "summary.json"]
     if watch.rows:
         outputs.append(plot_rewards(watch.rows, rd / "reward.png"))
-    print("\n" + json.dumps({k: summary[k] for k in ("steps", "groups_trained", "first_accuracy", "last_accuracy",
-                                                       "time_to_target_s", "wall_seconds")}), flush=True)
+    if watch.evals:
+        from streamgrpo.commands.report import plot_eval
+
+        outputs += [p for p in (watch.eval_path, plot_eval(watch.evals, rd / "eval.png")) if p is not None]
+    keys = ("steps", "groups_trained", "first_accuracy", "last_accuracy", "time_to_target_s", "wall_seconds",
+            *(("best_eval_accuracy", "best_eval_version") if watch.evals else ()))
+    print("\n" + json.dumps({k: summary[k] for k in keys}), flush=True)
     for p in outputs:
         print(f"  {p}")
 

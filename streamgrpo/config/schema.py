@@ -69,6 +69,12 @@ class Config(BaseModel):
                              "to sdpa or eager, or learner.shared_prompt to false")
         return self
 
+    @model_validator(mode="after")
+    def _evaluator_needs_records(self) -> Config:
+        if self.eval.enabled and not self.data.eval_path:
+            raise ValueError("eval.enabled needs held-out records: set data.eval_path, or eval.enabled to false")
+        return self
+
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
         from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes

@@ -33,7 +33,7 @@ def due(version: int, last: int | None, every: int) -> bool:
 def eval_line(version: int, summary: dict, shuffled: dict | None) -> dict[str, Any]:
     """The ``eval.jsonl`` line of one version (pure): the summary, and with shuffled frames the shuffled
     summary and the ordered-minus-shuffled drop, overall and per kind."""
-    from streamgrpo.commands.evaluate import shuffle_drop
+    from streamgrpo.evaluator.scoring import shuffle_drop
 
     line: dict[str, Any] = {"version": version, "time": time.time(), **summary}
     if shuffled is not None:
@@ -75,8 +75,8 @@ def _records(cfg: Config) -> list:
 
 def evaluate_version(policy, records, cfg: Config, sampling, rewards) -> tuple[dict, dict | None]:
     """(summary, shuffled summary or None) of the loaded policy on ``records``."""
-    from streamgrpo.commands.evaluate import summarize
-    from streamgrpo.commands.infer import report_bad, result_rows, run_batches
+    from streamgrpo.evaluator.answering import report_bad, result_rows, run_batches
+    from streamgrpo.evaluator.scoring import summarize
 
     kinds = {str(r.id): r.kind for r in records}
 
@@ -100,8 +100,8 @@ def evaluate_version(policy, records, cfg: Config, sampling, rewards) -> tuple[d
 
 def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int | None = None) -> int:
     """Evaluate versions until a stop signal (or ``max_evals`` evaluations, for tests)."""
-    from streamgrpo.commands.infer import load_policy
     from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.evaluator.answering import load_policy
     from streamgrpo.models.lora import make_weight_applier
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.weights.factory import subscriber_from_config

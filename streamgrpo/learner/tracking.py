@@ -3,7 +3,10 @@
 Per step: the seed-era keys users know (``grpo/policy_seq_log_prob``, ``grpo/kl_div``,
 ``grpo/format_reward``, ``grpo/accuracy_reward``, ``grpo/total_reward``, ``grpo/advantage``) and
 every numeric field of the ``metrics.jsonl`` line under ``streamgrpo/``; every
-``metrics.sample_every`` steps a ``samples`` table of completions (prompt id, answer, text, rewards).
+``metrics.sample_every`` steps a ``samples`` table of completions (prompt id, answer, text, rewards);
+and each new line the evaluator wrote to ``<run_dir>/eval.jsonl`` since the last step under ``eval/``
+(``eval/accuracy``, ``eval/by_kind/<kind>/accuracy``, ``eval/shuffle_drop/accuracy``, ``eval/version``, ...)
+at the learner's step (the evaluator's version is ``eval/version``): one wandb run holds both.
 
 ``mode: offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` with no network
 (``wandb sync`` uploads it later); the run id is kept in ``<run_dir>/wandb-run-id`` so a resumed
@@ -64,6 +67,11 @@ def sample_rows(batch: list[Any], step: int, limit: int = MAX_SAMPLE_ROWS) -> li
     return rows
 
 
+def eval_scalars(line: dict[str, Any]) -> dict[str, float]:
+    """The wandb keys of one ``eval.jsonl`` line: its numeric fields under ``eval/``."""
+    return flat_scalars(line, "eval/")
+
+
 class Tracker:
     """No-op base: what the learner calls when wandb is off or on ranks other than 0."""
 
@@ -91,12 +99,19 @@ class WandbTracker(Tracker):
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)
         self._wandb = wandb
+        self._eval_path, self._eval_offset = run_dir / "eval.jsonl", 0
         self.run = wandb.init(project=wc.project, name=wc.run_name or run_dir.name, mode=wc.mode, dir=str(run_dir),
                               id=run_id, resume="allow", config=cfg.to_dict(redact=True))  # no Redis password
         log.info("wandb: project %s, run %s (%s), files under %s", wc.project, self.run.name, wc.mode, run_dir / "wandb")
 
     def log_step(self, rec: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
+        from streamgrpo.runtime import read_new_lines
+
         data: dict[str, Any] = {**seed_scalars(rec), **flat_scalars(rec)}
+        evals: list[dict[str, Any]] = []
+        self._eval_offset = read_new_lines(self._eval_path, self._eval_offset, evals)
+        for line in evals:  # the evaluator's lines since the last step (the last wins when several)
+            data.update(eval_scalars(line))
         if samples:
             columns = sorted({k for r in samples for k in r}, key=lambda k: (k.startswith("reward/"), k))
             data["samples"] = self._wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in samples])

@@ -59,8 +59,8 @@ def _lines(path: Path) -> list[dict]:
 
 def test_evaluator_scores_each_version_at_that_version(warm, weight_publisher, tmp_path):
     from streamgrpo import metrics as M
-    from streamgrpo.commands.infer import load_policy
     from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.evaluator.answering import load_policy
     from streamgrpo.evaluator.loop import _records, evaluate_version, run_evaluator
     from streamgrpo.rewards import RewardSet
     from streamgrpo.runtime import StopFlag
@@ -101,7 +101,8 @@ def test_evaluator_scores_each_version_at_that_version(warm, weight_publisher, t
 
 def test_evaluator_without_held_out_records_is_one_line(warm, tmp_path):
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "evaluator", "--config", "demo",
-                          "--set", f"model.name_or_path={warm['model']}", "--set", "data.eval_path=null"],
+                          "--set", f"model.name_or_path={warm['model']}", "--set", "data.eval_path=null",
+                          "--set", "eval.enabled=false"],
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == ("streamgrpo evaluator: the evaluator needs held-out records: set "

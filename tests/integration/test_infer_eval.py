@@ -132,8 +132,9 @@ def test_infer_batch_resumes_after_interruption(tiny_model_dir, demo_data_dir, t
 
 
 def test_hf_engine_greedy_is_argmax_and_deterministic(tiny_model_dir, demo_data_dir):
-    from streamgrpo.commands.infer import load_policy, prepare_request, read_input_records
+    from streamgrpo.commands.infer import read_input_records
     from streamgrpo.engines.base import SamplingParams
+    from streamgrpo.evaluator.answering import load_policy, prepare_request
 
     cfg = load_config("demo", ["data.kinds=null"])
     policy = load_policy(str(tiny_model_dir), cfg)

@@ -45,7 +45,7 @@ def _config(assets, run_dir: Path, **sets) -> Path:
     from streamgrpo.config import load_config
 
     overrides = [f"data.train_path={assets['data']}", f"model.name_or_path={assets['model']}", f"run_dir={run_dir}",
-                 "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1"]
+                 "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1", "eval.enabled=false"]
     overrides += [f"{k}={v}" for k, v in sets.items()]
     cfg = load_config("demo", overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +127,46 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
         assert key in summary
     # every process wrote its metrics port
     assert {"learner.json", "generator-0.json", "generator-1.json"} <= {p.name for p in (run / "ports").iterdir()}
+
+
+def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):
+    """`up` with eval.enabled starts the evaluator beside the learner: the learner trains every remaining
+    step while the evaluator is frozen (SIGSTOP) after its first result, so nothing the learner does
+    waits for it; after it thaws, the run ends with eval.jsonl, eval.png and the best held-out accuracy."""
+    run = tmp_path / "evaluated"
+    steps = 30
+    cfg = _config(demo_assets, run, **{"learner.max_steps": steps, "learner.save_steps": 1000, "eval.enabled": "true",
+                                       "data.eval_path": demo_assets["data"].with_name("test.jsonl"),
+                                       "eval.every_versions": 2, "eval.max_records": 8})
+    up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"],
+                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: _jsonl(run / "eval.jsonl"), 600, "the evaluator's first result", [up])
+        evaluator = json.loads((run / "processes.json").read_text())["evaluator"]
+        os.kill(evaluator, signal.SIGSTOP)
+        frozen_at = len(_jsonl(run / "metrics.jsonl"))
+        evals_frozen = len(_jsonl(run / "eval.jsonl"))
+        assert frozen_at < steps, "the learner ended before the evaluator's first result: nothing to show"
+        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= steps, 600, "the learner's last step", [up])
+        assert len(_jsonl(run / "eval.jsonl")) == evals_frozen  # it was frozen all along ...
+        os.kill(evaluator, signal.SIGCONT)  # ... while the learner trained steps frozen_at+1..steps
+        out, _ = up.communicate(timeout=300)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            _kill_recorded(run)
+    assert up.returncode == 0, out[-3000:]
+    assert "learner + 1 generators + the evaluator started" in out and "the evaluator on the CPU" in out
+    rows, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["version"] == steps
+    versions = [e["version"] for e in evals]
+    assert versions == sorted(set(versions)) and all(b - a >= 2 for a, b in zip(versions, versions[1:]))
+    assert all(e["records"] == 8 and e["accuracy"] is not None for e in evals)
+    summary = json.loads((run / "summary.json").read_text())
+    best = max(e["accuracy"] for e in evals)
+    assert summary["best_eval_accuracy"] == best
+    assert summary["best_eval_version"] == next(e["version"] for e in evals if e["accuracy"] == best)
+    assert (run / "eval.png").stat().st_size > 1000 and (run / "ports" / "evaluator.json").is_file()
 
 
 def _start_servers(tmp_path):

@@ -178,6 +178,10 @@ def live_run(tmp_path_factory, tiny_model_dir):
         "--set", "learner.get_timeout_s=1",
         "--set", "queue.max_pending=4",
         "--set", "metrics.port=0",
+        "--set", f"data.eval_path={tmp / 'data' / 'test.jsonl'}",  # the evaluator: every version, frames shuffled too
+        "--set", "eval.every_versions=1",
+        "--set", "eval.max_records=4",
+        "--set", "eval.shuffle_frames=true",
     ]
     up_log = tmp / "up.log"
     log_fh = open(up_log, "wb")
@@ -186,7 +190,7 @@ def live_run(tmp_path_factory, tiny_model_dir):
     try:
         ports = {}
         deadline = time.monotonic() + START_TIMEOUT_S
-        roles = ("learner", "learner-rank1", "generator-0")
+        roles = ("learner", "learner-rank1", "generator-0", "evaluator")
         while time.monotonic() < deadline and len(ports) < len(roles):
             if up.poll() is not None:
                 pytest.fail(f"`streamgrpo up` exited with {up.returncode} before serving metrics:\n"
@@ -213,6 +217,7 @@ def live_run(tmp_path_factory, tiny_model_dir):
                 {"job_name": "learner", "static_configs": [{"targets": [f"127.0.0.1:{ports['learner']}",
                                                                          f"127.0.0.1:{ports['learner-rank1']}"]}]},
                 {"job_name": "generator", "static_configs": [{"targets": [f"127.0.0.1:{ports['generator-0']}"]}]},
+                {"job_name": "evaluator", "static_configs": [{"targets": [f"127.0.0.1:{ports['evaluator']}"]}]},
             ],
         }))
         prom_log = open(prom_dir / "prometheus.log", "wb")

@@ -491,7 +491,7 @@ def test_dashboard_structure_and_rows():
     assert len(ids) == len(set(ids)), "duplicate panel ids"
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == ["Overview", "Rewards", "Optimisation", "Staleness", "Queue and groups",
-                    "Throughput and idle time", "Weights", "Media (visuals by reference)"]
+                    "Throughput and idle time", "Weights", "Media (visuals by reference)", "Held-out evaluation"]
     titles = " | ".join(p["title"] for p in panels).lower()
     for needle in ("reward per function", "accuracy", "kl", "loss", "clip fractions", "staleness of trained groups",
                    "queue depth", "groups produced", "dropped by reason", "tokens / s by role",

@@ -193,3 +193,43 @@ def test_up_plan_prints_the_placement_and_starts_nothing(tmp_path, capsys, monke
         run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), learner_ranks=4, gpus="0,1", plan_only=True)
     with pytest.raises(PlacementError, match="expected device numbers"):
         run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), gpus="x", plan_only=True)
+
+
+def test_the_evaluator_takes_a_spare_gpu_else_shares_the_last_generators():
+    spare = plan_placement(devices=tuple(range(4)), learner_ranks=2, generators=1, evaluator=True)
+    assert spare.evaluator.devices == (3,) and not spare.notes
+    full = plan_placement(devices=tuple(range(4)), learner_ranks=2, generators=2, evaluator=True)
+    assert full.evaluator.devices == (3,) and "the evaluator shares GPU 3" in full.notes[0]
+    assert [n for n, _ in full.load()[3]] == ["generator-1", "evaluator"]
+    alone = plan_placement(devices=(0,), learner_ranks=1, generators=0, evaluator=True)
+    assert alone.evaluator.devices == (0,)  # no generator on a device: beside the learner
+    cpu = plan_placement(devices=(), learner_ranks=1, generators=2, evaluator=True)
+    assert cpu.evaluator.devices == () and cpu.lines()[0].endswith("2 generator(s), the evaluator on the CPU")
+    assert plan_placement(devices=(0, 1), learner_ranks=1, generators=1).evaluator is None
+
+
+def test_an_evaluator_that_does_not_fit_beside_a_vllm_generator_is_refused_in_one_line():
+    with pytest.raises(PlacementError, match=r"GPU 1 would hold 78\.0 GiB .*eval\.enabled=false") as err:
+        plan_placement(devices=(0, 1), learner_ranks=1, generators=1, evaluator=True, learner_gib=30.0,
+                       generator_gib=72.0, evaluator_gib=6.0, device_gib=75.0)
+    assert "\n" not in str(err.value)
+
+
+def test_up_starts_the_evaluator_with_its_own_device_and_port():
+    from streamgrpo.commands.up import child_specs
+
+    cfg = build_config({}, ["metrics.port=9100"])
+    plan = plan_placement(devices=tuple(range(4)), learner_ranks=2, generators=1, evaluator=True)
+    specs = child_specs(cfg, plan, Path("/run/config.yaml"), python="py")
+    ev = specs[-1]
+    assert ev.name == "evaluator" and ev.argv[:6] == ["py", "-m", "streamgrpo", "evaluator", "--config",
+                                                      "/run/config.yaml"]
+    assert ev.env["CUDA_VISIBLE_DEVICES"] == "3" and ev.metrics_port == 9103 and "metrics.port=9103" in ev.argv
+
+
+def test_eval_enabled_without_held_out_records_is_refused():
+    from streamgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.enabled needs held-out records: set data.eval_path"):
+        build_config({}, ["eval.enabled=true"])
+    assert load_config("demo").eval.enabled and load_config("demo-motion").eval.shuffle_frames

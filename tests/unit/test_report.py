@@ -11,16 +11,9 @@ import zlib
 
 import pytest
 
-from streamgrpo.commands.evaluate import (
-    difference,
-    probe_rows,
-    render_markdown,
-    render_text,
-    shuffle_drop,
-    summarize,
-    table_rows,
-)
+from streamgrpo.commands.evaluate import probe_rows, render_markdown, render_text, table_rows
 from streamgrpo.commands.report import build_report, group_staleness, rates, read_jsonl, run_report, smooth
+from streamgrpo.evaluator.scoring import difference, shuffle_drop, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

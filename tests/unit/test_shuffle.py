@@ -49,8 +49,8 @@ def test_frames_are_permuted_within_each_video_and_images_kept():
 # ------------------------------------------------- the eval probe's per-record shuffle (real processor)
 def _policy(tiny_model_dir):
     """The parts of a Policy that building a request uses: the tiny model's real processor (no engine)."""
-    from streamgrpo.commands.infer import Policy
     from streamgrpo.data.prompts import vision_factors
+    from streamgrpo.evaluator.answering import Policy
     from streamgrpo.models.loading import load_processor
 
     processor = load_processor(str(tiny_model_dir))
@@ -81,15 +81,15 @@ def _order(ordered: np.ndarray, shuffled: np.ndarray) -> list[int]:
 
 
 def test_record_rng_is_stable_per_seed_and_id_across_processes():
-    from streamgrpo.commands.infer import record_rng
     from streamgrpo.config import ConfigError
+    from streamgrpo.evaluator.answering import record_rng
 
     def draw(seed, rid):
         return record_rng(seed, rid).integers(0, 2**32, 4).tolist()
 
     assert draw(0, "test-00003") == draw(0, "test-00003")
     assert draw(1, "test-00003") != draw(0, "test-00003") and draw(0, "test-00004") != draw(0, "test-00003")
-    code = "from streamgrpo.commands.infer import record_rng; print(record_rng(7, 'r-1').integers(0, 2**32, 4).tolist())"
+    code = "from streamgrpo.evaluator.answering import record_rng; print(record_rng(7, 'r-1').integers(0, 2**32, 4).tolist())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": h}).stdout.strip() for h in ("1", "2")}
     assert outs == {str(draw(7, "r-1"))}  # not Python's salted hash(): the same in every process
@@ -98,7 +98,7 @@ def test_record_rng_is_stable_per_seed_and_id_across_processes():
 
 
 def test_shuffled_request_gives_the_processor_shuffled_video_frames(tiny_model_dir, demo_data_dir):
-    from streamgrpo.commands.infer import prepare_request
+    from streamgrpo.evaluator.answering import prepare_request
 
     policy = _policy(tiny_model_dir)
     records, data_cfg = _records(demo_data_dir)
@@ -125,7 +125,7 @@ def test_shuffled_request_gives_the_processor_shuffled_video_frames(tiny_model_d
 
 
 def test_shuffled_request_leaves_an_image_record_as_it_is(tiny_model_dir, demo_data_dir):
-    from streamgrpo.commands.infer import prepare_request
+    from streamgrpo.evaluator.answering import prepare_request
 
     policy = _policy(tiny_model_dir)
     records, data_cfg = _records(demo_data_dir, "test_image.jsonl")
@@ -138,7 +138,7 @@ def test_shuffled_request_leaves_an_image_record_as_it_is(tiny_model_dir, demo_d
 
 
 def test_multi_video_record_shuffles_each_video_on_its_own(tiny_model_dir, demo_data_dir):
-    from streamgrpo.commands.infer import prepare_request
+    from streamgrpo.evaluator.answering import prepare_request
 
     policy = _policy(tiny_model_dir)
     records, data_cfg = _records(demo_data_dir)

@@ -27,6 +27,17 @@ def test_flat_scalars_skip_non_numbers_and_nest_dicts():
     assert "streamgrpo/entropy" not in f and "streamgrpo/time" not in f and "streamgrpo/group_accuracy" not in f
 
 
+def test_eval_lines_flatten_under_eval():
+    from streamgrpo.learner.tracking import eval_scalars
+
+    line = {"version": 50, "time": 1.0, "accuracy": 0.75, "by_kind": {"direction": {"records": 8, "accuracy": 0.5}},
+            "shuffled": {"accuracy": 0.5}, "shuffle_drop": {"accuracy": 0.25, "by_kind": {"direction": None}},
+            "accuracy_reward": "accuracy"}
+    assert eval_scalars(line) == {"eval/version": 50.0, "eval/accuracy": 0.75, "eval/by_kind/direction/records": 8.0,
+                                  "eval/by_kind/direction/accuracy": 0.5, "eval/shuffled/accuracy": 0.5,
+                                  "eval/shuffle_drop/accuracy": 0.25}
+
+
 def test_sample_rows_are_capped():
     comp = SimpleNamespace(text="<answer>A</answer>", reward=1.0, rewards={"accuracy": 1.0})
     batch = [SimpleNamespace(group=SimpleNamespace(prompt_id=f"p{i}", answer="A", completions=[comp] * 8)) for i in range(6)]
@@ -55,13 +66,14 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
     cfg = build_config({"run_dir": str(tmp_path), "metrics": {"wandb": {"project": "sg-test", "mode": "offline"}},
                         "queue": {"url": "redis://:wandb-leak-pw@redis-host:6379/0"}})
     tracker = Tracker.from_config(cfg, tmp_path)
-    tracker.log_step({**REC, "step": 1})
+    (tmp_path / "eval.jsonl").write_text('{"version": 3, "accuracy": 0.625, "by_kind": {"colour": {"accuracy": 0.5}}}\n')
+    tracker.log_step({**REC, "step": 1})  # the evaluator's line reaches wandb under eval/
     tracker.log_step({**REC, "step": 2}, samples=[{"step": 2, "prompt_id": "p", "completion": "hello-table-row"}])
     tracker.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     data = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
-    for key in (*SEED_KEYS, "streamgrpo/loss", "samples"):
+    for key in (*SEED_KEYS, "streamgrpo/loss", "samples", "eval/accuracy", "eval/by_kind/colour/accuracy"):
         assert key.encode() in data, key
     assert (tmp_path / "wandb-run-id").read_text().strip() in runs[0].name  # a resumed learner reuses the id
     assert b"redis-host:6379" in data and b"wandb-leak-pw" not in data  # the config is logged without secrets
