@@ -140,6 +140,15 @@ def cmd_evaluator(args) -> int:
     return run_evaluator(cfg)
 
 
+def cmd_relay(args) -> int:
+    cfg = _load(args)
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    from streamgrpo.relay.loop import run_relay
+
+    return run_relay(cfg, client_key=args.client_key)
+
+
 def cmd_infer(args) -> int:
     from streamgrpo.commands.infer import run_infer
 
@@ -267,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="override run_dir")
     _add_config_args(p)
     p.set_defaults(func=cmd_evaluator)
+
+    p = sub.add_parser("relay", help="one copy of each weight version per host, for that host's generators "
+                                     "(weights.relay; generators start it themselves)")
+    _add_config_args(p)
+    p.add_argument("--run-dir", default=None, help="override run_dir")
+    p.add_argument("--client-key", default=None,
+                   help="CURVE client key name in weights.curve_keys_dir/clients (default client-relay)")
+    p.set_defaults(func=cmd_relay)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory on top of --model")

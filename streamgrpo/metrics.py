@@ -62,6 +62,18 @@ WEIGHT_SYNC_SECONDS = Histogram(
     "streamgrpo_weight_sync_seconds", "Seconds from publish to applied on a generator", buckets=_SECONDS
 )
 WEIGHT_BYTES = Counter("streamgrpo_weight_bytes", "Weight bytes published or received")
+WEIGHT_VERSIONS = Counter("streamgrpo_weight_versions", "Publisher (learner or relay): versions sent on PUB, whole "
+                          "(kind=full) or as the delta to the previous one (kind=delta)", ["kind"])
+WEIGHT_VERSION_BYTES = Counter("streamgrpo_weight_version_bytes", "Publisher (learner or relay): bytes of the versions "
+                               "sent on PUB, by kind (full, delta); each subscriber receives them once", ["kind"])
+WEIGHT_DELTA_RATIO = Gauge("streamgrpo_weight_delta_ratio", "Publisher: delta bytes / full bytes of the last version "
+                           "encoded as a delta (above weights.delta_max_ratio it went out whole)")
+WEIGHT_SUBSCRIBERS = Gauge("streamgrpo_weight_subscribers", "Publisher (learner or relay): connections on its PUB "
+                           "socket now (the learner's fan-out: one per relay or directly connected generator)")
+RELAY_VERSIONS = Counter("streamgrpo_relay_versions", "Relay: versions received from the learner and re-published "
+                         "to its host's generators through shared memory")
+WEIGHT_DELTAS = Counter("streamgrpo_weight_deltas", "Subscriber: deltas received, by result (applied; no_base: it did "
+                        "not hold the version the delta applies to, and fetched the snapshot; corrupt)", ["result"])
 UPDATE_KL = Gauge(
     "streamgrpo_update_kl",
     "How far the last optimizer step moved the policy on its own completions (mean per-token k3 KL, old to new, "

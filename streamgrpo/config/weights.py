@@ -32,6 +32,16 @@ class WeightsConfig(Section):
     """How generators reach the weights: tcp (any host); ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well); shm (as ipc, but each version's bytes are read from the learner's shared-memory file in shm_dir instead of being sent: no socket copy at all)."""
     shm_dir: str = "/dev/shm"
     """transport=shm: the directory (a tmpfs) where the learner keeps its version files, which the generators on its host map."""
+    delta: bool = False
+    """Send a version as its difference to the previous one (positions and new values of the 16-bit words that changed) when that is at most delta_max_ratio of its bytes, else whole; subscribers apply it bit for bit, check the full version's digests, and fetch the snapshot when they missed the version it applies to. Costs the learner one comparison pass per version and each TCP subscriber one more payload of host memory; for generators (or relays) on other hosts."""
+    delta_max_ratio: float = Field(0.5, gt=0.0, le=1.0)
+    """With delta: the largest delta sent, as a share of the full version's bytes (early in training, or at high learning rates, versions go out whole)."""
+    relay: bool = False
+    """Generators take versions from their host's relay (`streamgrpo relay`; a generator starts one when none runs, and another when it dies) through shared memory in shm_dir, instead of from the learner: the learner sends each version once per host whatever the number of generators there. The relay subscribes to the learner with this section's connect_host, ports, keys and delta."""
+    relay_pub_port: int = Field(5565, ge=1, le=65535)
+    """relay: the relay's PUB port on the host's loopback (its generators connect there)."""
+    relay_snapshot_port: int = Field(5566, ge=1, le=65535)
+    """relay: the relay's snapshot port on the host's loopback."""
     send_frozen: bool = False
     """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
     host_buffers: int = Field(3, ge=2, le=16)

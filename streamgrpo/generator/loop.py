@@ -62,6 +62,12 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
                           f"({', '.join(rewards.names)})")
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=name, stop=stop)
+    relay = None
+    if cfg.weights.relay:  # versions from this host's relay (started here when none runs), not the learner
+        from streamgrpo.relay.keeper import RelayKeeper
+
+        relay = RelayKeeper(cfg, run_dir, name)
+        relay.check()
     weights = subscriber_from_config(cfg.weights, run_dir, client_key=f"client-{generator_id}" if cfg.weights.curve_keys_dir else None,
                                      pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
     sampler = Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), rewards, name,
@@ -87,6 +93,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     produced = code = 0
     try:
         while not stop:
+            if relay is not None:
+                relay.check()  # a relay that died is replaced
             apply_newest()
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = cfg.rollout.prompts_per_batch

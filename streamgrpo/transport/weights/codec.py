@@ -42,6 +42,7 @@ log = logging.getLogger("streamgrpo.transport.weights")
 FORMAT = 2
 TOPIC = b"w"  # version chunks: [TOPIC, header, payload]
 TOPIC_BEAT = b"h"  # heartbeat: [TOPIC_BEAT, msgpack {"s": src, "v": latest complete version}]
+TOPIC_DELTA = b"d"  # a version as a delta to the previous one: [TOPIC_DELTA, header, delta payload chunk]
 BEAT_S = 1.0  # heartbeat period (also sent right after each version)
 ALGOS: dict[str, Callable] = {"sha256": hashlib.sha256}
 if xxhash is not None:
@@ -115,6 +116,43 @@ def decode_meta(raw: bytes) -> VersionMeta:
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise WeightsFormatError(f"weights meta v{version}: publish time {ts!r} is not a number")
     return VersionMeta(version, src, nbytes, chunk, n, float(ts), algo)
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """What a delta's meta record adds: the version it applies to, and the full version it makes (its meta
+    record and chunk digests, checked after applying)."""
+
+    base: int
+    full: VersionMeta
+    full_meta: bytes
+    digests: list[bytes]
+
+
+def encode_delta_meta(meta: VersionMeta, base: int, full_meta: bytes, digests: list[bytes]) -> bytes:
+    """The meta record of a delta payload: a version meta (its sizes are the delta's) plus ``delta``."""
+    d = msgpack.unpackb(encode_meta(meta), raw=False)
+    d["delta"] = {"base": base, "full": full_meta, "digests": list(digests)}
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def decode_delta_meta(raw: bytes) -> DeltaInfo:
+    """The ``delta`` part of a delta's meta record, validated against the full version it describes."""
+    d = unpack_map(raw, "weights delta meta")
+    delta = d.get("delta")
+    if not isinstance(delta, dict):
+        raise WeightsFormatError("weights delta meta: no 'delta' map")
+    base = _int(delta, "base", "weights delta meta")
+    full_meta, digests = delta.get("full"), delta.get("digests")
+    if not isinstance(full_meta, bytes):
+        raise WeightsFormatError("weights delta meta: no full meta record")
+    full = decode_meta(full_meta)
+    if full.version != d.get("version") or full.src != d.get("src") or base >= full.version:
+        raise WeightsFormatError(f"weights delta meta: v{base} -> v{full.version} does not fit its header")
+    if (not isinstance(digests, list) or len(digests) != full.n_chunks
+            or not all(isinstance(x, bytes) for x in digests)):
+        raise WeightsFormatError(f"weights delta meta v{full.version}: needs {full.n_chunks} chunk digests")
+    return DeltaInfo(base, full, full_meta, digests)
 
 
 # ------------------------------------------------------------------------------------ headers
@@ -191,6 +229,7 @@ class Completed:
     meta: VersionMeta
     buf_N: torch.Tensor
     entries: list[TensorEntry] = field(default_factory=list)
+    raw_meta: bytes = b""  # the meta record as sent (a delta's carries its DeltaInfo)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return unpack_tensors(self.buf_N, self.entries)
@@ -242,7 +281,8 @@ class Assembler:
     """
 
     def __init__(self, alloc: Callable[[int], torch.Tensor], release: Callable[[torch.Tensor], None] | None = None,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, tensor_table: bool = True):
+        self._tensor_table = tensor_table  # False: payloads that are not safetensors images (deltas)
         self._alloc = alloc
         self._release = release or (lambda buf: None)
         self._executor = executor
@@ -320,11 +360,11 @@ class Assembler:
             return None, self._fail(key_of(h), f"digest mismatch ({meta.algo}) in chunk {bad[0]}: payload corrupt or "
                                                "tampered, discarded")
         try:
-            entries = parse_layout(cur.buf_N)
+            entries = parse_layout(cur.buf_N) if self._tensor_table else []
         except WeightsFormatError as exc:
             return None, self._fail(key_of(h), f"malformed tensor table ({exc})")
         self._cur = None
-        return Completed(meta, cur.buf_N, entries), None
+        return Completed(meta, cur.buf_N, entries, cur.meta_bytes), None
 
 
 def _join(a: str | None, b: str | None) -> str | None:

@@ -27,7 +27,7 @@ def publisher_from_config(wcfg: WeightsConfig, run_dir: str | Path, **kw) -> Wei
     from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
     kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), "io_threads": wcfg.io_threads, "host_buffers": wcfg.host_buffers,
-          "algo": wcfg.digest, **kw}
+          "algo": wcfg.digest, "delta_max_ratio": wcfg.delta_max_ratio if wcfg.delta else None, **kw}
     args = (wcfg.bind_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.chunk_mib, wcfg.curve_keys_dir, wcfg.sndhwm)
     if wcfg.transport == "shm":
         return ShmPublisher(*args, shm_dir=wcfg.shm_dir, **kw)
@@ -36,12 +36,31 @@ def publisher_from_config(wcfg: WeightsConfig, run_dir: str | Path, **kw) -> Wei
 
 def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key: str | None = None,
                            **kw) -> WeightSyncClient:
-    """A generator's weight channel (``client_key``: e.g. ``client-3``, with CURVE keys)."""
+    """A generator's weight channel (``client_key``: e.g. ``client-3``, with CURVE keys); with
+    ``weights.relay`` the host's relay's, through shared memory."""
     from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
     from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
+    if wcfg.relay:  # the relay on this host: loopback, versions in its shared-memory files
+        return ShmSubscriber("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, shm_dir=wcfg.shm_dir, **kw)
     kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), **kw}
     args = (wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key)
     if wcfg.transport == "shm":
         return ShmSubscriber(*args, shm_dir=wcfg.shm_dir, **kw)
-    return WeightSubscriber(*args, **kw)
+    return WeightSubscriber(*args, delta=wcfg.delta, **kw)
+
+
+def upstream_from_config(wcfg: WeightsConfig, client_key: str | None = None, **kw) -> WeightSyncClient:
+    """A relay's channel to the learner: TCP, with the section's keys and deltas (never the relay itself)."""
+    from streamgrpo.transport.weights.subscriber import WeightSubscriber
+
+    return WeightSubscriber(wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key,
+                            delta=wcfg.delta, **kw)
+
+
+def relay_publisher_from_config(wcfg: WeightsConfig, **kw) -> WeightSync:
+    """A relay's publisher to its host's generators: loopback ports, versions in shared-memory files."""
+    from streamgrpo.transport.weights.shm_publisher import ShmPublisher
+
+    return ShmPublisher("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, wcfg.chunk_mib, None, wcfg.sndhwm,
+                        shm_dir=wcfg.shm_dir, algo=wcfg.digest, host_buffers=2, **kw)

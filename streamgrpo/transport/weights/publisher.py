@@ -52,17 +52,27 @@ import msgpack
 import torch
 import zmq
 
-from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES
+from streamgrpo.metrics import (
+    ERRORS,
+    POLICY_VERSION,
+    WEIGHT_BYTES,
+    WEIGHT_DELTA_RATIO,
+    WEIGHT_SUBSCRIBERS,
+    WEIGHT_VERSION_BYTES,
+    WEIGHT_VERSIONS,
+)
 from streamgrpo.transport.weights.base import VersionWriter, WeightSync
 from streamgrpo.transport.weights.codec import (
     BEAT_S,
     DEFAULT_ALGO,
     TOPIC,
     TOPIC_BEAT,
+    TOPIC_DELTA,
     VersionMeta,
     chunk_digest,
     chunk_span,
     default_hash_threads,
+    encode_delta_meta,
     encode_header,
     encode_meta,
     make_header,
@@ -92,6 +102,7 @@ class _Version:
     committed: bool = False
     failed: bool = False  # given up while being written: never send it
     storage: object | None = None  # a backend's handle of base (the shared-memory file it maps: ShmPublisher)
+    delta: bytes | None = None  # sent as this delta to the previous version (kept alive until ZeroMQ lets go)
 
     def released(self) -> bool:
         return all(t.done for t in self.trackers)
@@ -203,8 +214,10 @@ class WeightPublisher(WeightSync):
         hash_threads: int | None = None,
         io_threads: int = 1,
         host_buffers: int = 3,
+        delta_max_ratio: float | None = None,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
+        self.delta_max_ratio = delta_max_ratio  # None: every version whole; else deltas up to this share of it
         self.algo = algo
         self.src = secrets.randbits(62)  # publisher id: a restarted learner starts a new lineage
         self.bind_host = bind_host
@@ -224,6 +237,8 @@ class WeightPublisher(WeightSync):
             self._ipc = ipc_endpoints(ipc_dir)
         self._hwm = sndhwm
         self._pub = self._socket(zmq.PUB, sndhwm)
+        self._pub_monitor = self._pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.subscribers = 0  # connections on PUB now (counted from its monitor)
         self._router = self._socket(zmq.ROUTER, 100_000)
         try:
             self.pub_port = bind_tcp(self._pub, bind_host, pub_port, "weights.pub_port")
@@ -257,6 +272,7 @@ class WeightPublisher(WeightSync):
         self._free: list[torch.Tensor] = []
         self._closing = False
         self.versions_sent = 0
+        self.deltas_sent = 0
         self.superseded = 0  # versions replaced before they started going out
         self.host_buffers = max(2, host_buffers)
         self._pinned = 0
@@ -302,8 +318,11 @@ class WeightPublisher(WeightSync):
         """Rebind PUB with a high-water mark that holds two versions (libzmq applies a new HWM only to
         new connections). Subscribers reconnect by themselves; what they miss meanwhile comes from
         the snapshot endpoint. Happens once, at the first version bigger than ``sndhwm`` allows."""
+        self._drop_monitor()
         self._pub.close(linger=0)
         self._pub = self._socket(zmq.PUB, hwm)
+        self._pub_monitor = self._pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.subscribers = 0
         if ":" in self.bind_host:
             self._pub.ipv6 = True
         for ep in [endpoint(self.bind_host, self.pub_port)] + ([self._ipc[0]] if self._ipc else []):
@@ -319,6 +338,23 @@ class WeightPublisher(WeightSync):
                 raise RuntimeError(f"weights: could not rebind PUB endpoint {ep}")
         log.info("weights: PUB high-water mark raised from %d to %d messages (two versions)", self._hwm, hwm)
         self._hwm = hwm
+
+    def _drop_monitor(self) -> None:
+        if self._pub_monitor is not None:
+            self._pub.disable_monitor()
+            self._pub_monitor.close(linger=0)
+            self._pub_monitor = None
+
+    def _count_subscribers(self) -> None:
+        """Follow PUB's connections (accepted minus disconnected): the fan-out gauge."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        mon = self._pub_monitor
+        while mon is not None and mon.poll(0):
+            event = recv_monitor_message(mon)["event"]
+            self.subscribers += 1 if event == zmq.EVENT_ACCEPTED else -1 if event == zmq.EVENT_DISCONNECTED else 0
+        self.subscribers = max(0, self.subscribers)
+        WEIGHT_SUBSCRIBERS.set(self.subscribers)
 
     def _beat(self) -> None:
         """Announce the latest complete version, so a subscriber that lost a version's tail notices."""
@@ -351,6 +387,11 @@ class WeightPublisher(WeightSync):
             self._wake_push.send(b"", zmq.NOBLOCK)
         return _Writer(self, job, cuda)
 
+    def new_lineage(self) -> None:
+        """Versions from now on carry a new publisher id, so subscribers take them even when their numbers
+        are lower than what they hold (a relay whose learner restarted from an older checkpoint)."""
+        self.src = secrets.randbits(62)
+
     @property
     def latest_version(self) -> int | None:
         """The newest version fully handed to ZeroMQ (the one the snapshot endpoint serves)."""
@@ -380,6 +421,8 @@ class WeightPublisher(WeightSync):
             self._cv.notify_all()
         self._thread.join(timeout_s)
         self._hash_pool.shutdown(wait=True)
+        if not self._thread.is_alive():
+            self._drop_monitor()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.destroy(linger=int(min(timeout_s, 1.0) * 1000))
@@ -476,6 +519,7 @@ class WeightPublisher(WeightSync):
                 if job is not None:
                     self._send(job)
                 self._answer_snapshots()
+                self._count_subscribers()
                 if time.monotonic() - self._last_beat >= BEAT_S:
                     self._beat()
             except zmq.ContextTerminated:
@@ -513,6 +557,71 @@ class WeightPublisher(WeightSync):
         return True
 
     def _send(self, job: _Version) -> None:
+        base = self._latest
+        if (self.delta_max_ratio is not None and base is not None and base.meta.nbytes == job.meta.nbytes
+                and base.layout.header == job.layout.header):
+            if self._send_delta(job, base):
+                return
+        self._send_full(job)
+
+    def _send_delta(self, job: _Version, base: _Version) -> bool:
+        """Send ``job`` as its delta to ``base`` (the latest version) when that is at most
+        ``delta_max_ratio`` of its bytes; False (nothing sent) when it is not. Waits for all of ``job``'s
+        bytes first: a delta cannot stream while the version is still being written."""
+        from streamgrpo.transport.weights.delta import encode_delta
+
+        meta = job.meta
+        if not self._ready_upto(job, meta.nbytes, block=True) or not self._committed(job):
+            self._give_up(job)
+            return True
+        full, prev = job.buf_N.numpy(), base.buf_N.numpy()
+        raw = encode_delta(prev, full, executor=self._hash_pool)
+        WEIGHT_DELTA_RATIO.set(len(raw) / max(1, meta.nbytes))
+        if len(raw) > self.delta_max_ratio * meta.nbytes:
+            return False
+        mv = memoryview(full)
+        digests = list(self._hash_pool.map(
+            lambda i: chunk_digest(meta.algo, mv[slice(*chunk_span(meta, i))], job.meta_bytes if i == 0 else None),
+            range(meta.n_chunks)))  # of the full version: served as the snapshot, checked after applying
+        job.digests, job.delta = digests, raw
+        dmeta = VersionMeta(meta.version, meta.src, len(raw), self.chunk_bytes, n_chunks_for(len(raw), self.chunk_bytes),
+                            meta.published_at, meta.algo)
+        dmeta_bytes = encode_delta_meta(dmeta, base.meta.version, job.meta_bytes, digests)
+        if 2 * dmeta.n_chunks + 16 > self._hwm:
+            self._raise_hwm(2 * dmeta.n_chunks + 16)
+        dv = memoryview(raw)
+        for seq in range(dmeta.n_chunks):
+            start, end = chunk_span(dmeta, seq)
+            header = encode_header(make_header(dmeta, seq, dmeta_bytes, chunk_digest(
+                dmeta.algo, dv[start:end], dmeta_bytes if seq == 0 else None)))
+            job.trackers.append(self._pub.send_multipart([TOPIC_DELTA, header, dv[start:end]], copy=False, track=True))
+            self._answer_snapshots()
+        self.deltas_sent += 1
+        self._finish(job, "delta", len(raw))
+        return True
+
+    def _committed(self, job: _Version) -> bool:
+        """Wait until the caller's commit() (or abort) of ``job``: True when committed."""
+        with self._cv:  # the caller may still be inside commit(): wait for it (bytes are all final)
+            self._cv.wait_for(lambda: job.committed or job.failed or self._closing)
+        return job.committed
+
+    def _finish(self, job: _Version, kind: str, sent: int) -> None:
+        """``job`` went out whole (or as a delta): it is the latest version now."""
+        WEIGHT_BYTES.inc(sent)
+        WEIGHT_VERSIONS.labels(kind=kind).inc()
+        WEIGHT_VERSION_BYTES.labels(kind=kind).inc(sent)
+        with self._cv:
+            if self._latest is not None:
+                self._retired.append(self._latest)
+            self._latest = job
+            self._sending = False
+            self.versions_sent += 1
+            self._cv.notify_all()
+        self._version_out(job)
+        self._beat()
+
+    def _send_full(self, job: _Version) -> None:
         meta, mv = job.meta, memoryview(job.buf_N.numpy())
         if 2 * meta.n_chunks + 16 > self._hwm:
             self._raise_hwm(2 * meta.n_chunks + 16)
@@ -536,20 +645,9 @@ class WeightPublisher(WeightSync):
             header = encode_header(make_header(meta, seq, job.meta_bytes, digest))
             job.trackers.append(self._pub.send_multipart([TOPIC, header, mv[start:end]], copy=False, track=True))
             self._answer_snapshots()  # keep late joiners served while a big version goes out
-        with self._cv:  # the caller may still be inside commit(): wait for it (bytes are all final)
-            self._cv.wait_for(lambda: job.committed or job.failed or self._closing)
-        if not job.committed:  # aborted after its last byte: subscribers got it whole, but it is not a version
+        if not self._committed(job):  # aborted after its last byte: subscribers got it whole, but it is not a version
             return self._give_up(job)
-        WEIGHT_BYTES.inc(meta.nbytes)
-        with self._cv:
-            if self._latest is not None:
-                self._retired.append(self._latest)
-            self._latest = job
-            self._sending = False
-            self.versions_sent += 1
-            self._cv.notify_all()
-        self._version_out(job)
-        self._beat()
+        self._finish(job, "full", meta.nbytes)
 
     def _give_up(self, job: _Version) -> None:
         self._version_dropped(job)

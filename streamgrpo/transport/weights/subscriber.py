@@ -11,18 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
-from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_SYNC_SECONDS
+from streamgrpo.metrics import ERRORS, POLICY_VERSION, WEIGHT_BYTES, WEIGHT_DELTAS, WEIGHT_SYNC_SECONDS
 from streamgrpo.transport.weights.base import WeightsStatus, WeightSyncClient
 from streamgrpo.transport.weights.codec import (
     TOPIC,
     TOPIC_BEAT,
+    TOPIC_DELTA,
     Assembler,
     Completed,
     VersionMeta,
     WeightsFormatError,
+    chunk_digest,
+    chunk_span,
+    decode_delta_meta,
     decode_header,
     default_hash_threads,
     key_of,
@@ -60,6 +65,11 @@ class WeightSubscriber(WeightSyncClient):
     there instead of TCP (generators on the learner's host); :class:`~.shm_subscriber.ShmSubscriber`
     reads each new version from the learner's shared-memory file instead of receiving its bytes.
 
+    ``delta=True`` also takes versions sent as deltas (``weights.delta``): it keeps a private copy of
+    the last whole version (one payload of host memory), applies each delta to it, checks the result
+    against the full version's chunk digests, and fetches the snapshot when it does not hold the
+    version a delta applies to (it missed one) or the result does not check.
+
     :meth:`status` says why no weights arrive (key refused, handshake failed, learner unreachable,
     nothing published yet) from the sockets' monitor events (:mod:`.links`); after an auth
     or protocol failure, which libzmq never retries, both endpoints are dialled again every
@@ -82,6 +92,7 @@ class WeightSubscriber(WeightSyncClient):
         copy_threads: int | None = None,
         ipc_dir: str | os.PathLike | None = None,
         redial_s: float = 5.0,
+        delta: bool = False,
     ):
 
         self.pin_memory = pin_memory
@@ -104,6 +115,9 @@ class WeightSubscriber(WeightSyncClient):
                 s.curve_secretkey = secret
         self._sub.subscribe(self._data_topic)
         self._sub.subscribe(TOPIC_BEAT)
+        self.delta = delta
+        if delta:
+            self._sub.subscribe(TOPIC_DELTA)
         if ipc_dir is not None:
             pub_ep, snap_ep = ipc_endpoints(ipc_dir)
         else:
@@ -129,13 +143,16 @@ class WeightSubscriber(WeightSyncClient):
         self._spares: list[torch.Tensor] = []  # receive buffers ready for reuse (at most 2)
         self._returned: torch.Tensor | None = None  # buffer of the version poll() last returned
         self._pub_asm = Assembler(self._alloc, self._release, self._pool)
+        self._delta_asm = Assembler(lambda n: torch.empty(max(n, 1), dtype=torch.uint8)[:n], None, self._pool,
+                                    tensor_table=False)
+        self._base: tuple[tuple[int, int], np.ndarray] | None = None  # (key, private copy) of the last whole version
         self._fetch: _Fetch | None = None
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
         self._joined = False  # a version start seen on PUB (chunks before the first one are no loss)
         self._rid = 0
-        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "discarded": 0, "snapshot_requests": 0,
-                      "beats": 0}
+        self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_delta": 0, "discarded": 0,
+                      "snapshot_requests": 0, "beats": 0, "delta_no_base": 0}
         self._setup_backend()
         self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
         self._thread.start()
@@ -175,6 +192,11 @@ class WeightSubscriber(WeightSyncClient):
         with self._cv:
             have, empty = self._have, self._learner_empty
         return self._links.status(have.version if have is not None else None, learner_empty=empty)
+
+    @property
+    def source(self) -> int | None:
+        """Publisher id of the version last returned by :meth:`poll` (a restarted learner has a new one)."""
+        return self._last.src if self._last else None
 
     @property
     def published_at(self) -> float | None:
@@ -278,15 +300,19 @@ class WeightSubscriber(WeightSyncClient):
             if not newer(done.meta, self._have):
                 self._release(done.buf_N)
                 return
+        if self.delta and source != "delta":  # the base the next delta applies to (a delta updated it in place)
+            self._keep_base(done)
+        with self._cv:
             old, self._ready, self._have = self._ready, done, done.meta
             self._cv.notify_all()
         if old is not None:
             self._release(old.buf_N)
         self.stats["from_" + source] += 1
         self._fetch_due = None
-        cur = self._pub_asm.in_progress
-        if cur is not None and not newer(cur[0], done.meta):
-            self._pub_asm.reset()
+        for asm in (self._pub_asm, self._delta_asm):
+            cur = asm.in_progress
+            if cur is not None and not newer(cur[0], done.meta):
+                asm.reset()
         if self._fetch is not None and (self._fetch.key is None or not newer(self._fetch.key, done.meta)):
             self._abort_fetch()
 
@@ -307,6 +333,12 @@ class WeightSubscriber(WeightSyncClient):
                     continue
                 if self._side_message(frames):
                     continue
+                if frames[0].bytes == TOPIC_DELTA and self.delta:
+                    if batch:  # whole versions before it first: the delta may apply to one of them
+                        self._assemble(batch)
+                        batch = []
+                    self._delta_chunk(frames)
+                    continue
                 if len(frames) != 3:
                     raise WeightsFormatError(f"weights message has {len(frames)} frames, expected 3")
                 h = decode_header(frames[1].bytes)
@@ -324,15 +356,90 @@ class WeightSubscriber(WeightSyncClient):
             self._assemble(batch)
         # Heartbeats follow a version's last chunk: if the announced version is newer than what we
         # hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark).
-        announced, building = self._announced, self._pub_asm.in_progress
+        announced, building = self._announced, self._pub_asm.in_progress or self._delta_asm.in_progress
         if announced is not None and newer(announced, self._have) and (building is None or not newer(building[0], announced)):
             self._announced = None
             if building is not None:
                 self._pub_asm.reset()
+                self._delta_asm.reset()
                 self._dropped(f"weights version {building[0][1]}: incomplete ({building[1]} chunks), its tail was lost",
                               repair=False)
             if self._fetch is None:
                 self._fetch_due = time.monotonic()
+
+    # -- deltas ------------------------------------------------------------------------------------
+    def _keep_base(self, done: Completed) -> None:
+        """Copy a whole version aside: the next delta is applied to this copy."""
+        src = done.buf_N.numpy()
+        if self._base is not None and self._base[1].size == src.size:
+            base = self._base[1]
+        else:
+            self._base = None
+            base = np.empty(src.size, np.uint8)
+        np.copyto(base, src)
+        self._base = (key_of(done.meta), base)
+
+    def _delta_chunk(self, frames: list) -> None:
+        h = decode_header(frames[1].bytes)
+        WEIGHT_BYTES.inc(len(frames[2]))
+        if not newer(h, self._have):
+            return
+        done, why = self._delta_asm.feed(h, frames[2].buffer)
+        if why:
+            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            self._dropped(why, repair=True)
+        if done is not None:
+            self._apply_delta(done)
+
+    def _apply_delta(self, done: Completed) -> None:
+        """Apply a whole, digest-checked delta to the base copy; check the result against the full
+        version's digests; offer it. Without the right base (a version missed, or none yet): the snapshot."""
+        from streamgrpo.transport.weights.delta import apply_delta
+        from streamgrpo.transport.weights.layout import parse_layout
+
+        try:
+            info = decode_delta_meta(done.raw_meta)
+        except WeightsFormatError as exc:
+            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            return self._dropped(f"weights delta v{done.meta.version}: {exc}", repair=True)
+        full = info.full
+        if not newer(full, self._have):
+            return
+        if self._base is None or self._base[0] != (full.src, info.base) or self._base[1].size != full.nbytes:
+            WEIGHT_DELTAS.labels(result="no_base").inc()
+            self.stats["delta_no_base"] += 1
+            log.debug("weights: delta v%d -> v%d, not holding v%d: fetching the snapshot", info.base, full.version,
+                      info.base)
+            if self._fetch is None:
+                self._fetch_due = time.monotonic()
+            return None
+        base = self._base[1]
+        self._base = None  # changed in place from here: a failure below leaves no base
+        try:
+            apply_delta(base, done.buf_N.numpy())
+        except WeightsFormatError as exc:
+            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            return self._dropped(f"weights delta v{full.version}: {exc}", repair=True)
+        mv = memoryview(base)
+        ok = list(self._pool.map(
+            lambda i: chunk_digest(full.algo, mv[slice(*chunk_span(full, i))], info.full_meta if i == 0 else None)
+            == info.digests[i], range(full.n_chunks)))
+        if not all(ok):
+            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            return self._dropped(f"weights version {full.version}: digest mismatch ({full.algo}) in chunk "
+                                 f"{ok.index(False)} after applying its delta: discarded", repair=True)
+        try:
+            entries = parse_layout(base)
+        except WeightsFormatError as exc:
+            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            return self._dropped(f"weights version {full.version}: malformed tensor table after its delta ({exc})",
+                                 repair=True)
+        self._base = ((full.src, full.version), base)
+        buf = self._alloc(full.nbytes)
+        np.copyto(buf.numpy(), base)
+        WEIGHT_DELTAS.labels(result="applied").inc()
+        self._offer(Completed(full, buf, entries, info.full_meta), "delta")
+        return None
 
     def _assemble(self, batch: list) -> None:
         keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)

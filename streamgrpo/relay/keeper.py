@@ -1,0 +1,88 @@
+"""Who runs the relay on a host: a lock file says whether one runs; a generator starts one when none does.
+
+The relay holds an exclusive ``flock`` on ``<shm_dir>/streamgrpo-relay-<relay_pub_port>.lock`` for its
+whole life (the kernel drops it when the process dies, ``kill -9`` included). Every generator with
+``weights.relay`` probes that lock at start and every few seconds: when it can take it, no relay runs,
+and it starts one (``streamgrpo relay``, in its own session, so it outlives that generator and serves
+the others). Two generators that race both start one; the second relay finds the lock held and exits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("streamgrpo.relay")
+
+
+def lock_path(wcfg) -> Path:
+    return Path(wcfg.shm_dir) / f"streamgrpo-relay-{wcfg.relay_pub_port}.lock"
+
+
+def take_lock(wcfg) -> int | None:
+    """The relay's lock (a file descriptor to keep open while relaying), or None when another relay holds it."""
+    path = lock_path(wcfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def relay_running(wcfg) -> bool:
+    """Whether a relay holds the lock now (a probe: the lock is let go at once when free)."""
+    fd = take_lock(wcfg)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+class RelayKeeper:
+    """A generator's side: start the host's relay when none runs (at most every ``every_s`` seconds)."""
+
+    def __init__(self, cfg, run_dir: str | Path, name: str, every_s: float = 5.0, clock=time.monotonic):
+        self.cfg, self.run_dir, self.name, self.every_s, self._clock = cfg, Path(run_dir), name, every_s, clock
+        self._last: float | None = None
+        self.started = 0  # relays this generator started
+
+    def check(self) -> bool:
+        """Start a relay if none runs; True when this call started one."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self.every_s:
+            return False
+        self._last = now
+        if relay_running(self.cfg.weights):
+            return False
+        self.start()
+        return True
+
+    def start(self) -> None:
+        wc = self.cfg.weights
+        conf = lock_path(wc).with_suffix(".yaml")
+        on_disk = self.cfg.model_copy(deep=True)
+        on_disk.queue.url = None  # the relay needs no queue, and no secret goes to disk
+        tmp = conf.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(on_disk.to_yaml())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, conf)
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"relay-{socket.gethostname()}.log"
+        with open(log_path, "ab") as fh:
+            subprocess.Popen([sys.executable, "-m", "streamgrpo", "relay", "--config", str(conf)], stdout=fh,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        self.started += 1
+        log.info("%s: no weight relay on this host: started one (log %s)", self.name, log_path)
