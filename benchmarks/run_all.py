@@ -8,7 +8,9 @@ Markdown to ``benchmarks/results/table.md``).
 Budget (``make bench``, the default; about 50 minutes on 2 cores, setup excluded): the
 microbenchmarks at reduced sizes/repeats (~3 minutes); ``bench_cluster`` on 1 MB groups only, N in
 {1, 4, 16, 64} generators x M in {1, 2} learners (~1 minute; ``--full``: its own 3 sizes x 4 x 3
-grid), and again with visuals by reference at 10 MB-equivalent groups (~1 minute); ``bench_media``
+grid), and again with visuals by reference at 10 MB-equivalent groups (~1 minute); ``bench_delta``
+(weight deltas at Qwen2.5-VL-3B's layer shapes after an AdamW step, ~2 minutes); ``bench_relay`` (H hosts
+x G generators behind one relay each, against every generator on TCP, ~2 minutes); ``bench_media``
 (reference vs inline: bytes, Redis memory, learner time per step; ~5 minutes); ``bench_e2e`` at its default 100 steps (800 groups per run; async, sync, TRL: ~10 minutes);
 ``bench_staleness`` at its default (k in {0, 2, 4, 8, 16} x five losses, 100 steps, two lockstep
 runs at a time: ~25 minutes); ``bench_motion``: one ``up --config demo-motion`` run and its
@@ -36,6 +38,9 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
     "video": ("bench_video", ["--repeats", "2", "--long-videos", "4"], [], 600),
     "queue": ("bench_queue", ["--rounds", "3", "--seconds", "1.0"], [], 600),
     "weights": ("bench_weights", ["--mib", "256", "--subs", "1,2,4", "--transports", "tcp,ipc,shm", "--repeats", "3"], [], 900),
+    "delta": ("bench_delta", ["--repeats", "3"], ["--layers", "4", "--repeats", "5"], 900),
+    "relay": ("bench_relay", ["--mib", "128", "--hosts", "2,4", "--gens", "1,4", "--repeats", "3", "--direct"],
+              ["--mib", "256", "--hosts", "2,4", "--gens", "1,4", "--repeats", "5", "--direct"], 900),
     "learner": ("bench_learner", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
     "engine": ("bench_engine", ["--repeats", "5"], [], 300),
     "cluster": ("bench_cluster", ["--gens", "1,4,16,64", "--learners", "1,2", "--sizes", "1", "--seconds", "2"], [], 600),

@@ -74,6 +74,11 @@ RELAY_VERSIONS = Counter("streamgrpo_relay_versions", "Relay: versions received 
                          "to its host's generators through shared memory")
 WEIGHT_DELTAS = Counter("streamgrpo_weight_deltas", "Subscriber: deltas received, by result (applied; no_base: it did "
                         "not hold the version the delta applies to, and fetched the snapshot; corrupt)", ["result"])
+for _result in ("applied", "no_base", "corrupt"):  # exported at 0 from the start: a dashboard shows "none yet"
+    WEIGHT_DELTAS.labels(result=_result)
+for _kind in ("full", "delta"):
+    WEIGHT_VERSIONS.labels(kind=_kind)
+    WEIGHT_VERSION_BYTES.labels(kind=_kind)
 UPDATE_KL = Gauge(
     "streamgrpo_update_kl",
     "How far the last optimizer step moved the policy on its own completions (mean per-token k3 KL, old to new, "

@@ -38,14 +38,14 @@ def _words(buf: np.ndarray) -> np.ndarray:
 
 def _changed_block(a: np.ndarray, b: np.ndarray, start: int, end: int) -> np.ndarray:
     """Changed word indices in words [start, end) (``start`` a multiple of 4): compared 64 bits at a time,
-    then the 4 words of each differing 64-bit lane."""
+    then the 4 words of each differing 64-bit lane (its XOR read back as 4 little-endian words)."""
     n4 = (end - start) // 4 * 4
     a4 = a[start:start + n4].view("<u8")
     b4 = b[start:start + n4].view("<u8")
     lanes = np.flatnonzero(a4 != b4)
-    x = a4[lanes] ^ b4[lanes]
-    sub = (x[:, None] >> _LANE_SHIFTS) & np.uint64(0xFFFF) != 0  # little-endian: word k is bits 16k..16k+15
-    found = (start + lanes[:, None] * 4 + np.arange(4))[sub]
+    x = (a4[lanes] ^ b4[lanes]).view("<u2")  # word k of lane i at 4 i + k
+    hit = np.flatnonzero(x)
+    found = start + lanes[hit >> 2] * 4 + (hit & 3)
     rest = np.flatnonzero(a[start + n4:end] != b[start + n4:end]) + start + n4
     return np.concatenate((found, rest)) if rest.size else found
 
@@ -104,9 +104,14 @@ def encode_delta(prev: np.ndarray, cur: np.ndarray, executor=None) -> bytes:
     if prev.size != cur.size:
         raise ValueError(f"weights delta: payloads of {prev.size} and {cur.size} bytes (a delta needs one layout)")
     idx = changed_words(prev, cur, executor=executor)
-    gaps = np.diff(idx, prepend=-1) - 1 if idx.size else idx
-    pos = varint_encode(gaps.astype(np.uint64))
-    values = _words(cur)[idx].astype("<u2", copy=False)
+    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint64) if idx.size else np.empty(0, np.uint64)
+    words = _words(cur)
+    parts = np.array_split(np.arange(idx.size), max(1, min(16, idx.size // (1 << 20))))
+    work = lambda p: (varint_encode(gaps[p[0]:p[-1] + 1]), words[idx[p[0]:p[-1] + 1]]) if p.size else (  # noqa: E731
+        np.empty(0, np.uint8), np.empty(0, "<u2"))
+    done = list(executor.map(work, parts)) if executor is not None and len(parts) > 1 else [work(p) for p in parts]
+    pos = np.concatenate([d[0] for d in done])
+    values = np.concatenate([d[1] for d in done]).astype("<u2", copy=False)
     tail = cur[-1:].tobytes() if cur.size % 2 else b""
     return b"".join((_HEAD.pack(MAGIC, cur.size, idx.size, pos.size), pos.tobytes(), values.tobytes(), tail))
 

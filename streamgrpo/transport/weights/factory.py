@@ -50,17 +50,10 @@ def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key:
     return WeightSubscriber(*args, delta=wcfg.delta, **kw)
 
 
-def upstream_from_config(wcfg: WeightsConfig, client_key: str | None = None, **kw) -> WeightSyncClient:
-    """A relay's channel to the learner: TCP, with the section's keys and deltas (never the relay itself)."""
-    from streamgrpo.transport.weights.subscriber import WeightSubscriber
-
-    return WeightSubscriber(wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key,
-                            delta=wcfg.delta, **kw)
-
-
 def relay_publisher_from_config(wcfg: WeightsConfig, **kw) -> WeightSync:
-    """A relay's publisher to its host's generators: loopback ports, versions in shared-memory files."""
+    """A relay's publisher to its host's generators: loopback ports, versions in shared-memory files (its
+    high-water mark holds the early-chunk messages of a few versions)."""
     from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
-    return ShmPublisher("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, wcfg.chunk_mib, None, wcfg.sndhwm,
-                        shm_dir=wcfg.shm_dir, algo=wcfg.digest, host_buffers=2, **kw)
+    return ShmPublisher("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, wcfg.chunk_mib, None,
+                        max(wcfg.sndhwm, 100_000), shm_dir=wcfg.shm_dir, algo=wcfg.digest, host_buffers=2, **kw)

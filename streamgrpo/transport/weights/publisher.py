@@ -257,8 +257,11 @@ class WeightPublisher(WeightSync):
         self._wake_pull.bind(self._wake_addr)
         self._wake_push = self._ctx.socket(zmq.PUSH)
         self._wake_push.connect(self._wake_addr)
+        self._relay_push: zmq.Socket | None = None
+        self._outbox: deque = deque()  # forward()/adopt() items for the sender thread
         self._hash_threads = hash_threads or default_hash_threads()
         self._hash_pool = ThreadPoolExecutor(self._hash_threads, thread_name_prefix="weights-hash")
+        self._delta_pool: ThreadPoolExecutor | None = None  # delta encoding, made at the first delta
         self._stream = None
         self._plan = LayoutMemo()
 
@@ -387,10 +390,45 @@ class WeightPublisher(WeightSync):
             self._wake_push.send(b"", zmq.NOBLOCK)
         return _Writer(self, job, cuda)
 
-    def new_lineage(self) -> None:
-        """Versions from now on carry a new publisher id, so subscribers take them even when their numbers
-        are lower than what they hold (a relay whose learner restarted from an older checkpoint)."""
-        self.src = secrets.randbits(62)
+    # -- versions made elsewhere: a relay forwards the learner's ------------------------------------
+    def forward(self, frames: list) -> None:
+        """Send ``frames`` on PUB from the sender thread (a socket is not thread-safe), in call order
+        with :meth:`adopt`. One thread only (e.g. a relay's receiver) calls forward and adopt."""
+        with self._cv:
+            self._outbox.append(frames)
+        self._wake_from_relay()
+
+    def adopt(self, meta: VersionMeta, meta_bytes: bytes, digests: Sequence[bytes], storage, buf_N: torch.Tensor) -> None:
+        """Make a version received whole elsewhere (its meta record and chunk digests unchanged, its bytes
+        in ``buf_N``, a view of ``storage``'s buffer) the latest: announced, served to late joiners."""
+        job = _Version(meta, meta_bytes, None, storage.tensor, buf_N, list(digests), storage=storage, committed=True)
+        with self._cv:
+            self._outbox.append(job)
+        self._wake_from_relay()
+
+    def _wake_from_relay(self) -> None:
+        if self._relay_push is None:  # made in (and used only by) the forwarding thread
+            self._relay_push = self._ctx.socket(zmq.PUSH)
+            self._relay_push.connect(self._wake_addr)
+        self._relay_push.send(b"", zmq.NOBLOCK)
+
+    def _drain_outbox(self) -> None:
+        while True:
+            with self._cv:
+                if not self._outbox:
+                    return
+                item = self._outbox.popleft()
+            if isinstance(item, _Version):
+                with self._cv:
+                    if self._latest is not None:
+                        self._retired.append(self._latest)
+                    self._latest = item
+                    self.versions_sent += 1
+                    self._cv.notify_all()
+                self._version_out(item)
+                self._beat()
+            else:
+                self._pub.send_multipart(item)
 
     @property
     def latest_version(self) -> int | None:
@@ -421,6 +459,8 @@ class WeightPublisher(WeightSync):
             self._cv.notify_all()
         self._thread.join(timeout_s)
         self._hash_pool.shutdown(wait=True)
+        if self._delta_pool is not None:
+            self._delta_pool.shutdown(wait=True)
         if not self._thread.is_alive():
             self._drop_monitor()
         if self._auth is not None:
@@ -518,6 +558,7 @@ class WeightPublisher(WeightSync):
                         return
                 if job is not None:
                     self._send(job)
+                self._drain_outbox()
                 self._answer_snapshots()
                 self._count_subscribers()
                 if time.monotonic() - self._last_beat >= BEAT_S:
@@ -575,14 +616,17 @@ class WeightPublisher(WeightSync):
             self._give_up(job)
             return True
         full, prev = job.buf_N.numpy(), base.buf_N.numpy()
-        raw = encode_delta(prev, full, executor=self._hash_pool)
+        mv = memoryview(full)
+        hashing = [self._hash_pool.submit(chunk_digest, meta.algo, mv[slice(*chunk_span(meta, i))],
+                                          job.meta_bytes if i == 0 else None)
+                   for i in range(meta.n_chunks)]  # of the full version (snapshots, checks after applying), meanwhile
+        if self._delta_pool is None:
+            self._delta_pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="weights-delta")
+        raw = encode_delta(prev, full, executor=self._delta_pool)
+        digests = [f.result() for f in hashing]
         WEIGHT_DELTA_RATIO.set(len(raw) / max(1, meta.nbytes))
         if len(raw) > self.delta_max_ratio * meta.nbytes:
-            return False
-        mv = memoryview(full)
-        digests = list(self._hash_pool.map(
-            lambda i: chunk_digest(meta.algo, mv[slice(*chunk_span(meta, i))], job.meta_bytes if i == 0 else None),
-            range(meta.n_chunks)))  # of the full version: served as the snapshot, checked after applying
+            return False  # (the full path hashes again: only while deltas do not pay, early in training)
         job.digests, job.delta = digests, raw
         dmeta = VersionMeta(meta.version, meta.src, len(raw), self.chunk_bytes, n_chunks_for(len(raw), self.chunk_bytes),
                             meta.published_at, meta.algo)

@@ -42,6 +42,19 @@ class ShmPublisher(WeightPublisher):
         f.stamp(self.src, version)  # before any byte of this version (readers check it)
         return f.tensor, f
 
+    def take_file(self, nbytes: int) -> ShmFile:
+        """A file for a version written by someone else (a relay receiving it), locked for writing."""
+        with self._lock:
+            for v in self._released():
+                self._shm.give_back(v.storage)
+            return self._shm.take(nbytes)
+
+    def give_back_file(self, f: ShmFile) -> None:
+        """A :meth:`take_file` file whose version will not be adopted."""
+        f.unlock()
+        with self._lock:
+            self._shm.give_back(f)
+
     def _recycle(self, job: _Version) -> None:  # lock held: a version that never went out
         job.storage.unlock()
         self._shm.give_back(job.storage)

@@ -435,6 +435,7 @@ class WeightSubscriber(WeightSyncClient):
             return self._dropped(f"weights version {full.version}: malformed tensor table after its delta ({exc})",
                                  repair=True)
         self._base = ((full.src, full.version), base)
+        self._delta_digests = info.digests  # the full version's, for a relay that serves it on
         buf = self._alloc(full.nbytes)
         np.copyto(buf.numpy(), base)
         WEIGHT_DELTAS.labels(result="applied").inc()
