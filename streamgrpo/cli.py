@@ -93,6 +93,33 @@ def cmd_config_memory(args) -> int:
     return 0 if fits else 1
 
 
+def cmd_config_reference(args) -> int:
+    """docs/config.md from the config's field docstrings: printed, written to --out, or checked against it."""
+    from pathlib import Path
+
+    from streamgrpo.config import ConfigError
+    from streamgrpo.config.reference import render_reference
+
+    text = render_reference()
+    if args.check:
+        if not args.out:
+            raise ConfigError("--check compares with a file: give it as --out PATH")
+        out = Path(args.out)
+        if not out.is_file() or out.read_text(encoding="utf-8") != text:
+            print(f"streamgrpo config reference: {out} is {'stale' if out.is_file() else 'missing'}: regenerate it "
+                  f"with `streamgrpo config reference --out {out}`", file=sys.stderr)
+            return FAILED_EXIT
+        print(f"{out} is up to date")
+        return 0
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"config reference written to {args.out}")
+    return 0
+
+
 def cmd_up(args) -> int:
     cfg = _load(args)
     from streamgrpo.commands.up import run_up
@@ -282,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run-dir", default=None, help="override run_dir")
     p.add_argument("--client-key", default=None,
-                   help="CURVE client key name in weights.curve_keys_dir/clients (default client-relay)")
+                   help="CURVE client key in weights.curve_keys_dir/clients, e.g. client-3 (a generator starting the "
+                        "relay passes its own)")
     p.set_defaults(func=cmd_relay)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
@@ -395,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
                    "machine's GPU, else 80)")
     p.set_defaults(func=cmd_config_memory)
+    p = cfg.add_parser("reference", help="the configuration reference (docs/config.md), from the fields' docstrings")
+    p.add_argument("--out", default=None, metavar="PATH", help="write it to this file (default: print it)")
+    p.add_argument("--check", action="store_true",
+                   help="with --out: write nothing, exit 1 when the file differs from what would be written")
+    p.set_defaults(func=cmd_config_reference)
 
     p = sub.add_parser("keys", help="CURVE key pairs for the weight channel")
     p.add_argument("--out", required=True)

@@ -13,7 +13,7 @@ class DataConfig(Section):
     train_path: str = "data/demo/train.jsonl"
     """Training records: LLaVA-style JSON array or JSONL, or a Hugging Face `datasets` directory."""
     eval_path: Optional[str] = None
-    """Held-out records for `streamgrpo eval`."""
+    """Held-out records: what the evaluator scores at the learner's weight versions (eval.enabled, `streamgrpo evaluator`); `streamgrpo eval` takes its own --data."""
     media_root: Optional[str] = None
     """Directory that relative video/image paths are resolved against (default: the records file's directory)."""
     source: Literal["auto", "llava", "hf"] = "auto"

@@ -80,8 +80,11 @@ class RelayKeeper:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"relay-{socket.gethostname()}.log"
+        argv = [sys.executable, "-m", "streamgrpo", "relay", "--config", str(conf)]
+        if wc.curve_keys_dir and self.name.startswith("generator-"):  # this host has that generator's key
+            argv += ["--client-key", "client-" + self.name.removeprefix("generator-")]
         with open(log_path, "ab") as fh:
-            subprocess.Popen([sys.executable, "-m", "streamgrpo", "relay", "--config", str(conf)], stdout=fh,
+            subprocess.Popen(argv, stdout=fh,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         self.started += 1

@@ -41,7 +41,7 @@ def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | No
         log.info("relay: another relay serves this host (%s is held); exiting", lock_path(wc))
         return 0
     stop = stop if stop is not None else StopFlag()
-    key = client_key or ("client-relay" if wc.curve_keys_dir else None)
+    key = client_key if wc.curve_keys_dir else None  # e.g. client-3: the key of the generator that started it
     upstream = local = server = None
     try:
         server = start_metrics(cfg.metrics, Path(cfg.run_dir), "relay")

@@ -1,6 +1,6 @@
 """``numeric``: closeness of the first number in the answer to the first number in the ground truth.
 
-The rule users rely on (spec.md "Rewards"):
+The rule (as the seed-era numeric reward scored it, which users rely on):
 
 * ground truth without a number -> 0.5 (neutral); prediction without a number -> 0.0;
 * otherwise ``min(1, base + (1 - base) * max(0, 1 - (err / scale)**2) * m)`` with
