@@ -22,7 +22,6 @@ from streamgrpo.transport.weights.codec import (
     chunk_digest,
     chunk_span,
     key_of,
-    select_chunks,
 )
 from streamgrpo.transport.weights.shm import TOPIC_SHM, ShmFile, encode_begin, encode_chunk
 from streamgrpo.transport.weights.subscriber import WeightSubscriber
@@ -59,11 +58,7 @@ class RelayReceiver(WeightSubscriber):
 
     # -- chunks announced as they land; whole versions adopted ---------------------------------------
     def _assemble(self, batch: list) -> None:
-        keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)
-        if keep and keep[0] > 0 and self._pub_asm.in_progress is not None:
-            if self._pub_asm.in_progress[0] == key_of(batch[0][0]):
-                self._pub_asm.reset()  # superseded by a newer complete version in this batch
-        for i in keep:
+        for i in self._worth_assembling(batch):
             h, frame = batch[i]
             if h.seq == 0:
                 self._incoming, self._digests = key_of(h), []

@@ -442,12 +442,17 @@ class WeightSubscriber(WeightSyncClient):
         self._offer(Completed(full, buf, entries, info.full_meta), "delta")
         return None
 
-    def _assemble(self, batch: list) -> None:
+    def _worth_assembling(self, batch: list) -> list[int]:
+        """Indices of ``batch`` to feed (:func:`select_chunks`); drops a partial version that a newer
+        complete one in the batch supersedes."""
         keep = select_chunks([h for h, _ in batch], self._pub_asm.in_progress)
         if keep and keep[0] > 0 and self._pub_asm.in_progress is not None:
             if self._pub_asm.in_progress[0] == key_of(batch[0][0]):
                 self._pub_asm.reset()  # superseded by a newer complete version in this batch
-        for i in keep:
+        return keep
+
+    def _assemble(self, batch: list) -> None:
+        for i in self._worth_assembling(batch):
             h, frame = batch[i]
             done, why = self._pub_asm.feed(h, frame.buffer)
             if why:
