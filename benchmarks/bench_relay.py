@@ -46,14 +46,13 @@ def _lo_tx() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-def _config(run_dir: Path, pub, shm: Path | None, relay_ports: tuple[int, int] | None):
+def _config(run_dir: Path, pub, shm: Path | None):
     from streamgrpo.config import build_config
 
     sets = [f"run_dir={run_dir}", f"weights.pub_port={pub.pub_port}", f"weights.snapshot_port={pub.snapshot_port}",
             "metrics.port=0"]
     if shm is not None:
-        sets += [f"weights.shm_dir={shm}", "weights.relay=true", f"weights.relay_pub_port={relay_ports[0]}",
-                 f"weights.relay_snapshot_port={relay_ports[1]}"]
+        sets += [f"weights.shm_dir={shm}", "weights.relay=true"]
     return build_config({}, sets)
 
 
@@ -123,7 +122,6 @@ class Proc:
 def run(hosts: int, gens: int, tensors, mib: int, repeats: int, mode: str, work: Path) -> dict:
     """mode: relay (a relay per host) or direct (every generator on TCP). Per version: seconds to the last
     generator applied, and loopback bytes sent meanwhile."""
-    from streamgrpo.runtime import free_port
     from streamgrpo.transport.weights.publisher import WeightPublisher
 
     pub = WeightPublisher("127.0.0.1", 0, 0)
@@ -133,12 +131,10 @@ def run(hosts: int, gens: int, tensors, mib: int, repeats: int, mode: str, work:
     try:
         for h in range(hosts):
             shm = None
-            ports = None
             if mode == "relay":
                 shm = work / f"host{h}" / "shm"
                 shm.mkdir(parents=True, exist_ok=True)
-                ports = (free_port(), free_port())
-            cfg = _config(work / f"host{h}" / "run", pub, shm, ports)
+            cfg = _config(work / f"host{h}" / "run", pub, shm)
             path = work / f"host{h}" / "config.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(cfg.to_yaml())

@@ -62,9 +62,9 @@ WEIGHT_SYNC_SECONDS = Histogram(
     "streamgrpo_weight_sync_seconds", "Seconds from publish to applied on a generator", buckets=_SECONDS
 )
 WEIGHT_BYTES = Counter("streamgrpo_weight_bytes", "Weight bytes published or received")
-WEIGHT_VERSIONS = Counter("streamgrpo_weight_versions", "Publisher (learner or relay): versions sent on PUB, whole "
+WEIGHT_VERSIONS = Counter("streamgrpo_weight_versions", "Learner: versions sent on PUB, whole "
                           "(kind=full) or as the delta to the previous one (kind=delta)", ["kind"])
-WEIGHT_VERSION_BYTES = Counter("streamgrpo_weight_version_bytes", "Publisher (learner or relay): bytes of the versions "
+WEIGHT_VERSION_BYTES = Counter("streamgrpo_weight_version_bytes", "Learner: bytes of the versions "
                                "sent on PUB, by kind (full, delta); each subscriber receives them once", ["kind"])
 WEIGHT_DELTA_RATIO = Gauge("streamgrpo_weight_delta_ratio", "Publisher: delta bytes / full bytes of the last version "
                            "encoded as a delta (above weights.delta_max_ratio it went out whole)")
@@ -73,8 +73,9 @@ WEIGHT_SUBSCRIBERS = Gauge("streamgrpo_weight_subscribers", "Publisher (learner 
 RELAY_VERSIONS = Counter("streamgrpo_relay_versions", "Relay: versions received from the learner and re-published "
                          "to its host's generators through shared memory")
 WEIGHT_DELTAS = Counter("streamgrpo_weight_deltas", "Subscriber: deltas received, by result (applied; no_base: it did "
-                        "not hold the version the delta applies to, and fetched the snapshot; corrupt)", ["result"])
-for _result in ("applied", "no_base", "corrupt"):  # exported at 0 from the start: a dashboard shows "none yet"
+                        "not hold the version the delta applies to, and fetched the snapshot; lost: a chunk missing "
+                        "or damaged on the way; corrupt: it did not apply or check)", ["result"])
+for _result in ("applied", "no_base", "lost", "corrupt"):  # exported at 0 from the start: a dashboard shows "none yet"
     WEIGHT_DELTAS.labels(result=_result)
 for _kind in ("full", "delta"):
     WEIGHT_VERSIONS.labels(kind=_kind)

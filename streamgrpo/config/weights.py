@@ -37,11 +37,7 @@ class WeightsConfig(Section):
     delta_max_ratio: float = Field(0.5, gt=0.0, le=1.0)
     """With delta: the largest delta sent, as a share of the full version's bytes (early in training, or at high learning rates, versions go out whole)."""
     relay: bool = False
-    """Generators take versions from their host's relay (`streamgrpo relay`; a generator starts one when none runs, and another when it dies) through shared memory in shm_dir, instead of from the learner: the learner sends each version once per host whatever the number of generators there. The relay subscribes to the learner with this section's connect_host, ports, keys and delta."""
-    relay_pub_port: int = Field(5565, ge=1, le=65535)
-    """relay: the relay's PUB port on the host's loopback (its generators connect there)."""
-    relay_snapshot_port: int = Field(5566, ge=1, le=65535)
-    """relay: the relay's snapshot port on the host's loopback."""
+    """Generators take versions from their host's relay (`streamgrpo relay`; a generator starts one when none runs, and another when it dies) through shared memory in shm_dir and unix sockets in a private folder there, instead of from the learner: the learner sends each version once per host whatever the number of generators there. The relay subscribes to the learner with this section's connect_host, ports, keys and delta; one relay per learner address and host (runs with other learners get their own)."""
     send_frozen: bool = False
     """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
     host_buffers: int = Field(3, ge=2, le=16)

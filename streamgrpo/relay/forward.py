@@ -34,6 +34,7 @@ class RelayReceiver(WeightSubscriber):
         self._incoming: tuple[int, int] | None = None  # (src, version) whose chunk 0 is being fed from PUB
         self._pub_file: ShmFile | None = None  # the file of the version arriving on PUB
         self._digests: list[bytes] = []  # its chunk digests so far
+        self._intact = True  # every chunk of it so far matched its digest
         self._delta_digests: list[bytes] | None = None
         super().__init__(*args, **kw)
 
@@ -61,14 +62,15 @@ class RelayReceiver(WeightSubscriber):
         for i in self._worth_assembling(batch):
             h, frame = batch[i]
             if h.seq == 0:
-                self._incoming, self._digests = key_of(h), []
+                self._incoming, self._digests, self._intact = key_of(h), [], True
             done, why = self._pub_asm.feed(h, frame.buffer)
             self._incoming = None
             if why:
                 self._dropped(why, repair=True)
             building = self._pub_asm.in_progress
             landed = done is not None or (building is not None and building == (key_of(h), h.seq + 1))
-            if landed and self._pub_file is not None:
+            self._intact = self._intact and (done is not None or self._pub_asm.last_chunk_ok())
+            if landed and self._intact and self._pub_file is not None:  # never announce a chunk that failed
                 self._digests.append(h.digest)
                 if h.seq == 0:
                     self.local.forward([TOPIC_SHM, encode_begin(h.meta, str(self._pub_file.path))])

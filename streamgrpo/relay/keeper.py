@@ -1,10 +1,13 @@
 """Who runs the relay on a host: a lock file says whether one runs; a generator starts one when none does.
 
-The relay holds an exclusive ``flock`` on ``<shm_dir>/streamgrpo-relay-<relay_pub_port>.lock`` for its
-whole life (the kernel drops it when the process dies, ``kill -9`` included). Every generator with
-``weights.relay`` probes that lock at start and every few seconds: when it can take it, no relay runs,
-and it starts one (``streamgrpo relay``, in its own session, so it outlives that generator and serves
-the others). Two generators that race both start one; the second relay finds the lock held and exits.
+The relay of a learner address lives in its folder (:func:`~streamgrpo.transport.weights.factory.relay_dir`,
+``<shm_dir>/sgr-<hash>``, mode 0700: only this user's processes reach its sockets) and holds an
+exclusive ``flock`` on ``relay.lock`` there for its whole life (the kernel drops it when the process
+dies, ``kill -9`` included). Every generator with ``weights.relay`` probes that lock at start and
+between batches (at most every 5 s): when it can take it, no relay runs, and it starts one
+(``streamgrpo relay``, in its own session, so it outlives that generator and serves the others).
+Two generators that race both start one; the second relay finds the lock held and exits. A relay
+with no generator connected for a minute exits (:mod:`.loop`), so nothing outlives a run for long.
 """
 
 from __future__ import annotations
@@ -21,15 +24,30 @@ from pathlib import Path
 log = logging.getLogger("streamgrpo.relay")
 
 
+def private_dir(wcfg) -> Path:
+    """The relay's folder, made 0700 when missing; a ConfigError when it is not this user's."""
+    from streamgrpo.config import ConfigError
+    from streamgrpo.transport.weights.factory import relay_dir
+
+    d = relay_dir(wcfg)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"weights.relay: {d} belongs to another user or is open to others: give this run a "
+                          "weights.shm_dir of its own")
+    return d
+
+
 def lock_path(wcfg) -> Path:
-    return Path(wcfg.shm_dir) / f"streamgrpo-relay-{wcfg.relay_pub_port}.lock"
+    from streamgrpo.transport.weights.factory import relay_dir
+
+    return relay_dir(wcfg) / "relay.lock"
 
 
 def take_lock(wcfg) -> int | None:
     """The relay's lock (a file descriptor to keep open while relaying), or None when another relay holds it."""
-    path = lock_path(wcfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    path = private_dir(wcfg) / "relay.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -70,7 +88,7 @@ class RelayKeeper:
 
     def start(self) -> None:
         wc = self.cfg.weights
-        conf = lock_path(wc).with_suffix(".yaml")
+        conf = private_dir(wc) / "relay.yaml"
         on_disk = self.cfg.model_copy(deep=True)
         on_disk.queue.url = None  # the relay needs no queue, and no secret goes to disk
         tmp = conf.with_suffix(f".{os.getpid()}.tmp")

@@ -3,8 +3,8 @@
 It subscribes to the learner like a generator (TCP, with ``weights.curve_keys_dir`` and
 ``weights.delta``) and hands each version to the generators of its host (``weights.relay: true``)
 through shared memory: a :class:`~.forward.RelayReceiver` receives every chunk straight into a file of
-a :class:`~streamgrpo.transport.weights.shm_publisher.ShmPublisher` on the host's loopback
-(``weights.relay_pub_port``/``relay_snapshot_port``, files in ``weights.shm_dir``) and announces it at
+a :class:`~streamgrpo.transport.weights.shm_publisher.ShmPublisher` (ipc:// sockets in the relay's 0700
+folder under ``weights.shm_dir``, no TCP; the version files beside it) and announces it at
 once, so the host's generators copy and check it while the rest is still on the wire. The learner thus
 sends each version once per host. The learner's meta record and digests travel unchanged: generators
 check them end to end, late joiners get the relay's snapshot of the latest version, and a newer
@@ -13,13 +13,15 @@ version supersedes an older one exactly as on the learner's own channel.
 A relay that dies is replaced: its lock file is free again, and the first generator that notices
 (every 5 s) starts another (:mod:`.keeper`), which fetches the latest version from the learner's
 snapshot endpoint. Meanwhile the generators keep generating with the version they hold (the learner's
-staleness bound drops what becomes too old).
+staleness bound drops what becomes too old). A relay that has had no generator connected for
+:data:`IDLE_EXIT_S` exits, so none outlives its run for long.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -28,12 +30,17 @@ from streamgrpo.runtime import StopFlag, start_metrics
 
 log = logging.getLogger("streamgrpo.relay")
 
+IDLE_EXIT_S = 60.0
+"""A relay with no generator connected this long (since its start, or its last one left) exits."""
 
-def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | None = None) -> int:
-    """Relay versions until a stop signal. Exits 0 at once when another relay holds this host's lock."""
+
+def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | None = None,
+              idle_exit_s: float = IDLE_EXIT_S) -> int:
+    """Relay versions until a stop signal, or ``idle_exit_s`` without a generator. Exits 0 at once when
+    another relay holds this host's lock."""
     from streamgrpo.relay.forward import RelayReceiver
     from streamgrpo.relay.keeper import lock_path, take_lock
-    from streamgrpo.transport.weights.factory import relay_publisher_from_config
+    from streamgrpo.transport.weights.factory import relay_dir, relay_publisher_from_config
 
     wc = cfg.weights
     lock = take_lock(wc)
@@ -44,14 +51,20 @@ def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | No
     key = client_key if wc.curve_keys_dir else None  # e.g. client-3: the key of the generator that started it
     upstream = local = server = None
     try:
-        server = start_metrics(cfg.metrics, Path(cfg.run_dir), "relay")
+        server = start_metrics(cfg.metrics, Path(cfg.run_dir), f"relay-{socket.gethostname()}")
         local = relay_publisher_from_config(wc)
         upstream = RelayReceiver(local, wc.connect_host, wc.pub_port, wc.snapshot_port, wc.curve_keys_dir, key,
                                  delta=wc.delta)
-        log.info("relay: %s:%d -> generators on 127.0.0.1:%d (shared memory in %s)%s", wc.connect_host, wc.pub_port,
-                 wc.relay_pub_port, wc.shm_dir, ", deltas from the learner" if wc.delta else "")
+        log.info("relay: %s:%d -> this host's generators through %s (shared memory in %s)%s", wc.connect_host,
+                 wc.pub_port, relay_dir(wc), wc.shm_dir, ", deltas from the learner" if wc.delta else "")
+        alone_since = time.monotonic()
         while not stop:
             time.sleep(0.5)
+            if local.subscribers > 0:
+                alone_since = time.monotonic()
+            elif time.monotonic() - alone_since > idle_exit_s:
+                log.info("relay: no generator for %.0f s; exiting", idle_exit_s)
+                break
     finally:
         for part in (upstream, local, server):
             if part is not None:

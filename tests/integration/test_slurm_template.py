@@ -39,8 +39,7 @@ def test_the_sbatch_template_trains_with_a_relay_and_ends_with_the_learner(tiny_
                                "eval.enabled=false", "learner.max_steps=6", "learner.save_steps=3",
                                "learner.groups_per_step=4", "rollout.prompts_per_batch=2", "learner.get_timeout_s=1",
                                "loss.max_staleness=100", "metrics.port=0", f"weights.pub_port={free_port()}",
-                               f"weights.snapshot_port={free_port()}", f"weights.shm_dir={shm}",
-                               f"weights.relay_pub_port={free_port()}", f"weights.relay_snapshot_port={free_port()}"])
+                               f"weights.snapshot_port={free_port()}", f"weights.shm_dir={shm}"])
     config = tmp_path / "job.yaml"
     config.write_text(cfg.to_yaml())
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -49,7 +48,9 @@ def test_the_sbatch_template_trains_with_a_relay_and_ends_with_the_learner(tiny_
            "REDIS_PORT": str(free_port()), "RDZV_PORT": str(free_port()), "REDIS_PASSWORD": "sbatch-test-pw",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     env.pop("STREAMGRPO_REDIS_URL", None)
-    lock = shm / f"streamgrpo-relay-{cfg.weights.relay_pub_port}.lock"
+    from streamgrpo.relay.keeper import lock_path
+
+    lock = lock_path(cfg.weights)
     try:
         out = subprocess.run(["bash", str(ROOT / "deploy" / "slurm" / "streamgrpo.sbatch")], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=900)

@@ -119,12 +119,10 @@ def test_a_whole_version_subscriber_is_still_served_by_a_delta_publisher(delta_p
 
 # ------------------------------------------------------------------------------------- relay
 def _relay_cfg(tmp_path, pub: WeightPublisher, shm):
-    from streamgrpo.runtime import free_port
 
     return build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.pub_port={pub.pub_port}",
                              f"weights.snapshot_port={pub.snapshot_port}", "weights.delta=true",
-                             f"weights.shm_dir={shm}", "weights.relay=true", f"weights.relay_pub_port={free_port()}",
-                             f"weights.relay_snapshot_port={free_port()}", "metrics.port=0"])
+                             f"weights.shm_dir={shm}", "weights.relay=true", "metrics.port=0"])
 
 
 def _relay_subscribers(cfg, n: int):
@@ -176,7 +174,7 @@ def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once
 
 
 def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pub, tmp_path):
-    from streamgrpo.relay.keeper import RelayKeeper, relay_running
+    from streamgrpo.relay.keeper import RelayKeeper, lock_path, relay_running
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -194,7 +192,7 @@ def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pu
         delta_pub.publish(0, v)
         assert _same(_wait(sub, 0, WAIT_S)[1], v)
         sub.mark_applied()
-        pid = int((shm / f"streamgrpo-relay-{cfg.weights.relay_pub_port}.lock").read_text())
+        pid = int(lock_path(cfg.weights).read_text())
         os.kill(pid, signal.SIGKILL)
         _until(lambda: not relay_running(cfg.weights), "the killed relay's lock to go")
         assert keeper.check() and keeper.started == 2  # noticed and replaced
@@ -208,7 +206,7 @@ def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pu
     finally:
         sub.close()
         if relay_running(cfg.weights):
-            pid = int((shm / f"streamgrpo-relay-{cfg.weights.relay_pub_port}.lock").read_text())
+            pid = int(lock_path(cfg.weights).read_text())
             os.kill(pid, signal.SIGTERM)
             _until(lambda: not relay_running(cfg.weights), "the relay to stop", 30)
 
@@ -217,3 +215,24 @@ def _config_file(cfg, tmp_path):
     path = tmp_path / "relay.yaml"
     path.write_text(cfg.to_yaml())
     return path
+
+
+def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused(delta_pub, tmp_path):
+    from streamgrpo.config import ConfigError
+    from streamgrpo.relay.keeper import RelayKeeper, relay_running
+    from streamgrpo.relay.loop import run_relay
+    from streamgrpo.transport.weights.factory import relay_dir
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = _relay_cfg(tmp_path, delta_pub, shm)
+    assert run_relay(cfg, idle_exit_s=1.0) == 0  # nobody connected: it leaves on its own
+    assert not relay_running(cfg.weights) and relay_dir(cfg.weights).stat().st_mode & 0o777 == 0o700
+    other = _relay_cfg(tmp_path, delta_pub, shm)
+    other.weights.pub_port = delta_pub.pub_port + 1  # another learner: another relay folder
+    assert relay_dir(other.weights) != relay_dir(cfg.weights)
+    relay_dir(other.weights).mkdir(mode=0o755)
+    relay_dir(other.weights).chmod(0o755)
+    with pytest.raises(ConfigError, match="open to others") as err:
+        RelayKeeper(other, other.run_dir, "generator-0").check()
+    assert "\n" not in str(err.value)

@@ -134,3 +134,20 @@ def test_positions_past_the_payload_and_other_lengths_are_refused():
         apply_delta(prev.copy(), bytes(far))
     with pytest.raises(ValueError, match="one layout"):
         encode_delta(prev, np.zeros(66, np.uint8))
+
+
+def test_encoding_stops_past_its_budget_and_small_windows_apply_the_same():
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(3)
+    prev = rng.integers(0, 256, 1_000_001, dtype=np.uint8)
+    cur = rng.integers(0, 256, prev.size, dtype=np.uint8)  # nearly every word changed
+    assert encode_delta(prev, cur, max_bytes=prev.size // 2) is None  # not worth it: stopped early
+    few = prev.copy()
+    few[::1000] ^= 1
+    with ThreadPoolExecutor(2) as pool:
+        raw = encode_delta(prev, few, executor=pool, max_bytes=prev.size // 2)
+    assert raw is not None and raw == encode_delta(prev, few)  # threads change nothing
+    base = prev.copy()
+    apply_delta(base, raw, window=64)  # positions read 64 bytes at a time
+    assert np.array_equal(base, few)

@@ -294,6 +294,12 @@ class Assembler:
         """``((src, version), next_seq)`` of the version being built, if any."""
         return (key_of(self._cur.meta), self._cur.next_seq) if self._cur is not None else None
 
+    def last_chunk_ok(self) -> bool:
+        """Whether the last chunk fed to the version being built matched its digest (without an executor,
+        known at once; with one, True until the version completes)."""
+        last = self._cur.checks[-1] if self._cur is not None and self._cur.checks else True
+        return last if isinstance(last, bool) else True
+
     def reset(self) -> None:
         """Forget the version being built without reporting it (its buffer is released)."""
         if self._cur is not None:

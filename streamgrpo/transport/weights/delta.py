@@ -99,21 +99,44 @@ def varint_decode(data: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def encode_delta(prev: np.ndarray, cur: np.ndarray, executor=None) -> bytes:
-    """The delta turning payload ``prev`` into ``cur`` (uint8 arrays of one length)."""
+def _encode_block(a: np.ndarray, b: np.ndarray, cur: np.ndarray, start: int, end: int):
+    """One block's part of a delta: (changed words, first index, last index, varints of the gaps inside the
+    block, the new values)."""
+    idx = _changed_block(a, b, start, end)
+    if idx.size == 0:
+        return 0, -1, -1, b"", b""
+    inner = varint_encode((np.diff(idx) - 1).astype(np.uint64))
+    return idx.size, int(idx[0]), int(idx[-1]), inner.tobytes(), cur[idx].astype("<u2", copy=False).tobytes()
+
+
+def encode_delta(prev: np.ndarray, cur: np.ndarray, executor=None, max_bytes: int | None = None) -> bytes | None:
+    """The delta turning payload ``prev`` into ``cur`` (uint8 arrays of one length), block by block (memory:
+    a few blocks' temporaries and the delta itself); None as soon as it would exceed ``max_bytes``."""
     if prev.size != cur.size:
         raise ValueError(f"weights delta: payloads of {prev.size} and {cur.size} bytes (a delta needs one layout)")
-    idx = changed_words(prev, cur, executor=executor)
-    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint64) if idx.size else np.empty(0, np.uint64)
-    words = _words(cur)
-    parts = np.array_split(np.arange(idx.size), max(1, min(16, idx.size // (1 << 20))))
-    work = lambda p: (varint_encode(gaps[p[0]:p[-1] + 1]), words[idx[p[0]:p[-1] + 1]]) if p.size else (  # noqa: E731
-        np.empty(0, np.uint8), np.empty(0, "<u2"))
-    done = list(executor.map(work, parts)) if executor is not None and len(parts) > 1 else [work(p) for p in parts]
-    pos = np.concatenate([d[0] for d in done])
-    values = np.concatenate([d[1] for d in done]).astype("<u2", copy=False)
+    a, b = _words(prev), _words(cur)
+    spans = [(i, min(i + BLOCK_WORDS, a.size)) for i in range(0, a.size, BLOCK_WORDS)]
+    window = 2 * max(1, getattr(executor, "_max_workers", 1)) if executor is not None else 1
+    pos: list[bytes] = []
+    vals: list[bytes] = []
+    count, last, size = 0, -1, _HEAD.size + cur.size % 2
+    for w in range(0, len(spans), window):
+        batch = spans[w:w + window]
+        parts = (list(executor.map(lambda sp: _encode_block(a, b, b, *sp), batch)) if executor is not None
+                 else [_encode_block(a, b, b, *sp) for sp in batch])
+        for n, first, end_idx, inner, values in parts:
+            if n == 0:
+                continue
+            head = varint_encode(np.array([first - last - 1], np.uint64)).tobytes()
+            pos += [head, inner]
+            vals.append(values)
+            count, last = count + n, end_idx
+            size += len(head) + len(inner) + len(values)
+        if max_bytes is not None and size > max_bytes:
+            return None
+    npos = sum(len(x) for x in pos)
     tail = cur[-1:].tobytes() if cur.size % 2 else b""
-    return b"".join((_HEAD.pack(MAGIC, cur.size, idx.size, pos.size), pos.tobytes(), values.tobytes(), tail))
+    return b"".join([_HEAD.pack(MAGIC, cur.size, count, npos), *pos, *vals, tail])
 
 
 def delta_size(raw) -> tuple[int, int]:
@@ -132,24 +155,51 @@ def delta_size(raw) -> tuple[int, int]:
     return nbytes, n_changed
 
 
-def apply_delta(buf: np.ndarray, raw) -> int:
+def _positions(data: np.ndarray, count: int, words: int, window: int):
+    """The changed word indices of a delta's position varints, window by window (each an int64 array,
+    increasing); raises WeightsFormatError for a list that does not hold ``count`` positions inside
+    ``words``."""
+    if data.size and (data[-1] & 0x80):
+        raise WeightsFormatError(f"weights delta: the position list does not hold {count} whole varints")
+    cursor, seen, last = 0, 0, -1
+    while cursor < data.size:
+        win = data[cursor:cursor + window]
+        ends = np.flatnonzero((win & 0x80) == 0)
+        if ends.size == 0:
+            raise WeightsFormatError("weights delta: a position varint is longer than 10 bytes")
+        cut = int(ends[-1]) + 1
+        gaps = varint_decode(win[:cut], ends.size)
+        if seen + ends.size > count:
+            raise WeightsFormatError(f"weights delta: the position list does not hold {count} whole varints")
+        if int(gaps.max()) >= words:
+            raise WeightsFormatError(f"weights delta: a position gap of {int(gaps.max())} words in a {words}-word payload")
+        idx = last + np.cumsum(gaps.astype(np.int64) + 1)
+        if int(idx[-1]) >= words or int(idx[0]) < 0 or (idx.size > 1 and int(np.diff(idx).min()) < 1):
+            raise WeightsFormatError(f"weights delta: positions run past the payload's {words} words")
+        yield idx
+        cursor, seen, last = cursor + cut, seen + ends.size, int(idx[-1])
+    if seen != count:
+        raise WeightsFormatError(f"weights delta: the position list does not hold {count} whole varints")
+
+
+def apply_delta(buf: np.ndarray, raw, window: int = 1 << 24) -> int:
     """Apply delta ``raw`` to payload ``buf`` (uint8, the base version; changed in place); returns the
-    number of words changed. A malformed delta raises WeightsFormatError before ``buf`` is touched."""
+    number of words changed. The positions are read twice, window by window (memory: one window's
+    arrays): a malformed delta raises WeightsFormatError before ``buf`` is touched."""
     nbytes, n_changed = delta_size(raw)
     if buf.size != nbytes:
         raise WeightsFormatError(f"weights delta: for a {nbytes}-byte payload, the base has {buf.size}")
     data = np.frombuffer(raw, np.uint8)
     _, _, _, n_pos = _HEAD.unpack_from(data)
-    start = _HEAD.size
-    gaps = varint_decode(data[start:start + n_pos], n_changed)
+    pos = data[_HEAD.size:_HEAD.size + n_pos]
+    values = data[_HEAD.size + n_pos:_HEAD.size + n_pos + 2 * n_changed].view("<u2")
     words = nbytes // 2
-    if n_changed and int(gaps.max()) >= words:
-        raise WeightsFormatError(f"weights delta: a position gap of {int(gaps.max())} words in a {words}-word payload")
-    idx = np.cumsum(gaps.astype(np.int64) + 1) - 1 if n_changed else np.empty(0, np.int64)
-    if n_changed and (idx[-1] >= words or idx[0] < 0 or (n_changed > 1 and int(np.diff(idx).min()) < 1)):
-        raise WeightsFormatError(f"weights delta: positions run past the payload's {words} words")
-    values = data[start + n_pos:start + n_pos + 2 * n_changed].view("<u2")
-    _words(buf)[idx] = values
+    for _ in _positions(pos, n_changed, words, window):  # check everything first
+        pass
+    target, done = _words(buf), 0
+    for idx in _positions(pos, n_changed, words, window):
+        target[idx] = values[done:done + idx.size]
+        done += idx.size
     if nbytes % 2:
         buf[-1] = data[-1]
     return n_changed

@@ -15,6 +15,15 @@ from streamgrpo.config import WeightsConfig
 from streamgrpo.transport.weights.base import WeightSync, WeightSyncClient
 
 
+def relay_dir(wcfg: WeightsConfig) -> Path:
+    """The host's relay for this learner: ``<shm_dir>/sgr-<10 hex of connect_host:pub_port>`` (its lock,
+    its config and its ipc:// sockets; mode 0700, so only this user's generators reach it)."""
+    import hashlib
+
+    tag = hashlib.sha256(f"{wcfg.connect_host}:{wcfg.pub_port}".encode()).hexdigest()[:10]
+    return Path(wcfg.shm_dir) / f"sgr-{tag}"
+
+
 def ipc_dir_of(wcfg: WeightsConfig, run_dir: str | Path) -> Path | None:
     """Where the same-host sockets of ``ipc`` and ``shm`` (whose announcements go over ipc) live:
     ``<run_dir>/ipc``; None for tcp."""
@@ -41,8 +50,8 @@ def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key:
     from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
     from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
-    if wcfg.relay:  # the relay on this host: loopback, versions in its shared-memory files
-        return ShmSubscriber("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, shm_dir=wcfg.shm_dir, **kw)
+    if wcfg.relay:  # the relay on this host: its ipc:// sockets, versions in its shared-memory files
+        return ShmSubscriber("127.0.0.1", 0, 0, shm_dir=wcfg.shm_dir, ipc_dir=relay_dir(wcfg), **kw)
     kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), **kw}
     args = (wcfg.connect_host, wcfg.pub_port, wcfg.snapshot_port, wcfg.curve_keys_dir, client_key)
     if wcfg.transport == "shm":
@@ -51,9 +60,9 @@ def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key:
 
 
 def relay_publisher_from_config(wcfg: WeightsConfig, **kw) -> WeightSync:
-    """A relay's publisher to its host's generators: loopback ports, versions in shared-memory files (its
-    high-water mark holds the early-chunk messages of a few versions)."""
+    """A relay's publisher to its host's generators: ipc:// sockets in :func:`relay_dir` (no TCP), versions
+    in shared-memory files (its high-water mark holds the early-chunk messages of a few versions)."""
     from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
-    return ShmPublisher("127.0.0.1", wcfg.relay_pub_port, wcfg.relay_snapshot_port, wcfg.chunk_mib, None,
-                        max(wcfg.sndhwm, 100_000), shm_dir=wcfg.shm_dir, algo=wcfg.digest, host_buffers=2, **kw)
+    return ShmPublisher("127.0.0.1", 0, 0, wcfg.chunk_mib, None, max(wcfg.sndhwm, 100_000), shm_dir=wcfg.shm_dir,
+                        ipc_dir=relay_dir(wcfg), tcp=False, algo=wcfg.digest, host_buffers=2, **kw)

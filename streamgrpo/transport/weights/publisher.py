@@ -215,6 +215,7 @@ class WeightPublisher(WeightSync):
         io_threads: int = 1,
         host_buffers: int = 3,
         delta_max_ratio: float | None = None,
+        tcp: bool = True,
     ):
         self.chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         self.delta_max_ratio = delta_max_ratio  # None: every version whole; else deltas up to this share of it
@@ -241,8 +242,11 @@ class WeightPublisher(WeightSync):
         self.subscribers = 0  # connections on PUB now (counted from its monitor)
         self._router = self._socket(zmq.ROUTER, 100_000)
         try:
-            self.pub_port = bind_tcp(self._pub, bind_host, pub_port, "weights.pub_port")
-            self.snapshot_port = bind_tcp(self._router, bind_host, snapshot_port, "weights.snapshot_port")
+            if tcp:  # (a relay serves its host over ipc:// only: no other user reaches it)
+                self.pub_port = bind_tcp(self._pub, bind_host, pub_port, "weights.pub_port")
+                self.snapshot_port = bind_tcp(self._router, bind_host, snapshot_port, "weights.snapshot_port")
+            else:
+                self.pub_port = self.snapshot_port = None
         except PortInUse:
             if self._auth is not None:
                 self._auth.stop()
@@ -291,7 +295,8 @@ class WeightPublisher(WeightSync):
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
         self._thread.start()
 
-        where = f"PUB {endpoint(bind_host, self.pub_port)}, snapshot ROUTER {endpoint(bind_host, self.snapshot_port)}"
+        where = (f"PUB {endpoint(bind_host, self.pub_port)}, snapshot ROUTER {endpoint(bind_host, self.snapshot_port)}"
+                 if tcp else "no TCP")
         if self._ipc is not None:
             where += f", also {self._ipc[0]} and {self._ipc[1]}"
         where += self._describe_backend()
@@ -328,7 +333,8 @@ class WeightPublisher(WeightSync):
         self.subscribers = 0
         if ":" in self.bind_host:
             self._pub.ipv6 = True
-        for ep in [endpoint(self.bind_host, self.pub_port)] + ([self._ipc[0]] if self._ipc else []):
+        tcp = [endpoint(self.bind_host, self.pub_port)] if self.pub_port is not None else []
+        for ep in tcp + ([self._ipc[0]] if self._ipc else []):
             for _ in range(250):  # the old listener closes asynchronously
                 try:
                     self._pub.bind(ep)
@@ -410,7 +416,10 @@ class WeightPublisher(WeightSync):
         if self._relay_push is None:  # made in (and used only by) the forwarding thread
             self._relay_push = self._ctx.socket(zmq.PUSH)
             self._relay_push.connect(self._wake_addr)
-        self._relay_push.send(b"", zmq.NOBLOCK)
+        try:
+            self._relay_push.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # thousands of wake-ups pending: the sender thread is awake anyway
+            pass
 
     def _drain_outbox(self) -> None:
         while True:
@@ -622,10 +631,10 @@ class WeightPublisher(WeightSync):
                    for i in range(meta.n_chunks)]  # of the full version (snapshots, checks after applying), meanwhile
         if self._delta_pool is None:
             self._delta_pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="weights-delta")
-        raw = encode_delta(prev, full, executor=self._delta_pool)
+        raw = encode_delta(prev, full, executor=self._delta_pool, max_bytes=int(self.delta_max_ratio * meta.nbytes))
         digests = [f.result() for f in hashing]
-        WEIGHT_DELTA_RATIO.set(len(raw) / max(1, meta.nbytes))
-        if len(raw) > self.delta_max_ratio * meta.nbytes:
+        WEIGHT_DELTA_RATIO.set(1.0 if raw is None else len(raw) / max(1, meta.nbytes))
+        if raw is None:  # stopped as soon as it passed delta_max_ratio of the version
             return False  # (the full path hashes again: only while deltas do not pay, early in training)
         job.digests, job.delta = digests, raw
         dmeta = VersionMeta(meta.version, meta.src, len(raw), self.chunk_bytes, n_chunks_for(len(raw), self.chunk_bytes),

@@ -146,6 +146,7 @@ class WeightSubscriber(WeightSyncClient):
         self._delta_asm = Assembler(lambda n: torch.empty(max(n, 1), dtype=torch.uint8)[:n], None, self._pool,
                                     tensor_table=False)
         self._base: tuple[tuple[int, int], np.ndarray] | None = None  # (key, private copy) of the last whole version
+        self._delta_joined = False  # a delta's chunk 0 seen (chunks before it are no loss)
         self._fetch: _Fetch | None = None
         self._fetch_due: float | None = time.monotonic()  # late joiner: ask the snapshot at once
         self._announced: tuple[int, int] | None = None  # newest version a heartbeat announced
@@ -334,6 +335,8 @@ class WeightSubscriber(WeightSyncClient):
                 if self._side_message(frames):
                     continue
                 if frames[0].bytes == TOPIC_DELTA and self.delta:
+                    if len(frames) != 3:
+                        raise WeightsFormatError(f"weights delta message has {len(frames)} frames, expected 3")
                     if batch:  # whole versions before it first: the delta may apply to one of them
                         self._assemble(batch)
                         batch = []
@@ -356,14 +359,15 @@ class WeightSubscriber(WeightSyncClient):
             self._assemble(batch)
         # Heartbeats follow a version's last chunk: if the announced version is newer than what we
         # hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark).
-        announced, building = self._announced, self._pub_asm.in_progress or self._delta_asm.in_progress
-        if announced is not None and newer(announced, self._have) and (building is None or not newer(building[0], announced)):
+        announced = self._announced
+        partial = [a for a in (self._pub_asm, self._delta_asm) if a.in_progress is not None]
+        if (announced is not None and newer(announced, self._have)
+                and not any(newer(a.in_progress[0], announced) for a in partial)):
             self._announced = None
-            if building is not None:
-                self._pub_asm.reset()
-                self._delta_asm.reset()
-                self._dropped(f"weights version {building[0][1]}: incomplete ({building[1]} chunks), its tail was lost",
-                              repair=False)
+            for a in partial:  # (whole version or delta) not newer than the announced one: its tail was lost
+                (_, version), got = a.in_progress
+                a.reset()
+                self._dropped(f"weights version {version}: incomplete ({got} chunks), its tail was lost", repair=False)
             if self._fetch is None:
                 self._fetch_due = time.monotonic()
 
@@ -382,11 +386,15 @@ class WeightSubscriber(WeightSyncClient):
     def _delta_chunk(self, frames: list) -> None:
         h = decode_header(frames[1].bytes)
         WEIGHT_BYTES.inc(len(frames[2]))
+        if h.seq == 0:
+            self._delta_joined = True
+        elif not self._delta_joined:
+            return  # subscribed in the middle of a delta: no loss (the snapshot covers it)
         if not newer(h, self._have):
             return
         done, why = self._delta_asm.feed(h, frames[2].buffer)
         if why:
-            WEIGHT_DELTAS.labels(result="corrupt").inc()
+            WEIGHT_DELTAS.labels(result="lost").inc()  # a gap or a bad chunk on the way
             self._dropped(why, repair=True)
         if done is not None:
             self._apply_delta(done)
