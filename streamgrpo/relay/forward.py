@@ -23,7 +23,7 @@ from streamgrpo.transport.weights.codec import (
     chunk_span,
     key_of,
 )
-from streamgrpo.transport.weights.shm import TOPIC_SHM, ShmFile, encode_begin, encode_chunk
+from streamgrpo.transport.weights.shm import TOPIC_SHM, ShmFile, ShmUnavailable, encode_begin, encode_chunk
 from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
 
@@ -36,6 +36,7 @@ class RelayReceiver(WeightSubscriber):
         self._digests: list[bytes] = []  # its chunk digests so far
         self._intact = True  # every chunk of it so far matched its digest
         self._delta_digests: list[bytes] | None = None
+        self.fatal: str | None = None  # why the relay cannot go on (its loop exits with it)
         super().__init__(*args, **kw)
 
     def _setup_backend(self) -> None:
@@ -44,7 +45,11 @@ class RelayReceiver(WeightSubscriber):
 
     # -- buffers are shared-memory files -------------------------------------------------------------
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        f = self.local.take_file(nbytes)
+        try:
+            f = self.local.take_file(nbytes)
+        except ShmUnavailable as exc:  # no room in shm_dir: nothing will ever fit, so the relay stops
+            self.fatal = str(exc)
+            raise MemoryError(str(exc)) from None
         if self._incoming is not None:  # named before any byte of it is written (early readers check it)
             f.stamp(*self._incoming)
             self._pub_file, self._incoming = f, None

@@ -73,6 +73,7 @@ class RelayKeeper:
     def __init__(self, cfg, run_dir: str | Path, name: str, every_s: float = 5.0, clock=time.monotonic):
         self.cfg, self.run_dir, self.name, self.every_s, self._clock = cfg, Path(run_dir), name, every_s, clock
         self._last: float | None = None
+        self._started_at: float | None = None
         self.started = 0  # relays this generator started
 
     def check(self) -> bool:
@@ -83,8 +84,15 @@ class RelayKeeper:
         self._last = now
         if relay_running(self.cfg.weights):
             return False
+        if self._started_at is not None and now - self._started_at < self._backoff():
+            return False  # it died soon after its start: its log says why; not again at once
         self.start()
+        self._started_at = now
         return True
+
+    def _backoff(self) -> float:
+        """Seconds between starts: 5 s, then doubling with each relay started, up to 5 minutes."""
+        return min(300.0, self.every_s * 2 ** max(0, self.started - 1))
 
     def start(self) -> None:
         wc = self.cfg.weights

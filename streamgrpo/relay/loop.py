@@ -60,6 +60,9 @@ def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | No
         alone_since = time.monotonic()
         while not stop:
             time.sleep(0.5)
+            if upstream.fatal:
+                log.error("relay: %s", upstream.fatal)
+                return 1
             if local.subscribers > 0:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since > idle_exit_s:

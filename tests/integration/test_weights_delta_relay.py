@@ -236,3 +236,19 @@ def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused
     with pytest.raises(ConfigError, match="open to others") as err:
         RelayKeeper(other, other.run_dir, "generator-0").check()
     assert "\n" not in str(err.value)
+
+
+def test_a_keeper_backs_off_when_its_relays_keep_dying(tmp_path):
+    from streamgrpo.relay.keeper import RelayKeeper
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.shm_dir={shm}", "weights.relay=true"])
+    now = [0.0]
+    keeper = RelayKeeper(cfg, cfg.run_dir, "generator-0", every_s=5.0, clock=lambda: now[0])
+    starts = []
+    keeper.start = lambda: (starts.append(now[0]), setattr(keeper, "started", keeper.started + 1))  # no process
+    for t in range(0, 200):  # no relay ever holds the lock: each one "died" at once
+        now[0] = float(t)
+        keeper.check()
+    assert starts == [0.0, 5.0, 15.0, 35.0, 75.0, 155.0]  # 5 s, then doubling
