@@ -264,6 +264,19 @@ def build_table(docs: Iterable[Mapping[str, Any]], style: str = "text") -> str:
     return "\n".join([line(TABLE_HEADER), line(["-" * w for w in widths])] + [line(r) for r in rows] + errors)
 
 
+def machine_lines(docs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Where and when each benchmark's figures were measured: ``- bench_x: CPU (N cores[, GPU]), date``."""
+    out = []
+    for doc in docs:
+        m = doc.get("machine") or {}
+        if doc.get("error") or not m:
+            continue
+        gpu = f", {m['gpu']}" if m.get("gpu") else ""
+        out.append(f"- {doc['benchmark']}: {m.get('cpu', '?')} ({m.get('cores', '?')} cores{gpu}), "
+                   f"{str(m.get('date', '?'))[:10]}")
+    return out
+
+
 def make_group(mb: float, seed: int = 0):
     """A ScoredGroup whose message is about ``mb`` MB (frames dominate); for the wire/queue benches."""
     import numpy as np

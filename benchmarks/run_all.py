@@ -30,7 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, ROOT, build_table, child_pythonpath, load_results, module_argv
+from benchmarks.common import (
+    RESULTS_DIR,
+    ROOT,
+    build_table,
+    child_pythonpath,
+    load_results,
+    machine_lines,
+    module_argv,
+)
 
 # name -> (module under benchmarks/, make-bench budget args, --full args, timeout seconds for the budget run)
 SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n=== all figures (benchmarks/results/*.json; ratio = value / baseline unless noted)\n{table}")
     md = RESULTS_DIR / "table.md"
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(build_table(docs, style="markdown") + "\n")
+    md.write_text(build_table(docs, style="markdown") + "\n\nMeasured on (CPU model from /proc/cpuinfo, date):\n\n"
+                  + "\n".join(machine_lines(docs)) + "\n")
     if todo:
         print(f"\n{len(todo)} benchmark(s) in {time.time() - t_all:.0f}s; table also in {md}")
     if failed:

@@ -120,6 +120,13 @@ def test_table_rows_cover_every_figure():
     assert rows[0][4] == "2.00" and rows[1][2] == "-" and rows[1][4] == "-"
 
 
+def test_every_benchmark_names_its_machine_and_date():
+    lines = common.machine_lines(_docs())
+    m = _machine()
+    assert lines == [f"- bench_a: {m['cpu']} ({m['cores']} cores), {m['date'][:10]}",
+                     f"- bench_b: {m['cpu']} ({m['cores']} cores), {m['date'][:10]}"]
+
+
 def test_text_table_is_aligned():
     text = common.build_table(_docs())
     lines = text.splitlines()
