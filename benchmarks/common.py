@@ -209,10 +209,11 @@ def write_result(benchmark: str, figures: list[dict[str, Any]], machine: Mapping
 
 
 def load_results(directory: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
-    """Every ``*.json`` in ``directory`` (sorted by name); an unreadable or invalid file becomes a
-    document with ``error`` set, so the table can say which one is broken."""
+    """Every ``bench_*.json`` in ``directory`` (sorted by name; the chaos soak's ``chaos.json`` is its own
+    format); an unreadable or invalid file becomes a document with ``error`` set, so the table can say
+    which one is broken."""
     docs = []
-    for p in sorted(Path(directory).glob("*.json")):
+    for p in sorted(Path(directory).glob("bench_*.json")):
         try:
             doc = json.loads(p.read_text())
         except (OSError, ValueError) as exc:
@@ -272,8 +273,9 @@ def machine_lines(docs: Iterable[Mapping[str, Any]]) -> list[str]:
         if doc.get("error") or not m:
             continue
         gpu = f", {m['gpu']}" if m.get("gpu") else ""
-        out.append(f"- {doc['benchmark']}: {m.get('cpu', '?')} ({m.get('cores', '?')} cores{gpu}), "
-                   f"{str(m.get('date', '?'))[:10]}")
+        line = f"- {doc['benchmark']}: {m.get('cpu', '?')} ({m.get('cores', '?')} cores{gpu}), {str(m.get('date', '?'))[:10]}"
+        if line not in out:
+            out.append(line)
     return out
 
 

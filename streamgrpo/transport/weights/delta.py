@@ -184,20 +184,20 @@ def _positions(data: np.ndarray, count: int, words: int, window: int):
 
 def apply_delta(buf: np.ndarray, raw, window: int = 1 << 24) -> int:
     """Apply delta ``raw`` to payload ``buf`` (uint8, the base version; changed in place); returns the
-    number of words changed. The positions are read twice, window by window (memory: one window's
-    arrays): a malformed delta raises WeightsFormatError before ``buf`` is touched."""
+    number of words changed. Positions are decoded ``window`` bytes at a time (memory: one window's
+    arrays). A malformed delta raises WeightsFormatError; when its positions fit one window (up to ~16M
+    changed words by default) ``buf`` is untouched then, else it may be partly changed (callers drop it)."""
     nbytes, n_changed = delta_size(raw)
     if buf.size != nbytes:
         raise WeightsFormatError(f"weights delta: for a {nbytes}-byte payload, the base has {buf.size}")
     data = np.frombuffer(raw, np.uint8)
     _, _, _, n_pos = _HEAD.unpack_from(data)
     pos = data[_HEAD.size:_HEAD.size + n_pos]
+    if int(np.count_nonzero((pos & 0x80) == 0)) != n_changed:  # cheap, before any write
+        raise WeightsFormatError(f"weights delta: the position list does not hold {n_changed} whole varints")
     values = data[_HEAD.size + n_pos:_HEAD.size + n_pos + 2 * n_changed].view("<u2")
-    words = nbytes // 2
-    for _ in _positions(pos, n_changed, words, window):  # check everything first
-        pass
     target, done = _words(buf), 0
-    for idx in _positions(pos, n_changed, words, window):
+    for idx in _positions(pos, n_changed, nbytes // 2, window):
         target[idx] = values[done:done + idx.size]
         done += idx.size
     if nbytes % 2:
