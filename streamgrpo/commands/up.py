@@ -41,6 +41,9 @@ from streamgrpo.runtime import (
 
 log = logging.getLogger("streamgrpo.up")
 
+FINAL_EVAL_WAIT_S = 300.0
+"""How long `up` waits, after the learner's last step, for the evaluator's result at that version."""
+
 
 class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
@@ -158,6 +161,8 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     try:
         children = _start_children(cfg, rd, config_path, env, plan)
         code = watch.until_done(children, status_every_s)
+        if code == 0:
+            watch.await_final_eval(children)
     except KeyboardInterrupt as exc:
         interrupted = True
         name = str(exc) or "SIGINT"
@@ -432,6 +437,27 @@ class _Watch:
                 print("\nall generators have exited; stopping the learner", flush=True)
                 return 0
             time.sleep(status_every_s)
+
+    def await_final_eval(self, children: list[Child], timeout_s: float = FINAL_EVAL_WAIT_S) -> None:
+        """After the learner's last step: wait (at most ``timeout_s``) for the evaluator's result at the
+        final version, which it evaluates whatever ``eval.every_versions`` says."""
+        evaluator = next((c for c in children if c.name == "evaluator"), None)
+        self.read()
+        if evaluator is None or not evaluator.alive() or not self.rows:
+            return
+        from streamgrpo.evaluator.loop import final_version
+
+        final = final_version(self.cfg)
+        if self.rows[-1].get("step", 0) < self.cfg.learner.max_steps or final <= 0:
+            return  # the learner stopped early: there is no final version to wait for
+        print(f"\nwaiting for the evaluator's result at v{final} (at most {timeout_s:.0f} s) ...", flush=True)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and evaluator.alive():
+            self.read()
+            if any((e.get("version") or -1) >= final for e in self.evals):
+                return
+            time.sleep(0.5)
+        print(f"no evaluator result at v{final}; see {evaluator.log_path}", flush=True)
 
     def close(self) -> None:
         self.finished = time.time()

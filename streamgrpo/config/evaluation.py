@@ -13,7 +13,7 @@ class EvalConfig(Section):
     enabled: bool = False
     """`streamgrpo up` starts the evaluator beside the learner and the generators (it needs data.eval_path); `streamgrpo evaluator` runs it on another machine either way."""
     every_versions: int = Field(10, ge=1)
-    """Evaluate the held-out set (data.eval_path) at every this many-th weight version; versions in between, and any the evaluator falls behind on, are skipped (counted in streamgrpo_eval_versions_skipped_total)."""
+    """Evaluate the held-out set (data.eval_path) at every this many-th weight version, and at the run's last one (learner.max_steps); versions in between, and any the evaluator falls behind on, are skipped (counted in streamgrpo_eval_versions_skipped_total)."""
     samples: int = Field(1, ge=1, le=64)
     """Completions per held-out record."""
     temperature: float = Field(0.0, ge=0.0, le=10.0)

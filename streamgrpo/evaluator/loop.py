@@ -3,7 +3,7 @@
 It subscribes to the learner's weight versions like a generator and, every ``eval.every_versions``
 versions, answers the held-out records (``data.eval_path``; greedy, or ``eval.samples`` sampled at
 ``eval.temperature``) with that version, scores them with the run's rewards, and writes one line per
-evaluated version to ``<run_dir>/eval.jsonl``: the version, accuracy overall and per question kind,
+evaluated version (and the run's last one: :func:`final_version`) to ``<run_dir>/eval.jsonl``: the version, accuracy overall and per question kind,
 each reward, format compliance, completion length, and with ``eval.shuffle_frames`` the same
 accuracies with each video's frames shuffled and their drop. The gauges ``streamgrpo_eval_*`` carry
 the last line. The learner never waits for it: it only reads versions; one that a newer version
@@ -25,9 +25,16 @@ from streamgrpo.runtime import JsonlWriter, StopFlag, setup_torch_threads, start
 log = logging.getLogger("streamgrpo.evaluator")
 
 
-def due(version: int, last: int | None, every: int) -> bool:
-    """Whether ``version`` is to be evaluated: the first one seen, then every ``every``-th past the last."""
-    return last is None or version - last >= every
+def due(version: int, last: int | None, every: int, final: int | None = None) -> bool:
+    """Whether ``version`` is to be evaluated: the first one seen, then every ``every``-th past the last,
+    and the run's last one (``final``: ``learner.max_steps``, the version of the last step)."""
+    return last is None or version - last >= every or (final is not None and version >= final and version != last)
+
+
+def final_version(cfg: Config) -> int:
+    """The last version a run publishes: the learner's version counts its steps, and it publishes every
+    ``weights.sync_every``-th, up to ``learner.max_steps``."""
+    return cfg.learner.max_steps - cfg.learner.max_steps % cfg.weights.sync_every
 
 
 def eval_line(version: int, summary: dict, shuffled: dict | None) -> dict[str, Any]:
@@ -136,7 +143,7 @@ def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int |
             if seen is not None and version > seen + 1:
                 M.EVAL_SKIPPED.inc(version - seen - 1)  # superseded while the evaluator was busy
             seen = version
-            if not due(version, last, e.every_versions):
+            if not due(version, last, e.every_versions, final=final_version(cfg)):
                 M.EVAL_SKIPPED.inc()
                 weights.mark_applied()
                 continue

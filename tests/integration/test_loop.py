@@ -130,14 +130,15 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
 
 
 def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):
-    """`up` with eval.enabled starts the evaluator beside the learner: the learner trains every remaining
-    step while the evaluator is frozen (SIGSTOP) after its first result, so nothing the learner does
-    waits for it; after it thaws, the run ends with eval.jsonl, eval.png and the best held-out accuracy."""
+    """`up` with eval.enabled starts the evaluator beside the learner: the learner trains on while the
+    evaluator is frozen (SIGSTOP) after its first result, so nothing the learner does waits for it;
+    after it thaws, it evaluates the run's last version (whatever eval.every_versions says), `up` waits
+    for that result, and the run ends with eval.jsonl, eval.png and the best held-out accuracy."""
     run = tmp_path / "evaluated"
-    steps = 30
+    steps, thaw_at = 30, 24
     cfg = _config(demo_assets, run, **{"learner.max_steps": steps, "learner.save_steps": 1000, "eval.enabled": "true",
                                        "data.eval_path": demo_assets["data"].with_name("test.jsonl"),
-                                       "eval.every_versions": 2, "eval.max_records": 8})
+                                       "eval.every_versions": 7, "eval.max_records": 8})
     up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"],
                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -146,10 +147,10 @@ def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):
         os.kill(evaluator, signal.SIGSTOP)
         frozen_at = len(_jsonl(run / "metrics.jsonl"))
         evals_frozen = len(_jsonl(run / "eval.jsonl"))
-        assert frozen_at < steps, "the learner ended before the evaluator's first result: nothing to show"
-        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= steps, 600, "the learner's last step", [up])
+        assert frozen_at < thaw_at, "the learner got far before the evaluator's first result: nothing to show"
+        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= thaw_at, 600, f"step {thaw_at}", [up])
         assert len(_jsonl(run / "eval.jsonl")) == evals_frozen  # it was frozen all along ...
-        os.kill(evaluator, signal.SIGCONT)  # ... while the learner trained steps frozen_at+1..steps
+        os.kill(evaluator, signal.SIGCONT)  # ... while the learner trained steps frozen_at+1..thaw_at
         out, _ = up.communicate(timeout=300)
     finally:
         if up.poll() is None:
@@ -160,7 +161,9 @@ def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):
     rows, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["version"] == steps
     versions = [e["version"] for e in evals]
-    assert versions == sorted(set(versions)) and all(b - a >= 2 for a, b in zip(versions, versions[1:]))
+    assert versions == sorted(set(versions)) and versions[-1] == steps  # the last version, whatever every_versions
+    assert all(b - a >= 7 for a, b in zip(versions[:-1], versions[1:-1]))
+    assert f"waiting for the evaluator's result at v{steps}" in out
     assert all(e["records"] == 8 and e["accuracy"] is not None for e in evals)
     summary = json.loads((run / "summary.json").read_text())
     best = max(e["accuracy"] for e in evals)

@@ -233,3 +233,12 @@ def test_eval_enabled_without_held_out_records_is_refused():
     with pytest.raises(ConfigError, match="eval.enabled needs held-out records: set data.eval_path"):
         build_config({}, ["eval.enabled=true"])
     assert load_config("demo").eval.enabled and load_config("demo-motion").eval.shuffle_frames
+
+
+def test_the_evaluator_takes_every_nth_version_and_the_runs_last():
+    from streamgrpo.evaluator.loop import due, final_version
+
+    assert due(3, None, 25) and not due(20, 3, 25) and due(28, 3, 25)
+    assert due(250, 225, 25, final=250) and due(241, 225, 25, final=241) and not due(241, 241, 25, final=241)
+    assert final_version(build_config({}, ["learner.max_steps=250", "weights.sync_every=1"])) == 250
+    assert final_version(build_config({}, ["learner.max_steps=250", "weights.sync_every=3"])) == 249
