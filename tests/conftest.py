@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # One torch thread per process: the CI machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -48,6 +49,20 @@ def demo_data_dir(tmp_path_factory):
     from streamgrpo.recipes.demo.data import make_demo
 
     return make_demo(tmp_path_factory.mktemp("demo_data"), n=40, seed=0)
+
+
+def make_warm_demo(root, n: int) -> tuple:
+    """The demo data set (``n`` records, colour questions) and a tiny Qwen2.5-VL taught its answer format,
+    under ``root``: ``(data directory, model directory)``."""
+    from streamgrpo.config import load_config
+    from streamgrpo.models.tiny import build_tiny
+    from streamgrpo.recipes.demo.data import make_demo
+    from streamgrpo.recipes.demo.warm import warm_format
+
+    data = Path(make_demo(Path(root) / "data", n=n, seed=0))
+    model = build_tiny(Path(root) / "model", seed=0)
+    warm_format(model, data_cfg=load_config("demo", [f"data.train_path={data / 'train.jsonl'}"]).data, seed=0)
+    return data, model
 
 
 # --- redis (queue) -----------------------------------------------------------------------------

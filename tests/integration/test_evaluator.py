@@ -14,21 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import make_warm_demo
 
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    from streamgrpo.config import load_config
-    from streamgrpo.models.tiny import build_tiny
-    from streamgrpo.recipes.demo.data import make_demo
-    from streamgrpo.recipes.demo.warm import warm_format
-
-    root = tmp_path_factory.mktemp("evaluator")
-    data = make_demo(root / "data", n=60, seed=0)
-    cfg = load_config("demo", [f"data.train_path={Path(data) / 'train.jsonl'}"])
-    model = build_tiny(root / "model", seed=0)
-    warm_format(model, data_cfg=cfg.data, seed=0)
-    return {"data": Path(data), "model": str(model)}
+    data, model = make_warm_demo(tmp_path_factory.mktemp("evaluator"), n=60)
+    return {"data": data, "model": str(model)}
 
 
 def _cfg(warm, run, pub, *sets):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import make_warm_demo
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +29,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
     """Demo data (colour questions used) and a tiny Qwen2.5-VL taught the answer format."""
-    from streamgrpo.config import load_config
-    from streamgrpo.models.tiny import build_tiny
-    from streamgrpo.recipes.demo.data import make_demo
-    from streamgrpo.recipes.demo.warm import warm_format
-
     root = tmp_path_factory.mktemp("loop")
-    data = make_demo(root / "data", n=300, seed=0)
-    cfg = load_config("demo", [f"data.train_path={Path(data) / 'train.jsonl'}"])
-    model = build_tiny(root / "model", seed=0)
-    warm_format(model, data_cfg=cfg.data, seed=0)
-    return {"data": Path(data) / "train.jsonl", "model": model, "root": root}
+    data, model = make_warm_demo(root, n=300)
+    return {"data": data / "train.jsonl", "model": model, "root": root}
 
 
 def _config(assets, run_dir: Path, **sets) -> Path:

@@ -99,14 +99,14 @@ def varint_decode(data: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def _encode_block(a: np.ndarray, b: np.ndarray, cur: np.ndarray, start: int, end: int):
-    """One block's part of a delta: (changed words, first index, last index, varints of the gaps inside the
-    block, the new values)."""
+def _encode_block(a: np.ndarray, b: np.ndarray, start: int, end: int):
+    """One block's part of a delta from words ``a`` to words ``b``: (changed words, first index, last
+    index, varints of the gaps inside the block, the new values)."""
     idx = _changed_block(a, b, start, end)
     if idx.size == 0:
         return 0, -1, -1, b"", b""
     inner = varint_encode((np.diff(idx) - 1).astype(np.uint64))
-    return idx.size, int(idx[0]), int(idx[-1]), inner.tobytes(), cur[idx].astype("<u2", copy=False).tobytes()
+    return idx.size, int(idx[0]), int(idx[-1]), inner.tobytes(), b[idx].astype("<u2", copy=False).tobytes()
 
 
 def encode_delta(prev: np.ndarray, cur: np.ndarray, executor=None, max_bytes: int | None = None) -> bytes | None:
@@ -122,8 +122,8 @@ def encode_delta(prev: np.ndarray, cur: np.ndarray, executor=None, max_bytes: in
     count, last, size = 0, -1, _HEAD.size + cur.size % 2
     for w in range(0, len(spans), window):
         batch = spans[w:w + window]
-        parts = (list(executor.map(lambda sp: _encode_block(a, b, b, *sp), batch)) if executor is not None
-                 else [_encode_block(a, b, b, *sp) for sp in batch])
+        parts = (list(executor.map(lambda sp: _encode_block(a, b, *sp), batch)) if executor is not None
+                 else [_encode_block(a, b, *sp) for sp in batch])
         for n, first, end_idx, inner, values in parts:
             if n == 0:
                 continue
