@@ -11,10 +11,23 @@ the estimate (Redis' own overhead, fragmentation).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from streamgrpo.config.schema import Config
+from streamgrpo.config.data import DataConfig
+from streamgrpo.config.learner import LearnerConfig
+from streamgrpo.config.queue import QueueConfig
+from streamgrpo.config.rollout import RolloutConfig
+
+
+class Sections(Protocol):
+    """The sections the sizing rule reads (a :class:`streamgrpo.config.schema.Config` is one; this
+    module sits below the schema, which asks it for advice)."""
+
+    rollout: RolloutConfig
+    data: DataConfig
+    learner: LearnerConfig
+    queue: QueueConfig
+
 
 ADVICE_BYTES = 8 << 30  # beyond this many held bytes, Config.advice() says so
 HEADROOM = 1.25
@@ -22,7 +35,7 @@ _PER_TOKEN = 4 + 4 + 4 + 4  # token id, behaviour log-prob, policy version (int3
 _PATCH_AREA = 28 * 28  # pixels per visual token (Qwen2.5-VL; Qwen3-VL's 32 x 32 gives fewer tokens)
 
 
-def message_bytes(cfg: Config) -> int:
+def message_bytes(cfg: Sections) -> int:
     """Upper estimate of one group's wire message: completions, prompt ids, and the pixels (inline)
     or the references (``rollout.media: reference``)."""
     r, d = cfg.rollout, cfg.data
@@ -32,23 +45,23 @@ def message_bytes(cfg: Config) -> int:
     return completions + prompt + visuals + 2048
 
 
-def held_groups(cfg: Config) -> int:
+def held_groups(cfg: Sections) -> int:
     """Groups Redis may hold at once: the uncommitted window, the step being collected and the next one
     read ahead, and the producers' backlog."""
     return (cfg.learner.save_steps + 2) * cfg.learner.groups_per_step + cfg.queue.max_pending
 
 
-def held_bytes(cfg: Config) -> int:
+def held_bytes(cfg: Sections) -> int:
     return held_groups(cfg) * message_bytes(cfg)
 
 
-def describe(cfg: Config) -> str:
+def describe(cfg: Sections) -> str:
     """``~N GiB (G groups of up to M MiB, visuals <media>)``."""
     return (f"~{held_bytes(cfg) / 2**30:.1f} GiB ({held_groups(cfg)} groups: (save_steps + 2) x groups_per_step "
             f"+ max_pending, of up to {message_bytes(cfg) / 2**20:.2f} MiB each, visuals {cfg.rollout.media})")
 
 
-def redis_budget_warning(cfg: Config, maxmemory: int) -> str | None:
+def redis_budget_warning(cfg: Sections, maxmemory: int) -> str | None:
     """One line when Redis' ``maxmemory`` (0: no limit) is below what the run may hold, with headroom."""
     need = held_bytes(cfg) * HEADROOM
     if not maxmemory or maxmemory >= need:

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes
 from streamgrpo.config.data import DataConfig
 from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig
@@ -77,8 +78,6 @@ class Config(BaseModel):
 
     def advice(self) -> list[str]:
         """Settings that are valid but work against each other: one line each, for a startup warning."""
-        from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes
-
         if held_bytes(self) <= ADVICE_BYTES:
             return []
         return [f"Redis may hold {describe(self)}: trained groups stay there until the checkpoint that commits them "

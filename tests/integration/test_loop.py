@@ -120,6 +120,7 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
         assert key in summary
     # every process wrote its metrics port
     assert {"learner.json", "generator-0.json", "generator-1.json"} <= {p.name for p in (run / "ports").iterdir()}
+    assert not list(run.glob("*.lock"))  # a clean exit leaves no lock file behind (learner.lock, up.lock)
 
 
 def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):

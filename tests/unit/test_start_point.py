@@ -127,6 +127,32 @@ def test_one_run_directory_has_one_owner_until_it_dies(tmp_path):
             holder.kill()
 
 
+def test_a_clean_close_removes_the_lock_file_and_a_waiter_on_the_removed_file_locks_again(tmp_path):
+    """No ``learner.lock``/``up.lock`` stays after a clean exit; a process that opened the file just
+    before the owner removed it takes the lock of the file at the path, not of the removed one."""
+    import fcntl
+    import os
+
+    from streamgrpo.runtime import RunDirBusy, RunLock, _names
+
+    lock = RunLock(tmp_path, "learner", "learner")
+    path = tmp_path / "learner.lock"
+    assert path.read_text() == str(os.getpid())
+    early = os.open(path, os.O_RDWR)  # opened before the owner's close: the race a waiter can lose
+    lock.close()
+    assert not path.exists()
+    lock.close()  # twice is harmless
+    fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file's lock is free ...
+    assert not _names(early, path)  # ... and RunLock sees that it no longer names the path
+    second = RunLock(tmp_path, "learner", "learner")  # a new file, not the removed inode
+    assert _names(second._fd, path)
+    with pytest.raises(RunDirBusy):
+        RunLock(tmp_path, "learner", "learner")
+    os.close(early)
+    second.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_killed(tmp_path):
     """PR_SET_PDEATHSIG: `up` killed with -9 still stops its children (they get SIGTERM and exit)."""
     import os

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import wandb_log
 
 from streamgrpo.learner.tracking import SEED_KEYS, Tracker, flat_scalars, sample_rows, seed_scalars
 
@@ -72,8 +73,17 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
     tracker.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    data = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
-    for key in (*SEED_KEYS, "streamgrpo/loss", "samples", "eval/accuracy", "eval/by_kind/colour/accuracy"):
-        assert key.encode() in data, key
-    assert (tmp_path / "wandb-run-id").read_text().strip() in runs[0].name  # a resumed learner reuses the id
-    assert b"redis-host:6379" in data and b"wandb-leak-pw" not in data  # the config is logged without secrets
+    (log_file,) = runs[0].glob("run-*.wandb")
+    rows = wandb_log.history(log_file)  # read back as wandb wrote it (not a grep of bytes)
+    assert [r["_step"] for r in rows] == [1, 2]
+    for key in SEED_KEYS:
+        assert rows[0][key] == seed_scalars(REC)[key], key
+    assert rows[1]["streamgrpo/loss"] == 0.1 and rows[1]["streamgrpo/groups_dropped/stale"] == 2
+    assert rows[0]["eval/accuracy"] == 0.625 and rows[0]["eval/by_kind/colour/accuracy"] == 0.5
+    assert "eval/accuracy" not in rows[1]  # the evaluator's line is logged once
+    table = runs[0] / "files" / rows[1]["samples/path"]
+    assert rows[1]["samples/_type"] == "table-file" and "hello-table-row" in table.read_text()
+    assert (tmp_path / "wandb-run-id").read_text().strip() in log_file.name  # a resumed learner reuses the id
+    config = wandb_log.run_config(log_file)
+    assert "redis-host:6379" in config["queue"]["url"] and "wandb-leak-pw" not in config["queue"]["url"]
+    assert b"wandb-leak-pw" not in b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())

@@ -6,21 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from streamgrpo.recipes.demo.config import DemoConfig
-
-
-def prepare_data(demo: DemoConfig, train_path: str | Path, seed: int = 0, say=None) -> bool:
-    """Make the demo data set in ``train_path``'s directory when it is missing and ``demo.make_data``
-    asks for it; True when it was made."""
-    train = Path(train_path).expanduser()
-    if train.exists() or not demo.make_data:
-        return False
-    from streamgrpo.recipes.demo.data import make_demo
-
-    if say:
-        say(f"making the demo data set in {train.parent} ({demo.size} records) ...")
-    make_demo(train.parent, n=demo.size, seed=seed, motion=demo.motion)
-    return True
+from streamgrpo.recipes.demo.data import prepare_data
 
 
 def warm_data_config(cfg):

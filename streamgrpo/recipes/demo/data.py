@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from streamgrpo.recipes.demo.config import DemoConfig
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220)}
 COLOUR_OPTIONS = "(A) red (B) green (C) blue"
 DIRECTIONS = ("left", "right", "up", "down")
@@ -234,3 +236,15 @@ def make_demo(out_dir: str | os.PathLike, n: int = 2000, seed: int = 0, size: in
             write_jsonl(root / f"{split}_image.jsonl", image_rows)
             write_jsonl(root / f"{split}.jsonl", rows)
     return root
+
+
+def prepare_data(demo: DemoConfig, train_path: str | Path, seed: int = 0, say=None) -> bool:
+    """Make the demo data set in ``train_path``'s directory when it is missing and ``demo.make_data``
+    asks for it; True when it was made."""
+    train = Path(train_path).expanduser()
+    if train.exists() or not demo.make_data:
+        return False
+    if say:
+        say(f"making the demo data set in {train.parent} ({demo.size} records) ...")
+    make_demo(train.parent, n=demo.size, seed=seed, motion=demo.motion)
+    return True
