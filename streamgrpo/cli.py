@@ -154,8 +154,9 @@ def cmd_generator(args) -> int:
         raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     _check_before_loading(cfg, f"generator-{args.id}", data=True)
     from streamgrpo.generator.loop import run_generator
+    from streamgrpo.recipes.demo.lag import applier_for
 
-    return run_generator(cfg, generator_id=args.id)
+    return run_generator(cfg, generator_id=args.id, applier=applier_for(cfg.demo))
 
 
 def cmd_evaluator(args) -> int:

@@ -31,7 +31,10 @@ from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_thr
 log = logging.getLogger("streamgrpo.generator")
 
 
-def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None) -> int:
+def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None,
+                  applier: type[WeightApplier] = WeightApplier) -> int:
+    """Sample, score and send groups until the data ends or a stop signal; ``applier`` applies weight
+    versions at safe points (the staleness benchmark's lagging one, ``recipes/demo/lag.py``)."""
     import torch
 
     from streamgrpo.data.dataset import iter_samples
@@ -72,7 +75,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                                      pin_memory=device.type == "cuda" and cfg.rollout.engine == "hf")
     sampler = Sampler(engine, processor, cfg, SamplingParams.from_config(cfg.rollout), rewards, name,
                        np.random.default_rng([cfg.seed, generator_id, 7]))
-    apply_newest = WeightApplier(weights, make_weight_applier(cfg, engine), audit, cfg.demo.weight_apply_delay, name)
+    apply_newest = applier(weights, make_weight_applier(cfg, engine), audit, name)
     watch = WeightsWatch.from_config(weights, cfg.weights, name)
     if cfg.rollout.inflight_updates:  # new versions also between the decoding steps of a batch (vLLM)
         sampler.between_steps = lambda: apply_newest(not_below=engine.version)
