@@ -188,12 +188,15 @@ def test_live_consumer_keeps_its_entries(redis_any, redis_ns, queues):
     producer = queues(redis_any.url, namespace=redis_ns, consumer="gen-0")
     producer.put(group(1))
     producer.put(group(2))
-    a = queues(redis_any.url, namespace=redis_ns, consumer="learner-0", claim_idle_s=0.3)
-    b = queues(redis_any.url, namespace=redis_ns, consumer="learner-1", claim_idle_s=0.3)
+    # a holds its entry 2.4 s, twice claim_idle_s, polling every ~0.25 s: a quarter of the idle time, so a
+    # loaded machine (a paused process, a busy core) would need a 1 s stall between two polls to fail it
+    a = queues(redis_any.url, namespace=redis_ns, consumer="learner-0", claim_idle_s=1.2)
+    b = queues(redis_any.url, namespace=redis_ns, consumer="learner-1", claim_idle_s=1.2)
     held = a.get(1, timeout_s=1.0)
-    for _ in range(6):  # a keeps polling (refreshing its entry) while b tries to claim
+    start = time.monotonic()
+    while time.monotonic() - start < 2.4:  # a keeps polling (refreshing its entry) while b tries to claim
         assert len(a.get(1, timeout_s=0.05)) <= 1
-        time.sleep(0.05)
+        time.sleep(0.1)
         assert held[0].stream_id not in {d.stream_id for d in b.get(1, timeout_s=0.05)}
     assert held[0].stream_id in a.in_flight()
 
