@@ -50,7 +50,7 @@ def _load(args) -> object:
 
 
 # ------------------------------------------------------------------------------------ commands
-def _check_before_loading(cfg, role: str, *, data: bool = False) -> None:
+def _check_before_loading(cfg, role: str, *, data: bool = False, queue: bool = True) -> None:
     """What can never work, found in a second instead of after loading a model: a missing data
     file, no Redis configured, a Redis that refuses this URL (password, TLS, ACL). An unreachable
     Redis is left to the queue, which waits for it (``stop=True`` ends this one try at once)."""
@@ -65,6 +65,8 @@ def _check_before_loading(cfg, role: str, *, data: bool = False) -> None:
 
         prepare_data(cfg.demo, cfg.data.train_path)  # the demo recipe's data set, when its config asks
         require_data_path(cfg.data.train_path)
+    if not queue:
+        return
     url = queue_url(cfg.queue, Path(cfg.run_dir))
     try:
         RedisQueue.from_config(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
@@ -206,6 +208,15 @@ def cmd_queue_check(args) -> int:
     from streamgrpo.commands.queue_check import run_queue_check
 
     return run_queue_check(_load(args), file=args.file, count=args.count)
+
+
+def cmd_check_agreement(args) -> int:
+    from streamgrpo.commands.agreement import run_check
+
+    cfg = _load(args)
+    _check_before_loading(cfg, "agreement-check", data=True, queue=False)
+    return run_check(cfg, groups=args.groups, max_tokens=args.max_tokens or None, max_kl=args.max_kl,
+                     diagnose=not args.no_diagnose, out=args.out)
 
 
 def cmd_weights_pull(args) -> int:
@@ -381,6 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_queue_check)
 
+    check = sub.add_parser("check", help="checks before a run").add_subparsers(dest="check_command", metavar="SUBCOMMAND")
+    check.required = True
+    p = check.add_parser("agreement", help="sample with the generator's engine, recompute along the learner's path: "
+                                           "do they compute the same policy? (exit 1 when not, with the cause)")
+    p.add_argument("--groups", type=int, default=2, help="prompts to sample (G completions each)")
+    p.add_argument("--max-tokens", type=int, default=32, help="completion tokens per sample at most (0: the config's)")
+    p.add_argument("--max-kl", type=float, default=None, help="the threshold (default learner.agreement_max_kl)")
+    p.add_argument("--no-diagnose", action="store_true", help="measure only; do not look for the cause")
+    p.add_argument("--out", default=None, help="also write the verdict as JSON to this file")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_check_agreement)
+
     weights = sub.add_parser("weights", help="weight channel tools").add_subparsers(dest="weights_command",
                                                                                  metavar="SUBCOMMAND")
     weights.required = True
@@ -472,7 +495,8 @@ def _user_error(exc: BaseException) -> int | None:
 def command_name(args: argparse.Namespace) -> str:
     """``learner``, ``config show``, ``data check``...: the words that chose the command."""
     words = [args.command]
-    for attr in ("config_command", "data_command", "model_command", "queue_command", "weights_command"):
+    for attr in ("check_command", "config_command", "data_command", "model_command", "queue_command",
+                 "weights_command"):
         if getattr(args, attr, None):
             words.append(getattr(args, attr))
     return " ".join(words)

@@ -41,6 +41,8 @@ from streamgrpo.runtime import (
 
 log = logging.getLogger("streamgrpo.up")
 
+AGREEMENT_REFUSED_EXIT = 1  # launch.agreement_check found the generators and the learner disagree
+
 FINAL_EVAL_WAIT_S = 300.0
 """How long `up` waits, after the learner's last step, for the evaluator's result at that version."""
 
@@ -154,6 +156,13 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     env = _child_env(cfg)
     redis = _start_embedded_redis(cfg, rd, env)
     config_path = _write_child_config(cfg, rd, env)
+    refusal = _agreement_check(cfg, rd, config_path, env, plan)
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        if redis is not None:
+            redis.stop()
+        owner.close()
+        return AGREEMENT_REFUSED_EXIT
     watch = _Watch(cfg, env, rd / "metrics.jsonl")
     children: list[Child] = []
     code, interrupted = 0, False
@@ -369,6 +378,33 @@ def child_specs(cfg: Config, plan, config_path: Path, python: str = sys.executab
         specs.append(ChildSpec("evaluator", [*base, "evaluator", "--config", str(config_path), *extra],
                                {"CUDA_VISIBLE_DEVICES": devices(plan.evaluator)}, eport))
     return specs
+
+
+def _agreement_check(cfg: Config, rd: Path, config_path: Path, env: dict[str, str], plan) -> str | None:
+    """``launch.agreement_check``: ``streamgrpo check agreement`` on one group, in a process of its own on the
+    learner's devices (its two models are gone before the run starts). None when the roles agree (or the
+    check is off), else the one line that refuses the run."""
+    if not cfg.launch.agreement_check:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    learner = child_specs(cfg, plan, config_path, visible_ids=visible.split(",") if visible else None)[0]
+    out, log_path = rd / "agreement.json", rd / "logs" / "agreement.log"
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "streamgrpo", "check", "agreement", "--config", str(config_path), "--groups", "1",
+            "--max-tokens", "16", "--out", str(out)]
+    print("checking that the generators and the learner compute the same policy (launch.agreement_check) ...",
+          flush=True)
+    with open(log_path, "ab") as fh:
+        code = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env={**env, **learner.env},
+                              preexec_fn=die_with_parent).returncode
+    verdict = json.loads(out.read_text()) if out.is_file() else None
+    skip = "launch.agreement_check=false skips this check"
+    if verdict is None:
+        return f"refusing to train: the agreement check failed (exit {code}), see {log_path} ({skip})"
+    if not verdict["agree"]:
+        return f"refusing to train: {verdict['line']} (details in {log_path}; {skip})"
+    print(verdict["line"], flush=True)
+    return None
 
 
 def _start_children(cfg: Config, rd: Path, config_path: Path, env: dict[str, str], plan) -> list[Child]:

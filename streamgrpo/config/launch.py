@@ -19,6 +19,8 @@ class LaunchConfig(Section):
     """Learner ranks: more than one runs the learner under torchrun (python -m torch.distributed.run), one GPU each (NCCL), or gloo ranks on the CPU; they need learner.backend=deepspeed, which `up` then sets."""
     generators_per_gpu: int = Field(1, ge=1, le=64)
     """Generators that share one GPU (each takes its share of the memory: set rollout.vllm.gpu_memory_utilization to match)."""
+    agreement_check: bool = True
+    """Before `up` trains: sample one group with the generator's engine and recompute it along the learner's path (streamgrpo check agreement); refuse to start in one line when they disagree beyond learner.agreement_max_kl. false skips it."""
     colocate: bool = False
     """Put generators on the learner's GPUs too (after any spare ones), when the memory plan allows it."""
 

@@ -42,6 +42,10 @@ class LearnerConfig(Section):
     """Schedule after warm-up (cosine/linear decay to 0 at max_steps)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping norm."""
+    agreement_max_kl: float = Field(0.01, gt=0.0, le=100.0)
+    """KL(behaviour || learner) on tokens sampled with the learner's current weights (staleness 0) past which the generator and the learner are said to compute different policies: `up`'s check before training refuses above it, and the learner's live guard warns and sets streamgrpo_learner_agreement_kl above it over agreement_window steps. bf16 engines measure 0.0004-0.01; see docs/training.md."""
+    agreement_window: int = Field(20, ge=1, le=100000)
+    """Steps of staleness-0 tokens the live agreement guard averages over before it judges."""
     max_update_kl: Optional[float] = Field(None, gt=0.0, le=100.0)
     """Bound on how far one optimizer step may move the policy: after each step the learner measures the change on the step's own completions (mean per-token KL, old to new) and halves the step until it is at most this (a backtracking line search; up to max_update_halvings times, then the step is undone). Adam moves every weight by about the learning rate whatever the gradient norm, so max_grad_norm does not bound a step. Costs one forward pass per try; torch backend only; null = off."""
     max_update_halvings: int = Field(4, ge=0, le=30)

@@ -244,6 +244,33 @@ class Learner:
             lp, _ = completion_logprobs(self.ref, tb, **kw)
             return lp
 
+    def own_logprobs(self, batch: list[Accepted], *, shared_vision: bool = True) -> list[np.ndarray]:
+        """The learner's log-probs of every completion's tokens, one array per completion in group order,
+        computed as a step computes them (this rank's model, dtype, autocast, backend; no gradient,
+        nothing changes): what the importance ratio compares with the behaviour log-probs.
+        ``shared_vision=False``: the vision tower once per row instead (the agreement check's switch)."""
+        from streamgrpo.models.batching import GroupInputs, build_batch, vision_token_ids
+        from streamgrpo.models.logprobs import completion_logprobs
+
+        suppress = vision_token_ids(self.processor)
+        pad_id = self.processor.tokenizer.pad_token_id
+        out: list[np.ndarray] = []
+        for a in batch:
+            completions = a.group.completions
+            groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
+                                                            for c in completions])]
+            tb = build_batch(groups, pad_id).to(self.device)
+            temperature = sampling_temperature(a, self.cfg.rollout.temperature)
+            with torch.no_grad(), self._autocast():
+                if shared_vision:
+                    lp, _ = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
+                else:
+                    lp, _ = completion_logprobs(self.module, tb, temperature=temperature, suppress_token_ids=suppress,
+                                                shared_vision=False)
+            lp = lp.float().cpu().numpy()
+            out += [lp[i, : len(c.token_ids)] for i, c in enumerate(completions)]
+        return out
+
     # ----------------------------------------------------------------------------- the step
     @overload
     def train_step(self, batch: list[Accepted], *, dry_run: Literal[False] = ...) -> StepOutput | None: ...

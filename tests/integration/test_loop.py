@@ -38,7 +38,8 @@ def _config(assets, run_dir: Path, **sets) -> Path:
     from streamgrpo.config import load_config
 
     overrides = [f"data.train_path={assets['data']}", f"model.name_or_path={assets['model']}", f"run_dir={run_dir}",
-                 "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1", "eval.enabled=false"]
+                 "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1", "eval.enabled=false",
+                 "launch.agreement_check=false"]  # checked by the two tests that turn it on (seconds each)
     overrides += [f"{k}={v}" for k, v in sets.items()]
     cfg = load_config("demo", overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,10 +100,12 @@ def _pid_alive(pid: int) -> bool:
 
 def test_up_learns_accuracy_rises(demo_assets, tmp_path):
     run = tmp_path / "run"
-    cfg = _config(demo_assets, run, **{"learner.max_steps": 120, "learner.save_steps": 1000})
+    cfg = _config(demo_assets, run, **{"learner.max_steps": 120, "learner.save_steps": 1000,
+                                       "launch.agreement_check": True})
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
                          env=ENV, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "generator and learner agree: KL " in out.stdout  # the check before training ran and passed
     summary = json.loads((run / "summary.json").read_text())
     rows = _jsonl(run / "metrics.jsonl")
     assert summary["steps"] == 120 and len(rows) == 120
@@ -121,6 +124,24 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
     # every process wrote its metrics port
     assert {"learner.json", "generator-0.json", "generator-1.json"} <= {p.name for p in (run / "ports").iterdir()}
     assert not list(run.glob("*.lock"))  # a clean exit leaves no lock file behind (learner.lock, up.lock)
+
+
+def test_up_refuses_to_train_when_the_generator_and_the_learner_disagree(demo_assets, tmp_path):
+    """The check before training: generators sampling in bf16 against a float32 learner, judged at a
+    threshold below bf16 rounding, is refused in one line that names the cause; nothing starts."""
+    run = tmp_path / "run"
+    cfg = _config(demo_assets, run, **{"launch.agreement_check": True, "model.dtype": "bfloat16",
+                                       "learner.bf16": False, "learner.agreement_max_kl": 1e-9})
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"],
+                         env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [x for x in out.stderr.splitlines() if "refusing" in x]
+    assert len(lines) == 1, out.stderr[-3000:]
+    line = lines[0]
+    assert line.startswith("refusing to train: generator and learner disagree: KL ") and "with fp32 they agree" in line
+    assert "launch.agreement_check=false skips this check" in line and "Traceback" not in out.stderr
+    assert not (run / "metrics.jsonl").exists() and not (run / "logs" / "learner.log").exists()
+    assert not list(run.glob("*.lock"))
 
 
 def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):

@@ -164,7 +164,7 @@ def live_run(tmp_path_factory, tiny_model_dir):
     env.pop("STREAMGRPO_REDIS_URL", None)
     argv = [
         sys.executable, "-m", "streamgrpo", "up", "--config", "demo", "--run-dir", str(run_dir), "--generators", "1",
-        "--learner-ranks", "2",
+        "--learner-ranks", "2", "--set", "launch.agreement_check=false",
         "--set", f"model.name_or_path={tiny_model_dir}",
         "--set", "demo.tiny_model=false",
         "--set", f"data.train_path={tmp / 'data' / 'train.jsonl'}",
