@@ -91,6 +91,15 @@ UPDATES_SHRUNK = Counter(
     ["outcome"],
 )
 UPDATE_KL.set(float("nan"))  # not measured unless learner.max_update_kl is set: never a false 0
+AGREEMENT_KL = Gauge(
+    "streamgrpo_learner_agreement_kl",
+    "KL(behaviour || learner) (k3) on tokens sampled with the learner's current weights (staleness 0), token-weighted "
+    "over the last learner.agreement_window steps that had any: the generator = learner agreement (bf16 engines "
+    "0.0004-0.01); NaN until such a token is seen",
+)
+AGREEMENT_KL.set(float("nan"))  # no staleness-0 token seen yet: never a false 0
+AGREEMENT_MAX_KL = Gauge("streamgrpo_learner_agreement_max_kl",
+                         "learner.agreement_max_kl: the agreement KL past which the roles are said to disagree")
 STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learner step (train part)")
 LEARNER_TOKENS_PER_SECOND = Gauge(
     "streamgrpo_learner_tokens_per_second", "Prompt + completion tokens per second of the last learner step (train part)"

@@ -68,3 +68,22 @@ def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
                 break
         parts[i:i + 1] = [p[:cut], p[cut:]]
     return parts
+
+
+def fresh_token_mask(part: list[Accepted], length: int):
+    """(rows, ``length``) bool: the completion tokens sampled with the learner's current weights (each
+    token's own policy version equals the learner's; without per-token versions, every token of a
+    group at staleness 0), rows in group order as ``build_batch`` lays them out. The live agreement
+    guard measures the generator = learner agreement on these (:mod:`streamgrpo.learner.agreement_guard`)."""
+    import numpy as np
+    import torch
+
+    rows = []
+    for a in part:
+        current = a.staleness + int(a.group.policy_version)
+        for c in a.group.completions:
+            n = len(c.token_ids)
+            row = np.zeros(length, dtype=bool)
+            row[:n] = a.staleness == 0 if c.versions is None else np.asarray(c.versions[:n]) == current
+            rows.append(row)
+    return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, length), dtype=torch.bool)

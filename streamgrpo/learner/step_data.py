@@ -111,6 +111,11 @@ class StepOutput:
     """Peak FLOP/s of this rank's device (None: unknown, e.g. a CPU without ``learner.peak_tflops``)."""
     update: UpdateCheck | None = None
     """The ``learner.max_update_kl`` line search's outcome (identical on every rank); None when off."""
+    fresh_kl_sum: float = 0.0
+    """KL(behaviour || learner) (k3) summed over this rank's staleness-0 tokens (sampled with the learner's
+    current weights): the generator = learner agreement the live guard watches."""
+    fresh_tokens: int = 0
+    """The staleness-0 completion tokens of ``fresh_kl_sum``."""
 
     @property
     def tokens(self) -> int:
@@ -149,6 +154,8 @@ class StepSummary:
     flops: float = 0.0
     peak_flops: float | None = None
     """Summed over ranks; None when any rank's device peak is unknown."""
+    fresh_kl_sum: float = 0.0
+    fresh_tokens: int = 0
 
     @classmethod
     def of_rank(cls, batch: list[Accepted], out: StepOutput, drops: dict[str, int]) -> StepSummary:
@@ -172,6 +179,7 @@ class StepSummary:
             adv_N=[float(x) for x in out.adv_N.reshape(-1).tolist()], zero_variance=int(out.zero_variance),
             seq_logprob_sum=float(out.seq_logprob_sum), rows=int(out.rows), drops=dict(drops),
             seq_tokens=int(out.seq_tokens), flops=float(out.flops), peak_flops=out.peak_flops,
+            fresh_kl_sum=float(out.fresh_kl_sum), fresh_tokens=int(out.fresh_tokens),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -206,6 +214,8 @@ class StepSummary:
             out.staleness_G += p.staleness_G
             out.token_staleness_sum += p.token_staleness_sum
             out.completion_tokens += p.completion_tokens
+            out.fresh_kl_sum += p.fresh_kl_sum
+            out.fresh_tokens += p.fresh_tokens
             out.adv_N += p.adv_N
             if p.accuracy_G is not None:
                 out.accuracy_G = (out.accuracy_G or []) + p.accuracy_G
@@ -273,6 +283,11 @@ class StepRecord:
     """With ``learner.max_update_kl``: how far the step as applied moved the policy on its own completions."""
     update_scale: float = 1.0
     """Fraction of the optimizer's step applied (``learner.max_update_kl``: 0.5 per halving, 0.0 = undone)."""
+    kl_fresh: float | None = None
+    """KL(behaviour || learner) on the step's tokens sampled with the learner's current weights (staleness 0):
+    the generator = learner agreement (bf16 engines 0.0004-0.01); None when the step had none."""
+    fresh_tokens: int = 0
+    """Completion tokens of the step sampled with the learner's current weights (all ranks)."""
 
     @classmethod
     def build(cls, state: LearnerState, merged: StepSummary, out: StepOutput, step_s: float, wait_s: float,
@@ -304,6 +319,8 @@ class StepRecord:
             model_flops=merged.flops, mfu=utilisation(merged.flops, step_s, merged.peak_flops),
             update_kl=None if out.update is None else out.update.kl,
             update_scale=1.0 if out.update is None else out.update.scale,
+            kl_fresh=merged.fresh_kl_sum / merged.fresh_tokens if merged.fresh_tokens else None,
+            fresh_tokens=merged.fresh_tokens,
         )
 
     def to_json(self) -> dict[str, Any]:

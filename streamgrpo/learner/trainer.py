@@ -52,7 +52,7 @@ from streamgrpo.learner.deepspeed_setup import (
 from streamgrpo.learner.distributed import DistInfo, barrier, share
 from streamgrpo.learner.flops import LearnerWork
 from streamgrpo.learner.memory import preflight
-from streamgrpo.learner.micro_batches import sampling_temperature, split_micro_batches
+from streamgrpo.learner.micro_batches import fresh_token_mask, sampling_temperature, split_micro_batches
 from streamgrpo.learner.optim import fused_adamw, make_optimizer
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import LossStats, Probe, StepOutput
@@ -316,6 +316,7 @@ class Learner:
         probes: list[tuple[Any, torch.Tensor, float]] = []  # (inputs, log-probs before the step, temperature)
         guard = cfg.learner.max_update_kl is not None and not dry_run
         loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
+        fresh_kl, fresh_tokens = 0.0, 0  # KL(behaviour || learner) on staleness-0 tokens: the live guard
         self._zero_grad()
         for k, part in enumerate(micro):
             temperature = sampling_temperature(part[0], cfg.rollout.temperature)  # one per micro-batch
@@ -347,6 +348,10 @@ class Learner:
                 mask = tb.completion_mask.to(torch.bool)
                 seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
                 rows += int(mask.shape[0])
+                fresh = fresh_token_mask(part, mask.shape[1]).to(mask.device) & mask  # staleness-0 tokens
+                d = (logprobs.float() - behaviour)[fresh].clamp(-50.0, 50.0)
+                fresh_kl += float((torch.expm1(d) - d).sum())
+                fresh_tokens += int(fresh.sum())
             stats.append(LossStats.from_loss(m))
             if guard:
                 probes.append((tb, logprobs.detach(), temperature))
@@ -364,7 +369,8 @@ class Learner:
         update = self._bound_update(probes, params, before, suppress) if guard else None
         return StepOutput(update=update, loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
-                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), **self.work.of_groups(batch))
+                          seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), fresh_kl_sum=fresh_kl,
+                          fresh_tokens=fresh_tokens, **self.work.of_groups(batch))
 
     def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
         """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on
