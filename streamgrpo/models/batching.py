@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from streamgrpo.metrics import ERRORS
+from streamgrpo.models.capabilities import capabilities
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,10 @@ def prompt_positions(model: Any, group: GroupInputs) -> Tensor:
     inner = getattr(hf, "model", hf)
     if not hasattr(inner, "get_rope_index"):
         raise TypeError(f"{type(hf).__name__} has no get_rope_index: not a Qwen-VL model")
+    caps = capabilities(hf)
+    if not caps.rope_index:
+        raise TypeError(f"{type(inner).__name__}.get_rope_index takes no mm_token_type_ids on transformers "
+                        f"{caps.release}: install a release in pyproject.toml's range")
     mm = group.mm_token_type_ids if group.mm_token_type_ids is not None else mm_token_types(group.prompt_ids, hf.config)
     cpu = torch.device("cpu")
     kw = {k: v.to(cpu) for k, v in group.visual_kwargs().items() if k.endswith("_thw") or k == "second_per_grid_ts"}

@@ -11,10 +11,13 @@ How it stays cheap:
 
 * One vision pass per group (``shared_vision=True``). The G rows of a group share one prompt and
   its visuals, so the vision encoder runs once per group (all groups of the batch in one call);
-  its outputs (and Qwen3-VL's deepstack features) are handed to the model as precomputed
-  ``mm_encoder_outputs``, one reference per row, and the model scatters them into
-  ``inputs_embeds`` itself. Gradients of the G rows accumulate into the single encoder output.
-  ``shared_vision=False`` is the usual per-row path (pixels repeated G times, as TRL does).
+  its outputs (and Qwen3-VL's deepstack features), one reference per row, reach the decoder by
+  the path the installed transformers release allows (:mod:`streamgrpo.models.vision_inputs`):
+  as precomputed ``mm_encoder_outputs`` where the forward takes them (5.24), else scattered into
+  ``inputs_embeds`` by streamgrpo (5.17; :mod:`streamgrpo.models.capabilities` checks which, and
+  never passes a keyword the forward does not name). Gradients of the G rows accumulate into the
+  single encoder output. ``shared_vision=False`` is the usual per-row path (pixels repeated G
+  times, as TRL does).
 * Explicit m-RoPE ``position_ids`` from :func:`~streamgrpo.models.batching.build_batch`.
 * Optionally each group's prompt once (``shared_prompt=True``, ``learner.shared_prompt``): one
   sequence per group, its completions after the prompt behind a block attention mask
@@ -40,9 +43,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, unwrap_model  # noqa: F401 - unwrap_model is part of this module's API
+from streamgrpo.models.capabilities import capabilities
 from streamgrpo.models.packing import PackedBatch, attention_mask_for, pack_batch
-
-_PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+from streamgrpo.models.vision_inputs import decoder_hidden_states
 
 BF16_LOGPROB_TOL = 0.1
 """Largest per-token |log-prob| difference between two bfloat16 computations of one policy (the learner's
@@ -55,56 +58,10 @@ BF16_LOGPROB_MEAN_TOL = 0.03
 average (0.15 epsilon), so the objective's scale and ``ess`` barely move."""
 
 
-def _encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: list[int] | None = None) -> dict[str, Any]:
-    """Run the vision encoder once over the visuals of all groups; replicate the outputs per sequence.
-
-    Returns ``mm_encoder_outputs`` for the model's forward: per modality, the encoder output
-    object whose ``pooler_output`` (and ``deepstack_features`` per layer) is a tuple with one
-    entry per image/video in the order they occur in the flattened forward batch (sequence after
-    sequence). ``seq_groups``: the group of each sequence; default one sequence per row.
-    """
-    encoded: dict[str, Any] = {}
-    for kind, (pix_key, grid_key) in _PIXELS.items():
-        members = [gi for gi, g in enumerate(batch.groups) if getattr(g, pix_key) is not None]
-        if not members:
-            continue
-        pixels = torch.cat([getattr(batch.groups[gi], pix_key) for gi in members])
-        grids = torch.cat([getattr(batch.groups[gi], grid_key) for gi in members])
-        fn = inner.get_image_features if kind == "image" else inner.get_video_features
-        out = fn(pixels, grids, return_dict=True)
-        # the items (images or videos) of each group, as index ranges into the encoder's tuples
-        spans, start = {}, 0
-        for gi in members:
-            n = int(getattr(batch.groups[gi], grid_key).shape[0])
-            spans[gi] = range(start, start + n)
-            start += n
-        seqs = batch.row_group.tolist() if seq_groups is None else seq_groups
-        order = [i for gi in seqs for i in spans.get(gi, ())]
-        fields = dict(out.items())
-        fields["pooler_output"] = tuple(out.pooler_output[i] for i in order)
-        deep = getattr(out, "deepstack_features", None)
-        if deep is not None:
-            fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in deep]
-        encoded[kind] = type(out)(**fields)
-    return encoded
-
-
-def _repeat_per_row(batch: TrainBatch) -> dict[str, Tensor]:
-    """Visual tensors with each group's visuals repeated for each of its rows (the naive layout)."""
-    groups = [batch.groups[gi] for gi in batch.row_group.tolist()]
-    out: dict[str, Tensor] = {}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-        parts = [getattr(g, key) for g in groups if getattr(g, key) is not None]
-        if parts:
-            out[key] = torch.cat(parts)
-    return out
-
-
 def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = True) -> Tensor:
     """Final (normed) hidden states (B, L, H) of the language model for ``batch``."""
     hf = unwrap_model(model)
     prepare_batch(batch, hf)
-    inner = hf.model
     kw: dict[str, Any] = dict(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -113,13 +70,7 @@ def last_hidden_states(model: Any, batch: TrainBatch, *, shared_vision: bool = T
     )
     if batch.mm_token_type_ids is not None:
         kw["mm_token_type_ids"] = batch.mm_token_type_ids
-    if shared_vision:
-        enc = _encode_once(inner, batch)
-        if enc:
-            kw["mm_encoder_outputs"] = enc
-    else:
-        kw.update(_repeat_per_row(batch))
-    return inner(**kw).last_hidden_state
+    return decoder_hidden_states(hf.model, capabilities(hf), batch, kw, shared_vision=shared_vision)
 
 
 def packed_hidden_states(model: Any, batch: TrainBatch) -> tuple[Tensor, PackedBatch]:
@@ -141,10 +92,8 @@ def packed_hidden_states(model: Any, batch: TrainBatch) -> tuple[Tensor, PackedB
     )
     if packed.mm_token_type_ids is not None:
         kw["mm_token_type_ids"] = packed.mm_token_type_ids
-    enc = _encode_once(inner, batch, seq_groups=list(range(len(batch.groups))))
-    if enc:
-        kw["mm_encoder_outputs"] = enc
-    return inner(**kw).last_hidden_state, packed
+    hidden = decoder_hidden_states(inner, capabilities(hf), batch, kw, seq_groups=range(len(batch.groups)))
+    return hidden, packed
 
 
 # ------------------------------------------------------------------------------------ LM head
