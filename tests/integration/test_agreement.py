@@ -59,9 +59,9 @@ def test_another_policy_in_the_learner_is_a_disagreement_no_switch_explains(tiny
 def test_a_learner_blind_to_the_video_is_named(tiny_model_dir, demo_data_dir, tmp_path, monkeypatch):
     """What transformers 5.17 did: the vision-once features never reach the decoder. The check finds the
     gap and that vision per row closes it."""
-    import streamgrpo.models.logprobs as lp
+    import streamgrpo.models.vision_inputs as vi
 
-    monkeypatch.setattr(lp, "_encode_once", lambda *a, **k: {})  # the features dropped, as an unknown kwarg was
+    monkeypatch.setattr(vi, "encode_once", lambda *a, **k: {})  # the features dropped, as an unknown kwarg was
     lines: list[str] = []
     v = check_agreement(_cfg(tiny_model_dir, demo_data_dir, tmp_path), groups=2, say=lines.append)
     assert not v.agree and v.cause == "vision per row", "\n".join(lines)
