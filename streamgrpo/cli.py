@@ -239,7 +239,7 @@ def cmd_model_tiny(args) -> int:
     if args.config_only:
         print(f"{args.size} {args.arch} config.json written to {write_config(args.out, args.arch, args.size)}")
         return 0
-    out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size)
+    out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size, layers=args.layers)
     if args.warm_format:
         from streamgrpo.recipes.demo.assets import warm_data_config
         from streamgrpo.recipes.demo.warm import warm_format
@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["tiny", "3b", "7b", "8b"], default="tiny",
                    help="tiny (tests, demo), or real layer sizes with random weights (GPU measurements): Qwen2.5-VL "
                         "3b/7b, Qwen3-VL 8b")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers and vision blocks (default: the size's own); e.g. --size 3b --layers 2 for the "
+                        "real layer shapes on a CPU")
     p.add_argument("--config-only", action="store_true",
                    help="write only config.json (enough for `config memory` and `up --plan` at a real size)")
     p.add_argument("--warm-format", action="store_true",

@@ -33,6 +33,8 @@ class ModelConfig(Section):
     """Parameter dtype for the rollout engine and (unless learner.bf16 is false) the learner."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     """Attention kernel. flash_attention_2 needs CUDA and the flash-attn package."""
+    fp32_lm_head: bool = False
+    """Both roles compute the last projection (hidden states to vocabulary logits) and the log-softmax in float32, whatever model.dtype and learner.bf16 say (the HF engine and the learner; vLLM computes it in its own dtype). Narrows the bf16 generator-learner gap; costs a float32 copy of the projection's weight while it runs. See docs/training.md."""
     revision: Optional[str] = None
     """Hub revision (branch, tag or commit) to load."""
     tune_mm_llm: bool = True

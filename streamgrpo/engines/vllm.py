@@ -373,6 +373,9 @@ class VLLMEngine(Engine):
         import torch
 
         arch = resolve_arch(cfg.model)
+        if cfg.model.fp32_lm_head and cfg.model.dtype != "float32":
+            log.warning("model.fp32_lm_head: vLLM computes the last projection in model.dtype=%s; only the learner "
+                        "computes it in float32 (the gap to the learner stays that of its dtype)", cfg.model.dtype)
         vc = cfg.rollout.vllm
         if vc.limit_mm_per_prompt is not None:
             limits: dict[str, Any] = dict(vc.limit_mm_per_prompt)

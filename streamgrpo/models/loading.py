@@ -68,6 +68,10 @@ def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | No
         model_cfg.name_or_path, revision=model_cfg.revision, dtype=_DTYPES[dtype_name], attn_implementation=attn
     )
     model.to(device)
+    if model_cfg.fp32_lm_head:
+        from streamgrpo.models.head import use_fp32_head
+
+        use_fp32_head(model)
     if trainable:
         model.train()
         apply_freezing(model, model_cfg)

@@ -75,6 +75,10 @@ def load_quantized(model_cfg, lora_cfg, device: torch.device):
         dtype=torch.bfloat16, device_map={"": torch.device(device).index or 0},
         attn_implementation=model_cfg.attn_implementation,
     )
+    if model_cfg.fp32_lm_head:
+        from streamgrpo.models.head import use_fp32_head
+
+        use_fp32_head(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 

@@ -242,12 +242,15 @@ def write_config(out_dir: str | Path, arch: str = "qwen2_5_vl", size: str = "tin
     return out
 
 
-def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny") -> Path:
+def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny",
+               layers: int | None = None) -> Path:
     """Write a random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path.
 
     ``size="tiny"`` (~0.6M parameters, float32, deterministic per seed) for tests and the demo;
     ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes, ``"8b"``: Qwen3-VL's, in bfloat16, initialised on
-    CUDA when there is one (GPU measurements at real size)."""
+    CUDA when there is one (GPU measurements at real size). ``layers``: that many decoder layers and
+    vision blocks instead of the size's own (the real shapes of each layer, few of them: what a CPU
+    can run at a real size)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -259,6 +262,14 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
     config = _model_config(arch, tokenizer, size)
+    if layers is not None:
+        config.text_config.num_hidden_layers = layers
+        if getattr(config.text_config, "layer_types", None):
+            config.text_config.layer_types = config.text_config.layer_types[:layers]
+        config.vision_config.depth = layers
+        if hasattr(config.vision_config, "deepstack_visual_indexes"):
+            config.vision_config.deepstack_visual_indexes = [i for i in config.vision_config.deepstack_visual_indexes
+                                                             if i < layers]
     state = torch.random.get_rng_state()
     device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
     try:
