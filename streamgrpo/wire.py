@@ -492,6 +492,33 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX
 
 
 def _decode(data: Any, max_bytes: int) -> ScoredGroup:
+    head, body = _split_frame(data, max_bytes)
+    h = _parse_header(head)
+    schema = _get(h, "schema", "")
+    _check_schema(schema)
+    for key in _FIELDS:
+        _get(h, key, "")
+    visuals = [_visual(v, body, f"visuals[{i}]") for i, v in enumerate(_list(h["visuals"], "visuals"))]
+    completions = [_completion(c, body, f"completions[{i}]")
+                   for i, c in enumerate(_list(h["completions"], "completions"))]
+    group = ScoredGroup(
+        prompt_id=h["prompt_id"], generator_id=h["generator_id"], policy_version=h["policy_version"],
+        model_id=h["model_id"], prompt_ids=_arr(h["prompt_ids"], body, "prompt_ids"), visuals=visuals,
+        answer=h["answer"], completions=completions, prompt_text=h["prompt_text"],
+        meta=_resolve_tree(h["meta"], body, "meta"), group_id=h["group_id"], created_at=h["created_at"],
+        schema=schema,
+    )
+    validate(group)
+    expands = sum(v.pixel_bytes for v in visuals if v.frames is None)
+    if expands > max_bytes:
+        _fail("visuals", f"references expand to {expands} bytes of pixels, over the limit of {max_bytes} bytes "
+                         "(queue.max_message_mib: what the message could hold inline)")
+    return group
+
+
+def _split_frame(data: Any, max_bytes: int) -> tuple[memoryview, memoryview]:
+    """Check one message's frame (size limit, frame head, magic, the lengths it promises); its msgpack
+    header and its array body, as views of ``data``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         _fail("message", f"expected bytes, got {_tname(data)}")
     mv = memoryview(data).cast("B")
@@ -507,52 +534,42 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
     body_start = _HEAD.size + hlen + (-(_HEAD.size + hlen) % _ALIGN)
     if body_start + blen != len(mv):
         _fail("body", f"message is {len(mv)} bytes but its frame head promises {body_start + blen} (truncated or padded)")
+    return mv[_HEAD.size:_HEAD.size + hlen], mv[body_start:]
+
+
+def _parse_header(head: memoryview) -> dict:
+    """The msgpack header, a mapping (array references still unresolved)."""
     try:
-        h = msgpack.unpackb(mv[_HEAD.size:_HEAD.size + hlen], raw=False, ext_hook=_parse_ref, strict_map_key=True)
+        h = msgpack.unpackb(head, raw=False, ext_hook=_parse_ref, strict_map_key=True)
     except WireError:
         raise
     except Exception as exc:
         raise WireError(f"header: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(h, dict):
         _fail("header", f"expected a mapping, got {_tname(h)}")
-    schema = _get(h, "schema", "")
-    _check_schema(schema)
-    for key in _FIELDS:
-        _get(h, key, "")
-    body = mv[body_start:]
-    visuals = []
-    for i, v in enumerate(_list(h["visuals"], "visuals")):
-        p = f"visuals[{i}]"
-        if isinstance(v, dict) and "ref" in v:
-            if "frames" in v:
-                _fail(p, "has both frames and a ref (a visual travels one way)")
-            frames, ref = None, ref_from_wire(v["ref"], f"{p}.ref")
-        else:
-            frames, ref = _arr(_get(v, "frames", p), body, f"{p}.frames"), None
-        visuals.append(Visual(
-            kind=_get(v, "kind", p), frames=frames, fps=_get(v, "fps", p),
-            frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"), ref=ref,
-        ))
-    completions = []
-    for i, c in enumerate(_list(h["completions"], "completions")):
-        p = f"completions[{i}]"
-        completions.append(Completion(
-            token_ids=_arr(_get(c, "token_ids", p), body, f"{p}.token_ids"),
-            logprobs=_arr(_get(c, "logprobs", p), body, f"{p}.logprobs"),
-            versions=_arr(_get(c, "versions", p), body, f"{p}.versions"),
-            text=_get(c, "text", p), finish_reason=_get(c, "finish_reason", p),
-            rewards=_get(c, "rewards", p), reward=_get(c, "reward", p),
-        ))
-    group = ScoredGroup(
-        prompt_id=h["prompt_id"], generator_id=h["generator_id"], policy_version=h["policy_version"],
-        model_id=h["model_id"], prompt_ids=_arr(h["prompt_ids"], body, "prompt_ids"), visuals=visuals,
-        answer=h["answer"], completions=completions, prompt_text=h["prompt_text"],
-        meta=_resolve_tree(h["meta"], body, "meta"), group_id=h["group_id"], created_at=h["created_at"],
-        schema=schema,
+    return h
+
+
+def _visual(v: Any, body: memoryview, p: str) -> Visual:
+    """One visual of the header at path ``p``: its frames inline (an array of the body) or a reference."""
+    if isinstance(v, dict) and "ref" in v:
+        if "frames" in v:
+            _fail(p, "has both frames and a ref (a visual travels one way)")
+        frames, ref = None, ref_from_wire(v["ref"], f"{p}.ref")
+    else:
+        frames, ref = _arr(_get(v, "frames", p), body, f"{p}.frames"), None
+    return Visual(
+        kind=_get(v, "kind", p), frames=frames, fps=_get(v, "fps", p),
+        frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"), ref=ref,
     )
-    validate(group)
-    expands = sum(v.pixel_bytes for v in visuals if v.frames is None)
-    if expands > max_bytes:
-        _fail("visuals", f"references expand to {expands} bytes of pixels, over the limit of {max_bytes} bytes "
-                         "(queue.max_message_mib: what the message could hold inline)")
-    return group
+
+
+def _completion(c: Any, body: memoryview, p: str) -> Completion:
+    """One completion of the header at path ``p``, its arrays views of the body."""
+    return Completion(
+        token_ids=_arr(_get(c, "token_ids", p), body, f"{p}.token_ids"),
+        logprobs=_arr(_get(c, "logprobs", p), body, f"{p}.logprobs"),
+        versions=_arr(_get(c, "versions", p), body, f"{p}.versions"),
+        text=_get(c, "text", p), finish_reason=_get(c, "finish_reason", p),
+        rewards=_get(c, "rewards", p), reward=_get(c, "reward", p),
+    )

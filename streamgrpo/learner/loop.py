@@ -135,26 +135,16 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     learner = Learner(cfg, dist=dist)
     queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     if main:
-        _warn_if_not_durable(queue)
-        _warn_if_redis_small(queue, cfg)
-        no_media = check_media_root(cfg.data)
-        if no_media:
-            log.warning("%s: groups whose visuals travel by reference (rollout.media: reference) will be "
-                        "dead-lettered; point data.media_root at the media here, or send inline", no_media)
+        _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
-    if found:
-        resume_from(found, learner, queue, audit_path, run_dir, dist)
-    elif main:
-        queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
+    _resume_or_reset(found, learner, queue, audit_path, run_dir, dist)
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
     publisher = _start_publisher(cfg, run_dir) if main else None
     learner.publish(publisher, state.version)
     M.POLICY_VERSION.labels(role="learner").set(state.version)
-    if not main:
-        M.drop_step_gauges()  # rank 0 exports the step's gauges; every rank its own counters
-    server = start_metrics(_rank_metrics(cfg.metrics, dist), run_dir, "learner" if main else f"learner-rank{dist.rank}")
+    server = _serve_metrics(cfg, run_dir, dist)
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
@@ -221,9 +211,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                 learner.publish(publisher, state.version)
             rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
             last_metrics = rec.to_json()
-            export_prometheus(rec, batch, out, main)
-            if main:
-                _log_step(cfg, state, rec, last_metrics, batch, metrics_log, tracker, step_s, wait_s)
+            _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker)
             # 5. checkpoint, then commit what it holds
             if state.step % cfg.learner.save_steps == 0:
                 checkpoint_and_commit()
@@ -240,6 +228,36 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                                                         if k not in ("recent_group_ids", "committing")})
         _close_all(media, tracker, publisher, queue, metrics_log, audit, server)
     return 0
+
+
+def _startup_warnings(cfg: Config, queue) -> None:
+    """Rank 0, once at start-up: a Redis that can lose acknowledged groups or is too small for what the
+    learner may hold, and a media root that groups sent by reference cannot be read from."""
+    _warn_if_not_durable(queue)
+    _warn_if_redis_small(queue, cfg)
+    no_media = check_media_root(cfg.data)
+    if no_media:
+        log.warning("%s: groups whose visuals travel by reference (rollout.media: reference) will be "
+                    "dead-lettered; point data.media_root at the media here, or send inline", no_media)
+
+
+def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
+                     dist: DistInfo) -> None:
+    """Resume from the checkpoint ``found``, if any; otherwise (step 0) rank 0 forgets the committed step of a
+    previous run in this namespace."""
+    if found:
+        resume_from(found, learner, queue, audit_path, run_dir, dist)
+    elif dist.is_main:
+        queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
+
+
+def _serve_metrics(cfg: Config, run_dir: Path, dist: DistInfo):
+    """This rank's ``/metrics`` server. Rank 0 exports the step's gauges; every rank its own counters, so
+    the other ranks drop the step gauges first."""
+    if not dist.is_main:
+        M.drop_step_gauges()
+    return start_metrics(_rank_metrics(cfg.metrics, dist), run_dir,
+                         "learner" if dist.is_main else f"learner-rank{dist.rank}")
 
 
 def _start_publisher(cfg: Config, run_dir: Path):
@@ -275,8 +293,16 @@ def _trained_record(state: LearnerState, ids: list[str], learner: Learner, every
     return record
 
 
+def _report_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
+                 batch: list[Accepted], out: StepOutput, main: bool, metrics_log: JsonlWriter | None, tracker) -> None:
+    """A trained step's numbers: Prometheus on every rank, and on rank 0 the metrics file, wandb and the log."""
+    export_prometheus(rec, batch, out, main)
+    if main:
+        _log_step(cfg, state, rec, last_metrics, batch, metrics_log, tracker)
+
+
 def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
-              batch: list[Accepted], metrics_log: JsonlWriter, tracker, step_s: float, wait_s: float) -> None:
+              batch: list[Accepted], metrics_log: JsonlWriter, tracker) -> None:
     """Rank 0: the ``metrics.jsonl`` line, wandb (sample rows every ``metrics.sample_every`` steps) and
     the log line every ``metrics.log_every`` steps."""
     from streamgrpo.learner.tracking import sample_rows
@@ -288,7 +314,7 @@ def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: d
         log.info(
             "step %d v%d reward %.3f acc %s loss %.4f kl %.4f clip %.3f stale %.1f | %.2fs train %.2fs wait",
             state.step, state.version, rec.reward, _fmt(rec.accuracy), rec.loss, rec.kl, rec.clip_frac,
-            rec.staleness_mean, step_s, wait_s,
+            rec.staleness_mean, rec.seconds, rec.wait_seconds,
         )
 
 

@@ -152,7 +152,7 @@ def _expand(line: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(?P<braced>\w+)(?::?-(?P<default>[^}]*))?\}|\$(?P<plain>[A-Za-z_]\w*)", var, line)
 
 
-def _tokens(line: str) -> tuple[list[Tok], str]:
+def _tokens(line: str) -> tuple[list[Tok], str]:  # noqa: C901 - one shell tokenizer state machine, a branch a character class
     """Shell words and operators, quotes removed (a quoted word keeps quoted=True); and the comment."""
     toks: list[Tok] = []
     word: list[str] = []

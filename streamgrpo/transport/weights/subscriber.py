@@ -22,6 +22,7 @@ from streamgrpo.transport.weights.codec import (
     TOPIC_BEAT,
     TOPIC_DELTA,
     Assembler,
+    ChunkHeader,
     Completed,
     VersionMeta,
     WeightsFormatError,
@@ -318,6 +319,8 @@ class WeightSubscriber(WeightSyncClient):
             self._abort_fetch()
 
     def _drain_pub(self, limit: int = 512) -> None:
+        """Take up to ``limit`` waiting PUB messages: heartbeats, the backend's own, delta chunks and
+        whole-version chunks (assembled as one batch); then look for versions whose tail was lost."""
         batch = []
         for _ in range(limit):
             try:
@@ -326,11 +329,7 @@ class WeightSubscriber(WeightSyncClient):
                 break
             try:
                 if frames[0].bytes == TOPIC_BEAT and len(frames) == 2:
-                    beat = msgpack.unpackb(frames[1].bytes)
-                    key = (int(beat["s"]), int(beat["v"]))
-                    self.stats["beats"] += 1
-                    if newer(key, self._announced):
-                        self._announced = key
+                    self._beat(frames[1].bytes)
                     continue
                 if self._side_message(frames):
                     continue
@@ -348,17 +347,34 @@ class WeightSubscriber(WeightSyncClient):
             except (WeightsFormatError, KeyError, ValueError, TypeError) as exc:
                 self._dropped(f"weights: malformed message ({exc})", repair=True)
                 continue
-            WEIGHT_BYTES.inc(len(frames[2]))
-            if h.seq == 0:
-                self._joined = True
-            elif not self._joined:
-                continue  # subscribed in the middle of a version: its tail is no loss (the snapshot covers it)
-            if newer(h, self._have):  # older or already-held versions cost nothing
-                batch.append((h, frames[2]))
+            self._whole_chunk(h, frames[2], batch)
         if batch:
             self._assemble(batch)
-        # Heartbeats follow a version's last chunk: if the announced version is newer than what we
-        # hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark).
+        self._check_announced()
+
+    def _beat(self, payload: bytes) -> None:
+        """A heartbeat: note the version it announces when newer than the last one announced."""
+        beat = msgpack.unpackb(payload)
+        key = (int(beat["s"]), int(beat["v"]))
+        self.stats["beats"] += 1
+        if newer(key, self._announced):
+            self._announced = key
+
+    def _whole_chunk(self, h: ChunkHeader, frame, batch: list) -> None:
+        """A chunk of a whole version: added to ``batch`` when newer than what is held, once this
+        subscriber has seen a version's first chunk."""
+        WEIGHT_BYTES.inc(len(frame))
+        if h.seq == 0:
+            self._joined = True
+        elif not self._joined:
+            return  # subscribed in the middle of a version: its tail is no loss (the snapshot covers it)
+        if newer(h, self._have):  # older or already-held versions cost nothing
+            batch.append((h, frame))
+
+    def _check_announced(self) -> None:
+        """Heartbeats follow a version's last chunk: if the announced version is newer than what we
+        hold and nothing newer is arriving, its chunks were lost (e.g. at the high-water mark): the
+        partial versions are dropped and the snapshot is due now (unless a fetch is under way)."""
         announced = self._announced
         partial = [a for a in (self._pub_asm, self._delta_asm) if a.in_progress is not None]
         if (announced is not None and newer(announced, self._have)
