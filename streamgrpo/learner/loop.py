@@ -50,6 +50,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
+from streamgrpo.learner.agreement_guard import AgreementGuard
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
@@ -148,6 +149,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
+    agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media)
     uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
@@ -211,7 +213,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                 learner.publish(publisher, state.version)
             rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
             last_metrics = rec.to_json()
-            _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker)
+            _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker, agreement)
             # 5. checkpoint, then commit what it holds
             if state.step % cfg.learner.save_steps == 0:
                 checkpoint_and_commit()
@@ -294,11 +296,26 @@ def _trained_record(state: LearnerState, ids: list[str], learner: Learner, every
 
 
 def _report_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
-                 batch: list[Accepted], out: StepOutput, main: bool, metrics_log: JsonlWriter | None, tracker) -> None:
-    """A trained step's numbers: Prometheus on every rank, and on rank 0 the metrics file, wandb and the log."""
+                 batch: list[Accepted], out: StepOutput, main: bool, metrics_log: JsonlWriter | None, tracker,
+                 agreement: AgreementGuard | None) -> None:
+    """A trained step's numbers: Prometheus on every rank, and on rank 0 the metrics file, wandb, the log
+    and the live agreement guard."""
     export_prometheus(rec, batch, out, main)
     if main:
         _log_step(cfg, state, rec, last_metrics, batch, metrics_log, tracker)
+    if agreement is not None:
+        _watch_agreement(agreement, rec)
+
+
+def _watch_agreement(agreement: AgreementGuard, rec: StepRecord) -> None:
+    """Rank 0: the step's staleness-0 tokens into the guard; its window's KL to Prometheus; one warning
+    line when the generators stop computing the learner's policy."""
+    line = agreement.observe((rec.kl_fresh or 0.0) * rec.fresh_tokens, rec.fresh_tokens)
+    kl = agreement.mean()
+    M.AGREEMENT_KL.set(math.nan if kl is None else kl)
+    M.AGREEMENT_MAX_KL.set(agreement.max_kl)
+    if line is not None:
+        log.warning("%s", line)
 
 
 def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
