@@ -406,11 +406,11 @@ def test_promtool_alert_rule_unit_tests():
     assert tested == {name for name, _ in rule_exprs()}
 
 
-def test_alert_rules_are_the_five_of_the_issue_weights_missing_and_media():
+def test_alert_rules_are_the_five_of_the_issue_weights_missing_media_and_agreement():
     names = {name for name, _ in rule_exprs()}
     assert names == {"StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
                      "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights",
-                     "StreamgrpoMediaDeadLetters"}
+                     "StreamgrpoMediaDeadLetters", "StreamgrpoGeneratorLearnerMismatch"}
     for g in rules_doc()["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"], r["alert"]
