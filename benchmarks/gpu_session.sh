@@ -20,6 +20,10 @@
 #              new tokens, 16 frames 448x448 (goal: >= 0.95x plain generate's speed; 0.80x before)
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
 #   tests      the unit suite on the GPU (CUDA variants included) and the GPU integration tests
+#   agreement  generator = learner at the 3B shape in bf16 on CUDA (goal: KL <= 0.01 at staleness 0):
+#              `streamgrpo check agreement` with the HF engine, plain and with model.fp32_lm_head, then an
+#              8-step `up` of qwen2_5_vl_3b_1node on one GPU with the torch and the DeepSpeed backend
+#              (kl_fresh, kl_behaviour, is_masked_frac, ess of each step into $OUT/agreement_up_*.jsonl)
 set -uo pipefail
 stage=${1:-}
 OUT=${OUT:-gpu-out}
@@ -54,5 +58,27 @@ case "$stage" in
     "$py" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_learner_bench.py \
       tests/integration/test_dist_backend.py tests/integration/test_zero_offload.py \
       tests/integration/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|recompute3b|learner7b|rollout3b|offload7b|tests" >&2; exit 2 ;;
+  agreement)
+    work=${WORK:-/tmp/sg-agreement}
+    mkdir -p "$work"
+    # MODEL_ARGS / GPUS: the script's own check on a CPU (MODEL_ARGS="--size tiny" GPUS=cpu)
+    [ -f "$work/m3b/config.json" ] || "$py" -m streamgrpo model tiny ${MODEL_ARGS:---size 3b} --out "$work/m3b" 2>&1 | tail -1
+    [ -f "$work/data/train.jsonl" ] || "$py" -m streamgrpo data demo --out "$work/data" --n 200 >/dev/null
+    common=(--config qwen2_5_vl_3b_1node --set "model.name_or_path=$work/m3b" --set "data.train_path=$work/data/train.jsonl"
+            --set data.media_root=null --set rollout.engine=hf --set loss.beta=0 --set rollout.max_completion_length=64
+            --set learner.groups_per_step=4 --set eval.enabled=false)
+    for head in false true; do
+      "$py" -m streamgrpo check agreement "${common[@]}" --set "model.fp32_lm_head=$head" --groups 2 --max-tokens 64 \
+        --out "$OUT/agreement_check_fp32head_$head.json" 2>&1 | grep -v "Loading weights" | tail -12 \
+        | tee "$OUT/agreement_check_fp32head_$head.log"
+    done
+    for backend in torch deepspeed; do
+      timeout 240 "$py" -m streamgrpo up "${common[@]}" --gpus "${GPUS:-0}" --learner-ranks 1 --generators 1 --colocate \
+        --set "learner.backend=$backend" --set learner.max_steps=8 --set learner.save_steps=1000 \
+        --run-dir "$work/up_$backend" 2>&1 | tail -15 | tee "$OUT/agreement_up_$backend.log"
+      "$py" -c "import json, sys; [print(json.dumps({k: r.get(k) for k in ('step', 'kl_fresh', 'fresh_tokens', \
+'kl_behaviour', 'is_masked_frac', 'ess', 'ratio_min', 'ratio_max')})) for r in map(json.loads, open(sys.argv[1]))]" \
+        "$work/up_$backend/metrics.jsonl" | tee "$OUT/agreement_up_$backend.jsonl"
+    done ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|recompute3b|learner7b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
 esac

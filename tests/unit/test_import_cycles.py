@@ -3,7 +3,8 @@
 Every module under ``streamgrpo/`` is parsed with :mod:`ast`. Every import of one of the package's
 modules is an edge of the graph: ``import streamgrpo.x``, ``from streamgrpo.x import y`` (to the
 submodule ``streamgrpo.x.y`` when there is one) and relative imports (``from .x import y``, ``from ..
-import z``), wherever it stands: at module level, inside a function, or under ``if TYPE_CHECKING:``.
+import z``), and the parent packages each initialises first (``from a.b.c import x`` runs
+``a/b/__init__.py`` before ``c``), wherever it stands: at module level, inside a function, or under ``if TYPE_CHECKING:``.
 An import inside a function cannot fail at import time, but two modules that call each other are
 one concept cut in two all the same (a real call cycle hides there), and a type-only import is a
 dependency of the design; so both count. Such deferred imports are still marked (``python
@@ -84,14 +85,25 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, 
     return list(dict.fromkeys(t for t in (_known(n, modules) for n in names) if t is not None))  # once each
 
 
+def _with_parents(target: str, source: str, modules: dict[str, Path]) -> list[str]:
+    """``target`` and the packages Python initialises before it (``import a.b.c`` runs ``a/__init__``,
+    then ``a/b/__init__``), less those already initialised before ``source`` runs (its own parents)."""
+    parts = target.split(".")
+    parents = [".".join(parts[:k]) for k in range(1, len(parts))]
+    mine = {".".join(source.split(".")[:k]) for k in range(1, len(source.split(".")) + 1)}
+    return [p for p in parents if p in modules and p not in mine] + [target]
+
+
 def package_imports(root: Path, package: str) -> list[Import]:
-    """Every import of one of the package's modules by another (or the same), in file order."""
+    """Every import of one of the package's modules by another (or the same), in file order, with the
+    parent packages each one initialises first."""
     modules = package_modules(root, package)
     out = []
     for module, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node, deferred in _import_nodes(tree.body, False):
-            out += [Import(module, t, node.lineno, deferred) for t in _targets(node, module, modules)]
+            targets = [m for t in _targets(node, module, modules) for m in _with_parents(t, module, modules)]
+            out += [Import(module, t, node.lineno, deferred) for t in dict.fromkeys(targets)]
     return out
 
 
@@ -218,6 +230,20 @@ def test_function_level_and_type_checking_imports_make_cycles_too(tmp_path):
     deferred = [(i.source, i.target, i.line) for i in package_imports(root, "pkg") if i.deferred]
     assert deferred == [("pkg.b", "pkg.a", 3), ("pkg.b", "pkg.a", 5), ("pkg.b", "pkg.a", 9), ("pkg.c", "pkg.d", 2),
                         ("pkg.d", "pkg.c", 2), ("pkg.e", "pkg.a", 2)]
+
+
+def test_a_cycle_through_a_parent_packages_init_is_found(tmp_path):
+    """``from pkg.config.base import S`` runs ``pkg/config/__init__.py`` first; when that init loads a
+    schema that imports the module back, importing the module first fails (a partially initialised
+    module): the shape of recipes/demo/config.py -> config.base once."""
+    root = _package(tmp_path, {
+        "pkg/config/__init__.py": "from pkg.config.schema import Config\n",
+        "pkg/config/base.py": "class S: ...\n",
+        "pkg/config/schema.py": "from pkg.recipe import R\nclass Config: ...\n",
+        "pkg/recipe.py": "from pkg.config.base import S\nclass R(S): ...\n",
+        "pkg/config/data.py": "from pkg.config.base import S\n",  # inside the package: its init already ran
+    })
+    assert _cycles(root) == [["pkg.config", "pkg.config.schema", "pkg.recipe"]]
 
 
 def test_the_two_cycles_this_test_once_missed_are_found_in_their_old_shape(tmp_path):
