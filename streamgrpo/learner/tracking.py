@@ -118,4 +118,8 @@ class WandbTracker(Tracker):
         self.run.log(data, step=int(rec["step"]))
 
     def close(self) -> None:
+        """Finish the run and wait until wandb's service has written all of it: ``run.finish()`` alone
+        returns while the service may still be writing the offline run's transaction log (seen: the
+        file still a bare 7-byte header), and a learner that exits then would leave it incomplete."""
         self.run.finish()
+        self._wandb.teardown()

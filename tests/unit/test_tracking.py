@@ -75,7 +75,7 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
     assert len(runs) == 1
     (log_file,) = runs[0].glob("run-*.wandb")
     rows = wandb_log.history(log_file)  # read back as wandb wrote it (not a grep of bytes)
-    assert [r["_step"] for r in rows] == [1, 2]
+    assert [r["_step"] for r in rows] == [1, 2], ([r.WhichOneof("record_type") for r in wandb_log.records(log_file)], log_file.stat().st_size)
     for key in SEED_KEYS:
         assert rows[0][key] == seed_scalars(REC)[key], key
     assert rows[1]["streamgrpo/loss"] == 0.1 and rows[1]["streamgrpo/groups_dropped/stale"] == 2
