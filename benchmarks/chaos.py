@@ -185,7 +185,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
     overrides = [f"run_dir={run_dir}", f"queue.url={url}", "learner.max_steps=1000000", "learner.save_steps=5",
                  "learner.get_timeout_s=1", f"rollout.num_generators={generators}", "metrics.port=0",
                  f"weights.pub_port={free_port()}", f"weights.snapshot_port={free_port()}", f"seed={seed}",
-                 "eval.enabled=false"]
+                 "eval.enabled=false", "launch.agreement_check=false"]  # each `up --resume` restarts at once
     if model:
         overrides += [f"model.name_or_path={model}", "demo.tiny_model=false"]
     if data:
