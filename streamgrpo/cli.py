@@ -486,6 +486,9 @@ def _user_error(exc: BaseException) -> int | None:
     checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
     if checkpoint is not None and isinstance(exc, (checkpoint.CheckpointUnusable, checkpoint.CheckpointWriteError)):
         return FAILED_EXIT
+    oom = sys.modules.get("streamgrpo.learner.oom")
+    if oom is not None and isinstance(exc, oom.LearnerOutOfMemory):
+        return FAILED_EXIT
     media = sys.modules.get("streamgrpo.learner.media")
     if media is not None and isinstance(exc, media.MediaUnavailable):
         return FAILED_EXIT

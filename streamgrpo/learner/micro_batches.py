@@ -3,9 +3,11 @@ budget, one sampling temperature per micro-batch, and an exact count when ranks 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from streamgrpo.learner.state import Accepted
 
-__all__ = ["group_tokens", "sampling_temperature", "split_micro_batches"]
+__all__ = ["cut_to", "group_tokens", "sampling_temperature", "split_groups", "split_micro_batches"]
 
 
 def _temperature_key(a: Accepted):
@@ -24,6 +26,56 @@ def group_tokens(a: Accepted, shared_prompt: bool = False) -> int:
     completions = sum(len(c.token_ids) for c in a.group.completions)
     prompts = 1 if shared_prompt else len(a.group.completions)
     return prompts * len(a.group.prompt_ids) + completions
+
+
+def split_groups(batch: list[Accepted], max_tokens: int | None,
+                 shared_prompt: bool = False) -> tuple[list[Accepted], list[tuple[int, int]]]:
+    """The units micro-batches are made of: each group whole, or, when the group alone is over
+    ``max_tokens`` (the learner halved its budget after running out of memory), its completions cut
+    into consecutive runs that fit (one completion over the budget alone: one sequence is the least a
+    micro-batch holds). A cut unit is the group with a run of its completions (the same stream entry,
+    prompt and inputs; its vision pass runs once per unit). Returns the units in order and, for each,
+    ``(index of its group in batch, index of its first completion)``."""
+    units: list[Accepted] = []
+    origin: list[tuple[int, int]] = []
+    for i, a in enumerate(batch):
+        comps = a.group.completions
+        if not max_tokens or group_tokens(a, shared_prompt) <= max_tokens or len(comps) == 1:
+            units.append(a)
+            origin.append((i, 0))
+            continue
+        prompt = len(a.group.prompt_ids)
+        base, per_row = (prompt, 0) if shared_prompt else (0, prompt)
+        start, size = 0, base
+        for j, c in enumerate(comps):
+            n = per_row + len(c.token_ids)
+            if j > start and size + n > max_tokens:
+                units.append(replace(a, group=replace(a.group, completions=comps[start:j])))
+                origin.append((i, start))
+                start, size = j, base
+            size += n
+        units.append(replace(a, group=replace(a.group, completions=comps[start:])))
+        origin.append((i, start))
+    return units, origin
+
+
+def cut_to(units: list[Accepted], origin: list[tuple[int, int]],
+           n: int) -> tuple[list[Accepted], list[tuple[int, int]]]:
+    """At least ``n`` units: the unit with the most completions cut in two halves until there are (the
+    micro-batch count ranks agree on may ask a rank for more parts than its units, once groups are
+    cut after running out of memory)."""
+    units, origin = list(units), list(origin)
+    while len(units) < n:
+        i = max(range(len(units)), key=lambda k: len(units[k].group.completions))
+        u, (g, start) = units[i], origin[i]
+        comps = u.group.completions
+        if len(comps) < 2:
+            raise ValueError(f"cannot cut {len(units)} units of one completion into {n} micro-batches")
+        half = len(comps) // 2
+        units[i:i + 1] = [replace(u, group=replace(u.group, completions=comps[:half])),
+                          replace(u, group=replace(u.group, completions=comps[half:]))]
+        origin[i:i + 1] = [(g, start), (g, start + half)]
+    return units, origin
 
 
 def split_micro_batches(batch: list[Accepted], max_tokens: int | None,

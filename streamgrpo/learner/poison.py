@@ -12,6 +12,7 @@ import logging
 from streamgrpo import metrics as M
 from streamgrpo.learner.distributed import DistInfo
 from streamgrpo.learner.gate import Gate
+from streamgrpo.learner.oom import LearnerOutOfMemory, StepOutOfMemory, shrink_after
 from streamgrpo.learner.state import Accepted
 from streamgrpo.learner.step_data import Probe, StepOutput
 from streamgrpo.learner.trainer import Learner
@@ -32,8 +33,10 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
     groups as ``nan_loss``.
     """
     try:
-        out = learner.train_step(batch)
+        out = _train_within_memory(learner, batch)
         error = None if out is not None else "non-finite loss or gradient"
+    except LearnerOutOfMemory:
+        raise  # a setting must change: not the groups' fault
     except Exception as exc:  # noqa: BLE001 - isolated below, re-raised when no group explains it
         out, error, raised = None, f"{type(exc).__name__}: {exc}", exc
     else:
@@ -67,3 +70,13 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
     for a in batch:
         gate.drop(a.stream_id, a.group.group_id, "nan_loss")
     return None, []
+
+
+def _train_within_memory(learner: Learner, batch: list[Accepted]) -> StepOutput | None:
+    """``learner.train_step(batch)``, retried with half the micro-batch budget while it runs out of
+    memory (:mod:`streamgrpo.learner.oom`); the groups stay this step's, uncommitted, meanwhile."""
+    while True:
+        try:
+            return learner.train_step(batch)
+        except StepOutOfMemory as oom:
+            shrink_after(learner, oom)

@@ -51,7 +51,15 @@ from streamgrpo.learner.deepspeed_setup import (
 from streamgrpo.learner.distributed import DistInfo, barrier, share
 from streamgrpo.learner.flops import LearnerWork
 from streamgrpo.learner.memory import preflight
-from streamgrpo.learner.micro_batches import fresh_token_mask, sampling_temperature, split_micro_batches
+from streamgrpo.learner.micro_batches import (
+    cut_to,
+    fresh_token_mask,
+    group_tokens,
+    sampling_temperature,
+    split_groups,
+    split_micro_batches,
+)
+from streamgrpo.learner.oom import out_of_memory
 from streamgrpo.learner.optim import fused_adamw, make_optimizer
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import LossStats, Probe, StepOutput
@@ -224,6 +232,8 @@ class Learner:
                 self.ref = deepspeed.initialize(model=self.ref, config=ref_ds, dist_init_required=True)[0].module
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
         self._mixed_temperatures_logged = False
+        self.micro_tokens = lc.micro_batch_tokens  # halved after an out-of-memory step (every rank alike)
+        self.cut_groups = False  # after running out of memory: a group over the budget is cut into runs of rows
         self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
     # -------------------------------------------------------------------------------- helpers
@@ -311,13 +321,17 @@ class Learner:
         suppress = vision_token_ids(self.processor)
         local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
         shared = cfg.learner.shared_prompt
-        greedy = split_micro_batches(batch, cfg.learner.micro_batch_tokens, shared_prompt=shared)
+        units, origin = split_groups(batch, self.micro_tokens if self.cut_groups else None, shared_prompt=shared)
+        greedy = split_micro_batches(units, self.micro_tokens, shared_prompt=shared)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
         global_tokens, n_micro = int(agreed[:, 0].sum()), int(agreed[:, 1].max())
-        micro = split_micro_batches(batch, cfg.learner.micro_batch_tokens, n_parts=n_micro, shared_prompt=shared)
+        if n_micro > len(units):  # another rank cut its groups finer (after running out of memory)
+            units, origin = cut_to(units, origin, n_micro)
+        micro = split_micro_batches(units, self.micro_tokens, n_parts=n_micro, shared_prompt=shared)
         dapo = cfg.loss.loss_type == "dapo"
         kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
-        index = {id(a): i for i, a in enumerate(batch)}
+        unit_adv = {id(u): advs[i][j: j + len(u.group.completions)] for u, (i, j) in zip(units, origin)}
+        batch_rows = sum(len(a.group.completions) for a in batch)
         stats: list[LossStats] = []
         probes: list[tuple[Any, torch.Tensor, float]] = []  # (inputs, log-probs before the step, temperature)
         guard = cfg.learner.max_update_kl is not None and not dry_run
@@ -329,18 +343,20 @@ class Learner:
             groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
-            ref_lp = self._reference_logprobs(tb, temperature, suppress)
-            with self._autocast():
-                logprobs, entropy = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
-            behaviour = pad_right([torch.from_numpy(np.array(c.logprobs, dtype=np.float32))
-                                   for a in part for c in a.group.completions], 0.0,
-                                  length=logprobs.shape[1]).to(self.device)
-            adv = torch.cat([advs[index[id(a)]] for a in part]).to(self.device)
-            with counted_errors():
-                loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp, entropies=entropy,
-                                       token_normaliser=global_tokens if dapo else None, **kw)
+            with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
+                ref_lp = self._reference_logprobs(tb, temperature, suppress)
+                with self._autocast():
+                    logprobs, entropy = self.forward(tb, temperature=temperature, suppress_token_ids=suppress)
+                behaviour = pad_right([torch.from_numpy(np.array(c.logprobs, dtype=np.float32))
+                                       for a in part for c in a.group.completions], 0.0,
+                                      length=logprobs.shape[1]).to(self.device)
+                adv = torch.cat([unit_adv[id(a)] for a in part]).to(self.device)
+                with counted_errors():
+                    loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp,
+                                           entropies=entropy, token_normaliser=global_tokens if dapo else None, **kw)
             # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
-            loss = loss * self.dist.world_size if dapo else loss * (len(part) / len(batch))
+            part_rows = sum(len(a.group.completions) for a in part)
+            loss = loss * self.dist.world_size if dapo else loss * (part_rows / batch_rows)
             if not torch.isfinite(loss):
                 finite = False
                 if not dry_run:
@@ -348,7 +364,8 @@ class Learner:
                 if not self.deepspeed:
                     self._zero_grad()
                     return Probe(finite=False) if dry_run else None
-            self._backward(loss, last=k == len(micro) - 1)
+            with out_of_memory(self, part, shared):
+                self._backward(loss, last=k == len(micro) - 1)
             loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
             with torch.no_grad():
                 mask = tb.completion_mask.to(torch.bool)
@@ -368,7 +385,8 @@ class Learner:
             return Probe(finite=finite)
         params = [p for p in self.module.parameters() if p.requires_grad] if guard else []
         before = [p.detach().clone() for p in params]
-        grad_norm, applied = self._optimizer_step()
+        with out_of_memory(self, max(micro, key=lambda p: sum(group_tokens(a, shared) for a in p)), shared):
+            grad_norm, applied = self._optimizer_step()
         if not applied or not finite:
             log.warning("step skipped: non-finite loss or gradient norm (%s)", grad_norm)
             return None

@@ -87,6 +87,22 @@ def test_micro_batched_step_equals_one_batch_dapo(groups, tiny_model_dir, tmp_pa
     _assert_same_step(out_a, grads_a, out_b, grads_b, grad_norm_rel=1e-5, grad_atol=1e-7)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_groups_cut_into_runs_of_rows_train_like_one_batch(groups, tiny_model_dir, tmp_path, shared):
+    """After running out of memory the learner cuts groups into runs of their completions (each run its
+    own vision pass): the step's loss and gradients are those of one batch, rows and shared prompt."""
+    sets = ("loss.beta=0.04", f"learner.shared_prompt={str(shared).lower()}")
+    whole = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
+    cut = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets))
+    cut.micro_tokens, cut.cut_groups = 16, True  # below one sequence: every sequence alone
+    out_a, grads_a = _step_grads(whole, _accept(groups[:4], whole))
+    out_b, grads_b = _step_grads(cut, _accept(groups[:4], cut))
+    assert (out_a.micro_batches, out_b.micro_batches) == (1, 16)
+    assert out_b.loss == pytest.approx(out_a.loss, abs=1e-6)
+    assert out_b.fresh_tokens == out_a.fresh_tokens and out_b.fresh_kl_sum == pytest.approx(out_a.fresh_kl_sum, abs=1e-6)
+    _assert_same_step(out_a, grads_a, out_b, grads_b, grad_norm_rel=1e-5, grad_atol=1e-7)
+
+
 def test_split_into_exactly_n_parts_keeps_order_and_budget(groups, tiny_model_dir, tmp_path):
     from streamgrpo.learner.micro_batches import group_tokens, split_micro_batches
 

@@ -193,3 +193,26 @@ def test_micro_batch_budget_counts_the_layout_the_decoder_sees():
     assert [len(p) for p in split_micro_batches(batch, 40)] == [2, 2]
     assert [len(p) for p in split_micro_batches(batch, 40, shared_prompt=True)] == [3, 1]
     assert [len(p) for p in split_micro_batches(batch, 40, n_parts=4, shared_prompt=True)] == [1, 1, 1, 1]
+
+
+def test_after_running_out_of_memory_groups_are_cut_into_runs_of_rows_down_to_one_sequence():
+    from streamgrpo.learner.micro_batches import cut_to, split_groups
+    from streamgrpo.learner.oom import halved_budget
+
+    # prompt 3 tokens: rows of 3 + 2, 3 + 4, 3 + 2, 3 + 6 tokens (a group of 28)
+    batch = [_group("g0", [1.0, 0.0, 1.0, 0.0], [2, 4, 2, 6]), _group("g1", [1.0, 0.0], [2, 2])]
+    units, origin = split_groups(batch, 12)
+    assert [[len(c.token_ids) for c in u.group.completions] for u in units] == [[2, 4], [2], [6], [2, 2]]
+    assert origin == [(0, 0), (0, 2), (0, 3), (1, 0)]
+    assert all(u.stream_id == batch[i].stream_id and u.inputs is batch[i].inputs for u, (i, _) in zip(units, origin))
+    assert len(batch[0].group.completions) == 4  # the groups themselves are untouched
+    assert split_groups(batch, None) == (batch, [(0, 0), (1, 0)])
+    one, _ = split_groups(batch, 1)  # below one sequence: each sequence alone
+    assert [len(u.group.completions) for u in one] == [1, 1, 1, 1, 1, 1]
+    shared, _ = split_groups(batch, 9, shared_prompt=True)  # the prompt counts once per unit: 3 + 2 + 4 = 9
+    assert [len(u.group.completions) for u in shared] == [2, 1, 1, 2]
+    more, where = cut_to(units, origin, 6)  # another rank needs 6 micro-batches: the largest units split
+    assert len(more) == 6 and sum(len(u.group.completions) for u in more) == 6 and where[:2] == [(0, 0), (0, 1)]
+    with pytest.raises(ValueError):
+        cut_to(one, [(0, 0)] * 6, 7)
+    assert halved_budget(1444, 16) == 722 and halved_budget(20, 2) == 16 and halved_budget(500, 1) is None
