@@ -21,7 +21,7 @@ class LearnerConfig(Section):
     groups_per_step: int = Field(8, ge=1, le=65536)
     """Groups (prompts) consumed per optimizer step, summed over ranks."""
     micro_batch_tokens: Optional[int] = Field(None, ge=16)
-    """Split a step's groups into micro-batches of at most this many decoder tokens (gradient accumulation; with shared_prompt a group's prompt counts once)."""
+    """Split a step's groups into micro-batches of at most this many decoder tokens (gradient accumulation; with shared_prompt a group's prompt counts once). A step that runs out of device memory is retried with half of it (null: the step's size), down to one sequence; the learner keeps the smaller value."""
     learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
     """Peak AdamW learning rate."""
     vision_lr: Optional[float] = Field(None, gt=0.0, le=1.0)
