@@ -91,6 +91,11 @@ __all__ = [
 ]
 
 
+LOG_RATIO_CLAMP = 20.0
+"""|log pi - log mu| past which a token's importance ratio is taken at e^+-20: far outside every clip and
+mask band, and far inside float32 (a behaviour log-prob of -100 would otherwise overflow exp)."""
+
+
 def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) -> dict[str, Any]:
     """The compute_loss keyword settings from a ``LossConfig`` (plus the rollout's max_completion_length)."""
     return {
@@ -194,7 +199,10 @@ def compute_loss(
 
     p = clean(logprobs)
     A = torch.where(m, advantages.to(dtype)[:, None].expand(B, T), zero)
-    log_is = None if behaviour_logprobs is None else p - clean(behaviour_logprobs.detach())
+    # the log importance ratio clamped before any exp (as verl does): a behaviour log-prob anywhere in the
+    # wire's range [-1000, 0] then keeps every ratio, loss and gradient finite (e^20 = 4.9e8)
+    log_is = None if behaviour_logprobs is None else \
+        (p - clean(behaviour_logprobs.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
     # ---- per-token objective
     log_ratio = log_is if ratio_mode == "behaviour" else p - p.detach()

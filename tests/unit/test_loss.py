@@ -612,3 +612,22 @@ def test_entropy_bonus_is_subtracted_per_token_and_carries_the_gradient():
         compute_loss(logprobs, logprobs, adv, mask, entropy_coef=0.1)
     with pytest.raises(LossError, match="entropy_coef"):
         compute_loss(logprobs, logprobs, adv, mask, entropies=ent, entropy_coef=-1.0)
+
+
+@pytest.mark.parametrize("ratio_mode,tis_cap,is_mask", [("behaviour", None, None), ("behaviour", None, "token"),
+                                                         ("decoupled", 2.0, None), ("behaviour", 2.0, "sequence")])
+def test_any_behaviour_log_prob_in_the_wire_range_keeps_loss_and_gradient_finite(ratio_mode, tis_cap, is_mask):
+    """Behaviour log-probs at the ends of the wire's range [-1000, 0] with either sign of advantage: the log
+    ratio is clamped at +-20 before exp, so nothing overflows (exp(95) is inf in float32)."""
+    from streamgrpo.loss import LOG_RATIO_CLAMP
+
+    logp = torch.tensor([[-5.0, -0.5, -2.0], [-3.0, -1.0, -4.0]], requires_grad=True)
+    behaviour = torch.tensor([[-100.0, -1000.0, 0.0], [-0.0, -2.0, -1000.0]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for adv in (torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])):
+        loss, m = compute_loss(logp, behaviour, adv, mask, None, epsilon=EPS, epsilon_high=EPS_H, ratio_mode=ratio_mode,
+                               tis_cap=tis_cap, is_mask=is_mask)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert math.isfinite(float(m["ratio_max"])) and float(m["ratio_max"]) == pytest.approx(math.exp(LOG_RATIO_CLAMP))
+        assert math.isfinite(float(m["kl_behaviour"])) and math.isfinite(float(m["ratio_sq_mean"]))
