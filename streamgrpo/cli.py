@@ -8,7 +8,8 @@ A mistake the user can fix ends the command with one line on stderr, ``streamgrp
 
 * 0: done.
 * 1: the command ran and failed: Redis refused the connection (wrong password, TLS settings, ACL
-  permissions) or stayed down longer than ``queue.max_outage_s``; the data had no usable record.
+  permissions) or stayed down longer than ``queue.max_outage_s``; the data had no usable record; one
+  prompt alone ran a generator out of memory (the line names the settings to lower).
 * 2: a usage or config mistake, found before any work: a bad key or value (NaN and inf included),
   no Redis configured, a data file (``data.train_path``, ``--data``, ``--input``) that does not
   exist, a command that is not built yet; argparse's own usage errors exit 2 too.
@@ -488,6 +489,9 @@ def _user_error(exc: BaseException) -> int | None:
         return FAILED_EXIT
     media = sys.modules.get("streamgrpo.learner.media")
     if media is not None and isinstance(exc, media.MediaUnavailable):
+        return FAILED_EXIT
+    oom = sys.modules.get("streamgrpo.generator.oom")
+    if oom is not None and isinstance(exc, oom.PromptDoesNotFit):
         return FAILED_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
