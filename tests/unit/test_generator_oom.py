@@ -1,6 +1,6 @@
 """A generator's batch that runs out of memory is sampled again in halves (issue 49): the pure
 splitting of :class:`streamgrpo.generator.oom.BatchSize`, with a sampling function that runs out
-of memory above a given number of prompts (the engine itself: tests/integration/test_generator_oom.py)."""
+of memory above a given number of prompts (the engine itself: tests/integration/test_generator_oom_engine.py)."""
 
 from __future__ import annotations
 
