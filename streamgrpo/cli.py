@@ -8,7 +8,8 @@ A mistake the user can fix ends the command with one line on stderr, ``streamgrp
 
 * 0: done.
 * 1: the command ran and failed: Redis refused the connection (wrong password, TLS settings, ACL
-  permissions) or stayed down longer than ``queue.max_outage_s``; the data had no usable record.
+  permissions) or stayed down longer than ``queue.max_outage_s``; the data had no usable record; one
+  prompt alone ran a generator out of memory (the line names the settings to lower).
 * 2: a usage or config mistake, found before any work: a bad key or value (NaN and inf included),
   no Redis configured, a data file (``data.train_path``, ``--data``, ``--input``) that does not
   exist, a command that is not built yet; argparse's own usage errors exit 2 too.
@@ -36,7 +37,10 @@ class NotBuilt(Exception):
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    p.add_argument("--config", default=default, help="YAML file or shipped config name (demo, demo-motion, qwen2_5_vl_7b_video)")
+    from streamgrpo.config import shipped_configs
+
+    p.add_argument("--config", default=default,
+                   help=f"YAML file or shipped config name ({', '.join(shipped_configs())})")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config value, e.g. --set loss.beta=0.04 (repeatable; seed-era flat names accepted)",
@@ -81,13 +85,28 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_config_memory(args) -> int:
-    """A learner rank's static memory for this config, from the model's config alone; exit 1 if it cannot fit."""
+    """A learner rank's static memory for this config, from the model's config alone; exit 1 if it cannot fit.
+
+    The ranks: ``--ranks``, else the config's ``launch.learner_ranks``; several ranks are planned on the
+    deepspeed backend, as ``up`` runs them. A model config that cannot be read is one line (exit 2)."""
+    from streamgrpo.config import ConfigError
+
     cfg = _load(args)
+    ranks = args.ranks if args.ranks is not None else cfg.launch.learner_ranks
+    if ranks < 1:
+        raise ConfigError(f"--ranks {ranks}: at least one learner rank")
+    if ranks > 1 and cfg.learner.backend == "torch":  # the torch backend is one process: `up` switches too
+        cfg.learner.backend = "deepspeed"
+        print(f"{ranks} learner ranks: planned with learner.backend=deepspeed, as `streamgrpo up` runs them "
+              "(ZeRO-2 unless learner.deepspeed_config says otherwise)")
+    from streamgrpo.models.model_config import config_json
+
+    config_json(cfg.model.name_or_path, cfg.model.revision)  # no model config: one line, before torch loads
     import torch
 
     from streamgrpo.learner.memory import GiB, plan_for, report
 
-    counts, place, plan = plan_for(cfg, args.ranks)
+    counts, place, plan = plan_for(cfg, ranks)
     gpu = args.gpu_gib * GiB if args.gpu_gib else (
         float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else 80 * GiB)
     lines, fits = report(counts, place, plan, gpu)
@@ -446,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_show)
     p = cfg.add_parser("memory", help="a learner rank's memory before activations (from the model config alone)")
     _add_config_args(p, default="demo")
-    p.add_argument("--ranks", type=int, default=1, help="learner ranks (ZeRO partitions over them)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="learner ranks (ZeRO partitions over them; default launch.learner_ranks)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
                    "machine's GPU, else 80)")
     p.set_defaults(func=cmd_config_memory)
@@ -491,6 +511,9 @@ def _user_error(exc: BaseException) -> int | None:
         return FAILED_EXIT
     media = sys.modules.get("streamgrpo.learner.media")
     if media is not None and isinstance(exc, media.MediaUnavailable):
+        return FAILED_EXIT
+    oom = sys.modules.get("streamgrpo.generator.oom")
+    if oom is not None and isinstance(exc, oom.PromptDoesNotFit):
         return FAILED_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):

@@ -65,9 +65,8 @@ def sample(cfg: Config, n_groups: int, max_tokens: int | None, seed: int) -> Sam
                            temporal_patch=temporal)
     torch.manual_seed(seed)
     groups: list = []
-    per_batch = cfg.rollout.prompts_per_batch
-    while len(groups) < n_groups:
-        chunk = [next(samples) for _ in range(min(per_batch, n_groups - len(groups)))]
+    while len(groups) < n_groups:  # batch.size: rollout.prompts_per_batch, halved after running out of memory
+        chunk = [next(samples) for _ in range(min(sampler.batch.size, n_groups - len(groups)))]
         groups += sampler.groups(chunk)
     return Sampled(groups, engine, processor)
 

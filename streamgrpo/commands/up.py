@@ -244,7 +244,8 @@ def visible_gpus(env: dict[str, str] | None = None) -> tuple[int, ...]:
 def placement_for(cfg: Config, gpu_gib: float | None = None):
     """The placement plan of ``cfg`` on this machine: its devices (``launch.gpus`` or every visible one),
     their memory (``gpu_gib``: say it, e.g. to plan a GPU node from elsewhere), the learner rank's
-    static plan and a generator's weights (when they can be read)."""
+    static plan and a generator's weights (when the model's config.json can be read; when not, one
+    warning says which file the plan needs and how to get it)."""
     from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 
     lc = cfg.launch
@@ -262,15 +263,17 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     if device_gib is None and torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
         device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
     params = None
-    local = Path(cfg.model.name_or_path).expanduser().is_dir()
-    if local or not os.environ.get("HF_HUB_OFFLINE"):  # a Hub id's config.json is read from the Hub
-        try:
-            from streamgrpo.learner.memory import plan_for
+    from streamgrpo.models.model_config import ModelConfigUnavailable
 
-            counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
-            learner_gib, params = mem.device_bytes / (1 << 30), counts.total
-        except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
-            log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
+    try:  # a Hub id's config.json: from the cache, else one try at the Hub
+        from streamgrpo.learner.memory import plan_for
+
+        counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
+        learner_gib, params = mem.device_bytes / (1 << 30), counts.total
+    except ModelConfigUnavailable as exc:  # the plan is printed without memory figures, and says why
+        log.warning("placement: no memory figures: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
+        log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
                             gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)

@@ -57,7 +57,7 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the chat end token always stops)."""
     prompts_per_batch: int = Field(1, ge=1, le=1024)
-    """Prompts generated together in one engine call (each gives one group)."""
+    """Prompts generated together in one engine call (each gives one group). An HF-engine call that runs out of device memory is sampled again in halves, and the generator keeps the halved size (a WARNING, counted in streamgrpo_errors_total{kind="generator_oom"}); one prompt that does not fit alone stops it."""
     num_generators: int = Field(1, ge=1, le=4096)
     """How many generators share the data set (generator K reads shard K of this many)."""
     num_epochs: Optional[float] = Field(None, gt=0.0)

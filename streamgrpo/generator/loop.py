@@ -2,7 +2,9 @@
 
 One top-down loop. Per batch of prompts: apply the newest verified weights (a safe point), sample
 G completions per prompt, score them, and push one ScoredGroup per prompt into the Redis stream
-(blocking under backpressure). Generator K reads shard K of ``rollout.num_generators``. SIGTERM
+(blocking under backpressure). A batch that runs the engine out of memory is sampled again in halves,
+and the smaller batch is kept (:mod:`streamgrpo.generator.oom`); a generator where one prompt alone
+does not fit stops with one line naming the settings to lower. Generator K reads shard K of ``rollout.num_generators``. SIGTERM
 finishes the current batch and exits 0.
 
 A generator that gets no weights from the learner says so
@@ -100,7 +102,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 relay.check()  # a relay that died is replaced
             apply_newest()
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
-            batch_size = cfg.rollout.prompts_per_batch
+            batch_size = sampler.batch.size  # rollout.prompts_per_batch, halved after running out of memory
             if cfg.rollout.sync:
                 batch_size = _claim_sync_slots(queue, cfg, engine.version, batch_size)
                 if batch_size == 0:  # this version's share is produced: wait for the next one

@@ -1,5 +1,8 @@
 """Prompts in, scored groups out: the chat prompt, G samples per prompt (and T-GRPO's shuffled
-contrast), rewards, one :class:`~streamgrpo.wire.ScoredGroup` per prompt."""
+contrast), rewards, one :class:`~streamgrpo.wire.ScoredGroup` per prompt.
+
+A chunk of prompts that runs the engine out of memory is sampled again in halves
+(:class:`~streamgrpo.generator.oom.BatchSize`; the smaller size is kept for the next chunks)."""
 
 from __future__ import annotations
 
@@ -10,21 +13,39 @@ import numpy as np
 
 from streamgrpo.config import Config
 from streamgrpo.engines.base import Engine, SamplingParams
+from streamgrpo.generator.oom import BatchSize, does_not_fit_message
 from streamgrpo.wire import inline
 
 log = logging.getLogger("streamgrpo.generator")
 
 
 class Sampler:
-    """Prompts in, scored groups out: the chat prompt, G samples (and T-GRPO's shuffled contrast), rewards."""
+    """Prompts in, scored groups out: the chat prompt, G samples (and T-GRPO's shuffled contrast), rewards.
+
+    ``batch.size``: how many prompts one engine call samples now (``rollout.prompts_per_batch``, halved
+    each time a call runs out of memory); a generator takes its next chunk of that size."""
 
     def __init__(self, engine: Engine, processor, cfg: Config, sampling: SamplingParams, rewards, name: str,
                  shuffle_rng):
         self.engine, self.processor, self.cfg, self.sampling = engine, processor, cfg, sampling
         self.rewards, self.name, self.shuffle_rng = rewards, name, shuffle_rng
         self.between_steps = None  # rollout.inflight_updates: the weight applier, called between decoding steps
+        self.batch = BatchSize(cfg.rollout.prompts_per_batch, does_not_fit=does_not_fit_message(name, cfg),
+                               on_halve=self._halved)
 
     def groups(self, chunk: list) -> list:
+        """One scored group per ``(record, visuals)`` of ``chunk``, in order (sampled in pieces of at most
+        ``batch.size`` prompts; a piece that runs out of memory is sampled again in halves)."""
+        return self.batch.run(chunk, self._groups)
+
+    def _halved(self, tried: int, size: int) -> None:
+        from streamgrpo.metrics import ERRORS
+
+        ERRORS.labels(kind="generator_oom").inc()
+        log.warning("%s: out of memory sampling %d prompts at once: %d prompt(s) per engine call from now on "
+                    "(rollout.prompts_per_batch=%d)", self.name, tried, size, self.cfg.rollout.prompts_per_batch)
+
+    def _groups(self, chunk: list) -> list:
         from streamgrpo.data.prompts import build_prompt_text, processor_inputs
         from streamgrpo.engines.base import PromptRequest
 

@@ -29,11 +29,15 @@ class ParamCounts:
 def count_params(cfg):
     """The :class:`ParamCounts` of the learner's policy, read from the model's config
     alone: the model is built on the meta device (no memory, no weights read), the LoRA adapters
-    counted from the layers ``model.lora.target_modules`` names (``r * (in + out)`` each)."""
+    counted from the layers ``model.lora.target_modules`` names (``r * (in + out)`` each). The config.json
+    comes from :func:`~streamgrpo.models.model_config.load_model_config` (one try at the Hub; a missing
+    one is :class:`~streamgrpo.models.model_config.ModelConfigUnavailable`, one line)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision)
+    from streamgrpo.models.model_config import load_model_config
+
+    config = load_model_config(cfg.model.name_or_path, cfg.model.revision)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     return policy_counts(model, cfg.model)

@@ -122,3 +122,57 @@ def test_an_unusable_shared_memory_directory_is_a_usage_error():
 
     assert _user_error(ShmUnavailable("weights.shm_dir '/nowhere' is not a directory")) == USAGE_EXIT
     assert _user_error(RuntimeError("a bug")) is None  # anything else keeps its traceback
+
+
+def test_config_help_lists_every_shipped_config(capsys):
+    from streamgrpo.config import shipped_configs
+
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert set(shipped_configs()) >= {"demo", "qwen2_5_vl_7b_1node", "qwen3_vl_8b_1node"}
+    assert f"({', '.join(shipped_configs())})" in text
+
+
+@pytest.fixture(scope="module")
+def qwen_7b_config(tmp_path_factory):
+    """config.json of Qwen2.5-VL-7B at its published layer sizes (no weights)."""
+    from streamgrpo.models.tiny import write_config
+
+    return write_config(tmp_path_factory.mktemp("qwen-7b-sizes"), "qwen2_5_vl", "7b")
+
+
+def test_config_memory_takes_the_ranks_from_the_config_unless_told(qwen_7b_config, monkeypatch, capsys):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the config's deepspeed_config is relative to the repo
+    args = ["config", "memory", "--config", "qwen2_5_vl_7b_1node", "--set", f"model.name_or_path={qwen_7b_config}",
+            "--gpu-gib", "80"]
+    assert main(args) == 0  # launch.learner_ranks: 4
+    out = capsys.readouterr().out
+    assert "deepspeed ZeRO-3, bf16, 4 rank(s)" in out and "on a GPU of 80 GiB: fits" in out
+    assert main([*args, "--ranks", "1"]) == 1  # one rank holds it all
+    assert "1 rank(s)" in capsys.readouterr().out
+    assert main([*args, "--ranks", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "streamgrpo config memory: --ranks 0: at least one learner rank"
+
+
+def test_config_memory_plans_several_ranks_on_deepspeed_as_up_runs_them(tiny_model_dir, capsys):
+    assert main(["config", "memory", "--config", "demo", "--set", f"model.name_or_path={tiny_model_dir}",
+                 "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 learner ranks: planned with learner.backend=deepspeed")
+    assert "deepspeed ZeRO-2" in out and "2 rank(s)" in out
+
+
+def test_config_memory_offline_with_a_hub_name_not_cached_is_one_line(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["config", "memory", "--config", "qwen2_5_vl_7b_1node"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("streamgrpo config memory: no model config for "
+                           "model.name_or_path='Qwen/Qwen2.5-VL-7B-Instruct': HF_HUB_OFFLINE is set")
+    assert "`streamgrpo model tiny --size 7b --config-only --out DIR`" in line and captured.out == ""

@@ -195,6 +195,30 @@ def test_up_plan_prints_the_placement_and_starts_nothing(tmp_path, capsys, monke
         run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), gpus="x", plan_only=True)
 
 
+def test_up_plan_offline_with_a_hub_name_says_which_file_the_memory_figures_need(tmp_path, capsys, caplog,
+                                                                                   monkeypatch, real_configs):
+    """No GPU here: ``--gpus 0-7 --gpu-gib 80`` plans an 8-GPU node; the model config is all it reads."""
+    import logging
+
+    import huggingface_hub.constants
+
+    from streamgrpo.commands.up import run_up
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with caplog.at_level(logging.WARNING):
+        assert run_up(load_config("qwen2_5_vl_3b_1node", [f"run_dir={tmp_path / 'run'}"]), gpus="0-7", gpu_gib=80.0,
+                      plan_only=True) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith("placement: no memory figures: no model config for "
+                              "model.name_or_path='Qwen/Qwen2.5-VL-3B-Instruct': HF_HUB_OFFLINE is set")
+    assert "`streamgrpo model tiny --size 3b --config-only --out DIR`" in warning and "\n" not in warning
+    assert "GPU 0: learner rank 0\n" in capsys.readouterr().out  # the plan, without the learner's figure
+    local = [f"run_dir={tmp_path / 'run'}", f"model.name_or_path={real_configs['qwen2_5_vl_3b_1node']}"]
+    assert run_up(load_config("qwen2_5_vl_3b_1node", local), gpus="0-7", gpu_gib=80.0, plan_only=True) == 0
+    assert "GPU 0: learner rank 0 (25.6 GiB)" in capsys.readouterr().out  # the directory the line asks for
+
+
 def test_the_evaluator_takes_a_spare_gpu_else_shares_the_last_generators():
     spare = plan_placement(devices=tuple(range(4)), learner_ranks=2, generators=1, evaluator=True)
     assert spare.evaluator.devices == (3,) and not spare.notes
