@@ -13,8 +13,9 @@ The rules, as TRL's and OpenRLHF's one-node layouts have them:
   memory allows;
 * the evaluator (``eval.enabled``) takes a device nobody else uses, else shares the last generator's
   (it holds the weights once, in the HF engine, and answers a few held-out records now and then);
-* a plan that puts more on a device than it holds (static lower bounds: the learner's plan from
-  ``streamgrpo config memory``, a generator's weights or vLLM's share of the device) is refused, as
+* a plan that puts more on a device than it holds (the learner's plan from ``streamgrpo config
+  memory``, static parts and a step's; an HF generator's weights, KV cache and logits, or vLLM's
+  share of the device) is refused, as
   are more learner ranks than devices and a device used twice without ``colocate`` or
   ``generators_per_gpu``.
 """
@@ -171,7 +172,7 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
             if known > device_gib:
                 who = " + ".join(f"{n} {g:.1f}" for n, g in parts if g is not None)
                 raise PlacementError(
-                    f"GPU {d} would hold {known:.1f} GiB ({who}) of its {device_gib:.0f} GiB before any activation: "
+                    f"GPU {d} would hold {known:.1f} GiB ({who}) of its {device_gib:.0f} GiB: "
                     + ("stop colocating (--no-colocate), " if colocate else "")
                     + ("lower launch.generators_per_gpu, " if generators_per_gpu > 1 else "")
                     + ("turn the evaluator off here (eval.enabled=false) and run it elsewhere, " if ev else "")
@@ -191,9 +192,10 @@ def evaluator_device(devices: Sequence[int], learner: Proc, generators: Sequence
 
 
 def generator_gib(engine: str, *, params: int | None, dtype_bytes: int, gpu_memory_utilization: float,
-                  device_gib: float | None) -> float | None:
-    """One generator's static memory on its device: vLLM takes ``gpu_memory_utilization`` of the device
-    (weights and KV cache); the HF engine at least its weights. None when it cannot be known."""
+                  device_gib: float | None, step_gib: float = 0.0) -> float | None:
+    """One generator's memory on its device: vLLM takes ``gpu_memory_utilization`` of the device
+    (weights and KV cache); the HF engine its weights and ``step_gib`` (its KV cache, prefill and
+    logits: :func:`~streamgrpo.learner.step_memory.generator_memory`). None when it cannot be known."""
     if engine == "vllm":
         return gpu_memory_utilization * device_gib if device_gib else None
-    return params * dtype_bytes / (1 << 30) if params else None
+    return params * dtype_bytes / (1 << 30) + step_gib if params else None

@@ -12,6 +12,7 @@ directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -244,7 +245,7 @@ def visible_gpus(env: dict[str, str] | None = None) -> tuple[int, ...]:
 def placement_for(cfg: Config, gpu_gib: float | None = None):
     """The placement plan of ``cfg`` on this machine: its devices (``launch.gpus`` or every visible one),
     their memory (``gpu_gib``: say it, e.g. to plan a GPU node from elsewhere), the learner rank's
-    static plan and a generator's weights (when the model's config.json can be read; when not, one
+    plan (static parts and a step's) and a generator's (when the model's config.json can be read; when not, one
     warning says which file the plan needs and how to get it)."""
     from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 
@@ -262,25 +263,33 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     device_gib, learner_gib = gpu_gib, None
     if device_gib is None and torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
         device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
-    params = None
+    params, gen_step_gib, notes = None, 0.0, []
     from streamgrpo.models.model_config import ModelConfigUnavailable
 
     try:  # a Hub id's config.json: from the cache, else one try at the Hub
         from streamgrpo.learner.memory import plan_for
+        from streamgrpo.learner.step_memory import generator_step_bytes
+        from streamgrpo.models.params import model_shape
 
         counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)
         learner_gib, params = mem.device_bytes / (1 << 30), counts.total
+        gen_step_gib = generator_step_bytes(cfg, model_shape(cfg)) / (1 << 30)
+        notes.append(f"learner per rank: {mem.describe()}")
+        if cfg.rollout.engine == "hf":
+            notes.append(f"a generator (hf engine): its weights + kv cache, prefill and logits {gen_step_gib:.1f} GiB")
     except ModelConfigUnavailable as exc:  # the plan is printed without memory figures, and says why
         log.warning("placement: no memory figures: %s", exc)
     except Exception as exc:  # noqa: BLE001 - the plan is printed without memory figures then
         log.warning("placement: no memory figures (%s: %s)", type(exc).__name__, str(exc).splitlines()[0])
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
-                            gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
+                            gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib,
+                            step_gib=gen_step_gib)
     eval_gib = generator_gib("hf", params=params, dtype_bytes=dtype_bytes, gpu_memory_utilization=0.0,
                              device_gib=device_gib)  # the evaluator answers with the HF engine: its weights
-    return plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib,
+    plan = plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib,
                           evaluator_gib=eval_gib)
+    return dataclasses.replace(plan, notes=plan.notes + tuple(notes))
 
 
 def up_outputs(cfg: Config) -> list[str]:

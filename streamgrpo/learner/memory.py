@@ -1,15 +1,15 @@
-"""What a learner rank must hold before its first activation, and the check that refuses a plan
-that cannot fit.
+"""What a learner rank must hold, and the check that refuses a plan that cannot fit.
 
 The learner's static memory is arithmetic over parameter counts: the policy's weights, their
 gradients, AdamW's two moments (and DeepSpeed's float32 master copy), and the reference copy for
 ``loss.beta > 0``. :func:`plan_memory` is that arithmetic (pure), per rank, split into what sits
-on the training device and what ZeRO offload moves to the host. It is a **lower bound**:
-activations, the logits of a micro-batch, CUDA workspace, allocator fragmentation, DeepSpeed's
-communication buckets and ZeRO-3's gathered layers all come on top (on the H100 the 3B learner
-peaked 8-23% above it). So a plan over the device's memory cannot fit, and :func:`check_fits`
-refuses it in one line before the model is loaded (loading a 7B model to see it run out of
-memory takes minutes); a plan under it may still run out.
+on the training device and what ZeRO offload moves to the host. Alone it is a **lower bound** (on
+the H100 the 3B learner peaked 8-23% above it); with the model's layer sizes and the step's token
+budget it adds what a step adds (:mod:`streamgrpo.learner.step_memory`: the optimizer step's
+temporaries, the micro-batch's activations, the chunked logits, the reference's forward), each a
+named part, calibrated within 10% of measured peaks. CUDA workspace and allocator fragmentation
+still come on top. A plan over the device's memory cannot fit, and :func:`check_fits` refuses it in
+one line before the model is loaded (loading a 7B model to see it run out of memory takes minutes).
 
 Bytes per parameter, per rank (``W`` ranks; "trains": what the optimizer updates):
 
@@ -31,9 +31,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from streamgrpo.models.params import ParamCounts
+from streamgrpo.models.params import ModelShape, ParamCounts
+
+if TYPE_CHECKING:
+    from streamgrpo.learner.step_memory import Workload
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -59,6 +62,17 @@ class Placement:
     """Bytes per parameter of the reference copy (0: none)."""
     update_guard: bool = False
     """``learner.max_update_kl``: a copy of the trained weights is kept through each step (torch backend)."""
+    optimizer_impl: str = "fused"
+    """torch AdamW's implementation: ``fused`` (on a GPU), ``foreach`` or ``for`` (a CPU learner)."""
+    reduce_bucket: float = 5e8
+    """DeepSpeed ``reduce_bucket_size`` (elements)."""
+    allgather_bucket: float = 5e8
+    """DeepSpeed ``allgather_bucket_size`` (elements)."""
+    overlap_comm: bool = False
+    live_params: float = 1e9
+    """ZeRO-3 ``stage3_max_live_parameters``."""
+    prefetch_bucket: float = 5e7
+    """ZeRO-3 ``stage3_prefetch_bucket_size``."""
 
     @classmethod
     def from_config(cls, cfg: Any, ds_config: Mapping[str, Any] | None = None, world_size: int = 1) -> Placement:
@@ -68,13 +82,25 @@ class Placement:
         common = dict(backend=lc.backend, quantize_4bit=bool(lora is not None and lora.quantize_4bit),
                       world_size=world_size, reference_bytes=reference)
         if lc.backend != "deepspeed":
-            return cls(bf16=bool(lc.bf16), update_guard=lc.max_update_kl is not None, **common)
+            return cls(bf16=bool(lc.bf16), update_guard=lc.max_update_kl is not None,
+                       optimizer_impl="for" if lc.device == "cpu" else "fused", **common)
         ds = ds_config or {}
         zero = ds.get("zero_optimization", {}) or {}
         halves = bool(ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled"))
-        return cls(bf16=halves, zero_stage=int(zero.get("stage", 0)),
+        stage = int(zero.get("stage", 0))
+        return cls(bf16=halves, zero_stage=stage,
                    offload_optimizer=_offload_device(zero.get("offload_optimizer")),
-                   offload_param=_offload_device(zero.get("offload_param")), **common)
+                   offload_param=_offload_device(zero.get("offload_param")),
+                   reduce_bucket=_number(zero.get("reduce_bucket_size"), 5e8),
+                   allgather_bucket=_number(zero.get("allgather_bucket_size"), 5e8),
+                   overlap_comm=bool(zero.get("overlap_comm", stage >= 3)),
+                   live_params=_number(zero.get("stage3_max_live_parameters"), 1e9),
+                   prefetch_bucket=_number(zero.get("stage3_prefetch_bucket_size"), 5e7), **common)
+
+
+def _number(value: Any, default: float) -> float:
+    """A DeepSpeed size (``"auto"`` or missing: DeepSpeed's default)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 def _offload_device(block: Any) -> str:
@@ -85,27 +111,60 @@ def _offload_device(block: Any) -> str:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per rank by part: on the training device, and on the host (ZeRO offload to CPU)."""
+    """Bytes per rank by part: on the training device, and on the host (ZeRO offload to CPU); the
+    static parts (``device``, ``host``) and what a step adds (``step``, ``step_host``: see
+    :mod:`streamgrpo.learner.step_memory`; empty when the plan is static only)."""
 
     device: dict[str, float] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
+    step: dict[str, float] = field(default_factory=dict)
+    step_host: dict[str, float] = field(default_factory=dict)
 
     @property
-    def device_bytes(self) -> float:
+    def static_bytes(self) -> float:
+        """The device's static lower bound (weights, gradients, optimizer states, reference)."""
         return sum(self.device.values())
 
     @property
+    def device_bytes(self) -> float:
+        """The full plan on the device: static parts and the step's."""
+        return self.static_bytes + sum(self.step.values())
+
+    @property
     def host_bytes(self) -> float:
-        return sum(self.host.values())
+        return sum(self.host.values()) + sum(self.step_host.values())
 
     def describe(self, where: str = "device") -> str:
-        """``weights 7.0 + gradients 11.6 + ... GiB`` of one side (parts that are 0 left out)."""
-        parts = self.device if where == "device" else self.host
-        shown = [f"{name} {b / GiB:.1f}" for name, b in parts.items() if b > 0]
-        return " + ".join(shown) + " GiB" if shown else "nothing"
+        """``weights 7.0 + gradients 11.6 + ... GiB`` of one side (parts that are 0 left out), then
+        ``+ step: optimizer temporaries 11.6 + activations 3.2 GiB`` when the plan has step parts."""
+        parts, step = (self.device, self.step) if where == "device" else (self.host, self.step_host)
+        text = _parts(parts)
+        more = _parts(step)
+        if more == "nothing":
+            return text
+        return more if text == "nothing" else f"{text}; + step: {more}"
 
 
-def plan_memory(counts: ParamCounts, place: Placement) -> MemoryPlan:
+def _parts(parts: Mapping[str, float]) -> str:
+    shown = [f"{name} {b / GiB:.1f}" for name, b in parts.items() if b > 0]
+    return " + ".join(shown) + " GiB" if shown else "nothing"
+
+
+def plan_memory(counts: ParamCounts, place: Placement, shape: ModelShape | None = None,
+                work: Workload | None = None) -> MemoryPlan:
+    """The bytes of one learner rank: the static parts (see the module docstring for the rules), and
+    with the model's ``shape`` and the step's ``work`` what a step adds
+    (:func:`~streamgrpo.learner.step_memory.step_memory`)."""
+    static = _static_plan(counts, place)
+    if shape is None or work is None:
+        return static
+    from streamgrpo.learner.step_memory import step_memory
+
+    step, step_host = step_memory(counts, shape, place, work)
+    return MemoryPlan(static.device, static.host, step, step_host)
+
+
+def _static_plan(counts: ParamCounts, place: Placement) -> MemoryPlan:
     """The static bytes of one learner rank (see the module docstring for the rules)."""
     device: dict[str, float] = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "reference": 0.0}
     host: dict[str, float] = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "reference": 0.0}
@@ -160,7 +219,8 @@ class Capacity:
 
 
 def check_fits(plan: MemoryPlan, cap: Capacity, counts: ParamCounts) -> None:
-    """Raise :class:`MemoryPlanError` (one line, with what to change) when the lower bound does not fit."""
+    """Raise :class:`MemoryPlanError` (one line, with what to change) when the plan (static parts and,
+    when it has them, the step's) does not fit."""
     what = (f"{counts.total / 1e9:.2f}B parameters, "
             f"{counts.trainable / 1e9:.3g}B {'in LoRA adapters' if counts.lora else 'training'}")
     ranks = cap.ranks_per_host
@@ -169,14 +229,17 @@ def check_fits(plan: MemoryPlan, cap: Capacity, counts: ParamCounts) -> None:
         if 0 < cap.host_bytes < need:
             raise MemoryPlanError(
                 f"not enough memory for the learner: this host has {cap.host_bytes / GiB:.1f} GiB, and {ranks} "
-                f"learner rank(s) need at least {need / GiB:.1f} GiB before any activation ({plan.describe()} "
-                f"each; {what}): train LoRA adapters (model.lora), or use GPUs")
+                f"learner rank(s) need at least {need / GiB:.1f} GiB ({plan.describe()} "
+                f"each; {what}): train LoRA adapters (model.lora), lower learner.micro_batch_tokens, or use GPUs")
         return
     if plan.device_bytes > cap.device_bytes:
         raise MemoryPlanError(
             f"not enough memory for the learner: {cap.device_name} has {cap.device_bytes / GiB:.1f} GiB, and this "
-            f"config needs at least {plan.device_bytes / GiB:.1f} GiB on it before any activation "
-            f"({plan.describe()}; {what}): train LoRA adapters (model.lora), use more ranks with ZeRO-3 "
+            f"config needs at least {plan.device_bytes / GiB:.1f} GiB on it "
+            f"({plan.describe()}; {what}): train LoRA adapters (model.lora), "
+            + ("lower learner.micro_batch_tokens or turn on learner.gradient_checkpointing, "
+               if plan.step.get("activations", 0) > 0.1 * plan.device_bytes else "")
+            + "use more ranks with ZeRO-3 "
             "(deploy/deepspeed/zero3.json), or offload the optimizer to the host (deploy/deepspeed/zero2_offload.json)")
     host_need = plan.host_bytes * ranks
     if 0 < cap.host_bytes < host_need:
@@ -195,12 +258,19 @@ def report(counts: ParamCounts, place: Placement, plan: MemoryPlan, gpu_bytes: f
     trained = "in LoRA adapters" if counts.lora else "training"
     lines = [f"{counts.total / 1e9:.2f}B parameters, {counts.trainable / 1e9:.3g}B {trained}; {setup}, {precision}, "
              f"{place.world_size} rank(s)",
-             "per rank, before activations (a lower bound):",
-             f"  on the GPU:  {plan.describe()} = {plan.device_bytes / GiB:.1f} GiB",
-             f"  on the host: {plan.describe('host')}" + (f" = {plan.host_bytes / GiB:.1f} GiB" if plan.host_bytes else "")]
+             "per rank, static (weights, gradients, optimizer states, reference), then what a step adds:"
+             if plan.step else "per rank, before activations (a lower bound):",
+             f"  on the GPU:  {_parts(plan.device)} = {plan.static_bytes / GiB:.1f} GiB",
+             f"  on the host: {_parts(plan.host)}" + (f" = {sum(plan.host.values()) / GiB:.1f} GiB" if plan.host else "")]
+    if plan.step:
+        step = plan.device_bytes - plan.static_bytes
+        host = f"; on the host {_parts(plan.step_host)}" if sum(plan.step_host.values()) else ""
+        lines.append(f"  + step:      {_parts(plan.step)} = {step / GiB:.1f} GiB{host}")
+        lines.append(f"  plan:        {plan.device_bytes / GiB:.1f} GiB on the GPU")
     fits = plan.device_bytes <= gpu_bytes
-    left = f"{(gpu_bytes - plan.device_bytes) / GiB:.1f} GiB left for activations" if fits else \
-        "train LoRA adapters (model.lora), use more ranks with ZeRO-3, or offload the optimizer"
+    left = (f"{(gpu_bytes - plan.device_bytes) / GiB:.1f} GiB left" + ("" if plan.step else " for activations")
+            if fits else "train LoRA adapters (model.lora), use more ranks with ZeRO-3, or offload the optimizer"
+            + (", or lower learner.micro_batch_tokens" if plan.step else ""))
     lines.append(f"on a GPU of {gpu_bytes / GiB:.0f} GiB: {'fits' if fits else 'does not fit'} ({left})")
     return lines, fits
 
@@ -214,17 +284,20 @@ def host_memory_bytes() -> float:
 
 
 def plan_for(cfg: Any, world_size: int = 1) -> tuple[ParamCounts, Placement, MemoryPlan]:
-    """The counts (the model built on the meta device), placement and plan of a config's learner rank."""
-    from streamgrpo.models.params import count_params
+    """The counts (the model built on the meta device), placement and full plan (static parts and the
+    step's, :mod:`streamgrpo.learner.step_memory`) of a config's learner rank."""
+    from streamgrpo.learner.step_memory import workload
+    from streamgrpo.models.params import count_params, model_shape
 
     counts = count_params(cfg)
+    shape = model_shape(cfg)
     ds = None
     if cfg.learner.backend == "deepspeed":
         from streamgrpo.learner.deepspeed_setup import deepspeed_config
 
         ds = deepspeed_config(cfg)
     place = Placement.from_config(cfg, ds, world_size)
-    return counts, place, plan_memory(counts, place)
+    return counts, place, plan_memory(counts, place, shape, workload(cfg, shape, world_size))
 
 
 def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
@@ -246,6 +319,6 @@ def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
         cap = Capacity(str(device), host_memory_bytes(), host_memory_bytes(), ranks, device_is_host=True)
     check_fits(plan, cap, counts)
     logging.getLogger("streamgrpo.learner").info(
-        "memory before activations, per rank (a lower bound): %s on %s%s", plan.describe(), device,
+        "memory plan per rank (static parts, then the step's): %s on %s%s", plan.describe(), device,
         f", {plan.describe('host')} on the host" if plan.host_bytes else "")
     return plan

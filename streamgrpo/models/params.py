@@ -19,6 +19,8 @@ class ParamCounts:
     trainable: int
     """What the optimizer updates (LoRA: the adapters)."""
     lora: bool = False
+    largest: int = 0
+    """The largest single tensor that trains (0: not known): the fused AdamW step's temporaries."""
 
     @property
     def frozen(self) -> int:
@@ -59,7 +61,46 @@ def policy_counts(model: torch.nn.Module, model_cfg):
         pattern = re.compile(target_regex(list(lora.target_modules)))
         adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
                        if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name))
-        return ParamCounts(total, adapters, lora=True)
+        largest = max((lora.r * max(m.in_features, m.out_features) for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name)), default=0)
+        return ParamCounts(total, adapters, lora=True, largest=largest)
     flags = {"llm": model_cfg.tune_mm_llm, "mlp": model_cfg.tune_mm_mlp, "vision": model_cfg.tune_mm_vision}
-    trainable = sum(p.numel() for name, p in model.named_parameters() if flags[parameter_group(name)])
-    return ParamCounts(total, trainable)
+    trained = [p.numel() for name, p in model.named_parameters() if flags[parameter_group(name)]]
+    return ParamCounts(total, sum(trained), largest=max(trained, default=0))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The layer sizes a step's activations, logits and KV cache scale with (the language model's)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+    pixels_per_video_token: int = 28 * 28 * 2
+    """Pixels of one frame that make one video token: (patch x spatial merge)^2 x temporal patch
+    (Qwen2.5-VL: (14 x 2)^2 x 2; Qwen3-VL: (16 x 2)^2 x 2)."""
+
+
+def shape_of(config) -> ModelShape:
+    """The :class:`ModelShape` of a transformers VL config (``text_config`` and ``vision_config``)."""
+    text = getattr(config, "text_config", config)
+    vision = getattr(config, "vision_config", None)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    pixels = 28 * 28 * 2
+    if vision is not None:
+        side = getattr(vision, "patch_size", 14) * getattr(vision, "spatial_merge_size", 2)
+        pixels = side * side * getattr(vision, "temporal_patch_size", 2)
+    return ModelShape(layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=text.intermediate_size,
+                      vocab=text.vocab_size, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                      head_dim=head_dim, pixels_per_video_token=pixels)
+
+
+def model_shape(cfg) -> ModelShape:
+    """The :class:`ModelShape` of the policy's config.json (read as :func:`count_params` reads it)."""
+    from streamgrpo.models.model_config import load_model_config
+
+    return shape_of(load_model_config(cfg.model.name_or_path, cfg.model.revision))

@@ -1,0 +1,179 @@
+"""What one training step adds on top of a learner rank's static memory, and what a generator adds on
+top of its weights: pure arithmetic over the model's layer sizes (:class:`~streamgrpo.models.params.ModelShape`),
+the parameter counts and the step's token budget (:class:`Workload`).
+
+The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` layers, ``H`` hidden,
+``I`` intermediate, ``V`` vocabulary, ``W`` ranks; activations in bf16, 2 bytes):
+
+* **optimizer temporaries** (:func:`optimizer_temporaries`). torch's fused AdamW (the learner's kernel
+  on a GPU, :func:`~streamgrpo.learner.optim.fused_adamw`) updates in place, one kernel per list of
+  tensors: what it and the gradient clipping allocate is of the order of one float32 copy of the
+  largest trained tensor (the embedding), ``4 x largest``; the foreach path makes whole-list
+  temporaries (``_foreach_sqrt`` of the second moments is one float32 copy of the group's
+  parameters), so ``4 x trained``; the CPU for-loop ``4 x largest``. DeepSpeed ZeRO-1/2/3 cast the
+  gradient partition to float32 before the step (``flat_grad_partition.to(fp32)``: ``4 x trained / W``,
+  the +11.63 GiB a 3B ZeRO-2 rank ran out of memory on), and keep their flat communication buckets
+  (``reduce_bucket_size`` elements in the weights' dtype, twice with ``overlap_comm``; the all-gather
+  bucket with several ranks; ZeRO-3 the layers it gathers, ``stage3_max_live_parameters`` plus the
+  prefetch bucket). With ``offload_optimizer: cpu`` the step runs on the host: the device keeps the
+  buckets and the host a pinned float32 bucket the gradients go through.
+* **activations** (:func:`activation_bytes`), from the micro-batch's token budget: with gradient
+  checkpointing each recomputed layer keeps its input (``L x T x H x 2``; on the host with
+  ``learner.checkpoint_offload``); a layer that is not recomputed keeps ``T x (10 H + 4 I) x 2``
+  (norms, q/k/v, attention output, residuals; gate, up, activation, product); and the layer being
+  recomputed and differentiated holds its working set ``T x (8 H + 4 I) x 2``. LoRA with dropout adds
+  the dropped inputs of the adapted linears, ``T x (6 H + I) x 2``.
+* **logits**: the learner computes log-probs ``chunk_tokens`` (1024) rows at a time
+  (:func:`~streamgrpo.models.logprobs.chunked_token_logprobs`), so ``min(1024, completion tokens) x V x 4``,
+  twice for logsumexp's work, not the whole micro-batch's logits.
+* **reference forward** (``loss.beta > 0``): the reference's no-grad forward over the micro-batch
+  holds one layer's ``T x (4 H + 2 I) x 2`` (its logits are the same chunks).
+
+``T`` is ``learner.micro_batch_tokens`` when set, else the step's share of one rank:
+``groups_per_step / W x G x (P + C)``, or ``groups_per_step / W x (P + G x C)`` with
+``learner.shared_prompt``; ``P`` = ``data.max_frames x data.max_pixels`` (capped at
+``data.total_pixels``) / pixels per video token (Qwen2.5-VL: 28 x 28 x 2) + :data:`PROMPT_TEXT_TOKENS`,
+``C`` = ``rollout.max_completion_length``. The parts are added up (each phase's peak is not
+separated: a plan over the device refuses, a plan a little above the peak is fine).
+
+A generator (:func:`generator_memory`): the HF engine's KV cache (``L x 2 x kv_heads x head_dim x
+dtype x S x (P + C)`` for ``S = rollout.prompts_per_batch x G`` sequences), its prefill's one layer
+(``S x P x (4 H + 2 I) x dtype``) and the sampling logits (``S x V x 4 x 2``); vLLM takes its
+``gpu_memory_utilization`` share (counted by the placement plan).
+
+Calibrated against CUDA peaks on one H100 80 GB (2026-11-26; tests/unit/test_memory_step.py and
+docs/gpu.md have the table): 3B full torch 58.8 GiB measured, 3B shared prompt 56.2, 7B LoRA r=64 30.5,
+all within 10%; a 3B ZeRO-2 rank colocated with an HF generator ran out of memory and its plan is over
+79 GiB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamgrpo.learner.memory import Placement
+    from streamgrpo.models.params import ModelShape, ParamCounts
+
+PROMPT_TEXT_TOKENS = 128
+"""Text tokens of a prompt besides its visuals (chat template, system prompt, question): an estimate."""
+CHUNK_TOKENS = 1024
+"""Rows of logits the learner computes at a time (``chunked_token_logprobs``' ``chunk_tokens``)."""
+ACT_BYTES = 2
+"""Activations are bf16 (autocast, or a bf16 engine)."""
+
+_WORK = (8, 4)  # one recomputed layer's forward + backward working set, per token, x (H, I)
+_KEPT = (10, 4)  # a layer that keeps its activations (no recompute), per token, x (H, I)
+_LORA = (6, 1)  # LoRA dropout's copies of the adapted linears' inputs (q, k, v, o, gate, up: H; down: I)
+_NOGRAD = (4, 2)  # one layer of a forward without gradients (the reference, a generator's prefill)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch of one learner rank, as the memory plan sees it."""
+
+    tokens: float
+    """Decoder tokens of the micro-batch (prompts and completions)."""
+    completion_tokens: float
+    """Of which completion tokens (the rows that need logits)."""
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 1
+    checkpoint_offload: bool = False
+    reference_forward: bool = False
+    """``loss.beta > 0``: the reference's forward over the micro-batch."""
+    lora_dropout: bool = False
+    chunk_tokens: int = CHUNK_TOKENS
+
+
+def prompt_tokens(cfg: Any, shape: ModelShape) -> int:
+    """A prompt's decoder tokens: the largest video ``data`` allows, plus :data:`PROMPT_TEXT_TOKENS`."""
+    d = cfg.data
+    pixels = min(d.max_frames * d.max_pixels, d.total_pixels)
+    return int(pixels // shape.pixels_per_video_token) + PROMPT_TEXT_TOKENS
+
+
+def workload(cfg: Any, shape: ModelShape, world_size: int = 1) -> Workload:
+    """The :class:`Workload` of a config's micro-batch on one of ``world_size`` learner ranks."""
+    lc, g, c = cfg.learner, cfg.rollout.num_generations, cfg.rollout.max_completion_length
+    p = prompt_tokens(cfg, shape)
+    groups = lc.groups_per_step / max(1, world_size)
+    per_group = p + g * c if lc.shared_prompt else g * (p + c)
+    tokens = groups * per_group
+    if lc.micro_batch_tokens is not None:
+        tokens = min(tokens, max(lc.micro_batch_tokens, per_group if lc.shared_prompt else p + c))
+    lora = cfg.model.lora
+    return Workload(tokens=tokens, completion_tokens=tokens * g * c / per_group,
+                    gradient_checkpointing=lc.gradient_checkpointing, checkpoint_every=lc.checkpoint_every,
+                    checkpoint_offload=lc.checkpoint_offload, reference_forward=cfg.loss.beta > 0,
+                    lora_dropout=bool(lora is not None and lora.dropout > 0))
+
+
+def _per_token(shape: ModelShape, factors: tuple[int, int]) -> float:
+    return (factors[0] * shape.hidden + factors[1] * shape.intermediate) * ACT_BYTES
+
+
+def activation_bytes(shape: ModelShape, work: Workload) -> tuple[float, float]:
+    """(device, host) bytes of the micro-batch's activations (the module docstring has the rule)."""
+    t = work.tokens
+    recomputed = math.ceil(shape.layers / work.checkpoint_every) if work.gradient_checkpointing else 0
+    saved_inputs = recomputed * t * shape.hidden * ACT_BYTES
+    kept = (shape.layers - recomputed) * t * _per_token(shape, _KEPT)
+    working = t * _per_token(shape, _WORK) + (t * _per_token(shape, _LORA) if work.lora_dropout else 0.0)
+    if work.checkpoint_offload:
+        return kept + working, saved_inputs
+    return saved_inputs + kept + working, 0.0
+
+
+def optimizer_temporaries(counts: ParamCounts, place: Placement) -> tuple[float, float]:
+    """(device, host) bytes the optimizer step allocates on top of the static plan (module docstring)."""
+    n = counts.trainable
+    largest = counts.largest or n
+    if place.backend != "deepspeed":
+        return (4.0 * n if place.optimizer_impl == "foreach" else 4.0 * largest), 0.0
+    w = max(1, place.world_size)
+    weight_b = 2 if place.bf16 else 4
+    buckets = place.reduce_bucket * weight_b * (2 if place.overlap_comm else 1)
+    if w > 1:
+        buckets += place.allgather_bucket * weight_b
+    if place.zero_stage >= 3:
+        n_all = counts.total + (counts.trainable if counts.lora else 0)
+        buckets += (min(place.live_params, n_all) + place.prefetch_bucket) * weight_b
+    if place.offload_optimizer in ("cpu", "nvme"):
+        return buckets, 4.0 * place.reduce_bucket  # the step runs on the host, through a pinned bucket
+    return 4.0 * n / w + buckets, 0.0  # flat_grad_partition.to(fp32)
+
+
+def step_memory(counts: ParamCounts, shape: ModelShape, place: Placement,
+                work: Workload) -> tuple[dict[str, float], dict[str, float]]:
+    """The step's parts on the device and on the host: optimizer temporaries, activations, logits and
+    the reference's forward (the module docstring has the rules)."""
+    opt_dev, opt_host = optimizer_temporaries(counts, place)
+    act_dev, act_host = activation_bytes(shape, work)
+    rows = min(work.chunk_tokens, work.completion_tokens)
+    device = {"optimizer temporaries": opt_dev, "activations": act_dev, "logits": rows * shape.vocab * 4 * 2,
+              "reference forward": work.tokens * _per_token(shape, _NOGRAD) if work.reference_forward else 0.0}
+    host = {"optimizer temporaries": opt_host, "activations": act_host}
+    return device, host
+
+
+def generator_memory(shape: ModelShape, *, sequences: int, prompt_tokens: int, completion_tokens: int,
+                     dtype_bytes: int) -> dict[str, float]:
+    """An HF-engine generator's working memory on top of its weights, by part: the KV cache of
+    ``sequences`` sequences of ``prompt_tokens + completion_tokens``, its prefill's one layer, and the
+    sampling logits."""
+    kv = shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes * sequences * (
+        prompt_tokens + completion_tokens)
+    prefill = sequences * prompt_tokens * (_NOGRAD[0] * shape.hidden + _NOGRAD[1] * shape.intermediate) * dtype_bytes
+    return {"kv cache": float(kv), "prefill": float(prefill), "logits": float(sequences * shape.vocab * 4 * 2)}
+
+
+def generator_step_bytes(cfg: Any, shape: ModelShape) -> float:
+    """:func:`generator_memory` of a config's HF generator (``rollout.prompts_per_batch x G`` sequences)."""
+    r = cfg.rollout
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    parts = generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations,
+                             prompt_tokens=prompt_tokens(cfg, shape), completion_tokens=r.max_completion_length,
+                             dtype_bytes=dtype_bytes)
+    return sum(parts.values())
