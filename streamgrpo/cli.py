@@ -85,7 +85,8 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_config_memory(args) -> int:
-    """A learner rank's static memory for this config, from the model's config alone; exit 1 if it cannot fit.
+    """A learner rank's memory plan for this config (static parts and what a step adds), from the model's
+    config alone; exit 1 if it cannot fit.
 
     The ranks: ``--ranks``, else the config's ``launch.learner_ranks``; several ranks are planned on the
     deepspeed backend, as ``up`` runs them. A model config that cannot be read is one line (exit 2)."""
@@ -463,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cfg.add_parser("show", help="print the resolved config")
     _add_config_args(p, default="demo")
     p.set_defaults(func=cmd_config_show)
-    p = cfg.add_parser("memory", help="a learner rank's memory before activations (from the model config alone)")
+    p = cfg.add_parser("memory", help="a learner rank's memory plan: static parts and what a step adds (from the model config alone)")
     _add_config_args(p, default="demo")
     p.add_argument("--ranks", type=int, default=None,
                    help="learner ranks (ZeRO partitions over them; default launch.learner_ranks)")

@@ -124,13 +124,13 @@ def test_learner_refuses_a_model_that_cannot_fit_before_loading_it(tmp_path, rec
     assert res.returncode == 2, res.stderr[-3000:]
     line = res.stderr.strip().splitlines()[-1]  # earlier lines are the learner's own log
     assert line.startswith("streamgrpo learner: not enough memory for the learner: "), line
-    assert "before any activation" in line and "72.71B parameters" in line and "model.lora" in line
+    assert "+ step: " in line and "72.71B parameters" in line and "model.lora" in line  # static parts and the step's
 
 
 def test_config_memory_reports_the_plan_and_exits_1_when_it_cannot_fit(tmp_path, tiny_model_dir):
     ok = cli("config", "memory", "--config", "demo", "--set", f"model.name_or_path={tiny_model_dir}", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "per rank, before activations (a lower bound):" in ok.stdout and "fits (" in ok.stdout
+    assert "then what a step adds:" in ok.stdout and "  + step:      " in ok.stdout and "fits (" in ok.stdout
     big = _config_only_model(tiny_model_dir, tmp_path / "qwen-72b-sizes")
     res = cli("config", "memory", "--config", "qwen2_5_vl_7b_video", "--set", f"model.name_or_path={big}",
               "--ranks", "8", "--gpu-gib", "80", cwd=REPO)  # its deepspeed_config is relative to the repo

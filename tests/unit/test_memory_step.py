@@ -1,0 +1,193 @@
+"""The memory plan's step terms (optimizer temporaries, activations, logits, the reference's forward,
+a generator's KV cache) by hand, and the full plan against CUDA peaks measured on one H100 80 GB.
+
+Measured 2026-11-26 on one H100 80 GB (79.2 GiB usable), random-weight Qwen2.5-VL at the published
+sizes; bf16, vision frozen, G=8 completions x 256 tokens, 16 frames of 448x448 (2048 video tokens),
+gradient checkpointing, one group per micro-batch. The plan is computed here from config-only models
+(``streamgrpo.models.tiny.write_config``), no GPU:
+
+====================================================  ==========  =========  ==================
+case                                                  static GiB  plan GiB   measured peak GiB
+====================================================  ==========  =========  ==================
+3B full, torch, beta 0.04                             54.7        63.0       58.8 (plan +7%)
+3B full, torch, beta 0.04, shared_prompt              54.7        58.3       56.2 (plan +4%)
+7B LoRA r=64, torch, beta 0.04                        17.9        29.8       30.5 (plan -2%)
+3B full, ZeRO-2, 1 rank, beta 0, + HF generator       53.5 + 7.0  71.6 + 8.7 out of memory (plan
+                                                                  = 80.2     over 79 GiB: refused)
+====================================================  ==========  =========  ==================
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from streamgrpo.commands.placement import PlacementError, plan_placement
+from streamgrpo.config import build_config
+from streamgrpo.learner.memory import (
+    Capacity,
+    GiB,
+    MemoryPlan,
+    MemoryPlanError,
+    ParamCounts,
+    Placement,
+    check_fits,
+    plan_for,
+    plan_memory,
+    report,
+)
+from streamgrpo.learner.step_memory import (
+    PROMPT_TEXT_TOKENS,
+    Workload,
+    activation_bytes,
+    generator_memory,
+    generator_step_bytes,
+    optimizer_temporaries,
+    prompt_tokens,
+    step_memory,
+    workload,
+)
+from streamgrpo.models.params import ModelShape, model_shape
+
+SHAPE = ModelShape(layers=4, hidden=100, intermediate=300, vocab=1000, kv_heads=2, head_dim=25)
+FULL = ParamCounts(total=1000, trainable=600, largest=200)
+
+
+# --------------------------------------------------------------------------- by hand
+def test_optimizer_temporaries_by_backend():
+    assert optimizer_temporaries(FULL, Placement()) == (4 * 200, 0)  # fused: one fp32 copy of the largest tensor
+    assert optimizer_temporaries(FULL, Placement(optimizer_impl="foreach")) == (4 * 600, 0)  # whole-list sqrt
+    z2 = Placement(backend="deepspeed", bf16=True, zero_stage=2, world_size=4, reduce_bucket=10, allgather_bucket=20)
+    assert optimizer_temporaries(FULL, z2) == (4 * 600 / 4 + 10 * 2 + 20 * 2, 0)  # fp32 partition + buckets
+    one = Placement(backend="deepspeed", bf16=True, zero_stage=2, world_size=1, reduce_bucket=10, overlap_comm=True)
+    assert optimizer_temporaries(FULL, one) == (4 * 600 + 2 * 10 * 2, 0)  # no all-gather on one rank
+    z3 = Placement(backend="deepspeed", bf16=True, zero_stage=3, world_size=2, reduce_bucket=10, allgather_bucket=0,
+                   live_params=100, prefetch_bucket=5)
+    assert optimizer_temporaries(FULL, z3) == (4 * 600 / 2 + 10 * 2 + (100 + 5) * 2, 0)  # + gathered layers
+    off = Placement(backend="deepspeed", bf16=True, zero_stage=2, world_size=1, reduce_bucket=10,
+                    offload_optimizer="cpu")
+    assert optimizer_temporaries(FULL, off) == (10 * 2, 4 * 10)  # the step on the host, through a pinned bucket
+
+
+def test_activations_follow_the_recompute_setting():
+    t, h, i = 50, 100, 300
+    work = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True)
+    working = t * (8 * h + 4 * i) * 2
+    assert activation_bytes(SHAPE, work) == (4 * t * h * 2 + working, 0)  # layer inputs + one layer's work
+    half = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, checkpoint_every=2)
+    assert activation_bytes(SHAPE, half)[0] == 2 * t * h * 2 + 2 * t * (10 * h + 4 * i) * 2 + working
+    none = Workload(tokens=t, completion_tokens=20)
+    assert activation_bytes(SHAPE, none)[0] == 4 * t * (10 * h + 4 * i) * 2 + working
+    off = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, checkpoint_offload=True)
+    assert activation_bytes(SHAPE, off) == (working, 4 * t * h * 2)  # the saved inputs on the host
+    lora = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, lora_dropout=True)
+    assert activation_bytes(SHAPE, lora)[0] == activation_bytes(SHAPE, work)[0] + t * (6 * h + i) * 2
+
+
+def test_logits_are_one_chunk_and_the_reference_one_layer():
+    work = Workload(tokens=5000, completion_tokens=3000, gradient_checkpointing=True, reference_forward=True)
+    device, host = step_memory(FULL, SHAPE, Placement(), work)
+    assert device["logits"] == 1024 * 1000 * 4 * 2  # chunk_tokens rows, not 3000
+    assert device["reference forward"] == 5000 * (4 * 100 + 2 * 300) * 2
+    small = step_memory(FULL, SHAPE, Placement(), Workload(tokens=100, completion_tokens=40))[0]
+    assert small["logits"] == 40 * 1000 * 8 and small["reference forward"] == 0
+    plan = plan_memory(FULL, Placement(), SHAPE, work)
+    assert plan.device_bytes == plan.static_bytes + sum(device.values())
+    assert plan_memory(FULL, Placement()).step == {}  # without a workload: the static plan alone
+
+
+def test_workload_from_the_config():
+    shape = ModelShape(layers=1, hidden=1, intermediate=1, vocab=1, kv_heads=1, head_dim=1)
+    cfg = build_config({"data": {"max_frames": 16, "max_pixels": 448 * 448},
+                        "rollout": {"num_generations": 8, "max_completion_length": 256},
+                        "learner": {"groups_per_step": 4}})
+    p = prompt_tokens(cfg, shape)
+    assert p == 2048 + PROMPT_TEXT_TOKENS  # 16 x 448^2 / 28^2 / 2 video tokens
+    assert workload(cfg, shape).tokens == 4 * 8 * (p + 256)
+    assert workload(cfg, shape, world_size=2).tokens == 2 * 8 * (p + 256)  # the step's groups over the ranks
+    shared = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"shared_prompt": True})})
+    assert workload(shared, shape).tokens == 4 * (p + 8 * 256) and workload(shared, shape).completion_tokens == 4 * 2048
+    capped = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"micro_batch_tokens": 5000})})
+    assert workload(capped, shape).tokens == 5000  # at least one sequence
+    tiny = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"micro_batch_tokens": 16})})
+    assert workload(tiny, shape).tokens == p + 256
+    big = build_config({})  # the defaults: data.total_pixels caps a long video
+    assert prompt_tokens(big, shape) == 24576 // 2 + PROMPT_TEXT_TOKENS
+
+
+def test_generator_memory_by_hand():
+    parts = generator_memory(SHAPE, sequences=8, prompt_tokens=100, completion_tokens=50, dtype_bytes=2)
+    assert parts == {"kv cache": 4 * 2 * 2 * 25 * 2 * 8 * 150, "prefill": 8 * 100 * (400 + 600) * 2,
+                     "logits": 8 * 1000 * 8}
+
+
+def test_check_fits_and_report_use_the_full_plan():
+    h100 = Capacity("cuda:0 (H100)", 79.2 * GiB, 128 * GiB)
+    plan = MemoryPlan({"weights": 60 * GiB}, {}, {"optimizer temporaries": 12 * GiB, "activations": 10 * GiB})
+    check_fits(MemoryPlan({"weights": 60 * GiB}, {}), h100, FULL)  # the static part alone fits
+    with pytest.raises(MemoryPlanError) as e:
+        check_fits(plan, h100, FULL)
+    msg = str(e.value)
+    assert "at least 82.0 GiB" in msg and "weights 60.0 GiB; + step: optimizer temporaries 12.0 + activations 10.0 GiB" \
+        in msg and "micro_batch_tokens" in msg and "\n" not in msg
+    lines, fits = report(FULL, Placement(), plan, 80 * GiB)
+    assert not fits and lines[2] == "  on the GPU:  weights 60.0 GiB = 60.0 GiB"
+    assert lines[4] == "  + step:      optimizer temporaries 12.0 + activations 10.0 GiB = 22.0 GiB"
+    assert lines[5] == "  plan:        82.0 GiB on the GPU" and "micro_batch_tokens" in lines[-1]
+
+
+# --------------------------------------------------------------------------- measured peaks (H100, 2026-11-26)
+@pytest.fixture(scope="module")
+def real_dirs(tmp_path_factory):
+    from streamgrpo.models.tiny import write_config
+
+    root = tmp_path_factory.mktemp("real")
+    return {size: str(write_config(root / size, size=size)) for size in ("3b", "7b")}
+
+
+def _measured_cfg(model_dir: str, **sections):
+    tree = {"model": {"name_or_path": model_dir, "tune_mm_vision": False, "dtype": "bfloat16"},
+            "learner": {"bf16": True, "gradient_checkpointing": True, "groups_per_step": 1},
+            "rollout": {"num_generations": 8, "max_completion_length": 256},
+            "data": {"max_frames": 16, "max_pixels": 448 * 448}, "loss": {"beta": 0.04}}
+    tree = copy.deepcopy(tree)
+    for section, values in sections.items():
+        tree.setdefault(section, {}).update(values)
+    return build_config(tree)
+
+
+@pytest.mark.parametrize("size,sections,static_gib,plan_gib,measured_gib", [
+    ("3b", {}, 54.7, 63.0, 58.8),
+    ("3b", {"learner": {"shared_prompt": True}}, 54.7, 58.3, 56.2),
+    ("7b", {"model": {"lora": {"r": 64}}}, 17.9, 29.8, 30.5),
+], ids=["3b-full-plan63.0-measured58.8", "3b-shared-prompt-plan58.3-measured56.2", "7b-lora64-plan29.8-measured30.5"])
+def test_the_plan_is_within_10pct_of_the_measured_peaks(real_dirs, size, sections, static_gib, plan_gib,
+                                                        measured_gib):
+    counts, place, plan = plan_for(_measured_cfg(real_dirs[size], **sections))
+    assert plan.static_bytes / GiB == pytest.approx(static_gib, abs=0.05)  # the static plan, as before
+    assert plan.device_bytes / GiB == pytest.approx(plan_gib, abs=0.05)
+    assert abs(plan.device_bytes / GiB - measured_gib) <= 0.10 * measured_gib
+    assert set(plan.step) == {"optimizer temporaries", "activations", "logits", "reference forward"}
+
+
+def test_zero2_colocated_with_an_hf_generator_is_refused_before_anything_starts(real_dirs):
+    """Measured: out of memory at step 2 in ZeRO-2's optimizer step (``flat_grad_partition.to(fp32)``
+    allocated +11.63 GiB); the static plan (53.5 + 7.0 = 60.5 of 79 GiB) let it start."""
+    cfg = _measured_cfg(real_dirs["3b"], learner={"backend": "deepspeed"}, loss={"beta": 0.0},
+                        launch={"gpus": "0", "colocate": True}, rollout={"engine": "hf", "num_generators": 1})
+    counts, place, plan = plan_for(cfg)
+    assert (place.zero_stage, place.world_size) == (2, 1)
+    assert plan.static_bytes / GiB == pytest.approx(53.5, abs=0.05)
+    assert plan.step["optimizer temporaries"] / GiB == pytest.approx(11.63 + 0.37, abs=0.05)  # + reduce bucket
+    generator = 2 * counts.total / GiB + generator_step_bytes(cfg, model_shape(cfg)) / GiB
+    assert generator == pytest.approx(8.7, abs=0.05)  # bf16 weights 7.0 + kv cache, prefill, logits
+    assert 2 * counts.total / GiB + plan.static_bytes / GiB < 79  # the static plans alone fit
+    assert plan.device_bytes / GiB + generator > 79
+    with pytest.raises(PlacementError, match="would hold 80.2 GiB"):
+        plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True,
+                       learner_gib=plan.device_bytes / GiB, generator_gib=generator, device_gib=79.0)
+    from streamgrpo.commands.up import placement_for
+
+    with pytest.raises(PlacementError, match="would hold 80.2 GiB"):
+        placement_for(cfg, gpu_gib=79.0)  # `up --plan` and `up` refuse it the same way
