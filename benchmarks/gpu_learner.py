@@ -155,7 +155,9 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
                    tokens_per_s=out.seq_tokens / step_s, peak_flops=peak,
                    mfu=out.flops / (step_s * peak) if peak else None, params=learner.total, trainable=learner.trainable,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                   plan_gib=learner.memory.device_bytes / GiB, plan_host_gib=learner.memory.host_bytes / GiB)
+                   plan_gib=learner.memory.device_bytes / GiB, plan_host_gib=learner.memory.host_bytes / GiB,
+                   static_gib=learner.memory.static_bytes / GiB,
+                   static_host_gib=sum(learner.memory.host.values()) / GiB)
         if a.profile:
             row["profile"] = profile_step(learner, batch, cuda, Path(a.profile) / f"{backend}_{mode}.txt")
     except MemoryPlanError as exc:  # refused before loading: the static memory alone is over the device's

@@ -31,82 +31,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from streamgrpo.learner.memory_placement import Placement
+from streamgrpo.learner.step_memory import Workload, step_memory, workload
 from streamgrpo.models.params import ModelShape, ParamCounts
 
-if TYPE_CHECKING:
-    from streamgrpo.learner.step_memory import Workload
-
 GiB = 1024 ** 3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class MemoryPlanError(ValueError):
     """The learner's static memory cannot fit where it would run (a user's setting to change)."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where and in what precision the learner keeps each kind of tensor (from the config)."""
-
-    backend: str = "torch"
-    bf16: bool = False
-    quantize_4bit: bool = False
-    zero_stage: int = 0
-    offload_optimizer: str = "none"
-    """``cpu``, ``nvme`` or ``none`` (DeepSpeed ``zero_optimization.offload_optimizer.device``)."""
-    offload_param: str = "none"
-    world_size: int = 1
-    reference_bytes: float = 0.0
-    """Bytes per parameter of the reference copy (0: none)."""
-    update_guard: bool = False
-    """``learner.max_update_kl``: a copy of the trained weights is kept through each step (torch backend)."""
-    optimizer_impl: str = "fused"
-    """torch AdamW's implementation: ``fused`` (on a GPU), ``foreach`` or ``for`` (a CPU learner)."""
-    reduce_bucket: float = 5e8
-    """DeepSpeed ``reduce_bucket_size`` (elements)."""
-    allgather_bucket: float = 5e8
-    """DeepSpeed ``allgather_bucket_size`` (elements)."""
-    overlap_comm: bool = False
-    live_params: float = 1e9
-    """ZeRO-3 ``stage3_max_live_parameters``."""
-    prefetch_bucket: float = 5e7
-    """ZeRO-3 ``stage3_prefetch_bucket_size``."""
-
-    @classmethod
-    def from_config(cls, cfg: Any, ds_config: Mapping[str, Any] | None = None, world_size: int = 1) -> Placement:
-        """From a streamgrpo Config and, for the deepspeed backend, its resolved DeepSpeed JSON."""
-        lc, lora = cfg.learner, cfg.model.lora
-        reference = DTYPE_BYTES[cfg.model.dtype] if cfg.loss.beta > 0 and lora is None else 0
-        common = dict(backend=lc.backend, quantize_4bit=bool(lora is not None and lora.quantize_4bit),
-                      world_size=world_size, reference_bytes=reference)
-        if lc.backend != "deepspeed":
-            return cls(bf16=bool(lc.bf16), update_guard=lc.max_update_kl is not None,
-                       optimizer_impl="for" if lc.device == "cpu" else "fused", **common)
-        ds = ds_config or {}
-        zero = ds.get("zero_optimization", {}) or {}
-        halves = bool(ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled"))
-        stage = int(zero.get("stage", 0))
-        return cls(bf16=halves, zero_stage=stage,
-                   offload_optimizer=_offload_device(zero.get("offload_optimizer")),
-                   offload_param=_offload_device(zero.get("offload_param")),
-                   reduce_bucket=_number(zero.get("reduce_bucket_size"), 5e8),
-                   allgather_bucket=_number(zero.get("allgather_bucket_size"), 5e8),
-                   overlap_comm=bool(zero.get("overlap_comm", stage >= 3)),
-                   live_params=_number(zero.get("stage3_max_live_parameters"), 1e9),
-                   prefetch_bucket=_number(zero.get("stage3_prefetch_bucket_size"), 5e7), **common)
-
-
-def _number(value: Any, default: float) -> float:
-    """A DeepSpeed size (``"auto"`` or missing: DeepSpeed's default)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
-
-
-def _offload_device(block: Any) -> str:
-    if not isinstance(block, Mapping):
-        return "none"
-    return str(block.get("device", "none") or "none").lower()
 
 
 @dataclass(frozen=True)
@@ -158,8 +93,6 @@ def plan_memory(counts: ParamCounts, place: Placement, shape: ModelShape | None 
     static = _static_plan(counts, place)
     if shape is None or work is None:
         return static
-    from streamgrpo.learner.step_memory import step_memory
-
     step, step_host = step_memory(counts, shape, place, work)
     return MemoryPlan(static.device, static.host, step, step_host)
 
@@ -286,7 +219,6 @@ def host_memory_bytes() -> float:
 def plan_for(cfg: Any, world_size: int = 1) -> tuple[ParamCounts, Placement, MemoryPlan]:
     """The counts (the model built on the meta device), placement and full plan (static parts and the
     step's, :mod:`streamgrpo.learner.step_memory`) of a config's learner rank."""
-    from streamgrpo.learner.step_memory import workload
     from streamgrpo.models.params import count_params, model_shape
 
     counts = count_params(cfg)

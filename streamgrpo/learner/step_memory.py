@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from streamgrpo.learner.memory import Placement
+    from streamgrpo.learner.memory_placement import Placement
     from streamgrpo.models.params import ModelShape, ParamCounts
 
 PROMPT_TEXT_TOKENS = 128

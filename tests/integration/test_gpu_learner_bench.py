@@ -58,8 +58,11 @@ def test_zero_offload_moves_the_optimizer_to_the_host_and_trains_the_same(tmp_pa
     rows = {r["backend"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     on, off = rows["deepspeed"], rows["deepspeed_offload"]
-    assert off["plan_host_gib"] > 0 and off["plan_gib"] < on["plan_gib"]  # moments, master copy, grads: host
-    assert off["plan_gib"] + off["plan_host_gib"] == pytest.approx(on["plan_gib"])
+    # the static parts: moments, master copy and gradients move to the host (the step's parts differ: pinned
+    # buffers on the host, no fp32 gradient copy on the device)
+    assert off["static_host_gib"] > 0 and off["static_gib"] < on["static_gib"]
+    assert off["static_gib"] + off["static_host_gib"] == pytest.approx(on["static_gib"])
+    assert off["plan_gib"] >= off["static_gib"] and on["plan_gib"] >= on["static_gib"]
     assert off["flops"] == on["flops"] and off["trainable"] == on["trainable"]
     if torch.cuda.is_available():
         assert off["peak_gib"] < on["peak_gib"]
