@@ -315,6 +315,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     assert {name for name, _ in rules} == {
         "StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
         "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights", "StreamgrpoMediaDeadLetters",
+        "StreamgrpoGeneratorLearnerMismatch",
     }
     for name, expr in rules:
         r = query(prom_port, expr)
@@ -335,7 +336,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     firing = {a["labels"]["alertname"] for a in api(prom_port, "/api/v1/alerts")["data"]["alerts"]
               if a["state"] == "firing"}
     assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights",
-                         "StreamgrpoMediaDeadLetters"}, firing
+                         "StreamgrpoMediaDeadLetters", "StreamgrpoGeneratorLearnerMismatch"}, firing
 
 
 def test_learner_totals_over_both_ranks_equal_the_audit_logs(live_run):
