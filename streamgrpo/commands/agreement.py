@@ -130,6 +130,9 @@ def measure(cfg: Config, n_groups: int, max_tokens: int | None, seed: int, *, le
     s = sample(cfg, n_groups, max_tokens, seed)
     beh = full_forward_behaviour(s) if no_cache else behaviour(s.groups)
     groups = s.groups
+    close = getattr(s.engine, "close", None)
+    if close is not None:  # vLLM keeps its share of the GPU until its engine core stops: the learner loads next
+        close()
     del s
     _free()
     if beh is None:
