@@ -516,6 +516,12 @@ def _user_error(exc: BaseException) -> int | None:
     oom = sys.modules.get("streamgrpo.generator.oom")
     if oom is not None and isinstance(exc, oom.PromptDoesNotFit):
         return FAILED_EXIT
+    vllm_start = sys.modules.get("streamgrpo.engines.vllm_start")
+    if vllm_start is not None and isinstance(exc, vllm_start.VLLMStartError):
+        return FAILED_EXIT
+    vllm = sys.modules.get("streamgrpo.engines.vllm")
+    if vllm is not None and isinstance(exc, vllm.VLLMNotInstalled):
+        return USAGE_EXIT
     shm = sys.modules.get("streamgrpo.transport.weights.shm")
     if shm is not None and isinstance(exc, shm.ShmUnavailable):
         return USAGE_EXIT

@@ -59,7 +59,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
     device = resolve_device(cfg.rollout.device)
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    engine = _make_engine(cfg, processor, device)
+    engine = _make_engine(cfg, processor, device, name=name)
     records = _records(cfg)
     rewards = RewardSet(cfg)
     tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
@@ -130,11 +130,11 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     return code
 
 
-def _make_engine(cfg: Config, processor, device) -> Engine:
+def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> Engine:
     if cfg.rollout.engine == "vllm":
         from streamgrpo.engines.vllm import VLLMEngine
 
-        return VLLMEngine.from_config(cfg, processor)
+        return VLLMEngine.from_config(cfg, processor, name=name)
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.models.loading import load_model
 
