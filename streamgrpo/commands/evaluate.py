@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError, RewardsConfig, RewardSpec
-from streamgrpo.evaluator.scoring import difference, metric_keys, shuffle_drop, summarize
+from streamgrpo.evaluator.scoring import difference, eval_rewards, metric_keys, shuffle_drop, summarize
 
 log = logging.getLogger("streamgrpo.eval")
 
@@ -262,7 +262,7 @@ def run_eval(args) -> int:
     model = checkpoint_of(args.model)
     baseline = checkpoint_of(args.baseline) if args.baseline else None
     cfg = resolve_config(args.config, args.overrides, model, args.format)
-    cfg.rewards = reward_config(cfg, args.rewards)
+    cfg.rewards = eval_rewards(reward_config(cfg, args.rewards), cfg.eval.by_kind)
     rewards = RewardSet(cfg)
     sampling = _eval_sampling(args, cfg)
 

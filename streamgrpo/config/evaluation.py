@@ -28,3 +28,5 @@ class EvalConfig(Section):
     """Also answer every record with each video's frames in a random order, and report the ordered and shuffled accuracy per question kind and their drop (how much the model relies on frame order)."""
     shuffle_seed: int = Field(0, ge=0)
     """Seed of the frame orders for shuffle_frames (per record: the same order at every version)."""
+    by_kind: dict[str, str] = Field(default_factory=lambda: {"regression": "mra"})
+    """How `eval` and the evaluator score these question kinds with the `accuracy` reward, over its training `by_kind` (default: regression by VSI-Bench's mean relative accuracy, as Video-R1 reports it); {}: as in training."""
