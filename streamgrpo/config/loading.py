@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from streamgrpo.config.aliases import ALIASES, MOVED, REWARD_WEIGHT_ALIASES
 from streamgrpo.config.base import ConfigError
+from streamgrpo.config.deepspeed_files import anchor
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
 from streamgrpo.config.schema import Config
@@ -192,7 +193,10 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
-    return build_config(_expand_env(tree), overrides, source=str(path))
+    cfg = build_config(_expand_env(tree), overrides, source=str(path))
+    if not any(o.split("=", 1)[0].strip() in ("learner.deepspeed_config", "deepspeed") for o in overrides):
+        cfg.learner.deepspeed_config = anchor(cfg.learner.deepspeed_config, path.parent)
+    return cfg
 
 
 def _expand_env(node: Any) -> Any:
