@@ -127,24 +127,43 @@ def _format_validation_error(exc: ValidationError, tree: Mapping[str, Any], sour
     return "\n".join(lines)
 
 
+def _shipped_file(name: str):
+    """The packaged YAML of a shipped name: ``demo`` (streamgrpo/configs/demo.yaml) or a recipe's
+    ``video_r1/qwen2_5_vl_7b_1node`` (streamgrpo/recipes/video_r1/qwen2_5_vl_7b_1node.yaml)."""
+    folder, _, stem = name.rpartition("/")
+    stem = stem[:-5] if stem.endswith(".yaml") else stem[:-4] if stem.endswith(".yml") else stem
+    if not folder:
+        return resources.files("streamgrpo") / "configs" / f"{stem}.yaml"
+    if "/" in folder or folder.startswith(".") or not stem:
+        return None
+    return resources.files("streamgrpo") / "recipes" / folder / f"{stem}.yaml"
+
+
 def find_config(name_or_path: str | Path) -> Path:
-    """A path to a YAML file, or the name of a shipped config (``demo`` -> streamgrpo/configs/demo.yaml)."""
+    """A path to a YAML file, or the name of a shipped config (``demo`` -> streamgrpo/configs/demo.yaml,
+    ``video_r1/qwen2_5_vl_7b_1node`` -> the Video-R1 recipe's)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = resources.files("streamgrpo") / "configs" / f"{Path(str(name_or_path)).stem}.yaml"
-    if str(name_or_path).endswith((".yaml", ".yml")) and not shipped.is_file():
-        raise ConfigError(f"config file {str(name_or_path)!r} not found")
-    if shipped.is_file():
+    shipped = _shipped_file(str(name_or_path))
+    if shipped is not None and shipped.is_file():
         return Path(str(shipped))
+    if str(name_or_path).endswith((".yaml", ".yml")):
+        raise ConfigError(f"config file {str(name_or_path)!r} not found")
     raise ConfigError(
         f"config {str(name_or_path)!r} is neither a file nor a shipped config (shipped: {', '.join(shipped_configs())})"
     )
 
 
 def shipped_configs() -> list[str]:
+    """Names of the shipped configs: streamgrpo/configs/*.yaml, then each recipe's as ``recipe/name``."""
     folder = resources.files("streamgrpo") / "configs"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    names = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    recipes = resources.files("streamgrpo") / "recipes"
+    for recipe in sorted(recipes.iterdir(), key=lambda p: p.name):
+        if recipe.is_dir() and not recipe.name.startswith(("_", ".")):
+            names += sorted(f"{recipe.name}/{p.name[:-5]}" for p in recipe.iterdir() if p.name.endswith(".yaml"))
+    return names
 
 
 def build_config(tree: Mapping[str, Any] | None = None, overrides: Iterable[str] = (), source: str = "<dict>") -> Config:
