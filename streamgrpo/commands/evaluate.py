@@ -278,7 +278,7 @@ def run_eval(args) -> int:
     result: dict[str, Any] = {}
     outputs: dict[str, str] = {}
     skipped_ids: set[str] = set()  # records a model could not be given (media errors)
-    kinds = {str(r.id): r.kind for r in records} if shuffle else None
+    kinds = {str(r.id): r.kind for r in records} if shuffle or any(r.kind is not None for r in records) else None
 
     def summary(rows: list[dict]) -> dict[str, Any]:
         return summarize(rows, samples=args.samples, reward_names=rewards.names, think_tag=think_tag,
