@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
