@@ -194,7 +194,7 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
     Returns (name, rows, bad records, shuffled rows or None)."""
     from streamgrpo.evaluator.answering import load_policy
 
-    policy = load_policy(model, cfg, adapter)
+    policy = load_policy(model, cfg, adapter, engine=cfg.eval.engine, records=records)
     shuffled = None
     try:
         rows, bad = _answer(policy, records, cfg, sampling, rewards, out_path, batch_size, f"eval {label}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -22,6 +22,8 @@ class EvalConfig(Section):
     """Completion length cap; null: rollout.max_completion_length."""
     max_records: Optional[int] = Field(None, ge=1)
     """Evaluate only the first this many held-out records (null: all)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """What answers the held-out records in `streamgrpo eval` and the evaluator: `hf` (transformers) or `vllm` (much faster for a large model on a GPU; rollout.vllm's settings, its gpu_memory_utilization counted in the placement; a LoRA adapter must be merged first)."""
     batch_size: int = Field(8, ge=1, le=1024)
     """Prompts generated together."""
     shuffle_frames: bool = False
