@@ -42,8 +42,20 @@ VIDEO_R1: dict[str, str] = {
 EVAL_OVERRIDES: dict[str, str] = {"regression": "mra"}
 """What ``eval`` and the evaluator score differently from training (VSI-Bench's metric)."""
 
-_LIBRARIES = {"wer": ("jiwer", "jiwer"), "rouge": ("rouge_score", "rouge-score")}
+_LIBRARIES = {"wer": ("jiwer", "jiwer"), "rouge": ("rouge_score.rouge_scorer", "rouge-score")}
 _DECIMAL = re.compile(r"\d\.\d")
+
+
+def _library(rule: str):
+    """The module rule ``rule`` scores with, or ImportError saying which package to install."""
+    import importlib
+
+    module, package = _LIBRARIES[rule]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"accuracy rule {rule!r} needs the {package} package (pip install {package}; "
+                          "`make setup` installs it)") from None
 
 
 def one_number(text: str) -> float | None:
@@ -66,8 +78,7 @@ def number_score(pred: str, truth: str) -> float:
 
 def wer_score(pred: str, truth: str) -> float:
     """1 - word error rate of ``pred`` against ``truth`` (jiwer), clipped to [0, 1]."""
-    import jiwer
-
+    jiwer = _library("wer")
     if not truth.split():
         return 1.0 if not pred.split() else 0.0
     if not pred.split():
@@ -77,9 +88,7 @@ def wer_score(pred: str, truth: str) -> float:
 
 @functools.lru_cache(maxsize=1)
 def _rouge_scorer():
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    return _library("rouge").RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
 def rouge_score(pred: str, truth: str) -> float:
@@ -132,12 +141,10 @@ def check_rules(by_kind: Mapping[str, str], default: str, *, libraries: bool = T
         if rule not in RULES:
             raise ValueError(f"kind {kind!r}: unknown rule {rule!r}; rules: {', '.join(RULES)}")
         if libraries and rule in _LIBRARIES:
-            module, package = _LIBRARIES[rule]
             try:
-                __import__(module)
-            except ImportError:
-                raise ValueError(f"kind {kind!r}: rule {rule!r} needs the {package} package "
-                                 f"(pip install {package}; `make setup` installs it)") from None
+                _library(rule)
+            except ImportError as exc:
+                raise ValueError(f"kind {kind!r}: {exc}") from None
     return out
 
 

@@ -95,3 +95,17 @@ def test_eval_scores_regression_by_mra_over_the_training_rules():
     assert RewardSet(train).score(["<answer>12.8</answer>"], "10", fields={"kind": "regression"}
                                   ).for_completion(0)["accuracy"] == pytest.approx(0.72)
     assert eval_rewards(train, {}) is train
+
+
+def test_a_missing_library_is_named_with_its_package(monkeypatch):
+    import sys
+
+    from streamgrpo.rewards import RewardSet
+
+    monkeypatch.setitem(sys.modules, "jiwer", None)  # as if not installed
+    with pytest.raises(RewardError, match=r"kind 'ocr': accuracy rule 'wer' needs the jiwer package \(pip install jiwer"):
+        get("accuracy", by_kind={"OCR": "wer"})
+    fn = get("accuracy")  # the default rules: refused only when an OCR record is scored
+    assert fn(["<answer>B</answer>"], ["B"], kind="multiple choice") == [1.0]
+    scored = RewardSet([{"name": "accuracy"}]).score(["<answer>HELO</answer>"], "HELLO", fields={"kind": "OCR"})
+    assert scored.for_completion(0)["accuracy"] == 0.0 and "needs the jiwer package" in str(scored.errors)
