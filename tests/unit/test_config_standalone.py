@@ -73,6 +73,11 @@ def test_a_shipped_config_loads_and_plans_from_another_directory(qwen_7b_config,
                  "--plan"]) == 0
     out = capsys.readouterr().out
     assert "GPU 0: learner rank 0" in out and "GPU 7: generator-3" in out
+    # the Video-R1 recipe's configs, by their recipe names, the same way
+    assert main(["up", "--config", "video_r1/qwen2_5_vl_7b_1node", "--set", f"model.name_or_path={qwen_7b_config}",
+                 "--plan"]) == 0
+    assert "GPU 7: generator-3" in capsys.readouterr().out
+    assert _stage(load_config("video_r1/qwen2_5_vl_3b_1node")) == 2
 
 
 def test_config_init_writes_a_commented_config_that_loads_as_the_shipped_one(tmp_path, monkeypatch, capsys):
