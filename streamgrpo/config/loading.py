@@ -145,9 +145,10 @@ def find_config(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = _shipped_file(str(name_or_path))
-    if shipped is not None and shipped.is_file():
-        return Path(str(shipped))
+    for shipped in (_shipped_file(str(name_or_path)),  # then a path to a shipped file elsewhere: by its name
+                    resources.files("streamgrpo") / "configs" / f"{Path(str(name_or_path)).stem}.yaml"):
+        if shipped is not None and shipped.is_file():
+            return Path(str(shipped))
     if str(name_or_path).endswith((".yaml", ".yml")):
         raise ConfigError(f"config file {str(name_or_path)!r} not found")
     raise ConfigError(
