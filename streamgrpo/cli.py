@@ -115,6 +115,18 @@ def cmd_config_memory(args) -> int:
     return 0 if fits else 1
 
 
+def cmd_config_init(args) -> int:
+    """A commented starting config: a shipped one (``--from``) with each key's doc, checked by loading it."""
+    from streamgrpo.config import load_config
+    from streamgrpo.config.starter import write_starter
+
+    out = write_starter(args.source, args.out, force=args.force)
+    load_config(out)
+    print(f"{out}: started from {args.source!r}; check it with `streamgrpo config show --config {out}` and "
+          f"`streamgrpo up --config {out} --plan`")
+    return 0
+
+
 def cmd_config_reference(args) -> int:
     """docs/config.md from the config's field docstrings: printed, written to --out, or checked against it."""
     from pathlib import Path
@@ -471,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
                    "machine's GPU, else 80)")
     p.set_defaults(func=cmd_config_memory)
+    p = cfg.add_parser("init", help="write a commented starting config from a shipped one")
+    p.add_argument("out", metavar="FILE", help="the YAML file to write (e.g. my.yaml)")
+    p.add_argument("--from", dest="source", default="demo",
+                   help="the shipped config to start from (default: demo; `--config` lists them)")
+    p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    p.set_defaults(func=cmd_config_init)
     p = cfg.add_parser("reference", help="the configuration reference (docs/config.md), from the fields' docstrings")
     p.add_argument("--out", default=None, metavar="PATH", help="write it to this file (default: print it)")
     p.add_argument("--check", action="store_true",

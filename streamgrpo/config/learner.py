@@ -13,7 +13,7 @@ class LearnerConfig(Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     """Plain torch (one process) or DeepSpeed ZeRO (one or many ranks, launched by torchrun/deepspeed)."""
     deepspeed_config: Optional[str] = None
-    """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
+    """DeepSpeed JSON config: a shipped one by name (zero1, zero2, zero3, zero2_offload) or a path (relative: to the config file, else the working directory); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of a single-process learner."""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"

@@ -390,9 +390,13 @@ class VLLMEngine(Engine):
         self._batches = 0
 
     @classmethod
-    def from_config(cls, cfg, processor, *, name: str = "generator") -> VLLMEngine:
+    def from_config(cls, cfg, processor, *, name: str = "generator",
+                    counts: Iterable[tuple[int, int]] | None = None) -> VLLMEngine:
         """Start vLLM for ``cfg.model`` in this process (its engine core is a child process). When vLLM
         does not start: :class:`VLLMStartError`, one line (``engines/vllm_start.py``).
+
+        ``counts``: (videos, images) of every record it will answer, for the multimodal limits (default:
+        those of ``data.train_path``; ``eval`` passes its held-out records).
 
         The sampling seed is ``torch.initial_seed()``: the generator seeds torch per generator
         (``seed * 1000 + id``) before building the engine, so generators sample differently.
@@ -411,7 +415,7 @@ class VLLMEngine(Engine):
             from streamgrpo.data.prompts import vision_factors
 
             factor, _ = vision_factors(processor)
-            limits = mm_limits(_record_counts(cfg.data), max_frames=cfg.data.max_frames,
+            limits = mm_limits(_record_counts(cfg.data) if counts is None else counts, max_frames=cfg.data.max_frames,
                                max_pixels=cfg.data.max_pixels, factor=factor)
         if vc.cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vc.cpu_kv_cache_gib:g}")

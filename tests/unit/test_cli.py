@@ -11,7 +11,7 @@ from streamgrpo.cli import build_parser, main
 
 COMMANDS = [
     ["up"], ["learner"], ["generator"], ["infer"], ["eval"], ["report"], ["data", "check"], ["data", "demo"],
-    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["keys"],
+    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["config", "init"], ["keys"],
 ]
 
 
@@ -142,10 +142,8 @@ def qwen_7b_config(tmp_path_factory):
     return write_config(tmp_path_factory.mktemp("qwen-7b-sizes"), "qwen2_5_vl", "7b")
 
 
-def test_config_memory_takes_the_ranks_from_the_config_unless_told(qwen_7b_config, monkeypatch, capsys):
-    from pathlib import Path
-
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the config's deepspeed_config is relative to the repo
+def test_config_memory_takes_the_ranks_from_the_config_unless_told(qwen_7b_config, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the config's deepspeed_config is a shipped name: any directory works
     args = ["config", "memory", "--config", "qwen2_5_vl_7b_1node", "--set", f"model.name_or_path={qwen_7b_config}",
             "--gpu-gib", "80"]
     assert main(args) == 0  # launch.learner_ranks: 4
