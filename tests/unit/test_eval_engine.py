@@ -39,8 +39,9 @@ def test_the_factory_builds_vllm_for_the_model_and_the_records_it_will_answer(ti
         def close(self):
             Recorder.closed = True
 
-    def from_config(cfg, processor, *, counts=None):
+    def from_config(cfg, processor, *, name="generator", counts=None):
         calls.append((cfg, processor, list(counts)))
+        assert name == "eval"  # its start errors and log file are named for eval
         return Recorder()
 
     monkeypatch.setattr(VLLMEngine, "from_config", staticmethod(from_config))
