@@ -80,14 +80,26 @@ class MediaWatch:
     a stream holding many bad references (anyone who can write to it may send them) is a stream of dead
     letters, never an off switch. The learner stops (:class:`MediaUnavailable`) only when it has resolved
     no reference for ``after_s`` seconds (``learner.media_unavailable_s``) *and* its own media root,
-    checked directly (:func:`check_media_root`), is missing, unreadable or empty."""
+    checked directly (:func:`check_media_root`, at most once per ``pause_s``), is missing, unreadable or
+    empty. While the root is unusable each failure also waits ``pause_s``, so the groups read before the
+    learner stops are a few, not the whole backlog."""
 
-    def __init__(self, data: DataConfig, after_s: float = 60.0, clock=time.monotonic):
-        self.data, self.after_s, self._clock = data, after_s, clock
+    def __init__(self, data: DataConfig, after_s: float = 60.0, clock=time.monotonic, sleep=time.sleep,
+                 pause_s: float = 1.0):
+        self.data, self.after_s, self.pause_s = data, after_s, pause_s
+        self._clock, self._sleep = clock, sleep
         self._failing_since: float | None = None  # the first failure since the last reference resolved
+        self._checked_at, self._problem = -1e18, None  # the last direct check of the media root
 
     def resolved(self) -> None:
         self._failing_since = None
+
+    def root_problem(self) -> str | None:
+        """:func:`check_media_root`, checked again when the last check is ``pause_s`` old."""
+        now = self._clock()
+        if now - self._checked_at >= self.pause_s:
+            self._checked_at, self._problem = now, check_media_root(self.data)
+        return self._problem
 
     def failed(self, exc: Exception) -> None:
         """A reference could not be resolved (``exc``, its group already dead-lettered); raises
@@ -96,11 +108,12 @@ class MediaWatch:
         if self._failing_since is None:
             self._failing_since = now
         waited = now - self._failing_since
-        if waited < self.after_s:
-            return
-        problem = check_media_root(self.data)
+        problem = self.root_problem()
         if problem is None:
             return  # the root is there: these references name files it does not hold (dead letters)
+        if waited < self.after_s:
+            self._sleep(self.pause_s)  # the root may come back (a remount): read slowly meanwhile
+            return
         label = getattr(exc, "label", type(exc).__name__)
         raise MediaUnavailable(
             f"stopping: no group by reference could be resolved here for {waited:.0f} s "

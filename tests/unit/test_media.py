@@ -99,18 +99,20 @@ def test_the_media_watch_stops_only_after_the_time_and_with_the_root_gone(tmp_pa
     root = tmp_path / "media"
     root.mkdir()
     (root / "a.mp4").write_bytes(b"x")
-    now = [0.0]
-    watch = MediaWatch(DataConfig(media_root=str(root)), after_s=30.0, clock=lambda: now[0])
+    now, slept = [0.0], []
+    watch = MediaWatch(DataConfig(media_root=str(root)), after_s=30.0, clock=lambda: now[0], sleep=slept.append)
     bad = MediaError("media_missing", "visuals[0]: media file /x not found")
     for t in range(0, 100, 5):  # 100 s of nothing but failures: the root is there, so they are the groups' fault
         now[0] = float(t)
         watch.failed(bad)
+    assert slept == []  # and they are read at full speed
     shutil.rmtree(root)
     watch.resolved()
     now[0] = 100.0
     watch.failed(bad)
     now[0] = 129.0
-    watch.failed(bad)  # 29 s without a success: not yet
+    watch.failed(bad)  # 29 s without a success: not yet, but the learner reads slowly meanwhile
+    assert slept == [1.0, 1.0]
     now[0] = 131.0
     with pytest.raises(MediaUnavailable) as exc:
         watch.failed(bad)
