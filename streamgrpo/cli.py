@@ -184,12 +184,10 @@ def cmd_generator(args) -> int:
 
 def _set_generator_port(cfg, args) -> None:
     """A fixed ``metrics.port`` P: this generator serves P + its local index on the host (``--local-index``,
-    else ``SLURM_LOCALID``, else 0), as learner ranks serve P + LOCAL_RANK; 0 stays 0 (a free port)."""
-    import os
-
+    default 0), as learner ranks serve P + LOCAL_RANK; 0 stays 0 (a free port)."""
     from streamgrpo.config import ConfigError
 
-    local = args.local_index if args.local_index is not None else int(os.environ.get("SLURM_LOCALID", "0") or 0)
+    local = args.local_index
     if local < 0:
         raise ConfigError(f"--local-index {local}: must be 0 or more")
     if cfg.metrics.port and local:
@@ -345,9 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generator", help="one generator")
     _add_config_args(p)
     p.add_argument("--id", type=int, required=True, help="generator index K (reads shard K of rollout.num_generators)")
-    p.add_argument("--local-index", type=int, default=None,
-                   help="this generator's index among the generators of its host (default: SLURM_LOCALID, else 0): "
-                        "with a fixed metrics.port P it serves /metrics on P + this")
+    p.add_argument("--local-index", type=int, default=0,
+                   help="this generator's index among the generators of its host (e.g. $SLURM_LOCALID under "
+                        "srun --ntasks-per-node): with a fixed metrics.port P it serves /metrics on P + this")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_generator)
 

@@ -83,7 +83,6 @@ def test_two_generators_and_their_relay_on_one_host_each_serve_metrics(tiny_mode
     config = tmp_path / "job.yaml"
     config.write_text(cfg.to_yaml())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("SLURM_LOCALID", None)
     logs = [open(tmp_path / f"gen{k}.log", "wb") for k in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "streamgrpo", "generator", "--config", str(config), "--id", str(k),
                                "--local-index", str(k)], stdout=logs[k], stderr=subprocess.STDOUT, env=env)
