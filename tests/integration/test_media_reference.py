@@ -325,3 +325,39 @@ def test_a_learner_whose_media_root_is_removed_stops_in_one_line_after_the_confi
     assert waited >= 3
     assert len(q.dead_letters(count=100)) >= 2  # it went on past the first failure
     q.close()
+
+
+def test_media_behind_a_symlink_out_of_the_root_travel_inline_and_train(tiny_model_dir, demo_data_dir, redis_server,
+                                                                        redis_ns, tmp_path):
+    """What the generator and the learner agree on: the data set's videos folder is a symlink to storage
+    outside the records' folder. The learner would refuse such references (media_outside), so the
+    generator sends those visuals inline; the learner admits the groups, nothing is dead-lettered."""
+    from streamgrpo.config import load_config
+    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.media import MediaResolver, by_reference
+    from streamgrpo.learner.state import LearnerState
+    from streamgrpo.models.loading import load_processor
+    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.wire import decode, encode
+
+    data = _copy(demo_data_dir, tmp_path / "data")
+    (tmp_path / "store").mkdir()
+    shutil.move(str(data / "videos"), str(tmp_path / "store" / "videos"))
+    (data / "videos").symlink_to(tmp_path / "store" / "videos")
+    groups = _sample(tiny_model_dir, data, 2, "[direction]", seed=5)
+    assert all(v.ref is None and v.frames is not None for g in groups for v in g.visuals)
+    assert not any(by_reference(decode(encode(g))) for g in groups)
+    cfg = load_config("demo", [f"data.train_path={data / 'train.jsonl'}"])
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="learner-0")
+    try:
+        q.put_many(groups)
+        resolver = MediaResolver(cfg.data, cache_mib=16)
+        gate = Gate(q, cfg.loss, LearnerState(), JsonlWriter(tmp_path / "audit.jsonl"),
+                    load_processor(str(tiny_model_dir)), 10**6, media=resolver)
+        admitted = [gate.admit(d) for d in q.get(2, timeout_s=5.0)]
+        assert [a.group.group_id for a in admitted if a is not None] == [g.group_id for g in groups]
+        assert q.dead_letters() == []
+        resolver.close()
+    finally:
+        q.close()
