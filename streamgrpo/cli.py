@@ -186,11 +186,26 @@ def cmd_generator(args) -> int:
         cfg.run_dir = args.run_dir
     if not 0 <= args.id < cfg.rollout.num_generators:
         raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
+    _set_generator_port(cfg, args)
     _check_before_loading(cfg, f"generator-{args.id}", data=True)
     from streamgrpo.generator.loop import run_generator
     from streamgrpo.recipes.demo.lag import applier_for
 
     return run_generator(cfg, generator_id=args.id, applier=applier_for(cfg.demo))
+
+
+def _set_generator_port(cfg, args) -> None:
+    """A fixed ``metrics.port`` P: this generator serves P + its local index on the host (``--local-index``,
+    default 0), as learner ranks serve P + LOCAL_RANK; 0 stays 0 (a free port)."""
+    from streamgrpo.config import ConfigError
+
+    local = args.local_index
+    if local < 0:
+        raise ConfigError(f"--local-index {local}: must be 0 or more")
+    if cfg.metrics.port and local:
+        if cfg.metrics.port + local > 65535:
+            raise ConfigError(f"metrics.port {cfg.metrics.port} + local index {local} is past 65535")
+        cfg.metrics.port += local
 
 
 def cmd_evaluator(args) -> int:
@@ -340,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generator", help="one generator")
     _add_config_args(p)
     p.add_argument("--id", type=int, required=True, help="generator index K (reads shard K of rollout.num_generators)")
+    p.add_argument("--local-index", type=int, default=0,
+                   help="this generator's index among the generators of its host (e.g. $SLURM_LOCALID under "
+                        "srun --ntasks-per-node): with a fixed metrics.port P it serves /metrics on P + this")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_generator)
 

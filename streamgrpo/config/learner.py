@@ -58,6 +58,8 @@ class LearnerConfig(Section):
     """Byte budget of the learner's cache of frames decoded from references (rollout.media: reference), keyed by file, frame indices and size: a prompt that comes back is not decoded again."""
     media_workers: int = Field(1, ge=1, le=64)
     """Threads that decode referenced visuals ahead of the step (the next step's groups are read and decoded while a step trains)."""
+    media_unavailable_s: float = Field(60.0, ge=0.0, le=86400.0)
+    """A group whose media reference cannot be resolved (missing file, outside data.media_root, other pixels) is dead-lettered and training goes on with the others. The learner stops with one line only when it has resolved no reference for this many seconds and its own media root (data.media_root, else the training file's folder), checked directly, is missing, unreadable or empty; the groups it has not read stay queued."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = Field(1, ge=1, le=1000)

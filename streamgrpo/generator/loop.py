@@ -53,7 +53,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     run_dir = Path(cfg.run_dir)
     setup_torch_threads()
     torch.manual_seed(cfg.seed * 1000 + generator_id)
-    server = start_metrics(cfg.metrics, run_dir, name)
+    server = start_metrics(cfg.metrics, run_dir, name, hint="give each generator on a host its own --local-index K "
+                           "(it serves metrics.port + K), or set metrics.port=0 (a free port)")
     audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
 
     # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------

@@ -174,3 +174,21 @@ def test_config_memory_offline_with_a_hub_name_not_cached_is_one_line(tmp_path, 
     assert line.startswith("streamgrpo config memory: no model config for "
                            "model.name_or_path='Qwen/Qwen2.5-VL-7B-Instruct': HF_HUB_OFFLINE is set")
     assert "`streamgrpo model tiny --size 7b --config-only --out DIR`" in line and captured.out == ""
+
+
+def test_a_generators_fixed_metrics_port_is_offset_by_its_local_index():
+    """metrics.port P: --local-index g serves P + g (default 0); 0 stays a free port."""
+    import argparse
+
+    from streamgrpo.cli import _set_generator_port, build_parser
+    from streamgrpo.config import ConfigError, load_config
+
+    assert build_parser().parse_args(["generator", "--id", "1"]).local_index == 0
+    ports = []
+    for port, local in ((9100, 3), (9100, 0), (0, 5)):
+        cfg = load_config("demo", [f"metrics.port={port}"])
+        _set_generator_port(cfg, argparse.Namespace(local_index=local))
+        ports.append(cfg.metrics.port)
+    assert ports == [9103, 9100, 0]
+    with pytest.raises(ConfigError, match="past 65535"):
+        _set_generator_port(load_config("demo", ["metrics.port=65535"]), argparse.Namespace(local_index=1))

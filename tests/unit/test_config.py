@@ -127,6 +127,16 @@ def test_shared_prompt_refuses_flash_attention_in_one_line():
     assert build_config({}, ["learner.shared_prompt=true"]).learner.shared_prompt
 
 
+def test_a_relays_metrics_port_is_never_a_generators():
+    """The relay serves its own port (default 0: a free one), never metrics.port + a local index."""
+    assert build_config({}).weights.relay_metrics_port == 0
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["metrics.port=9100", "rollout.num_generators=4", "weights.relay_metrics_port=9103"])
+    assert "\n" not in str(err.value) and "weights.relay_metrics_port 9103 is a generator's metrics port" in str(err.value)
+    assert build_config({}, ["metrics.port=9100", "rollout.num_generators=4",
+                             "weights.relay_metrics_port=9200"]).weights.relay_metrics_port == 9200
+
+
 @pytest.mark.parametrize("knob", ["checkpoint_every=2", "checkpoint_offload=true"])
 def test_checkpointing_knobs_need_gradient_checkpointing(knob):
     with pytest.raises(ConfigError) as err:
