@@ -288,12 +288,27 @@ def cmd_keys(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- parser
+class _Versions(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        from streamgrpo.versions import report
+
+        print(report())
+        parser.exit()
+
+
+ROLES = ("up", "learner", "generator", "evaluator", "relay")
+"""The commands that run a role: each checks the installed releases first (streamgrpo/versions.py)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamgrpo",
         description="Asynchronous GRPO for Qwen vision-language models on video and image questions.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Versions, nargs=0,
+                        help="print the installed releases of streamgrpo, torch, transformers, vLLM, DeepSpeed, "
+                             "flash-attn, peft (and the tested ranges) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -493,6 +508,9 @@ def _user_error(exc: BaseException) -> int | None:
 
     if isinstance(exc, ConfigError):
         return USAGE_EXIT
+    versions = sys.modules.get("streamgrpo.versions")
+    if versions is not None and isinstance(exc, versions.UntestedRelease):
+        return USAGE_EXIT
     records = sys.modules.get("streamgrpo.data.records")
     if records is not None and isinstance(exc, records.DataFileNotFound):
         return USAGE_EXIT
@@ -542,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command in ROLES:
+            from streamgrpo.versions import check_at_start
+
+            check_at_start(args.command)
         return int(func(args) or 0)
     except NotBuilt as exc:
         print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)
