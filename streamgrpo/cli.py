@@ -152,6 +152,16 @@ def cmd_up(args) -> int:
                   gpu_gib=args.gpu_gib)
 
 
+def cmd_slurm(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.commands.slurm import run_slurm
+
+    return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks, out=args.out,
+                     job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
+                     overrides=tuple(args.overrides))
+
+
 def cmd_learner(args) -> int:
     cfg = _load(args)
     from streamgrpo.learner.loop import run_learner
@@ -330,6 +340,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=None,
                    help="memory of one GPU for the plan's check (default: what CUDA reports; none on a CPU)")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("slurm", help="the sbatch script of a run on N Slurm nodes (learner, generators, relays, "
+                                     "Redis without root, the evaluator, Prometheus targets)")
+    p.add_argument("--config", required=True, help="the YAML file every node reads (on shared storage)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (the plan uses it, and every process of the job gets it)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each node (default 8)")
+    p.add_argument("--generators-per-node", type=int, default=None,
+                   help="at most this many generators (one GPU each) per node (default: every GPU left)")
+    p.add_argument("--learner-ranks", type=int, default=None,
+                   help="learner ranks, one GPU each, from the first node on (default launch.learner_ranks)")
+    p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    p.add_argument("--job-name", default="streamgrpo", help="#SBATCH --job-name")
+    p.add_argument("--time", default="24:00:00", help="#SBATCH --time")
+    p.add_argument("--partition", default=None, help="#SBATCH --partition")
+    p.add_argument("--python", default="python", help="the Python with streamgrpo on every node (default: python)")
+    p.set_defaults(func=cmd_slurm)
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
     _add_config_args(p)
