@@ -98,6 +98,6 @@ if [ "$without_gpu" = 0 ] && { [ "${STREAMGRPO_SETUP_GPU_CPU:-0}" = 1 ] || ! com
   exit 0
 fi
 
-"$py" -m pip install -q --upgrade pip setuptools wheel
+"$py" -m pip install -q --upgrade pip setuptools wheel packaging ninja psutil  # what the builds below import
 for p in "${todo[@]}"; do install "$p"; done
 "$py" -m streamgrpo --version 2>/dev/null || true

@@ -204,9 +204,10 @@ def cmd_relay(args) -> int:
     cfg = _load(args)
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    from streamgrpo.relay.loop import run_relay
+    from streamgrpo.relay.loop import IDLE_EXIT_S, run_relay
 
-    return run_relay(cfg, client_key=args.client_key)
+    return run_relay(cfg, client_key=args.client_key,
+                     idle_exit_s=IDLE_EXIT_S if args.idle_exit_s is None else args.idle_exit_s)
 
 
 def cmd_infer(args) -> int:
@@ -386,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-key", default=None,
                    help="CURVE client key in weights.curve_keys_dir/clients, e.g. client-3 (a generator starting the "
                         "relay passes its own)")
+    p.add_argument("--idle-exit-s", type=float, default=None,
+                   help="exit after this long with no generator connected (default 60; a launcher that starts the "
+                        "relay before its generators load, as `streamgrpo slurm`'s script does, gives more)")
     p.set_defaults(func=cmd_relay)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")

@@ -210,8 +210,8 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
              "#    the generators start once each relay serves (its ports file) or has left (another one serves its host)",
              'rm -f "$RUN_DIR"/ports/relay-*.json', "RELAYS=()"]
     for n in job.relay_nodes:
-        lines += [f"{cpu_step.format(_node(n))} "
-                  f"{role.format('relay', '--set weights.relay=true ' + _role_sets(f'relay-{n}', job))} &",
+        relay = f"--idle-exit-s 3600 --set weights.relay=true {_role_sets(f'relay-{n}', job)}"  # generators load first
+        lines += [f"{cpu_step.format(_node(n))} {role.format('relay', relay)} &",
                   "RELAYS+=($!)"]
     lines += ["for _ in $(seq 120); do",
               '  left=0; for pid in "${RELAYS[@]}"; do kill -0 "$pid" 2>/dev/null || left=$(( left + 1 )); done',
