@@ -162,6 +162,7 @@ def test_the_rendered_sbatch_trains_with_its_flags_checked(tiny_model_dir, demo_
         relay_port, = [json.loads(p.read_text())["metrics"] for p in (run / "ports").glob("relay-*.json")]
         assert relay_port in {int(listed[f"relay-{n}"].split(":")[1]) for n in (0, 1)}  # one host: one relay serves
         assert "relay: 127.0.0.1" in out.stdout + out.stderr
+        assert not list((run / "logs").glob("relay-*.log")), "a generator had to start a relay of its own"
         applied = {k: max(json.loads(x).get("version", 0) for x in (run / "audit" / f"generator-{k}.jsonl")
                            .read_text().splitlines()) for k in (0, 1)}
         assert max(applied.values()) >= 1, f"no generator applied a trained version (through the relay): {applied}" \
