@@ -70,3 +70,33 @@ def test_the_command_wants_a_config_file(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "the sbatch script names the config file" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_scrape_targets_are_a_file_prometheus_reads(tmp_path):
+    """The script's targets writer (its heredoc, run here with the node names Slurm would give), then
+    promtool on a Prometheus config that reads the file."""
+    import json
+    import re
+    import shutil
+
+    cfg = _cfg("eval.enabled=true", "data.eval_path=x.jsonl")
+    job = plan_job(cfg, 2, gpus_per_node=4, learner_ranks=2)
+    text = render(job, cfg, tmp_path / "my.yaml")
+    writer = re.search(r"<<'EOF'\n(.*?)\nEOF\n", text, re.S).group(1)
+    targets = tmp_path / "targets.json"
+    subprocess.run([sys.executable, "-", str(targets), "gpu-a", "gpu-b"], input=writer, text=True, check=True)
+    listed = {t["labels"]["process"]: t["targets"] for t in json.loads(targets.read_text())}
+    assert listed["learner-1"] == ["gpu-a:9101"] and listed["generator-0"] == ["gpu-a:9102"]
+    assert listed["evaluator"] == ["gpu-b:9107"] and listed["relay-1"] == ["gpu-b:9109"]  # after 5 generators
+    assert set(listed) == set(job.ports)
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    conf = tmp_path / "prometheus.yml"
+    conf.write_text(f"scrape_configs:\n  - job_name: streamgrpo\n    file_sd_configs:\n      - files: ['{targets}']\n")
+    out = subprocess.run([tool, "check", "config", str(conf)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"targets": "gpu-a:9100"}]')
+    conf.write_text(f"scrape_configs:\n  - job_name: streamgrpo\n    file_sd_configs:\n      - files: ['{broken}']\n")
+    assert subprocess.run([tool, "check", "config", str(conf)], capture_output=True).returncode != 0
