@@ -62,6 +62,7 @@ install() {  # one part, in the set's order, with its flags
 }
 
 IFS=, read -r -a todo <<< "$parts"
+for name in torch torchvision vllm transformers deepspeed flash-attn peft; do pin "$name" >/dev/null; done  # all pinned
 
 if [ "$dry_run" = 1 ]; then
   echo "the GPU set ($constraints):"
