@@ -164,6 +164,16 @@ def cmd_up(args) -> int:
                   gpu_gib=args.gpu_gib)
 
 
+def cmd_slurm(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.commands.slurm import run_slurm
+
+    return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks, out=args.out,
+                     job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
+                     overrides=tuple(args.overrides))
+
+
 def cmd_learner(args) -> int:
     cfg = _load(args)
     from streamgrpo.learner.loop import run_learner
@@ -221,9 +231,10 @@ def cmd_relay(args) -> int:
     cfg = _load(args)
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    from streamgrpo.relay.loop import run_relay
+    from streamgrpo.relay.loop import IDLE_EXIT_S, run_relay
 
-    return run_relay(cfg, client_key=args.client_key)
+    return run_relay(cfg, client_key=args.client_key,
+                     idle_exit_s=IDLE_EXIT_S if args.idle_exit_s is None else args.idle_exit_s)
 
 
 def cmd_infer(args) -> int:
@@ -315,12 +326,27 @@ def cmd_keys(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- parser
+class _Versions(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        from streamgrpo.versions import report
+
+        print(report())
+        parser.exit()
+
+
+ROLES = ("up", "learner", "generator", "evaluator", "relay")
+"""The commands that run a role: each checks the installed releases first (streamgrpo/versions.py)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamgrpo",
         description="Asynchronous GRPO for Qwen vision-language models on video and image questions.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Versions, nargs=0,
+                        help="print the installed releases of streamgrpo, torch, transformers, vLLM, DeepSpeed, "
+                             "flash-attn, peft (and the tested ranges) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -342,6 +368,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=None,
                    help="memory of one GPU for the plan's check (default: what CUDA reports; none on a CPU)")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("slurm", help="the sbatch script of a run on N Slurm nodes (learner, generators, relays, "
+                                     "Redis without root, the evaluator, Prometheus targets)")
+    p.add_argument("--config", required=True, help="the YAML file every node reads (on shared storage)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (the plan uses it, and every process of the job gets it)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each node (default 8)")
+    p.add_argument("--generators-per-node", type=int, default=None,
+                   help="at most this many generators (one GPU each) per node (default: every GPU left)")
+    p.add_argument("--learner-ranks", type=int, default=None,
+                   help="learner ranks, one GPU each, from the first node on (default launch.learner_ranks)")
+    p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    p.add_argument("--job-name", default="streamgrpo", help="#SBATCH --job-name")
+    p.add_argument("--time", default="24:00:00", help="#SBATCH --time")
+    p.add_argument("--partition", default=None, help="#SBATCH --partition")
+    p.add_argument("--python", default="python", help="the Python with streamgrpo on every node (default: python)")
+    p.set_defaults(func=cmd_slurm)
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
     _add_config_args(p)
@@ -373,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-key", default=None,
                    help="CURVE client key in weights.curve_keys_dir/clients, e.g. client-3 (a generator starting the "
                         "relay passes its own)")
+    p.add_argument("--idle-exit-s", type=float, default=None,
+                   help="exit after this long with no generator connected (default 60; a launcher that starts the "
+                        "relay before its generators load, as `streamgrpo slurm`'s script does, gives more)")
     p.set_defaults(func=cmd_relay)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
@@ -529,6 +576,9 @@ def _user_error(exc: BaseException) -> int | None:
 
     if isinstance(exc, ConfigError):
         return USAGE_EXIT
+    versions = sys.modules.get("streamgrpo.versions")
+    if versions is not None and isinstance(exc, versions.UntestedRelease):
+        return USAGE_EXIT
     records = sys.modules.get("streamgrpo.data.records")
     if records is not None and isinstance(exc, records.DataFileNotFound):
         return USAGE_EXIT
@@ -584,6 +634,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command in ROLES:
+            from streamgrpo.versions import check_at_start
+
+            check_at_start(args.command)
         return int(func(args) or 0)
     except NotBuilt as exc:
         print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)

@@ -86,7 +86,7 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: 
     model_cfg = cfg.model.model_copy(update={"name_or_path": model, "lora": None})
     dtype = model_cfg.dtype if ("dtype" in cfg.model.model_fields_set or device.type != "cpu") else "float32"
     try:
-        net = load_model(model_cfg, device, dtype=dtype)
+        net = load_model(model_cfg, device, dtype=dtype, custom_mask=cfg.learner.shared_prompt)
         proc_src = adapter if adapter and _has_processor(adapter) else model
         processor = load_processor(proc_src, model_cfg.revision if proc_src == model else None)
     except OSError as exc:
