@@ -567,50 +567,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_error(exc: BaseException) -> int | None:
-    """The exit code of a mistake the user can fix (reported in one line), None for anything else.
+# The errors a user can fix, by module: (module, exception class names, exit code). Looked up only if the
+# module was imported: the exception cannot be one of its own otherwise, and the CLI stays free of imports.
+USER_ERRORS: tuple[tuple[str, tuple[str, ...], int], ...] = (
+    ("streamgrpo.versions", ("UntestedRelease",), USAGE_EXIT),
+    ("streamgrpo.data.records", ("DataFileNotFound",), USAGE_EXIT),
+    ("streamgrpo.data.records", ("DataError",), FAILED_EXIT),
+    ("streamgrpo.transport.queue.redis_stream", ("QueueError",), FAILED_EXIT),
+    ("streamgrpo.learner.memory", ("MemoryPlanError",), USAGE_EXIT),
+    ("streamgrpo.learner.checkpoint", ("CheckpointUnusable", "CheckpointWriteError"), FAILED_EXIT),
+    ("streamgrpo.learner.oom", ("LearnerOutOfMemory",), FAILED_EXIT),
+    ("streamgrpo.learner.media", ("MediaUnavailable",), FAILED_EXIT),
+    ("streamgrpo.generator.oom", ("PromptDoesNotFit",), FAILED_EXIT),
+    ("streamgrpo.engines.vllm_start", ("VLLMStartError",), FAILED_EXIT),
+    ("streamgrpo.engines.vllm", ("VLLMNotInstalled",), USAGE_EXIT),
+    ("streamgrpo.transport.weights.shm", ("ShmUnavailable",), USAGE_EXIT),
+)
 
-    Queue and data errors are looked up only if their modules were imported: the exception cannot
-    be one of theirs otherwise, and the CLI stays free of their imports."""
+
+def _user_error(exc: BaseException) -> int | None:
+    """The exit code of a mistake the user can fix (reported in one line), None for anything else."""
     from streamgrpo.config import ConfigError  # includes runtime.NoRedisConfigured
 
     if isinstance(exc, ConfigError):
         return USAGE_EXIT
-    versions = sys.modules.get("streamgrpo.versions")
-    if versions is not None and isinstance(exc, versions.UntestedRelease):
-        return USAGE_EXIT
-    records = sys.modules.get("streamgrpo.data.records")
-    if records is not None and isinstance(exc, records.DataFileNotFound):
-        return USAGE_EXIT
-    if records is not None and isinstance(exc, records.DataError):
-        return FAILED_EXIT
-    queue = sys.modules.get("streamgrpo.transport.queue.redis_stream")
-    if queue is not None and isinstance(exc, queue.QueueError):
-        return FAILED_EXIT
-    memory = sys.modules.get("streamgrpo.learner.memory")
-    if memory is not None and isinstance(exc, memory.MemoryPlanError):
-        return USAGE_EXIT
-    checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
-    if checkpoint is not None and isinstance(exc, (checkpoint.CheckpointUnusable, checkpoint.CheckpointWriteError)):
-        return FAILED_EXIT
-    oom = sys.modules.get("streamgrpo.learner.oom")
-    if oom is not None and isinstance(exc, oom.LearnerOutOfMemory):
-        return FAILED_EXIT
-    media = sys.modules.get("streamgrpo.learner.media")
-    if media is not None and isinstance(exc, media.MediaUnavailable):
-        return FAILED_EXIT
-    oom = sys.modules.get("streamgrpo.generator.oom")
-    if oom is not None and isinstance(exc, oom.PromptDoesNotFit):
-        return FAILED_EXIT
-    vllm_start = sys.modules.get("streamgrpo.engines.vllm_start")
-    if vllm_start is not None and isinstance(exc, vllm_start.VLLMStartError):
-        return FAILED_EXIT
-    vllm = sys.modules.get("streamgrpo.engines.vllm")
-    if vllm is not None and isinstance(exc, vllm.VLLMNotInstalled):
-        return USAGE_EXIT
-    shm = sys.modules.get("streamgrpo.transport.weights.shm")
-    if shm is not None and isinstance(exc, shm.ShmUnavailable):
-        return USAGE_EXIT
+    for module, names, code in USER_ERRORS:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(exc, tuple(getattr(mod, n) for n in names)):
+            return code
     return None
 
 

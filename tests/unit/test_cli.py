@@ -192,3 +192,18 @@ def test_a_generators_fixed_metrics_port_is_offset_by_its_local_index():
     assert ports == [9103, 9100, 0]
     with pytest.raises(ConfigError, match="past 65535"):
         _set_generator_port(load_config("demo", ["metrics.port=65535"]), argparse.Namespace(local_index=1))
+
+
+def test_every_user_error_names_an_exception_class_of_its_module():
+    """cli.USER_ERRORS names classes by string: a renamed class would silently become a traceback."""
+    import importlib
+
+    from streamgrpo.cli import USER_ERRORS, _user_error
+
+    for module, names, code in USER_ERRORS:
+        mod = importlib.import_module(module)
+        for name in names:
+            cls = getattr(mod, name)
+            assert isinstance(cls, type) and issubclass(cls, BaseException), (module, name)
+            assert _user_error(cls.__new__(cls)) == code, (module, name)
+    assert _user_error(RuntimeError("not a user's mistake")) is None
