@@ -51,15 +51,18 @@ from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.learner.agreement_guard import AgreementGuard
+from streamgrpo.learner.crash_loop import CrashLoopBreaker
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
     init_distributed,
 )
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
+from streamgrpo.learner.limits import GroupLimits
 from streamgrpo.learner.media import MediaResolver, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
+from streamgrpo.learner.screen import Screen
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
 from streamgrpo.learner.trainer import Learner
@@ -165,7 +168,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     last_metrics: dict[str, Any] = {}
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
-    source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
+    breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
+    breaker.on_start()  # the groups of a step the last learner died in
+    screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
+    source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
@@ -192,7 +198,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                 break  # stopping
             # 2. one optimizer step over all ranks' groups
             t0 = time.perf_counter()
-            out, carry = guarded_step(learner, queue, gate, batch, dist)
+            batch, later = breaker.isolate(batch)  # a group the learner died with trains alone
+            with breaker.stepping(batch):
+                out, carry = guarded_step(learner, queue, gate, batch, dist)
+            carry += later
             step_s = time.perf_counter() - t0
             if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
