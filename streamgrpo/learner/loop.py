@@ -9,6 +9,9 @@ ranks with no coordinator. One top-down loop per optimizer step:
    rolled back), ones whose token ids the model cannot embed (dead-lettered), ones it trained before
    (``duplicate``) and ones whose re-processed prompt ids differ from the message (``mismatch``);
    the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
+   groups over ``learner.max_group_pixels`` / ``max_group_tokens`` (``too_large``) and groups the
+   learner died on in ``learner.crash_loop_starts`` starts (``crash_loop``) are dead-lettered first,
+   before any visual is decoded (:mod:`~streamgrpo.learner.screen`);
 2. :meth:`~streamgrpo.learner.trainer.Learner.train_step`: advantages, log-probs (+ reference), the
    clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.learner.trainer`). If it
    raises or its loss is not finite, a one-rank learner probes each group alone (forward and
