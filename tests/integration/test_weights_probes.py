@@ -176,3 +176,72 @@ def test_a_generator_that_joins_in_the_middle_of_a_delta_takes_the_snapshot_and_
         assert sub.stats["from_delta"] == 2
     finally:
         mid.close()
+
+
+def test_a_relay_whose_shm_folder_is_full_stops_in_one_line_and_its_generators_apply_nothing_partial(
+        delta_pub, tmp_path):
+    """A full folder, root-free: the relay runs with a 64 KiB file-size limit (RLIMIT_FSIZE; a version here is
+    ~155 KB), so reserving a version's file fails as on a full tmpfs. The relay says so in one line and exits 1;
+    its generators keep what they hold (nothing partial); a relay with room serves them the version."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from streamgrpo.config import build_config
+    from streamgrpo.transport.weights.factory import subscriber_from_config
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.pub_port={delta_pub.pub_port}",
+                            f"weights.snapshot_port={delta_pub.snapshot_port}", "weights.delta=true",
+                            f"weights.shm_dir={shm}", "weights.relay=true", "metrics.port=0"])
+    path = tmp_path / "relay.yaml"
+    path.write_text(cfg.to_yaml())
+    argv = [sys.executable, "-m", "streamgrpo", "relay", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as ENOSPC would
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    v = _base()
+    delta_pub.publish(0, v)
+    full = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=small_files)
+    sub = None
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while sub is None and time.monotonic() < deadline and full.poll() is None:
+            try:
+                sub = subscriber_from_config(cfg.weights, cfg.run_dir)  # once the relay's sockets exist
+            except Exception:  # noqa: BLE001 - not there yet
+                time.sleep(0.2)
+        out, _ = full.communicate(timeout=WAIT_S)
+        assert full.returncode == 1, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        errors = [line for line in out.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and "has no room for a" in errors[0] and "shm_size" in errors[0], out[-3000:]
+        if sub is not None:
+            assert sub.poll(0.5) is None  # nothing partial was handed out
+        roomy = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while sub is None and time.monotonic() < deadline:
+                try:
+                    sub = subscriber_from_config(cfg.weights, cfg.run_dir)
+                except Exception:  # noqa: BLE001 - not there yet
+                    time.sleep(0.2)
+            assert sub is not None
+            got = _wait(sub, 0, WAIT_S)
+            assert got[0] == 0 and _same(got[1], v)
+        finally:
+            roomy.send_signal(signal.SIGTERM)
+            roomy.wait(30)
+    finally:
+        if sub is not None:
+            sub.close()
+        if full.poll() is None:
+            full.kill()
+            full.wait(10)
