@@ -74,6 +74,7 @@ from streamgrpo.runtime import (
     RunLock,
     StopFlag,
     queue_url,
+    rewind_jsonl,
     setup_torch_threads,
     start_metrics,
     write_json,
@@ -257,11 +258,17 @@ def _startup_warnings(cfg: Config, queue) -> None:
 
 def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
                      dist: DistInfo) -> None:
-    """Resume from the checkpoint ``found``, if any; otherwise (step 0) rank 0 forgets the committed step of a
-    previous run in this namespace."""
+    """Resume from the checkpoint ``found``, if any; otherwise (step 0) the logs lose the steps of a learner
+    that died before its first checkpoint (no checkpoint holds them: they are trained again), and rank 0
+    forgets the committed step of a previous run in this namespace."""
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
-    elif dist.is_main:
+        return
+    rewound = rewind_jsonl(audit_path, 0) + (rewind_jsonl(run_dir / "metrics.jsonl", 0) if dist.is_main else 0)
+    if rewound:
+        log.info("no checkpoint: dropped %d log line(s) of steps trained by a learner that stopped before its "
+                 "first checkpoint (their training is re-done)", rewound)
+    if dist.is_main:
         queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
 
 
