@@ -9,7 +9,11 @@ writing a checkpoint (``step-N.tmp`` exists) and kills it then. Then it stops th
 the learner with SIGTERM (a clean stop: final checkpoint and commit). With ``--up-minutes``, the same
 run goes on under ``streamgrpo up --resume`` (same run directory, same Redis): `up` is killed with
 -9 (its children stop with it: SIGTERM from the kernel) and restarted, then sent SIGHUP (a closed
-terminal: a clean stop) and restarted, then stopped with SIGTERM. Then it audits the run directory against Redis
+terminal: a clean stop) and restarted, then stopped with SIGTERM. Before the first clean stop, the
+huge-group phase: one valid group 16x the demo's pixels (taken: ``learner.max_group_pixels`` is raised for it) and one
+over that limit go into the stream; the second is dead-lettered ``too_large``, and the learner is killed -9
+each time a step holds the first (as an out-of-memory killer would) until a start dead-letters it as
+``crash_loop``. Then it audits the run directory against Redis
 (:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
@@ -187,7 +191,7 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     def sample(side: int, seed: int):
-        over = [f"data.min_pixels={side * side}", f"data.max_pixels={side * side}"]
+        over = [f"data.min_pixels={side * side}", f"data.max_pixels={side * side}", "data.kinds=[colour]"]  # 1 video
         return sample_groups(cfg.model.name_or_path, cfg.data.train_path, 1, data_overrides=over, seed=seed,
                              num_generations=cfg.rollout.num_generations, max_tokens=cfg.rollout.max_completion_length)[0]
 
@@ -339,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
     up = {t: sum(k.target == t for k in kills) for t in ("up", "up-hup")}
     ckpt = next((k.note for k in kills if k.target == "learner-ckpt"), "none")
+    huge = [k.note for k in kills if k.target == "huge-group"]
     print(f"kills: learner {by['learner']} (one {ckpt}), generator {by['generator']}, redis {by['redis']}, "
           f"up kill -9 {up['up']}, up SIGHUP {up['up-hup']} in {info['seconds']:.0f}s; resumes {result.resumes}")
+    print(f"huge groups: learner killed -9 {len(huge)} times in a step holding one; {huge[-1] if huge else 'none'}")
     print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
           f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
           f"still queued {result.queued}, uncommitted {result.uncommitted}")

@@ -23,7 +23,7 @@ import pytest
 
 from streamgrpo import metrics
 
-HUGE = ["data.min_pixels=50176", "data.max_pixels=50176"]  # 224 x 224 frames: 16x the demo's 56 x 56
+HUGE = ["data.min_pixels=50176", "data.max_pixels=50176", "data.kinds=[colour]"]  # one video of 224 x 224 frames
 
 
 @pytest.fixture(scope="module")
