@@ -71,6 +71,17 @@ def test_limits_are_read_from_the_message_and_default_to_the_data_config(groups,
     assert "over learner.max_group_tokens" in too_large(groups[0], GroupLimits.from_config(small))
 
 
+def test_queue_check_names_a_group_over_the_limits(groups, huge):
+    from streamgrpo.commands.queue_check import check_message
+    from streamgrpo.config import load_config
+    from streamgrpo.learner.limits import GroupLimits
+    from streamgrpo.wire import encode
+
+    limits = GroupLimits.from_config(load_config("demo", ["data.min_frames=4", "data.max_frames=4"]))
+    gid, problem, _ = check_message(encode(huge), None, 0, None, 1 << 28, limits=limits)
+    assert gid == huge.group_id and problem.label == "too_large" and "over 12,544" in problem.reason
+
+
 def test_a_group_over_the_limits_is_dead_lettered_before_it_is_decoded(groups, tiny_model_dir, demo_data_dir,
                                                                        redis_server, redis_ns, tmp_path, caplog):
     """By reference, so decoding would happen on the learner: the huge group is refused from its declared
