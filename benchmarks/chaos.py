@@ -177,6 +177,13 @@ HUGE_SIDE, TOO_LARGE_SIDE = 224, 280  # frames of the huge groups (the demo's ar
 HUGE_LIMIT = 4 * 240 * 240  # learner.max_group_pixels of the soak: 4 frames of 224 x 224 pass, of 280 x 280 not
 
 
+def _stale_drops(run_dir: Path, group_id: str) -> int:
+    from streamgrpo.audit import read_jsonl
+
+    return sum(r.get("event") == "dropped" and r.get("group_id") == group_id and r.get("reason") in ("stale", "rolled_back")
+               for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
+
+
 def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[Kill], t0: float, log,
                       timeout_s: float = 420.0) -> None:
     """Issue 50 item 3: one valid but huge group (4 frames of 224 x 224, under ``learner.max_group_pixels``) and
@@ -207,11 +214,17 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
         q.put_many([huge, over])
         log(f"[{time.monotonic() - t0:6.1f}s] huge groups in: {huge.group_id} (4 x {HUGE_SIDE}^2 pixels), "
             f"{over.group_id} (4 x {TOO_LARGE_SIDE}^2, over learner.max_group_pixels)")
-        deadline, cleared, dead = time.monotonic() + timeout_s, False, {}
+        deadline, cleared, dead, stale, look = time.monotonic() + timeout_s, False, {}, 0, 0.0
         while time.monotonic() < deadline:
-            dead = {d["group_id"]: d["reason"].split(":")[0] for d in q.dead_letters(100)}
-            if dead.get(huge.group_id) and dead.get(over.group_id):
-                break
+            if time.monotonic() >= look:  # the dead letters and the learner's drops: once a second
+                look = time.monotonic() + 1.0
+                dead = {d["group_id"]: d["reason"].split(":")[0] for d in q.dead_letters(100)}
+                if dead.get(huge.group_id) and dead.get(over.group_id):
+                    break
+                if _stale_drops(run_dir, huge.group_id) > stale:  # released: the learner moved on while it was held
+                    stale += 1  # in again, fresh; its count of deaths stays in Redis under its id
+                    q.put(dataclasses.replace(huge, policy_version=_last_step(run_dir)))
+                    log(f"[{time.monotonic() - t0:6.1f}s] the huge group was dropped as stale; sent again")
             if learner.p.poll() is not None:
                 learner.start()
                 cleared = False
