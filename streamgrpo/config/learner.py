@@ -63,7 +63,7 @@ class LearnerConfig(Section):
     max_group_tokens: Optional[int] = Field(None, ge=1, le=1 << 40)
     """Decoder tokens of a group (prompt tokens x completions + completion tokens) past which it is dead-lettered as too_large. null = rollout.num_generations x (the prompt that max_group_pixels and data.max_question_chars allow + rollout.max_completion_length)."""
     crash_loop_starts: int = Field(3, ge=1, le=1000)
-    """A group that was in the step being trained when the learner died (kill -9, out of memory, an error) in this many consecutive starts is dead-lettered as crash_loop (counted in Redis, per group), so one message can never stop training. After a first such death, each group of that step trains in a step of its own."""
+    """A group that was in the step being trained when the learner died (kill -9, out of memory, an error) in this many consecutive starts is dead-lettered as crash_loop (counted in Redis, per group), so one message can never stop training. After a first such death, each group of that step trains in a step of its own (the most counted first): up to groups_per_step / ranks extra steps."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = Field(1, ge=1, le=1000)

@@ -8,8 +8,9 @@ to each of those groups' count in the hash ``<ns>:crash_starts``. Then
 
 * a group whose count reached ``learner.crash_loop_starts`` is dead-lettered ``crash_loop`` when next
   read (one line; ``groups_dropped{reason=crash_loop}``);
-* a group with a count trains in a step of its own (:meth:`CrashLoopBreaker.isolate`), so the next death
-  is counted only for the group that causes it, never for the others of its first step;
+* a group with a count trains in a step of its own, the most counted first (:meth:`CrashLoopBreaker.isolate`),
+  so the next death is counted only for the group that causes it, never for the others of its first step
+  (the cost: after a death, up to a step's groups train one per step);
 * a step that returns clears its groups' counts: the starts counted are consecutive.
 
 Best effort: when Redis refuses these small writes the learner says so once and trains on.
@@ -71,11 +72,13 @@ class CrashLoopBreaker:
                 f"{self.starts}): dead-lettered so that training goes on")
 
     def isolate(self, batch: list) -> tuple[list, list]:
-        """``(step, later)``: a group with a count alone, the rest later; else the whole batch."""
-        for i, a in enumerate(batch):
-            if self.counts.get(a.group.group_id) and len(batch) > 1:
-                return [a], batch[:i] + batch[i + 1:]
-        return batch, []
+        """``(step, later)``: the group with the highest count alone (the likeliest cause first, before the
+        others of its step move the policy on), the rest later; without counts the whole batch."""
+        counts = [self.counts.get(a.group.group_id, 0) for a in batch]
+        if len(batch) < 2 or not any(counts):
+            return batch, []
+        i = counts.index(max(counts))
+        return [batch[i]], batch[:i] + batch[i + 1:]
 
     @contextlib.contextmanager
     def stepping(self, batch: list):
