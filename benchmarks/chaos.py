@@ -9,7 +9,11 @@ writing a checkpoint (``step-N.tmp`` exists) and kills it then. Then it stops th
 the learner with SIGTERM (a clean stop: final checkpoint and commit). With ``--up-minutes``, the same
 run goes on under ``streamgrpo up --resume`` (same run directory, same Redis): `up` is killed with
 -9 (its children stop with it: SIGTERM from the kernel) and restarted, then sent SIGHUP (a closed
-terminal: a clean stop) and restarted, then stopped with SIGTERM. Then it audits the run directory against Redis
+terminal: a clean stop) and restarted, then stopped with SIGTERM. Before the first clean stop, the
+huge-group phase: one valid group 16x the demo's pixels (taken: ``learner.max_group_pixels`` is raised for it) and one
+over that limit go into the stream; the second is dead-lettered ``too_large``, and the learner is killed -9
+each time a step holds the first (as an out-of-memory killer would) until a start dead-letters it as
+``crash_loop``. Then it audits the run directory against Redis
 (:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
@@ -169,6 +173,81 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
         up.kill9()
 
 
+HUGE_SIDE, TOO_LARGE_SIDE = 224, 280  # frames of the huge groups (the demo's are 56 x 56)
+HUGE_LIMIT = 4 * 240 * 240  # learner.max_group_pixels of the soak: 4 frames of 224 x 224 pass, of 280 x 280 not
+
+
+def _stale_drops(run_dir: Path, group_id: str) -> int:
+    from streamgrpo.audit import read_jsonl
+
+    return sum(r.get("event") == "dropped" and r.get("group_id") == group_id and r.get("reason") in ("stale", "rolled_back")
+               for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
+
+
+def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[Kill], t0: float, log,
+                      timeout_s: float = 420.0) -> None:
+    """Issue 50 item 3: one valid but huge group (4 frames of 224 x 224, under ``learner.max_group_pixels``) and
+    one over the learner's limits (280 x 280) enter the stream, from a producer that keeps an audit log. The
+    second is dead-lettered ``too_large`` at once. The first is trained, and the learner is killed -9 each time a
+    step holds it (as an out-of-memory killer would) and restarted with --resume, until a start dead-letters it
+    as ``crash_loop`` (after ``learner.crash_loop_starts`` deaths). Each kill is a ``huge-group`` :class:`Kill`;
+    its note says how it ended."""
+    import dataclasses
+
+    from streamgrpo.generator.rollouts import sample_groups
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    def sample(side: int, seed: int):
+        over = [f"data.min_pixels={side * side}", f"data.max_pixels={side * side}", "data.kinds=[colour]"]  # 1 video
+        return sample_groups(cfg.model.name_or_path, cfg.data.train_path, 1, data_overrides=over, seed=seed,
+                             num_generations=cfg.rollout.num_generations, max_tokens=cfg.rollout.max_completion_length)[0]
+
+    version = _last_step(run_dir)  # fresh enough to be trained, not dropped as stale
+    huge, over = (dataclasses.replace(sample(side, 90 + i), policy_version=version, generator_id="chaos-huge")
+                  for i, side in enumerate((HUGE_SIDE, TOO_LARGE_SIDE)))
+    with open(run_dir / "audit" / "chaos-huge.jsonl", "a") as fh:
+        for g in (huge, over):
+            fh.write(json.dumps({"event": "produced", "group_id": g.group_id}) + "\n")
+    q = RedisQueue(url, namespace=cfg.queue.namespace, consumer="chaos-huge")
+    marker = f"{cfg.queue.namespace}:stepping:learner-0"
+    try:
+        q.put_many([huge, over])
+        log(f"[{time.monotonic() - t0:6.1f}s] huge groups in: {huge.group_id} (4 x {HUGE_SIDE}^2 pixels), "
+            f"{over.group_id} (4 x {TOO_LARGE_SIDE}^2, over learner.max_group_pixels)")
+        deadline, cleared, dead, stale, look = time.monotonic() + timeout_s, False, {}, 0, 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= look:  # the dead letters and the learner's drops: once a second
+                look = time.monotonic() + 1.0
+                dead = {d["group_id"]: d["reason"].split(":")[0] for d in q.dead_letters(100)}
+                if dead.get(huge.group_id) and dead.get(over.group_id):
+                    break
+                if _stale_drops(run_dir, huge.group_id) > stale:  # released: the learner moved on while it was held
+                    stale += 1  # in again, fresh; its count of deaths stays in Redis under its id
+                    q.put(dataclasses.replace(huge, policy_version=_last_step(run_dir)))
+                    log(f"[{time.monotonic() - t0:6.1f}s] the huge group was dropped as stale; sent again")
+            if learner.p.poll() is not None:
+                learner.start()
+                cleared = False
+            mark = (q.client.get(marker) or b"").decode()
+            cleared |= huge.group_id not in mark  # a killed learner's mark stays until the next start counts it
+            if cleared and huge.group_id in mark:
+                learner.kill9()
+                kills.append(Kill(round(time.monotonic() - t0, 1), "huge-group", _last_step(run_dir)))
+                log(f"[{kills[-1].at_s:6.1f}s] kill -9 learner in a step holding the huge group "
+                    f"(learner at step {kills[-1].step})")
+                learner.start()
+                cleared = False
+            time.sleep(0.02)
+        note = f"{huge.group_id}: {dead.get(huge.group_id, 'not dead-lettered')}, " \
+               f"{over.group_id}: {dead.get(over.group_id, 'not dead-lettered')}"
+        log(f"[{time.monotonic() - t0:6.1f}s] huge-group phase: {note}")
+        for k in kills:
+            if k.target == "huge-group":
+                k.note = note
+    finally:
+        q.close()
+
+
 def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generators: int = 2, seed: int = 0,
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
               log=print, up_s: float = 0.0) -> tuple[object, list[Kill], dict]:
@@ -185,7 +264,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
     overrides = [f"run_dir={run_dir}", f"queue.url={url}", "learner.max_steps=1000000", "learner.save_steps=5",
                  "learner.get_timeout_s=1", f"rollout.num_generators={generators}", "metrics.port=0",
                  f"weights.pub_port={free_port()}", f"weights.snapshot_port={free_port()}", f"seed={seed}",
-                 "eval.enabled=false", "launch.agreement_check=false"]  # each `up --resume` restarts at once
+                 "eval.enabled=false", "launch.agreement_check=false",  # each `up --resume` restarts at once
+                 f"learner.max_group_pixels={HUGE_LIMIT}"]  # the huge-group phase: one group taken, one not
     if model:
         overrides += [f"model.name_or_path={model}", "demo.tiny_model=false"]
     if data:
@@ -231,6 +311,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                     proc.kill9()
                     proc.start()
             time.sleep(0.5)
+        _huge_group_phase(run_dir, cfg, url, learner, kills, t0, log)
         log(f"[{time.monotonic() - t0:6.1f}s] stopping: generators, then the learner (final checkpoint)")
         for g in gens.values():
             g.term()
@@ -275,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
     up = {t: sum(k.target == t for k in kills) for t in ("up", "up-hup")}
     ckpt = next((k.note for k in kills if k.target == "learner-ckpt"), "none")
+    huge = [k.note for k in kills if k.target == "huge-group"]
     print(f"kills: learner {by['learner']} (one {ckpt}), generator {by['generator']}, redis {by['redis']}, "
           f"up kill -9 {up['up']}, up SIGHUP {up['up-hup']} in {info['seconds']:.0f}s; resumes {result.resumes}")
+    print(f"huge groups: learner killed -9 {len(huge)} times in a step holding one; {huge[-1] if huge else 'none'}")
     print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
           f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
           f"still queued {result.queued}, uncommitted {result.uncommitted}")

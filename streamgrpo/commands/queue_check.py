@@ -56,11 +56,13 @@ def vocab_size(model_path: str) -> int:
 
 
 def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, entry_gid: str = "",
-                  drop_zero_variance: bool = False):
+                  drop_zero_variance: bool = False, limits=None):
     """``(group id or "?", Problem or None, group or None)`` for one message; with
-    ``drop_zero_variance`` (``loss.drop_zero_variance``) a group whose rewards are all equal is dropped too."""
+    ``drop_zero_variance`` (``loss.drop_zero_variance``) a group whose rewards are all equal is dropped too;
+    ``limits`` (:class:`~streamgrpo.learner.limits.GroupLimits`): a group over them is ``too_large``."""
     from streamgrpo.advantages import is_zero_variance
     from streamgrpo.learner.checks import Problem, check_group
+    from streamgrpo.learner.limits import too_large
     from streamgrpo.wire import WireError, decode
 
     try:
@@ -69,6 +71,9 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
         return entry_gid or "?", Problem("malformed", str(exc)), None
     if entry_gid and entry_gid != group.group_id:
         return entry_gid, Problem("malformed", f"group_id: entry says {entry_gid!r}, message says {group.group_id!r}"), None
+    why = too_large(group, limits) if limits is not None else None
+    if why is not None:
+        return group.group_id, Problem("too_large", why), group
     if drop_zero_variance and is_zero_variance([c.reward for c in group.completions]):
         return group.group_id, Problem("zero_variance", f"completions: all {len(group.completions)} rewards are "
                                                         f"{group.completions[0].reward!r} (loss.drop_zero_variance)"), group
@@ -77,6 +82,7 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
 
 
 def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, out: TextIO = sys.stdout) -> int:
+    from streamgrpo.learner.limits import GroupLimits
     from streamgrpo.learner.media import MediaResolver
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime import queue_url
@@ -85,6 +91,7 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
     vocab = vocab_size(cfg.model.name_or_path)
     media = MediaResolver(cfg.data, cache_mib=cfg.learner.media_cache_mib)
     max_bytes = int(cfg.queue.max_message_mib * (1 << 20))
+    limits = GroupLimits.from_config(cfg)
     queue = None
     try:
         if file is not None:
@@ -97,7 +104,8 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
         verdicts: Counter = Counter()
         for where, data, gid in items:
             gid, problem, group = check_message(data, processor, vocab, media, max_bytes, gid,
-                                                drop_zero_variance=cfg.loss.drop_zero_variance)
+                                                drop_zero_variance=cfg.loss.drop_zero_variance,
+                                                limits=limits)
             if problem is None:
                 kinds = sorted({"reference" if v.ref is not None else "inline" for v in group.visuals}) or ["none"]
                 print(f"OK    {where}: group {gid} (v{group.policy_version}, {len(group.completions)} completions, "

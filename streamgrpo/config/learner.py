@@ -60,6 +60,12 @@ class LearnerConfig(Section):
     """Threads that decode referenced visuals ahead of the step (the next step's groups are read and decoded while a step trains)."""
     media_unavailable_s: float = Field(60.0, ge=0.0, le=86400.0)
     """A group whose media reference cannot be resolved (missing file, outside data.media_root, other pixels) is dead-lettered and training goes on with the others. The learner stops with one line only when it has resolved no reference for this many seconds and its own media root (data.media_root, else the training file's folder), checked directly, is missing, unreadable or empty; the groups it has not read stay queued."""
+    max_group_pixels: Optional[int] = Field(None, ge=1, le=1 << 40)
+    """Pixels (frames x height x width, summed over a group's visuals, read from the message's declared sizes before anything is decoded) past which a group is dead-lettered as too_large. null = what data allows one sample: data.total_pixels, capped by data.max_frames x data.max_pixels per video and data.max_pixels per image of the group (set it when records' meta raise those limits)."""
+    max_group_tokens: Optional[int] = Field(None, ge=1, le=1 << 40)
+    """Decoder tokens of a group (prompt tokens x completions + completion tokens) past which it is dead-lettered as too_large. null = rollout.num_generations x (the prompt that max_group_pixels and data.max_question_chars allow + rollout.max_completion_length)."""
+    crash_loop_starts: int = Field(3, ge=1, le=1000)
+    """A group that was in the step being trained when the learner died (kill -9, out of memory, an error) in this many consecutive starts is dead-lettered as crash_loop (counted in Redis, per group), so one message can never stop training. After a first such death, each group of that step trains in a step of its own (the most counted first): up to groups_per_step / ranks extra steps."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = Field(1, ge=1, le=1000)

@@ -9,6 +9,9 @@ ranks with no coordinator. One top-down loop per optimizer step:
    rolled back), ones whose token ids the model cannot embed (dead-lettered), ones it trained before
    (``duplicate``) and ones whose re-processed prompt ids differ from the message (``mismatch``);
    the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
+   groups over ``learner.max_group_pixels`` / ``max_group_tokens`` (``too_large``) and groups the
+   learner died on in ``learner.crash_loop_starts`` starts (``crash_loop``) are dead-lettered first,
+   before any visual is decoded (:mod:`~streamgrpo.learner.screen`);
 2. :meth:`~streamgrpo.learner.trainer.Learner.train_step`: advantages, log-probs (+ reference), the
    clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.learner.trainer`). If it
    raises or its loss is not finite, a one-rank learner probes each group alone (forward and
@@ -51,15 +54,18 @@ from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.learner.agreement_guard import AgreementGuard
+from streamgrpo.learner.crash_loop import CrashLoopBreaker
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
     init_distributed,
 )
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
+from streamgrpo.learner.limits import GroupLimits
 from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
+from streamgrpo.learner.screen import Screen
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
 from streamgrpo.learner.trainer import Learner
@@ -68,6 +74,7 @@ from streamgrpo.runtime import (
     RunLock,
     StopFlag,
     queue_url,
+    rewind_jsonl,
     setup_torch_threads,
     start_metrics,
     write_json,
@@ -166,7 +173,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     last_metrics: dict[str, Any] = {}
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
-    source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
+    breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
+    breaker.on_start()  # the groups of a step the last learner died in
+    screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
+    source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
@@ -193,7 +203,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                 break  # stopping
             # 2. one optimizer step over all ranks' groups
             t0 = time.perf_counter()
-            out, carry = guarded_step(learner, queue, gate, batch, dist)
+            batch, later = breaker.isolate(batch)  # a group the learner died with trains alone
+            with breaker.stepping(batch):
+                out, carry = guarded_step(learner, queue, gate, batch, dist)
+            carry += later
             step_s = time.perf_counter() - t0
             if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
@@ -246,11 +259,17 @@ def _startup_warnings(cfg: Config, queue) -> None:
 
 def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
                      dist: DistInfo) -> None:
-    """Resume from the checkpoint ``found``, if any; otherwise (step 0) rank 0 forgets the committed step of a
-    previous run in this namespace."""
+    """Resume from the checkpoint ``found``, if any; otherwise (step 0) the logs lose the steps of a learner
+    that died before its first checkpoint (no checkpoint holds them: they are trained again), and rank 0
+    forgets the committed step of a previous run in this namespace."""
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
-    elif dist.is_main:
+        return
+    rewound = rewind_jsonl(audit_path, 0) + (rewind_jsonl(run_dir / "metrics.jsonl", 0) if dist.is_main else 0)
+    if rewound:
+        log.info("no checkpoint: dropped %d log line(s) of steps trained by a learner that stopped before its "
+                 "first checkpoint (their training is re-done)", rewound)
+    if dist.is_main:
         queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
 
 

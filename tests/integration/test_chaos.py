@@ -31,6 +31,8 @@ def test_kill9_learner_generator_and_redis_loses_nothing_and_trains_nothing_twic
     assert targets.count("learner") == 1 and targets.count("learner-ckpt") == 1, lines
     assert targets.count("redis") == 1 and any(t.startswith("generator") for t in targets), lines
     assert targets.count("up") == 1 and targets.count("up-hup") == 1, lines
+    huge = [k.note for k in kills if k.target == "huge-group"]  # killed in its step until it is crash_loop
+    assert len(huge) == 3 and "crash_loop" in huge[0] and "too_large" in huge[0], lines
     assert all(not k.note.startswith("children still running") for k in kills), lines
     assert next(k.note for k in kills if k.target == "learner-ckpt").startswith("while writing step-"), lines
     assert result.resumes >= 4 and result.steps > 0, lines  # 2 learner kills, and 3 starts of `up --resume`
