@@ -51,6 +51,7 @@ from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.learner.agreement_guard import AgreementGuard
+from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.distributed import (
     DistInfo,
     gather_json,
@@ -59,7 +60,13 @@ from streamgrpo.learner.distributed import (
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
 from streamgrpo.learner.media import MediaResolver, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
-from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
+from streamgrpo.learner.resume import (
+    final_checkpoint,
+    resume_from,
+    start_from_weights,
+    start_point,
+    weights_source,
+)
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
 from streamgrpo.learner.trainer import Learner
@@ -131,6 +138,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
     found = start_point(cfg.learner, run_dir, dist)
+    weights_from = weights_source(cfg.learner, found)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
@@ -139,6 +147,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     _resume_or_reset(found, learner, queue, audit_path, run_dir, dist)
+    if weights_from is not None:
+        start_from_weights(weights_from, learner, dist)
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
@@ -152,17 +162,11 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media)
-    uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
-
-    def checkpoint_and_commit() -> None:
-        state.committing = [tuple(e) for part in gather_json(dist, uncommitted) for e in part]
-        learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
-        queue.commit(uncommitted, step=state.step)  # the checkpoint is durable: so is these groups' training
-        uncommitted.clear()
-        state.committing = []
-
     last_metrics: dict[str, Any] = {}
+    # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)
+    ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
+                          model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
     source = ReadAhead(queue, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
@@ -183,7 +187,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
                             "free them", early, state.step - saved_step, state.step)
-                checkpoint_and_commit()
+                ckpts.save(wait=True)
                 saved_step, carry = state.step, early.carry
                 continue
             wait_s = time.perf_counter() - t_wait
@@ -206,7 +210,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             state.dropped.update(merged.drops)
             state.remember(merged.group_ids)
             ids = [a.group.group_id for a in batch]
-            uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
+            ckpts.trained([(a.stream_id, a.group.group_id) for a in batch])
             audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))
             # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
@@ -214,9 +218,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
             last_metrics = rec.to_json()
             _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker, agreement)
-            # 5. checkpoint, then commit what it holds
+            # 5. checkpoint, then commit what it holds (a background write: once it is durable)
+            ckpts.poll()
             if state.step % cfg.learner.save_steps == 0:
-                checkpoint_and_commit()
+                ckpts.save()
                 saved_step = state.step
         finished = True
     except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
@@ -224,7 +229,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            final_checkpoint(dist, gate, state, saved_step, checkpoint_and_commit)
+            final_checkpoint(dist, gate, state, saved_step, ckpts)
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})
