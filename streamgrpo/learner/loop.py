@@ -75,6 +75,7 @@ from streamgrpo.runtime import (
     RunLock,
     StopFlag,
     queue_url,
+    rewind_jsonl,
     setup_torch_threads,
     start_metrics,
     write_json,
@@ -250,11 +251,15 @@ def _startup_warnings(cfg: Config, queue) -> None:
 
 def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
                      dist: DistInfo) -> None:
-    """Resume from the checkpoint ``found``, if any; otherwise (step 0) rank 0 forgets the committed step of a
+    """Resume from the checkpoint ``found``, if any; otherwise (step 0) the logs of a run that died before its
+    first checkpoint are trimmed (its steps are trained again) and rank 0 forgets the committed step of a
     previous run in this namespace."""
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
-    elif dist.is_main:
+        return
+    rewind_jsonl(audit_path, 0)  # a run that died before its first checkpoint: its steps are trained again
+    if dist.is_main:
+        rewind_jsonl(run_dir / "metrics.jsonl", 0)
         queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
 
 
