@@ -132,3 +132,45 @@ def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups,
     assert "claimed" in err
     audit, held, depth = _audit(run, url, redis_ns)
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 16, 4, 0, 0)
+
+
+def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, redis_server, redis_ns, tmp_path):
+    import torch
+
+    from streamgrpo.config import ConfigError, load_config
+    from streamgrpo.learner.distributed import DistInfo
+    from streamgrpo.learner.resume import start_from_weights, weights_source
+    from streamgrpo.learner.trainer import Learner
+
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}"])
+    old = Learner(cfg)
+    with torch.no_grad():
+        for p in old.module.parameters():
+            p.add_(0.25)
+    old.state.step = old.state.version = 7
+    ckpt = old.save(tmp_path / "old" / "checkpoints")
+
+    new_cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'new'}",
+                                   f"learner.from_weights={ckpt}"])
+    assert weights_source(new_cfg.learner, found=tmp_path / "some-checkpoint") is None  # a resume wins
+    new = Learner(new_cfg)
+    start_from_weights(weights_source(new_cfg.learner, found=None), new, DistInfo())
+    for (name, a), b in zip(old.module.named_parameters(), new.module.parameters()):
+        assert torch.equal(a, b), name
+    assert (new.state.step, new.state.version) == (0, 0) and not new.optimizer.state and new.scheduler.last_epoch == 0
+
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", "demo", "--from-weights",
+                          str(bad), "--run-dir", str(tmp_path / "x"), "--set", f"model.name_or_path={tiny_model_dir}",
+                          "--set", f"queue.url={redis_server.url}", "--set", f"queue.namespace={redis_ns}"],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("streamgrpo learner:")]
+    assert out.returncode != 0 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "not a checkpoint folder with weights" in lines[0]
+    try:
+        weights_source(new_cfg.learner.model_copy(update={"from_weights": str(bad)}), found=None)
+    except ConfigError as exc:
+        assert str(bad) in str(exc)
+    else:
+        raise AssertionError("a folder without weights was accepted")
