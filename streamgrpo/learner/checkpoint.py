@@ -49,14 +49,16 @@ from streamgrpo.models.files import read_model_tensors, to_model_names
 log = logging.getLogger(__name__)
 
 
-def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_to_flat(opt: torch.optim.Optimizer, to_cpu: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's state as ``state.<param index>.<name>`` tensors (on the CPU, or where they live with
+    ``to_cpu=False``: the asynchronous path copies them itself) and a JSON-able rest."""
     sd = opt.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, state in sd["state"].items():
         for name, value in state.items():
             if torch.is_tensor(value):
-                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous() if to_cpu else value.detach()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}

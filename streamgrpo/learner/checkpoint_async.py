@@ -41,11 +41,14 @@ class Snapshot:
 
 
 class HostBuffers:
-    """Host copies of tensors; tensors sharing storage (tied embeddings) stay shared. Tensors on a GPU go to
-    pinned buffers kept for the next checkpoint (pinning is slow; the copy is asynchronous, one sync at the end)."""
+    """Host copies of tensors into buffers kept for the next checkpoint (a fresh 3 GB allocation costs its page
+    faults every time: 8 s against 1-2 s for a copy into warm buffers on the 2-core CPU of docs/performance.md);
+    tensors on a GPU go to pinned buffers (the copy is asynchronous, one sync at the end). Tensors sharing
+    storage (tied embeddings) stay shared. A buffer is reused only once the write that read it has ended
+    (:class:`~streamgrpo.learner.checkpointing.Checkpointing` keeps at most one in flight)."""
 
     def __init__(self) -> None:
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, torch.Tensor] = {}
 
     def copy(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -57,14 +60,11 @@ class HostBuffers:
             if key in seen:  # tied: the same host copy
                 out[name] = seen[key]
                 continue
-            if t.is_cuda:
-                cuda = True
-                buf = self._pinned.get(prefix + name)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = self._pinned[prefix + name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-            else:
-                buf = t.clone(memory_format=torch.contiguous_format)
+            cuda = cuda or t.is_cuda
+            buf = self._kept.get(prefix + name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._kept[prefix + name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf.copy_(t, non_blocking=t.is_cuda)
             out[name] = seen[key] = buf
         if cuda:
             torch.cuda.synchronize()

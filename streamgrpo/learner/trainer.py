@@ -602,7 +602,7 @@ class Learner:
                 "param_names": self._trainable_names()}
         rng_tensors, rng_meta = rng_state()
         return Snapshot(step=self.state.step, model=host.copy(live, prefix="model/"),
-                        optimizer=host_optimizer(_optimizer_to_flat(self.optimizer), host),
+                        optimizer=host_optimizer(_optimizer_to_flat(self.optimizer, to_cpu=False), host),
                         scheduler=copy.deepcopy(self.scheduler.state_dict()),
                         rng=({k: v.clone() for k, v in rng_tensors.items()}, rng_meta), meta=meta,
                         model_card=model_card)

@@ -149,3 +149,46 @@ def test_kill_9_during_an_asynchronous_write_resumes_from_the_previous_checkpoin
     audit, held, depth = _audit(run, url, redis_ns)
     assert (audit.lost, audit.twice, audit.uncommitted, audit.trained, audit.steps, held, depth) == (0, 0, 0, 16, 8, 0, 0)
     assert not list(ckpts.glob("*.tmp"))  # the torn write was replaced when that step was checkpointed again
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_asynchronous_checkpoint_holds_what_a_synchronous_one_holds(tiny_model_dir, tmp_path, lora):
+    """Snapshot, then change the live weights and optimizer state, then write: the files are those a synchronous
+    save at the snapshot's moment writes (weights, optimizer, schedule, RNG, learner state), tensor for tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    from streamgrpo.config import load_config
+    from streamgrpo.learner.checkpoint_async import BackgroundWrite
+    from streamgrpo.learner.trainer import Learner
+
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",
+                               *(["model.lora={r: 4, alpha: 8}"] if lora else [])])
+    learner = Learner(cfg)
+    params = [p for p in learner.module.parameters() if p.requires_grad]
+    sum((p.float() ** 2).sum() for p in params).backward()
+    assert learner._optimizer_step()[1]
+    learner.state.step = 3
+    torch.manual_seed(5)
+    sync = learner.save(tmp_path / "sync")
+    torch.manual_seed(5)
+    snap = learner.snapshot()
+    with torch.no_grad():  # training goes on: none of this may reach the checkpoint
+        for p in params:
+            p.add_(1.0)
+        learner.optimizer.state[params[0]]["exp_avg"].add_(1.0)
+    learner.state.step = 4
+    written = BackgroundWrite(3, lambda: learner.write_snapshot(tmp_path / "async", snap)).result()
+    assert written.name == sync.name == "step-000003"
+    names = sorted(p.name for p in sync.iterdir())
+    assert names == sorted(p.name for p in written.iterdir())
+    assert ("adapter_model.safetensors" if lora else "model.safetensors") in names
+    for name in names:
+        a, b = sync / name, written / name
+        if name.endswith(".safetensors"):
+            ta, tb = load_file(str(a)), load_file(str(b))
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+        elif name == "trainer_state.json":
+            assert json.loads(a.read_text()) == json.loads(b.read_text())
+        else:
+            assert a.read_bytes() == b.read_bytes(), name
