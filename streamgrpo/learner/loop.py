@@ -139,7 +139,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
     found = start_point(cfg.learner, run_dir, dist)
-    weights_from = weights_source(cfg.learner, found)
+    weights_from = weights_source(cfg.learner, found, run_dir)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)

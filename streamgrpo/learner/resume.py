@@ -46,20 +46,33 @@ def start_point(lc: LearnerConfig, run_dir: Path, dist: DistInfo) -> Path | None
     return None
 
 
-def weights_source(lc: LearnerConfig, found: Path | None) -> Path | None:
+def weights_source(lc: LearnerConfig, found: Path | None, run_dir: Path | None = None) -> Path | None:
     """The checkpoint folder ``learner.from_weights`` names, when this start uses it (at step 0; a resume wins),
-    checked before any model is loaded: a ConfigError of one line when it holds no weights."""
+    checked before any model is loaded: a ConfigError of one line when it holds no weights. A folder of this
+    run directory's checkpoints that ``--fresh`` has just moved to ``previous/<time>/`` is found there."""
     if not lc.from_weights:
         return None
     if found is not None:
         log.info("--from-weights %s not used: resuming this run from %s", lc.from_weights, found)
         return None
     src = Path(lc.from_weights).expanduser()
+    if not src.exists() and run_dir is not None:
+        src = _moved_aside(src, run_dir) or src
     names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
     if not src.is_dir() or not any((src / n).is_file() for n in names):
         raise ConfigError(f"learner.from_weights={lc.from_weights!r}: not a checkpoint folder with weights (expected "
                           f"{' or '.join(names)} in it, e.g. <run_dir>/checkpoints/step-000100)")
     return src
+
+
+def _moved_aside(src: Path, run_dir: Path) -> Path | None:
+    """Where ``src``, a path inside ``run_dir``, is now if ``--fresh`` moved it to the newest ``previous/<time>/``."""
+    try:
+        rel = src.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        return None
+    moved = sorted((run_dir / "previous").glob("*"))
+    return moved[-1] / rel if moved and (moved[-1] / rel).exists() else None
 
 
 def start_from_weights(src: Path, learner: Learner, dist: DistInfo) -> None:

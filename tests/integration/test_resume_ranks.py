@@ -159,6 +159,15 @@ def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, re
         assert torch.equal(a, b), name
     assert (new.state.step, new.state.version) == (0, 0) and not new.optimizer.state and new.scheduler.last_epoch == 0
 
+    # --fresh --from-weights <this run's own checkpoint>: --fresh moves it to previous/<time>/, where it is found
+    from streamgrpo.learner.resume import start_point
+
+    own = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}",
+                               "learner.fresh=true", f"learner.from_weights={ckpt}"])
+    assert start_point(own.learner, tmp_path / "old", DistInfo()) is None and not ckpt.exists()
+    moved = weights_source(own.learner, None, tmp_path / "old")
+    assert moved.parent.parent.parent.name == "previous" and (moved / "model.safetensors").is_file()
+
     bad = tmp_path / "not-a-checkpoint"
     bad.mkdir()
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", "demo", "--from-weights",
