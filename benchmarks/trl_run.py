@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from streamgrpo.config import load_config
     from streamgrpo.data.prompts import instruction
     from streamgrpo.data.records import load_records
+    from streamgrpo.models.attention import resolve as resolve_attention
     from streamgrpo.models.loading import load_processor
 
     cfg = load_config("demo", [*a.set, "data.kinds=null"])  # the image records are tagged colour_image
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     groups_per_step = cfg.learner.groups_per_step
     processor = load_processor(a.model)
     model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=torch.float32,
-                                                         attn_implementation=cfg.model.attn_implementation)
+                                                         attn_implementation=resolve_attention(cfg.model.attn_implementation, "cpu"))
     args = GRPOConfig(
         output_dir=str(run_dir / "trl_out"), use_cpu=True, bf16=False, seed=cfg.seed, data_seed=cfg.seed,
         per_device_train_batch_size=G * groups_per_step, num_generations=G, gradient_accumulation_steps=1,

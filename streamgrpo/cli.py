@@ -115,6 +115,18 @@ def cmd_config_memory(args) -> int:
     return 0 if fits else 1
 
 
+def cmd_config_init(args) -> int:
+    """A commented starting config: a shipped one (``--from``) with each key's doc, checked by loading it."""
+    from streamgrpo.config import load_config
+    from streamgrpo.config.starter import write_starter
+
+    out = write_starter(args.source, args.out, force=args.force)
+    load_config(out)
+    print(f"{out}: started from {args.source!r}; check it with `streamgrpo config show --config {out}` and "
+          f"`streamgrpo up --config {out} --plan`")
+    return 0
+
+
 def cmd_config_reference(args) -> int:
     """docs/config.md from the config's field docstrings: printed, written to --out, or checked against it."""
     from pathlib import Path
@@ -152,6 +164,16 @@ def cmd_up(args) -> int:
                   gpu_gib=args.gpu_gib)
 
 
+def cmd_slurm(args) -> int:
+    cfg = _load(args)
+    from streamgrpo.commands.slurm import run_slurm
+
+    return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks, out=args.out,
+                     job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
+                     overrides=tuple(args.overrides))
+
+
 def cmd_learner(args) -> int:
     cfg = _load(args)
     from streamgrpo.learner.loop import run_learner
@@ -176,11 +198,26 @@ def cmd_generator(args) -> int:
         cfg.run_dir = args.run_dir
     if not 0 <= args.id < cfg.rollout.num_generators:
         raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
+    _set_generator_port(cfg, args)
     _check_before_loading(cfg, f"generator-{args.id}", data=True)
     from streamgrpo.generator.loop import run_generator
     from streamgrpo.recipes.demo.lag import applier_for
 
     return run_generator(cfg, generator_id=args.id, applier=applier_for(cfg.demo))
+
+
+def _set_generator_port(cfg, args) -> None:
+    """A fixed ``metrics.port`` P: this generator serves P + its local index on the host (``--local-index``,
+    default 0), as learner ranks serve P + LOCAL_RANK; 0 stays 0 (a free port)."""
+    from streamgrpo.config import ConfigError
+
+    local = args.local_index
+    if local < 0:
+        raise ConfigError(f"--local-index {local}: must be 0 or more")
+    if cfg.metrics.port and local:
+        if cfg.metrics.port + local > 65535:
+            raise ConfigError(f"metrics.port {cfg.metrics.port} + local index {local} is past 65535")
+        cfg.metrics.port += local
 
 
 def cmd_evaluator(args) -> int:
@@ -196,9 +233,10 @@ def cmd_relay(args) -> int:
     cfg = _load(args)
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    from streamgrpo.relay.loop import run_relay
+    from streamgrpo.relay.loop import IDLE_EXIT_S, run_relay
 
-    return run_relay(cfg, client_key=args.client_key)
+    return run_relay(cfg, client_key=args.client_key,
+                     idle_exit_s=IDLE_EXIT_S if args.idle_exit_s is None else args.idle_exit_s)
 
 
 def cmd_infer(args) -> int:
@@ -290,12 +328,27 @@ def cmd_keys(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- parser
+class _Versions(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        from streamgrpo.versions import report
+
+        print(report())
+        parser.exit()
+
+
+ROLES = ("up", "learner", "generator", "evaluator", "relay")
+"""The commands that run a role: each checks the installed releases first (streamgrpo/versions.py)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamgrpo",
         description="Asynchronous GRPO for Qwen vision-language models on video and image questions.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Versions, nargs=0,
+                        help="print the installed releases of streamgrpo, torch, transformers, vLLM, DeepSpeed, "
+                             "flash-attn, peft (and the tested ranges) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -318,6 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of one GPU for the plan's check (default: what CUDA reports; none on a CPU)")
     p.set_defaults(func=cmd_up)
 
+    p = sub.add_parser("slurm", help="the sbatch script of a run on N Slurm nodes (learner, generators, relays, "
+                                     "Redis without root, the evaluator, Prometheus targets)")
+    p.add_argument("--config", required=True, help="the YAML file every node reads (on shared storage)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (the plan uses it, and every process of the job gets it)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each node (default 8)")
+    p.add_argument("--generators-per-node", type=int, default=None,
+                   help="at most this many generators (one GPU each) per node (default: every GPU left)")
+    p.add_argument("--learner-ranks", type=int, default=None,
+                   help="learner ranks, one GPU each, from the first node on (default launch.learner_ranks)")
+    p.add_argument("--out", default=None, help="write the script here (default: print it)")
+    p.add_argument("--job-name", default="streamgrpo", help="#SBATCH --job-name")
+    p.add_argument("--time", default="24:00:00", help="#SBATCH --time")
+    p.add_argument("--partition", default=None, help="#SBATCH --partition")
+    p.add_argument("--python", default="python", help="the Python with streamgrpo on every node (default: python)")
+    p.set_defaults(func=cmd_slurm)
+
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
     _add_config_args(p)
     start = p.add_mutually_exclusive_group()
@@ -332,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generator", help="one generator")
     _add_config_args(p)
     p.add_argument("--id", type=int, required=True, help="generator index K (reads shard K of rollout.num_generators)")
+    p.add_argument("--local-index", type=int, default=0,
+                   help="this generator's index among the generators of its host (e.g. $SLURM_LOCALID under "
+                        "srun --ntasks-per-node): with a fixed metrics.port P it serves /metrics on P + this")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_generator)
 
@@ -347,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-key", default=None,
                    help="CURVE client key in weights.curve_keys_dir/clients, e.g. client-3 (a generator starting the "
                         "relay passes its own)")
+    p.add_argument("--idle-exit-s", type=float, default=None,
+                   help="exit after this long with no generator connected (default 60; a launcher that starts the "
+                        "relay before its generators load, as `streamgrpo slurm`'s script does, gives more)")
     p.set_defaults(func=cmd_relay)
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
@@ -475,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
                    "machine's GPU, else 80)")
     p.set_defaults(func=cmd_config_memory)
+    p = cfg.add_parser("init", help="write a commented starting config from a shipped one")
+    p.add_argument("out", metavar="FILE", help="the YAML file to write (e.g. my.yaml)")
+    p.add_argument("--from", dest="source", default="demo",
+                   help="the shipped config to start from (default: demo; `--config` lists them)")
+    p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    p.set_defaults(func=cmd_config_init)
     p = cfg.add_parser("reference", help="the configuration reference (docs/config.md), from the fields' docstrings")
     p.add_argument("--out", default=None, metavar="PATH", help="write it to this file (default: print it)")
     p.add_argument("--check", action="store_true",
@@ -488,41 +571,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_error(exc: BaseException) -> int | None:
-    """The exit code of a mistake the user can fix (reported in one line), None for anything else.
+# The errors a user can fix, by module: (module, exception class names, exit code). Looked up only if the
+# module was imported: the exception cannot be one of its own otherwise, and the CLI stays free of imports.
+USER_ERRORS: tuple[tuple[str, tuple[str, ...], int], ...] = (
+    ("streamgrpo.versions", ("UntestedRelease",), USAGE_EXIT),
+    ("streamgrpo.data.records", ("DataFileNotFound",), USAGE_EXIT),
+    ("streamgrpo.data.records", ("DataError",), FAILED_EXIT),
+    ("streamgrpo.transport.queue.redis_stream", ("QueueError",), FAILED_EXIT),
+    ("streamgrpo.learner.memory", ("MemoryPlanError",), USAGE_EXIT),
+    ("streamgrpo.learner.checkpoint", ("CheckpointUnusable", "CheckpointWriteError"), FAILED_EXIT),
+    ("streamgrpo.learner.oom", ("LearnerOutOfMemory",), FAILED_EXIT),
+    ("streamgrpo.learner.media", ("MediaUnavailable",), FAILED_EXIT),
+    ("streamgrpo.generator.oom", ("PromptDoesNotFit",), FAILED_EXIT),
+    ("streamgrpo.engines.vllm_start", ("VLLMStartError",), FAILED_EXIT),
+    ("streamgrpo.engines.vllm", ("VLLMNotInstalled",), USAGE_EXIT),
+    ("streamgrpo.transport.weights.shm", ("ShmUnavailable",), USAGE_EXIT),
+)
 
-    Queue and data errors are looked up only if their modules were imported: the exception cannot
-    be one of theirs otherwise, and the CLI stays free of their imports."""
+
+def _user_error(exc: BaseException) -> int | None:
+    """The exit code of a mistake the user can fix (reported in one line), None for anything else."""
     from streamgrpo.config import ConfigError  # includes runtime.NoRedisConfigured
 
     if isinstance(exc, ConfigError):
         return USAGE_EXIT
-    records = sys.modules.get("streamgrpo.data.records")
-    if records is not None and isinstance(exc, records.DataFileNotFound):
-        return USAGE_EXIT
-    if records is not None and isinstance(exc, records.DataError):
-        return FAILED_EXIT
-    queue = sys.modules.get("streamgrpo.transport.queue.redis_stream")
-    if queue is not None and isinstance(exc, queue.QueueError):
-        return FAILED_EXIT
-    memory = sys.modules.get("streamgrpo.learner.memory")
-    if memory is not None and isinstance(exc, memory.MemoryPlanError):
-        return USAGE_EXIT
-    checkpoint = sys.modules.get("streamgrpo.learner.checkpoint")
-    if checkpoint is not None and isinstance(exc, (checkpoint.CheckpointUnusable, checkpoint.CheckpointWriteError)):
-        return FAILED_EXIT
-    oom = sys.modules.get("streamgrpo.learner.oom")
-    if oom is not None and isinstance(exc, oom.LearnerOutOfMemory):
-        return FAILED_EXIT
-    media = sys.modules.get("streamgrpo.learner.media")
-    if media is not None and isinstance(exc, media.MediaUnavailable):
-        return FAILED_EXIT
-    oom = sys.modules.get("streamgrpo.generator.oom")
-    if oom is not None and isinstance(exc, oom.PromptDoesNotFit):
-        return FAILED_EXIT
-    shm = sys.modules.get("streamgrpo.transport.weights.shm")
-    if shm is not None and isinstance(exc, shm.ShmUnavailable):
-        return USAGE_EXIT
+    for module, names, code in USER_ERRORS:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(exc, tuple(getattr(mod, n) for n in names)):
+            return code
     return None
 
 
@@ -546,6 +622,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command in ROLES:
+            from streamgrpo.versions import check_at_start
+
+            check_at_start(args.command)
         return int(func(args) or 0)
     except NotBuilt as exc:
         print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)

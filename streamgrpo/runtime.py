@@ -283,12 +283,27 @@ def _default(obj: Any) -> Any:
     return str(obj)
 
 
-def start_metrics(mcfg, run_dir: Path, role: str, health=None):
+class MetricsPortTaken(ConfigError):
+    """A fixed metrics port that another process on this host already serves (one line, no traceback)."""
+
+
+def start_metrics(mcfg, run_dir: Path, role: str, health=None, hint: str | None = None):
     """Serve /metrics and /healthz on ``metrics.host:port`` (a :class:`~streamgrpo.config.MetricsConfig`);
-    record the port in ``<run_dir>/ports/<role>.json``."""
+    record the port in ``<run_dir>/ports/<role>.json``. A fixed port that is taken raises
+    :class:`MetricsPortTaken` saying so in one line (``hint``: how this role gets another)."""
+    import errno
+
     from streamgrpo.metrics import serve
 
-    server = serve(mcfg.host, mcfg.port, health=health)
+    try:
+        server = serve(mcfg.host, mcfg.port, health=health)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise MetricsPortTaken(
+            f"{role}: metrics port {mcfg.port} on {mcfg.host} is taken by another process on this host: "
+            f"{hint or 'set metrics.port=0 (a free port)'}; each process's port is written to "
+            f"{run_dir / 'ports'}") from None
     write_json(run_dir / "ports" / f"{role}.json", {"metrics": server.port, "pid": os.getpid(), "started": time.time()})
     log.info("%s: metrics on port %d", role, server.port)
     return server

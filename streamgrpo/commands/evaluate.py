@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError, RewardsConfig, RewardSpec
-from streamgrpo.evaluator.scoring import difference, metric_keys, shuffle_drop, summarize
+from streamgrpo.evaluator.scoring import difference, eval_rewards, metric_keys, shuffle_drop, summarize
 
 log = logging.getLogger("streamgrpo.eval")
 
@@ -194,7 +194,7 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
     Returns (name, rows, bad records, shuffled rows or None)."""
     from streamgrpo.evaluator.answering import load_policy
 
-    policy = load_policy(model, cfg, adapter)
+    policy = load_policy(model, cfg, adapter, engine=cfg.eval.engine, records=records)
     shuffled = None
     try:
         rows, bad = _answer(policy, records, cfg, sampling, rewards, out_path, batch_size, f"eval {label}")
@@ -262,7 +262,7 @@ def run_eval(args) -> int:
     model = checkpoint_of(args.model)
     baseline = checkpoint_of(args.baseline) if args.baseline else None
     cfg = resolve_config(args.config, args.overrides, model, args.format)
-    cfg.rewards = reward_config(cfg, args.rewards)
+    cfg.rewards = eval_rewards(reward_config(cfg, args.rewards), cfg.eval.by_kind)
     rewards = RewardSet(cfg)
     sampling = _eval_sampling(args, cfg)
 
@@ -278,7 +278,7 @@ def run_eval(args) -> int:
     result: dict[str, Any] = {}
     outputs: dict[str, str] = {}
     skipped_ids: set[str] = set()  # records a model could not be given (media errors)
-    kinds = {str(r.id): r.kind for r in records} if shuffle else None
+    kinds = {str(r.id): r.kind for r in records} if shuffle or any(r.kind is not None for r in records) else None
 
     def summary(rows: list[dict]) -> dict[str, Any]:
         return summarize(rows, samples=args.samples, reward_names=rewards.names, think_tag=think_tag,

@@ -124,11 +124,12 @@ class PlacementPlan:
 def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: int, generators_per_gpu: int = 1,
                    colocate: bool = False, learner_gib: float | None = None, generator_gib: float | None = None,
                    device_gib: float | None = None, evaluator: bool = False,
-                   evaluator_gib: float | None = None) -> PlacementPlan:
+                   evaluator_gib: float | None = None, vllm_utilization: float | None = None) -> PlacementPlan:
     """Place ``learner_ranks`` learner ranks, ``generators`` generators and with ``evaluator`` the
     evaluator on ``devices`` (see the module docstring). ``learner_gib``: one rank's static memory;
     ``generator_gib``: one generator's; ``evaluator_gib``: the evaluator's; all per device and None when
-    not known; ``device_gib``: one device's memory (None: not checked)."""
+    not known; ``device_gib``: one device's memory (None: not checked); ``vllm_utilization``: the
+    generators' ``rollout.vllm.gpu_memory_utilization`` when they run vLLM (the refusal names it)."""
     devices = tuple(devices)
     if learner_ranks < 1:
         raise PlacementError(f"--learner-ranks {learner_ranks}: at least one learner rank")
@@ -173,11 +174,31 @@ def plan_placement(*, devices: Sequence[int], learner_ranks: int, generators: in
                 who = " + ".join(f"{n} {g:.1f}" for n, g in parts if g is not None)
                 raise PlacementError(
                     f"GPU {d} would hold {known:.1f} GiB ({who}) of its {device_gib:.0f} GiB: "
+                    + generator_advice(parts, device_gib, vllm_utilization)
                     + ("stop colocating (--no-colocate), " if colocate else "")
                     + ("lower launch.generators_per_gpu, " if generators_per_gpu > 1 else "")
                     + ("turn the evaluator off here (eval.enabled=false) and run it elsewhere, " if ev else "")
                     + "use more GPUs, or shrink the learner's plan (streamgrpo config memory)")
     return plan
+
+
+def generator_advice(parts: Sequence[tuple[str, float | None]], device_gib: float,
+                     vllm_utilization: float | None) -> str:
+    """The first advice of a refused device when its generators are what overflows it (the rest fits
+    alone): vLLM's ``gpu_memory_utilization`` at most what leaves room for the rest, or the HF engine's
+    batch; "" otherwise."""
+    gens = [g for n, g in parts if n.startswith("generator-") and g is not None]
+    rest = sum(g for n, g in parts if not n.startswith("generator-") and g is not None)
+    if not gens or rest >= device_gib:
+        return ""
+    if vllm_utilization is None:
+        return ("the generators (hf engine) need less: fewer rollout.prompts_per_batch or a shorter "
+                "rollout.max_completion_length, ")
+    most = math.floor((device_gib - rest) / (len(gens) * device_gib) * 100) / 100
+    if most <= 0.0:
+        return ""
+    return (f"lower rollout.vllm.gpu_memory_utilization (now {vllm_utilization:g}; at most {most:.2f} leaves room "
+            f"for the rest on this GPU), ")
 
 
 def evaluator_device(devices: Sequence[int], learner: Proc, generators: Sequence[Proc]) -> int:

@@ -285,10 +285,11 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     gen_gib = generator_gib(cfg.rollout.engine, params=params, dtype_bytes=dtype_bytes,
                             gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib,
                             step_gib=gen_step_gib)
-    eval_gib = generator_gib("hf", params=params, dtype_bytes=dtype_bytes, gpu_memory_utilization=0.0,
-                             device_gib=device_gib)  # the evaluator answers with the HF engine: its weights
+    eval_gib = generator_gib(cfg.eval.engine, params=params, dtype_bytes=dtype_bytes,  # hf: its weights
+                             gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization, device_gib=device_gib)
+    vllm_share = cfg.rollout.vllm.gpu_memory_utilization if cfg.rollout.engine == "vllm" else None
     plan = plan_placement(**shape, learner_gib=learner_gib, generator_gib=gen_gib, device_gib=device_gib,
-                          evaluator_gib=eval_gib)
+                          evaluator_gib=eval_gib, vllm_utilization=vllm_share)
     return dataclasses.replace(plan, notes=plan.notes + tuple(notes))
 
 

@@ -13,7 +13,7 @@ class LearnerConfig(Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     """Plain torch (one process) or DeepSpeed ZeRO (one or many ranks, launched by torchrun/deepspeed)."""
     deepspeed_config: Optional[str] = None
-    """DeepSpeed JSON config (ZeRO stage etc.; see deploy/deepspeed/); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
+    """DeepSpeed JSON config: a shipped one by name (zero1, zero2, zero3, zero2_offload) or a path (relative: to the config file, else the working directory); null = built-in ZeRO-2. learner.bf16 and max_grad_norm override its bf16/gradient_clipping."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of a single-process learner."""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -58,6 +58,8 @@ class LearnerConfig(Section):
     """Byte budget of the learner's cache of frames decoded from references (rollout.media: reference), keyed by file, frame indices and size: a prompt that comes back is not decoded again."""
     media_workers: int = Field(1, ge=1, le=64)
     """Threads that decode referenced visuals ahead of the step (the next step's groups are read and decoded while a step trains)."""
+    media_unavailable_s: float = Field(60.0, ge=0.0, le=86400.0)
+    """A group whose media reference cannot be resolved (missing file, outside data.media_root, other pixels) is dead-lettered and training goes on with the others. The learner stops with one line only when it has resolved no reference for this many seconds and its own media root (data.media_root, else the training file's folder), checked directly, is missing, unreadable or empty; the groups it has not read stay queued."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = Field(1, ge=1, le=1000)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from streamgrpo.config.aliases import ALIASES, MOVED, REWARD_WEIGHT_ALIASES
 from streamgrpo.config.base import ConfigError
+from streamgrpo.config.deepspeed_files import anchor
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
 from streamgrpo.config.schema import Config
@@ -126,24 +127,44 @@ def _format_validation_error(exc: ValidationError, tree: Mapping[str, Any], sour
     return "\n".join(lines)
 
 
+def _shipped_file(name: str):
+    """The packaged YAML of a shipped name: ``demo`` (streamgrpo/configs/demo.yaml) or a recipe's
+    ``video_r1/qwen2_5_vl_7b_1node`` (streamgrpo/recipes/video_r1/qwen2_5_vl_7b_1node.yaml)."""
+    folder, _, stem = name.rpartition("/")
+    stem = stem[:-5] if stem.endswith(".yaml") else stem[:-4] if stem.endswith(".yml") else stem
+    if not folder:
+        return resources.files("streamgrpo") / "configs" / f"{stem}.yaml"
+    if "/" in folder or folder.startswith(".") or not stem:
+        return None
+    return resources.files("streamgrpo") / "recipes" / folder / f"{stem}.yaml"
+
+
 def find_config(name_or_path: str | Path) -> Path:
-    """A path to a YAML file, or the name of a shipped config (``demo`` -> streamgrpo/configs/demo.yaml)."""
+    """A path to a YAML file, or the name of a shipped config (``demo`` -> streamgrpo/configs/demo.yaml,
+    ``video_r1/qwen2_5_vl_7b_1node`` -> the Video-R1 recipe's)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = resources.files("streamgrpo") / "configs" / f"{Path(str(name_or_path)).stem}.yaml"
-    if str(name_or_path).endswith((".yaml", ".yml")) and not shipped.is_file():
+    for shipped in (_shipped_file(str(name_or_path)),  # then a path to a shipped file elsewhere: by its name
+                    resources.files("streamgrpo") / "configs" / f"{Path(str(name_or_path)).stem}.yaml"):
+        if shipped is not None and shipped.is_file():
+            return Path(str(shipped))
+    if str(name_or_path).endswith((".yaml", ".yml")):
         raise ConfigError(f"config file {str(name_or_path)!r} not found")
-    if shipped.is_file():
-        return Path(str(shipped))
     raise ConfigError(
         f"config {str(name_or_path)!r} is neither a file nor a shipped config (shipped: {', '.join(shipped_configs())})"
     )
 
 
 def shipped_configs() -> list[str]:
+    """Names of the shipped configs: streamgrpo/configs/*.yaml, then each recipe's as ``recipe/name``."""
     folder = resources.files("streamgrpo") / "configs"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    names = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    recipes = resources.files("streamgrpo") / "recipes"
+    for recipe in sorted(recipes.iterdir(), key=lambda p: p.name):
+        if recipe.is_dir() and not recipe.name.startswith(("_", ".")):
+            names += sorted(f"{recipe.name}/{p.name[:-5]}" for p in recipe.iterdir() if p.name.endswith(".yaml"))
+    return names
 
 
 def build_config(tree: Mapping[str, Any] | None = None, overrides: Iterable[str] = (), source: str = "<dict>") -> Config:
@@ -192,7 +213,10 @@ def load_config(name_or_path: str | Path | None = None, overrides: Iterable[str]
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
-    return build_config(_expand_env(tree), overrides, source=str(path))
+    cfg = build_config(_expand_env(tree), overrides, source=str(path))
+    if not any(o.split("=", 1)[0].strip() in ("learner.deepspeed_config", "deepspeed") for o in overrides):
+        cfg.learner.deepspeed_config = anchor(cfg.learner.deepspeed_config, path.parent)
+    return cfg
 
 
 def _expand_env(node: Any) -> Any:

@@ -10,12 +10,12 @@ from streamgrpo.config.base import Section
 
 
 class WandbConfig(Section):
-    project: str = "streamgrpo"
-    """wandb project."""
+    project: Optional[str] = None
+    """wandb project (null: `streamgrpo`, and offline unless `mode` or WANDB_MODE say otherwise)."""
     run_name: Optional[str] = None
     """wandb run name (default: the run directory's name)."""
-    mode: Literal["online", "offline", "disabled"] = "offline"
-    """offline writes a local run directory that `wandb sync` can upload later."""
+    mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """null: the WANDB_MODE environment variable when it is set, else online when `project` is set and offline when not; offline writes a local run directory that `wandb sync` can upload later."""
 
 
 class MetricsConfig(Section):

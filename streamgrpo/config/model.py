@@ -31,8 +31,8 @@ class ModelConfig(Section):
     """Model family; `auto` reads it from the checkpoint's config.json."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter dtype for the rollout engine and (unless learner.bf16 is false) the learner."""
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    """Attention kernel. flash_attention_2 needs CUDA and the flash-attn package."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """Attention kernel. `auto`: flash_attention_2 where the flash-attn package is installed and the model is on CUDA (and learner.shared_prompt is off), else sdpa; the choice is logged. flash_attention_2 asked for without flash-attn or CUDA falls back to sdpa with a one-line warning."""
     fp32_lm_head: bool = False
     """Both roles compute the last projection (hidden states to vocabulary logits) and the log-softmax in float32, whatever model.dtype and learner.bf16 say (the HF engine and the learner; vLLM computes it in its own dtype). Narrows the bf16 generator-learner gap; costs a float32 copy of the projection's weight while it runs. See docs/training.md."""
     revision: Optional[str] = None

@@ -71,6 +71,14 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _relay_port_is_its_own(self) -> Config:
+        port = self.weights.relay_metrics_port
+        if port and self.metrics.port and 0 <= port - self.metrics.port < max(1, self.rollout.num_generators):
+            raise ValueError(f"weights.relay_metrics_port {port} is a generator's metrics port (metrics.port "
+                             f"{self.metrics.port} + local index): set it to 0 (a free port) or outside that range")
+        return self
+
+    @model_validator(mode="after")
     def _evaluator_needs_records(self) -> Config:
         if self.eval.enabled and not self.data.eval_path:
             raise ValueError("eval.enabled needs held-out records: set data.eval_path, or eval.enabled to false")

@@ -38,6 +38,8 @@ class WeightsConfig(Section):
     """With delta: the largest delta sent, as a share of the full version's bytes (early in training, or at high learning rates, versions go out whole)."""
     relay: bool = False
     """Generators take versions from their host's relay (`streamgrpo relay`; a generator starts one when none runs, and another when it dies) through shared memory in shm_dir and unix sockets in a private folder there, instead of from the learner: the learner sends each version once per host whatever the number of generators there. The relay subscribes to the learner with this section's connect_host, ports, keys and delta; one relay per learner address and host (runs with other learners get their own)."""
+    relay_metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the relay's own /metrics (never a generator's metrics.port, which the generators of its host use): 0 = a free one, written to <run_dir>/ports/relay-<host>.json."""
     send_frozen: bool = False
     """Also send frozen parameters with every version (they never change, and generators load them from the same checkpoint; LoRA mode sends adapters only either way)."""
     host_buffers: int = Field(3, ge=2, le=16)

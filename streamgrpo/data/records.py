@@ -141,24 +141,32 @@ def _inside(path: str, root: str) -> bool:
 
 def ref_path(path: str, cfg: DataConfig, root: str | None = None) -> str | None:
     """How a generator names the media file ``path`` in a reference: relative to its media root
-    (``root``, else :func:`default_media_root`) when it lies there, else absolute; None for a file only
-    this machine has (extracted from a ``datasets`` row into the local cache), which must travel inline."""
+    (``root``, else :func:`default_media_root`). None for a file the learner would refuse (one that lies
+    outside that root once symlinks are resolved, see :func:`ref_file`) or that only this machine has
+    (extracted from a ``datasets`` row into the local cache): those travel inline."""
     full = os.path.normpath(os.path.abspath(path))
     if _inside(full, os.path.normpath(str(_cache_dir() / "hf_media"))):
         return None
     root = os.path.normpath(root or default_media_root(cfg))
-    return os.path.relpath(full, root) if _inside(full, root) else full
+    real, real_root = os.path.realpath(full), os.path.realpath(root)
+    if not _inside(real, real_root):
+        return None
+    return os.path.relpath(full, root) if _inside(full, root) else os.path.relpath(real, real_root)
 
 
 def ref_file(path: str, cfg: DataConfig) -> str:
-    """The local file a reference's ``path`` names, by the rule records follow (:func:`parse_record`):
-    relative to this machine's media root and inside it; absolute only inside it when ``data.media_root``
-    is set. Raises ``ValueError`` saying why a path is refused."""
+    """The local file a reference's ``path`` names, resolved (``os.path.realpath``): relative to this
+    machine's media root (``data.media_root``, else the training file's folder), or absolute; either way
+    it must lie inside that root once every symlink is resolved, so a reference never names any other
+    file (``/proc/self/environ``, a link inside the root that points out of it). Raises ``ValueError``
+    saying why a path is refused."""
     root = os.path.normpath(default_media_root(cfg))
     full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
-    if (not os.path.isabs(path) or cfg.media_root) and not _inside(full, root):
-        raise ValueError(f"{path!r} lies outside data.media_root ({root})")
-    return full
+    real = os.path.realpath(full)
+    if not _inside(real, os.path.realpath(root)):
+        via = f" (a symlink: it resolves to {real})" if _inside(full, root) else ""
+        raise ValueError(f"{path!r} lies outside data.media_root ({root}){via}")
+    return real
 
 
 def _check_meta(meta: Any, rid: str, where: str, n_videos: int) -> dict[str, Any]:

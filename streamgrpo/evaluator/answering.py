@@ -28,15 +28,47 @@ class Policy:
 
         import torch
 
+        if self.engine is not None and hasattr(self.engine, "close"):  # vLLM: its engine core and GPU share
+            self.engine.close()
         self.engine = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def load_policy(model: str, cfg: Config, adapter: str | None = None) -> Policy:
+def engine_choice(engine: str, adapter: str | None) -> str:
+    """``hf`` or ``vllm`` (``eval.engine``; pure): vLLM answers with a plain or merged model only."""
+    if engine not in ("hf", "vllm"):
+        raise ConfigError(f"eval.engine={engine!r}: expected hf or vllm")
+    if engine == "vllm" and adapter:
+        raise ConfigError(f"eval.engine=vllm answers with a merged model, not --adapter {adapter!r}: "
+                          "`streamgrpo model merge --adapter DIR --out MERGED` first, or eval.engine=hf")
+    return engine
+
+
+def vllm_policy(model: str, cfg: Config, records: Sequence | None = None) -> Policy:
+    """``model`` behind a :class:`~streamgrpo.engines.vllm.VLLMEngine` (``rollout.vllm`` settings; the
+    multimodal limits from ``records``, else from ``data.train_path``)."""
+    from streamgrpo.data.prompts import vision_factors
+    from streamgrpo.engines.vllm import VLLMEngine, VLLMNotInstalled
+    from streamgrpo.models.loading import load_processor
+
+    processor = load_processor(model, cfg.model.revision if model == cfg.model.name_or_path else None)
+    vcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": model, "lora": None})})
+    counts = None if records is None else [(len(r.videos), len(r.images)) for r in records]
+    try:
+        engine = VLLMEngine.from_config(vcfg, processor, name="eval", counts=counts)
+    except VLLMNotInstalled as exc:
+        raise ConfigError(f"eval.engine=vllm: {exc}") from None
+    factor, temporal = vision_factors(processor)
+    return Policy(engine, processor, factor, temporal, model)
+
+
+def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: str = "hf",
+                records: Sequence | None = None) -> Policy:
     """Load ``model`` (checkpoint dir, merged model, base model or hub id), optionally with a LoRA
-    ``adapter`` merged in, behind an :class:`~streamgrpo.engines.hf.HFEngine`.
+    ``adapter`` merged in, behind an :class:`~streamgrpo.engines.hf.HFEngine` -- or with
+    ``engine="vllm"`` (``eval.engine``) behind vLLM (:func:`vllm_policy`; ``records``: what it will answer).
 
     dtype: ``model.dtype`` when the config sets it, else float32 on CPU (bf16 matmuls are slow
     there) and the default bfloat16 on CUDA.
@@ -48,11 +80,13 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None) -> Policy:
     looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1
     if looks_local and not Path(model).expanduser().is_dir():
         raise ConfigError(f"model directory {model!r} not found")
+    if engine_choice(engine, adapter) == "vllm":
+        return vllm_policy(model, cfg, records)
     device = resolve_device(cfg.rollout.device)
     model_cfg = cfg.model.model_copy(update={"name_or_path": model, "lora": None})
     dtype = model_cfg.dtype if ("dtype" in cfg.model.model_fields_set or device.type != "cpu") else "float32"
     try:
-        net = load_model(model_cfg, device, dtype=dtype)
+        net = load_model(model_cfg, device, dtype=dtype, custom_mask=cfg.learner.shared_prompt)
         proc_src = adapter if adapter and _has_processor(adapter) else model
         processor = load_processor(proc_src, model_cfg.revision if proc_src == model else None)
     except OSError as exc:

@@ -109,6 +109,7 @@ def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int |
     """Evaluate versions until a stop signal (or ``max_evals`` evaluations, for tests)."""
     from streamgrpo.engines.base import SamplingParams
     from streamgrpo.evaluator.answering import load_policy
+    from streamgrpo.evaluator.scoring import eval_rewards
     from streamgrpo.models.lora import make_weight_applier
     from streamgrpo.rewards import RewardSet
     from streamgrpo.transport.weights.factory import subscriber_from_config
@@ -122,9 +123,9 @@ def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int |
         raise ConfigError("eval.samples > 1 needs eval.temperature above 0 (greedy samples are identical)")
     sampling = SamplingParams(n=e.samples, temperature=e.temperature, max_tokens=e.max_tokens or
                               cfg.rollout.max_completion_length, seed=cfg.seed)
-    policy = load_policy(cfg.model.name_or_path, cfg)
+    policy = load_policy(cfg.model.name_or_path, cfg, engine=e.engine, records=records)
     apply = make_weight_applier(cfg, policy.engine)  # LoRA runs send adapters: merged into the base weights
-    rewards = RewardSet(cfg)
+    rewards = RewardSet(cfg.model_copy(update={"rewards": eval_rewards(cfg.rewards, e.by_kind)}))
     server = start_metrics(cfg.metrics, run_dir, "evaluator")
     out = JsonlWriter(run_dir / "eval.jsonl")
     weights = subscriber_from_config(cfg.weights, run_dir,

@@ -13,6 +13,24 @@ NO_KIND = "(no kind)"  # by_kind label of records without a kind
 
 
 # ------------------------------------------------------------------------------------ pure parts
+def eval_rewards(rewards_cfg, by_kind: Mapping[str, str]):
+    """The rewards section ``eval`` scores with: every ``accuracy`` reward's ``by_kind`` (its own, or
+    Video-R1's default) updated with ``eval.by_kind`` (regression by mean relative accuracy)."""
+    from streamgrpo.rewards import canonical_name
+    from streamgrpo.rewards.problem_types import VIDEO_R1
+
+    if not by_kind:
+        return rewards_cfg
+    specs = []
+    for spec in rewards_cfg.functions:
+        if canonical_name(spec.name) == "accuracy":
+            own = spec.params.get("by_kind")
+            merged = {**(VIDEO_R1 if own is None else own), **by_kind}
+            spec = spec.model_copy(update={"params": {**spec.params, "by_kind": merged}})
+        specs.append(spec)
+    return rewards_cfg.model_copy(update={"functions": specs})
+
+
 def correctness_reward(names: Sequence[str]) -> str | None:
     """The reward that says whether an answer is right: ``accuracy`` if present, else the first
     reward outside the format family, else None."""

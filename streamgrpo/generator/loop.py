@@ -53,13 +53,14 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     run_dir = Path(cfg.run_dir)
     setup_torch_threads()
     torch.manual_seed(cfg.seed * 1000 + generator_id)
-    server = start_metrics(cfg.metrics, run_dir, name)
+    server = start_metrics(cfg.metrics, run_dir, name, hint="give each generator on a host its own --local-index K "
+                           "(it serves metrics.port + K), or set metrics.port=0 (a free port)")
     audit = JsonlWriter(run_dir / "audit" / f"{name}.jsonl")
 
     # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
     device = resolve_device(cfg.rollout.device)
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    engine = _make_engine(cfg, processor, device)
+    engine = _make_engine(cfg, processor, device, name=name)
     records = _records(cfg)
     rewards = RewardSet(cfg)
     tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
@@ -130,15 +131,15 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     return code
 
 
-def _make_engine(cfg: Config, processor, device) -> Engine:
+def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> Engine:
     if cfg.rollout.engine == "vllm":
         from streamgrpo.engines.vllm import VLLMEngine
 
-        return VLLMEngine.from_config(cfg, processor)
+        return VLLMEngine.from_config(cfg, processor, name=name)
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.models.loading import load_model
 
-    return HFEngine(load_model(cfg.model, device), processor, device=device)
+    return HFEngine(load_model(cfg.model, device, custom_mask=cfg.learner.shared_prompt), processor, device=device)
 
 
 def _records(cfg: Config) -> list:

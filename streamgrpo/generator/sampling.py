@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from streamgrpo.config import Config
+from streamgrpo.data.records import default_media_root
 from streamgrpo.engines.base import Engine, SamplingParams
 from streamgrpo.generator.oom import BatchSize, does_not_fit_message
 from streamgrpo.wire import inline
@@ -32,6 +33,7 @@ class Sampler:
         self.between_steps = None  # rollout.inflight_updates: the weight applier, called between decoding steps
         self.batch = BatchSize(cfg.rollout.prompts_per_batch, does_not_fit=does_not_fit_message(name, cfg),
                                on_halve=self._halved)
+        self._inline_noted = False  # said once that some visuals travel inline though by reference was asked
 
     def groups(self, chunk: list) -> list:
         """One scored group per ``(record, visuals)`` of ``chunk``, in order (sampled in pieces of at most
@@ -64,7 +66,15 @@ class Sampler:
                               model_id=cfg.model.name_or_path, temperature=self.sampling.temperature,
                               shuffled=contrast.get(i), contrast=tc)
                   for i, ((record, visuals), req, out) in enumerate(zip(chunk, requests, outs))]
-        return groups if cfg.rollout.media == "reference" else [inline(g) for g in groups]
+        if cfg.rollout.media != "reference":
+            return [inline(g) for g in groups]
+        if not self._inline_noted and any(v.ref is None for g in groups for v in g.visuals):
+            self._inline_noted = True
+            log.warning("%s: some visuals travel inline although rollout.media is reference: their files lie "
+                        "outside data.media_root (%s) once symlinks are resolved, where the learner refuses "
+                        "references (or were extracted from a datasets row); set data.media_root to a folder "
+                        "that holds them to send them by reference", self.name, default_media_root(cfg.data))
+        return groups
 
 
 def score_group(record, visuals, req, outs, rewards, *, version: int, generator_id: str, model_id: str,

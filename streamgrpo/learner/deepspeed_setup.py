@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.config.deepspeed_files import resolve as resolve_deepspeed
+from streamgrpo.config.deepspeed_files import shipped_names
 
 DEFAULT_DEEPSPEED = {
     "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
@@ -29,11 +31,12 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     """
     lc = cfg.learner
     if lc.deepspeed_config:
-        path = Path(lc.deepspeed_config)
+        path = resolve_deepspeed(lc.deepspeed_config)
         try:
             ds = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc})") from None
+            raise ConfigError(f"learner.deepspeed_config={lc.deepspeed_config!r}: cannot read it as JSON ({exc}; "
+                              f"shipped: {', '.join(shipped_names())})") from None
     else:
         ds = copy.deepcopy(DEFAULT_DEEPSPEED)
     for block in ("optimizer", "scheduler"):

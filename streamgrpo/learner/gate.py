@@ -30,20 +30,24 @@ class Gate:
     (:class:`~streamgrpo.learner.media.MediaResolver`) before the prompt is re-processed.
 
     Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
-    dead-lettered (invalid, poison, media_missing, media_mismatch),
+    dead-lettered (invalid, poison, media_missing, media_outside, media_mismatch),
     counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
     written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
     """
 
-    def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int, media=None):
+    def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int, media=None,
+                 media_watch=None):
+        from streamgrpo.learner.media import MediaWatch
+
         self.queue, self.loss, self.state, self.audit = queue, loss, state, audit
         self.processor, self.vocab_size = processor, vocab_size
         self.media = media  # MediaResolver: visuals by reference (None: a group by reference is dead-lettered)
+        # MediaWatch: stop only when no reference resolves for a while and the media root is gone here
+        self.media_watch = media_watch if media_watch is not None or media is None else MediaWatch(media.data)
         self.drops: Counter = Counter()  # this rank's drops since the last step
         self._stale: list[int] = []  # policy versions of stale groups not logged yet
         self._stale_logged = 0.0
         self._mismatches, self._mismatch_logged = 0, -1e9
-        self._media_failures = 0  # referenced groups in a row that could not be resolved
 
     def admit(self, d) -> Accepted | None:
         try:
@@ -54,8 +58,7 @@ class Gate:
 
     def _admit(self, d) -> Accepted | None:
         from streamgrpo.advantages import is_zero_variance
-        from streamgrpo.learner import media as media_mod
-        from streamgrpo.learner.media import MediaError, by_reference
+        from streamgrpo.learner.media import by_reference
 
         g, state = d.group, self.state
         M.GROUPS.labels(event="consumed").inc()
@@ -77,20 +80,8 @@ class Gate:
             self.dead_letter(d.stream_id, g, f"group {g.group_id}: {problem}", "invalid")
             return None
         if by_reference(g):
-            try:
-                if self.media is None:
-                    raise MediaError("media_missing", "visuals by reference, and this consumer decodes none")
-                g = self.media.resolved(d)
-                self._media_failures = 0
-            except MediaError as exc:
-                log.warning("group %s (entry %s): %s", g.group_id, d.stream_id, exc)
-                self.dead_letter(d.stream_id, g, f"group {g.group_id}: {exc}", exc.label)
-                self._media_failures += 1
-                if self._media_failures >= media_mod.STOP_AFTER:
-                    raise media_mod.MediaUnavailable(
-                        f"stopping: the last {self._media_failures} groups by reference could not be resolved here "
-                        f"(the last one: {exc.label}: {exc}); the groups not read yet stay queued. Mount the "
-                        "generators' media where data.media_root says, or have them send rollout.media: inline") from None
+            g = self._resolve(d, g)
+            if g is None:
                 return None
         inputs, problem = reprocess(self.processor, g)
         if problem is not None:
@@ -98,6 +89,27 @@ class Gate:
             self.drop(d.stream_id, g.group_id, "mismatch", why=problem.reason)
             return None
         return Accepted(d.stream_id, g, inputs, staleness)
+
+    def _resolve(self, d, g):
+        """``g`` with its referenced visuals decoded and checked, or None: dead-lettered (the reason
+        names the file); :class:`~.media.MediaWatch` decides whether this learner stops instead."""
+        from streamgrpo.learner.media import MediaError
+
+        try:
+            if self.media is None:
+                raise MediaError("media_missing", "visuals by reference, and this consumer decodes none")
+            resolved = self.media.resolved(d)
+        except MediaError as exc:
+            failure = exc
+        else:
+            if self.media_watch is not None:
+                self.media_watch.resolved()
+            return resolved
+        log.warning("group %s (entry %s): %s", g.group_id, d.stream_id, failure)
+        self.dead_letter(d.stream_id, g, f"group {g.group_id}: {failure}", failure.label)
+        if self.media_watch is not None:
+            self.media_watch.failed(failure)
+        return None
 
     def drop(self, stream_id: str, group_id: str, reason: str, why: str | None = None) -> None:
         M.GROUPS_DROPPED.labels(reason=reason).inc()

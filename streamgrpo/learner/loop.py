@@ -58,7 +58,7 @@ from streamgrpo.learner.distributed import (
     init_distributed,
 )
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
-from streamgrpo.learner.media import MediaResolver, ReadAhead, check_media_root
+from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import (
     final_checkpoint,
@@ -162,7 +162,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
-    gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media)
+    gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
+                media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
     last_metrics: dict[str, Any] = {}
     # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)

@@ -5,7 +5,10 @@ file, its frame indices, size and decoder, and the digest of the pixels the gene
 learner decodes the same frames with the same code (:func:`streamgrpo.data.video.decode_resized`),
 checks the digest and trains on them; a missing file or other pixels (the file changed, another
 decoder build) make the group a dead letter (``media_missing`` / ``media_mismatch``, the reason names
-the file), never a step on other pixels.
+the file), never a step on other pixels. A path is resolved with ``realpath`` and must lie inside the
+learner's media root (``data.media_root``, else the training file's folder), else ``media_outside``:
+no reference names any other file, through a symlink or ``/proc``. :class:`MediaWatch` decides when
+failures are this learner's own (its media root gone) and it stops.
 
 :class:`MediaResolver` decodes in a small thread pool as groups arrive, through a byte-bounded LRU
 keyed by what decides the pixels (file and its stat, decoder, indices, size); :class:`ReadAhead`
@@ -35,11 +38,9 @@ log = logging.getLogger("streamgrpo.learner")
 
 
 class MediaUnavailable(RuntimeError):
-    """This learner cannot resolve references at all (many in a row failed): it stops, so that the groups
-    not read yet stay queued instead of all becoming dead letters."""
-
-
-STOP_AFTER = 16  # referenced groups in a row that failed before the learner stops
+    """This learner cannot resolve references at all: it resolved none for ``learner.media_unavailable_s``
+    and its own media root is missing, unreadable or empty. It stops, so that the groups not read yet stay
+    queued instead of all becoming dead letters."""
 
 
 class MediaError(Exception):
@@ -56,13 +57,69 @@ def by_reference(group: ScoredGroup) -> bool:
 
 
 def check_media_root(data: DataConfig) -> str | None:
-    """One line saying why this machine cannot read the media references point into, or None."""
+    """One line saying why this machine cannot read the media references point into, or None: the root
+    (``data.media_root``, else the training file's folder) is not a directory, not readable, or empty
+    (a mount point with nothing mounted)."""
     root = default_media_root(data)
     if not os.path.isdir(root):
         return f"data.media_root {root} is not a directory here"
     if not os.access(root, os.R_OK | os.X_OK):
         return f"data.media_root {root} is not readable by this user"
-    return None
+    try:
+        with os.scandir(root) as entries:
+            empty = next(entries, None) is None
+    except OSError as exc:
+        return f"data.media_root {root} cannot be listed: {exc.strerror or exc}"
+    return f"data.media_root {root} is empty (not mounted here?)" if empty else None
+
+
+class MediaWatch:
+    """Whether the references this learner cannot resolve are its own fault: then it stops.
+
+    A group whose reference cannot be resolved is dead-lettered and training goes on with the others, so
+    a stream holding many bad references (anyone who can write to it may send them) is a stream of dead
+    letters, never an off switch. The learner stops (:class:`MediaUnavailable`) only when it has resolved
+    no reference for ``after_s`` seconds (``learner.media_unavailable_s``) *and* its own media root,
+    checked directly (:func:`check_media_root`, at most once per ``pause_s``), is missing, unreadable or
+    empty. While the root is unusable each failure also waits ``pause_s``, so the groups read before the
+    learner stops are a few, not the whole backlog."""
+
+    def __init__(self, data: DataConfig, after_s: float = 60.0, clock=time.monotonic, sleep=time.sleep,
+                 pause_s: float = 1.0):
+        self.data, self.after_s, self.pause_s = data, after_s, pause_s
+        self._clock, self._sleep = clock, sleep
+        self._failing_since: float | None = None  # the first failure since the last reference resolved
+        self._checked_at, self._problem = -1e18, None  # the last direct check of the media root
+
+    def resolved(self) -> None:
+        self._failing_since = None
+
+    def root_problem(self) -> str | None:
+        """:func:`check_media_root`, checked again when the last check is ``pause_s`` old."""
+        now = self._clock()
+        if now - self._checked_at >= self.pause_s:
+            self._checked_at, self._problem = now, check_media_root(self.data)
+        return self._problem
+
+    def failed(self, exc: Exception) -> None:
+        """A reference could not be resolved (``exc``, its group already dead-lettered); raises
+        :class:`MediaUnavailable` when none was for ``after_s`` and the media root is unusable here."""
+        now = self._clock()
+        if self._failing_since is None:
+            self._failing_since = now
+        waited = now - self._failing_since
+        problem = self.root_problem()
+        if problem is None:
+            return  # the root is there: these references name files it does not hold (dead letters)
+        if waited < self.after_s:
+            self._sleep(self.pause_s)  # the root may come back (a remount): read slowly meanwhile
+            return
+        label = getattr(exc, "label", type(exc).__name__)
+        raise MediaUnavailable(
+            f"stopping: no group by reference could be resolved here for {waited:.0f} s "
+            f"(learner.media_unavailable_s {self.after_s:g}) and {problem}; the groups not read yet stay queued "
+            f"(the last one: {label}: {exc}). Mount the generators' media where data.media_root says, or "
+            "have them send rollout.media: inline")
 
 
 class MediaResolver:
@@ -113,8 +170,8 @@ class MediaResolver:
         ref = v.ref
         try:
             path = ref_file(ref.path, self.data)
-        except ValueError as exc:
-            raise MediaError("media_missing", f"{where}: media file {exc}") from None
+        except ValueError as exc:  # outside the media root, a symlink out of it included
+            raise MediaError("media_outside", f"{where}: media file {exc}") from None
         if not os.path.isfile(path):
             what = "is not a regular file" if os.path.exists(path) else "not found"
             raise MediaError("media_missing", f"{where}: media file {path} {what} on the learner "

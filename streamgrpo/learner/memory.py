@@ -173,7 +173,7 @@ def check_fits(plan: MemoryPlan, cap: Capacity, counts: ParamCounts) -> None:
             + ("lower learner.micro_batch_tokens or turn on learner.gradient_checkpointing, "
                if plan.step.get("activations", 0) > 0.1 * plan.device_bytes else "")
             + "use more ranks with ZeRO-3 "
-            "(deploy/deepspeed/zero3.json), or offload the optimizer to the host (deploy/deepspeed/zero2_offload.json)")
+            "(learner.deepspeed_config: zero3), or offload the optimizer to the host (learner.deepspeed_config: zero2_offload)")
     host_need = plan.host_bytes * ranks
     if 0 < cap.host_bytes < host_need:
         raise MemoryPlanError(

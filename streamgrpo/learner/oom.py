@@ -57,7 +57,7 @@ def one_sequence_message(tokens: int) -> str:
     return (f"out of memory in a learner step with one sequence per micro-batch ({tokens} tokens): make one "
             "sequence fit with learner.gradient_checkpointing: true, a shorter rollout.max_completion_length, a "
             "smaller data.max_pixels or data.max_frames, or optimizer offload (learner.backend: deepspeed with "
-            "learner.deepspeed_config: deploy/deepspeed/zero2_offload.json); learner.micro_batch_tokens is "
+            "learner.deepspeed_config: zero2_offload); learner.micro_batch_tokens is "
             "already down to one sequence")
 
 

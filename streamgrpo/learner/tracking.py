@@ -8,7 +8,8 @@ and each new line the evaluator wrote to ``<run_dir>/eval.jsonl`` since the last
 (``eval/accuracy``, ``eval/by_kind/<kind>/accuracy``, ``eval/shuffle_drop/accuracy``, ``eval/version``, ...)
 at the learner's step (the evaluator's version is ``eval/version``): one wandb run holds both.
 
-``mode: offline`` (the default) writes ``<run_dir>/wandb/offline-run-*`` with no network
+The mode (:func:`wandb_mode`): ``metrics.wandb.mode`` when set, else ``WANDB_MODE`` when set, else online
+with a ``project`` and offline without one. Offline writes ``<run_dir>/wandb/offline-run-*`` with no network
 (``wandb sync`` uploads it later); the run id is kept in ``<run_dir>/wandb-run-id`` so a resumed
 learner continues the same wandb run. ``mode: disabled`` or no ``metrics.wandb`` section: nothing.
 """
@@ -16,7 +17,9 @@ learner continues the same wandb run. ``mode: disabled`` or no ``metrics.wandb``
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,20 @@ log = logging.getLogger(__name__)
 SEED_KEYS = ("grpo/policy_seq_log_prob", "grpo/kl_div", "grpo/format_reward", "grpo/accuracy_reward",
              "grpo/total_reward", "grpo/advantage")
 MAX_SAMPLE_ROWS = 32
+
+
+DEFAULT_PROJECT = "streamgrpo"
+
+
+def wandb_mode(wc, environ: Mapping[str, str]) -> str:
+    """The wandb mode of ``metrics.wandb`` (pure): its ``mode``; else ``WANDB_MODE`` from ``environ``;
+    else ``online`` when a ``project`` is set, ``offline`` when not."""
+    if wc.mode is not None:
+        return wc.mode
+    env = (environ.get("WANDB_MODE") or "").strip()
+    if env:
+        return env
+    return "online" if wc.project else "offline"
 
 
 def seed_scalars(rec: dict[str, Any]) -> dict[str, float]:
@@ -84,7 +101,7 @@ class Tracker:
     @staticmethod
     def from_config(cfg, run_dir: str | Path, *, enabled: bool = True) -> Tracker:
         wc = cfg.metrics.wandb
-        if not enabled or wc is None or wc.mode == "disabled":
+        if not enabled or wc is None or wandb_mode(wc, os.environ) == "disabled":
             return Tracker()
         return WandbTracker(cfg, Path(run_dir))
 
@@ -100,9 +117,10 @@ class WandbTracker(Tracker):
         id_file.write_text(run_id)
         self._wandb = wandb
         self._eval_path, self._eval_offset = run_dir / "eval.jsonl", 0
-        self.run = wandb.init(project=wc.project, name=wc.run_name or run_dir.name, mode=wc.mode, dir=str(run_dir),
+        mode, project = wandb_mode(wc, os.environ), wc.project or DEFAULT_PROJECT
+        self.run = wandb.init(project=project, name=wc.run_name or run_dir.name, mode=mode, dir=str(run_dir),
                               id=run_id, resume="allow", config=cfg.to_dict(redact=True))  # no Redis password
-        log.info("wandb: project %s, run %s (%s), files under %s", wc.project, self.run.name, wc.mode, run_dir / "wandb")
+        log.info("wandb: project %s, run %s (%s), files under %s", project, self.run.name, mode, run_dir / "wandb")
 
     def log_step(self, rec: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
         from streamgrpo.runtime import read_new_lines

@@ -187,16 +187,17 @@ class Learner:
         self.state = LearnerState()
         lora = cfg.model.lora
         frozen_bf16 = lc.bf16 and not self.deepspeed  # autocast reads a frozen weight as bf16 anyway
+        packed = lc.shared_prompt  # a custom attention mask: model.attn_implementation auto is sdpa
         if lora is not None:
             check_quantization(lora, device)
-            base = load_quantized(cfg.model, lora, device) if lora.quantize_4bit else \
-                load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32")
+            base = load_quantized(cfg.model, lora, device, custom_mask=packed) if lora.quantize_4bit else \
+                load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32", custom_mask=packed)
             if lc.gradient_checkpointing:
                 enable_activation_checkpointing(base, lc.checkpoint_every, lc.checkpoint_offload)
             model = apply_lora(base, lora, seed=cfg.seed)
             model.train()
         else:
-            model = load_model(cfg.model, device, dtype="float32", trainable=True)
+            model = load_model(cfg.model, device, dtype="float32", trainable=True, custom_mask=packed)
             if frozen_bf16:
                 store_frozen_in(model, torch.bfloat16)
             if lc.gradient_checkpointing:
@@ -208,7 +209,7 @@ class Learner:
             log.info("trainable parameters: %d of %d (%.2f%%, LoRA adapters)", self.trainable, self.total,
                      100.0 * self.trainable / max(self.total, 1))
         # reference: the base itself with adapters off (LoRA), else a frozen copy
-        self.ref = load_model(cfg.model, device) if cfg.loss.beta > 0 and lora is None else None
+        self.ref = load_model(cfg.model, device, custom_mask=packed) if cfg.loss.beta > 0 and lora is None else None
         self.module = model  # the peft or transformers module: names, saving, publishing
         capabilities(unwrap_model(model), role="learner")  # one line if this release lacks what log-probs use
         # what computes the policy's log-probs (DeepSpeed wraps it)

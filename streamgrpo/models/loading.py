@@ -53,17 +53,18 @@ def load_processor(name_or_path: str, revision: str | None = None):
     return proc
 
 
-def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | None = None, trainable: bool = False):
-    """Load the policy as the transformers class of its checkpoint, on ``device``, in ``dtype``."""
+def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | None = None, trainable: bool = False,
+               custom_mask: bool = False):
+    """Load the policy as the transformers class of its checkpoint, on ``device``, in ``dtype``, with the
+    attention kernel :func:`~streamgrpo.models.attention.resolve` picks (``custom_mask``: learner.shared_prompt)."""
     from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.models.attention import resolve
 
     dtype_name = dtype or model_cfg.dtype
     if torch.device(device).type == "cpu" and dtype_name == "float16":
         raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-    attn = model_cfg.attn_implementation
-    if attn == "flash_attention_2" and torch.device(device).type != "cuda":
-        log.warning("flash_attention_2 needs CUDA; using sdpa on %s", device)
-        attn = "sdpa"
+    attn = resolve(model_cfg.attn_implementation, torch.device(device).type, custom_mask=custom_mask)
     model = AutoModelForImageTextToText.from_pretrained(
         model_cfg.name_or_path, revision=model_cfg.revision, dtype=_DTYPES[dtype_name], attn_implementation=attn
     )

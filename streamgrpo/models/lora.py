@@ -61,10 +61,12 @@ def check_quantization(lora_cfg, device: torch.device | str) -> None:
         raise RuntimeError("model.lora.quantize_4bit=true needs the bitsandbytes package: pip install bitsandbytes") from None
 
 
-def load_quantized(model_cfg, lora_cfg, device: torch.device):
+def load_quantized(model_cfg, lora_cfg, device: torch.device, *, custom_mask: bool = False):
     """The frozen base in 4-bit NF4 (compute in bfloat16), prepared for k-bit training."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    from streamgrpo.models.attention import resolve
 
     check_quantization(lora_cfg, device)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -73,7 +75,8 @@ def load_quantized(model_cfg, lora_cfg, device: torch.device):
     model = AutoModelForImageTextToText.from_pretrained(
         model_cfg.name_or_path, revision=model_cfg.revision, quantization_config=quant,
         dtype=torch.bfloat16, device_map={"": torch.device(device).index or 0},
-        attn_implementation=model_cfg.attn_implementation,
+        attn_implementation=resolve(model_cfg.attn_implementation, torch.device(device).type,
+                                    custom_mask=custom_mask),
     )
     if model_cfg.fp32_lm_head:
         from streamgrpo.models.head import use_fp32_head

@@ -51,7 +51,9 @@ def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | No
     key = client_key if wc.curve_keys_dir else None  # e.g. client-3: the key of the generator that started it
     upstream = local = server = None
     try:
-        server = start_metrics(cfg.metrics, Path(cfg.run_dir), f"relay-{socket.gethostname()}")
+        mcfg = cfg.metrics.model_copy(update={"port": wc.relay_metrics_port})  # not the generators' port
+        server = start_metrics(mcfg, Path(cfg.run_dir), f"relay-{socket.gethostname()}",
+                               hint="set weights.relay_metrics_port=0 (a free port)")
         local = relay_publisher_from_config(wc)
         upstream = RelayReceiver(local, wc.connect_host, wc.pub_port, wc.snapshot_port, wc.curve_keys_dir, key,
                                  delta=wc.delta)

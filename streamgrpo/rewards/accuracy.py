@@ -1,4 +1,6 @@
-"""``accuracy``: 1.0 when the answer picks the ground-truth option, else 0.0.
+"""``accuracy``: 1.0 when the answer picks the ground-truth option, else 0.0 -- or, by question kind, the
+rule ``by_kind`` names for it (Video-R1's five problem types by default: OCR by word error rate,
+free-form by ROUGE, regression by relative error; see :mod:`.problem_types`).
 
 Ground truth forms: ``(B) red``, ``B``, ``B. red``, ``(2)``, or an option text (``red``) when the
 question lists the options (``fields["question"]``: ``(A) red (B) green (C) blue``). A ground
@@ -18,6 +20,7 @@ from typing import Any
 
 from .choices import Options, _label_kind, lead_label, named_options, parse_options
 from .extract import answer_text, field_at, is_number_only, normalize, numbers, per_completion, truth_text
+from .problem_types import TEXT_RULES, VIDEO_R1, check_rules, rule_for
 from .registry import register
 
 _QUESTION_FALLBACKS = ("question", "problem")
@@ -88,12 +91,24 @@ def accuracy(
     think_tag: str | None = "think",
     fallback: bool = False,
     question_field: str = "question",
+    by_kind: Mapping[str, str] | None = None,
+    default: str = "choice",
+    kind_field: str = "kind",
 ):
-    """Multiple-choice accuracy; ``fallback=True`` reads the whole completion when no answer tag."""
+    """Accuracy by question kind; ``fallback=True`` reads the whole completion when no answer tag.
+
+    ``by_kind``: question kind (``problem_type``) -> rule (``choice``, ``number``, ``wer``, ``rouge``,
+    ``relative``, ``mra``); null: Video-R1's five types. Other kinds are scored by ``default``."""
+    rules = check_rules(VIDEO_R1 if by_kind is None else by_kind, default, libraries=by_kind is not None)
 
     def one(completion: str, answer: Any, fields: Mapping[str, Any], i: int, n: int) -> float:
         pred = answer_text(completion, answer_tag=answer_tag, think_tag=think_tag, fallback=fallback)
         truth = truth_text(answer, answer_tag)
+        rule = rule_for(field_at(fields, kind_field, i, n), rules, default)
+        if rule != "choice":
+            if pred is None or not pred.strip() or not truth.strip():
+                return 0.0
+            return TEXT_RULES[rule](pred.strip(), truth.strip())
         return score_choice(pred, truth, question_of(fields, question_field, i, n))
 
     return per_completion(one, "accuracy")

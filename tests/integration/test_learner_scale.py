@@ -24,7 +24,7 @@ import wandb_log
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+DEPLOY = Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / "deepspeed"
 
 
 @pytest.fixture(scope="module")

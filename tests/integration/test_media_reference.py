@@ -232,34 +232,132 @@ def test_long_clips_decode_in_chunks_to_the_same_pixels(tmp_path):
     assert whole.shape == (n, 56, 56, 3) and np.array_equal(whole, np.concatenate(parts))
 
 
-def test_a_learner_that_cannot_read_any_reference_stops_instead_of_draining_the_stream(mixed, tiny_model_dir,
-                                                                                       redis_server, redis_ns,
-                                                                                       tmp_path, monkeypatch):
-    """Its media root is empty (not mounted): after STOP_AFTER dead letters in a row it stops in one
-    line (exit 1 from the CLI), and the groups it has not read stay queued."""
+def _unresolvable(good, media: Path, outside: Path, n: int) -> list:
+    """``n`` groups by reference the learner must refuse, four kinds in turn: a missing file, a symlink
+    inside the root to a copy of the group's own clip outside it (the pixels match: only the boundary
+    refuses it), /proc/self/environ, and a path that climbs out with ``../``."""
+    v = good.visuals[0]
+    shutil.copyfile(media / v.ref.path, outside)
+    link = media / "videos" / "escape.mp4"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    paths = ["videos/nope.mp4", "videos/escape.mp4", "/proc/self/environ", "../../../../etc/passwd"]
+    return [replace(good, group_id=f"bad-{i}", visuals=[replace(v, ref=replace(v.ref, path=paths[i % 4]))])
+            for i in range(n)]
+
+
+def test_many_unresolvable_references_among_good_groups_are_dead_letters_and_training_goes_on(
+        mixed, tiny_model_dir, media, redis_server, redis_ns, tmp_path):
+    """40 references the learner cannot (or must not) resolve, in runs of 20 between good groups: each
+    is dead-lettered with its reason (a symlink out of the root names where it leads), every good group
+    trains, and the audit accounts for all: lost 0, twice 0."""
+    from streamgrpo.audit import audit_run
+    from streamgrpo.learner.loop import run_learner
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.wire import decode, encode
+
+    good = [replace(mixed[i % 3], group_id=f"ref-{i}") for i in range(6)]
+    bad = _unresolvable(decode(encode(mixed[0])), media, tmp_path / "outside.mp4", 40)
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="producer")
+    try:
+        q.put_many(good[:2] + bad[:20] + good[2:4] + bad[20:] + good[4:])
+        run = tmp_path / "run"
+        assert run_learner(_cfg(tiny_model_dir, media, run, f"queue.url={redis_server.url}",
+                                f"queue.namespace={redis_ns}", "learner.max_steps=3")) == 0
+        trained = [g for line in (run / "audit" / "learner.jsonl").read_text().splitlines()
+                   for e in [json.loads(line)] if e["event"] == "trained" for g in e["group_ids"]]
+        assert sorted(trained) == [f"ref-{i}" for i in range(6)]
+        dead = {d["group_id"]: d for d in q.dead_letters(count=100)}
+        assert sorted(dead) == sorted(g.group_id for g in bad)
+        reasons = [dead[f"bad-{i}"]["reason"] for i in range(4)]
+        assert "nope.mp4 not found" in reasons[0]
+        assert f"lies outside data.media_root ({media}) (a symlink: it resolves to {tmp_path / 'outside.mp4'})" \
+            in reasons[1]
+        assert "'/proc/self/environ' lies outside data.media_root" in reasons[2]
+        assert "lies outside data.media_root" in reasons[3]
+        audit = audit_run(run, q)
+        assert audit.ok and audit.lost == 0 and audit.twice == 0 and audit.trained == 6
+        assert audit.dropped == {"media_missing": 10, "media_outside": 30}
+    finally:
+        (media / "videos" / "escape.mp4").unlink(missing_ok=True)
+        q.close()
+
+
+def test_a_learner_whose_media_root_is_removed_stops_in_one_line_after_the_configured_time(
+        mixed, tiny_model_dir, redis_server, redis_ns, tmp_path):
+    """The media root is gone on this machine: references keep failing (a producer sends one every half
+    second), and after learner.media_unavailable_s without any resolved the learner stops: exit 1, one
+    line that names the root, no traceback; the learner went on past the first failure."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    gone = tmp_path / "gone"
+    cfg = _cfg(tiny_model_dir, gone, tmp_path / "run", f"queue.url={redis_server.url}",
+               f"queue.namespace={redis_ns}", "learner.media_unavailable_s=3")
+    (tmp_path / "learner.yaml").write_text(cfg.to_yaml())
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="producer")
+    done = threading.Event()
+
+    def produce():
+        i = 0
+        while not done.wait(0.5):
+            q.put_many([replace(mixed[0], group_id=f"unreadable-{i}")])
+            i += 1
+
+    feeder = threading.Thread(target=produce, daemon=True)
+    feeder.start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(tmp_path / "learner.yaml")],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    finally:
+        done.set()
+        feeder.join(5)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("streamgrpo learner:")]
+    assert "stopping: no group by reference could be resolved here for" in line
+    assert f"data.media_root {gone} is not a directory here" in line
+    waited = int(line.split("resolved here for ")[1].split(" s")[0])
+    assert waited >= 3
+    assert len(q.dead_letters(count=100)) >= 2  # it went on past the first failure
+    q.close()
+
+
+def test_media_behind_a_symlink_out_of_the_root_travel_inline_and_train(tiny_model_dir, demo_data_dir, redis_server,
+                                                                        redis_ns, tmp_path):
+    """What the generator and the learner agree on: the data set's videos folder is a symlink to storage
+    outside the records' folder. The learner would refuse such references (media_outside), so the
+    generator sends those visuals inline; the learner admits the groups, nothing is dead-lettered."""
     from streamgrpo.config import load_config
-    from streamgrpo.learner import media
     from streamgrpo.learner.gate import Gate
-    from streamgrpo.learner.media import MediaResolver, MediaUnavailable
+    from streamgrpo.learner.media import MediaResolver, by_reference
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.wire import decode, encode
 
-    monkeypatch.setattr(media, "STOP_AFTER", 3)
-    (tmp_path / "empty").mkdir()
-    cfg = load_config("demo", [f"data.train_path={tmp_path / 'empty' / 'train.jsonl'}"])
+    data = _copy(demo_data_dir, tmp_path / "data")
+    (tmp_path / "store").mkdir()
+    shutil.move(str(data / "videos"), str(tmp_path / "store" / "videos"))
+    (data / "videos").symlink_to(tmp_path / "store" / "videos")
+    groups = _sample(tiny_model_dir, data, 2, "[direction]", seed=5)
+    assert all(v.ref is None and v.frames is not None for g in groups for v in g.visuals)
+    assert not any(by_reference(decode(encode(g))) for g in groups)
+    cfg = load_config("demo", [f"data.train_path={data / 'train.jsonl'}"])
     q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="learner-0")
     try:
-        q.put_many([replace(mixed[0], group_id=f"unreadable-{i}") for i in range(5)])
-        resolver = MediaResolver(cfg.data)
+        q.put_many(groups)
+        resolver = MediaResolver(cfg.data, cache_mib=16)
         gate = Gate(q, cfg.loss, LearnerState(), JsonlWriter(tmp_path / "audit.jsonl"),
                     load_processor(str(tiny_model_dir)), 10**6, media=resolver)
-        deliveries = q.get(5, timeout_s=5.0)
-        assert gate.admit(deliveries[0]) is None and gate.admit(deliveries[1]) is None
-        with pytest.raises(MediaUnavailable, match="the last 3 groups by reference could not be resolved here"):
-            gate.admit(deliveries[2])
-        assert len(q.dead_letters()) == 3 and q.client.xlen(q.stream) == 2  # the two not admitted stay
+        admitted = [gate.admit(d) for d in q.get(2, timeout_s=5.0)]
+        assert [a.group.group_id for a in admitted if a is not None] == [g.group_id for g in groups]
+        assert q.dead_letters() == []
         resolver.close()
     finally:
         q.close()

@@ -253,3 +253,37 @@ def test_inflight_update_pauses_reloads_and_stamps_every_token(tiny_model_dir, d
             assert np.abs(c.logprobs[:3] - lp0[:3]).max() < GAP_TOL  # sampled under v0
             assert np.abs(c.logprobs[3:] - lp1[3:]).max() < GAP_TOL  # sampled under v1, in the same batch
             assert np.abs(c.logprobs[3:] - lp0[3:]).max() > 10 * GAP_TOL  # and v0 would not explain them
+
+
+def test_a_vllm_that_cannot_start_is_one_line(tiny_model_dir, demo_data_dir, redis_server, tmp_path, redis_ns):
+    """vLLM asked for more KV cache than the host has: its engine core fails to start. The generator
+    stops with exit 1 and one line naming vLLM's error and the setting to change, no traceback;
+    vLLM's own output is in the file the line names (issue 49)."""
+    from streamgrpo.config import load_config
+
+    demo = Path(demo_data_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("demo", [
+        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",
+        f"data.train_path={_records(demo, tmp_path / 'records.jsonl', 2, 0)}", f"data.media_root={demo}",
+        "demo.make_data=false", "data.kinds=null", "rollout.engine=vllm", "rollout.num_generators=1",
+        "rollout.vllm.max_model_len=2048", "rollout.vllm.cpu_kv_cache_gib=4096", "rollout.vllm.enforce_eager=true",
+        f"queue.url={redis_server.url}", f"queue.namespace={redis_ns}",
+    ])
+    cfg_path = run / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    proc = subprocess.run([sys.executable, "-m", "streamgrpo", "generator", "--config", str(cfg_path), "--id", "0"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    ours = [x for x in proc.stderr.splitlines() if x.startswith("streamgrpo generator: generator-0: ")]
+    assert len(ours) == 1, out[-4000:]
+    line = ours[0]
+    assert "the memory vLLM asks for is not free" in line and "rollout.vllm.cpu_kv_cache_gib (now 4096)" in line, line
+    full = run / "logs" / "generator-0-vllm-start.log"
+    assert f"(vLLM's full output: {full})" in line
+    assert "less than requested memory for kv" in full.read_text()  # vLLM's own words, kept for the user
+    print(f"\nvLLM that cannot start: {line}")

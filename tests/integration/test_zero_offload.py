@@ -1,4 +1,4 @@
-"""ZeRO-2 with the optimizer offloaded to the host (``deploy/deepspeed/zero2_offload.json``) and ZeRO-3
+"""ZeRO-2 with the optimizer offloaded to the host (the shipped ``zero2_offload.json``) and ZeRO-3
 (``zero3.json``): the same training as ZeRO-2 on the device (AdamW's states on the host with offload), and an
 exact resume from their checkpoints.
 

@@ -31,7 +31,7 @@ def main() -> int:
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.wire import decode
 
-    deploy = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+    deploy = Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / "deepspeed"
     groups = [decode(b) for b in msgpack.unpackb(Path(args.groups).read_bytes())]
     batches = [groups[i:i + 2] for i in range(0, len(groups), 2)]
     dist = init_distributed("deepspeed", dist_backend="gloo")

@@ -11,7 +11,7 @@ from streamgrpo.cli import build_parser, main
 
 COMMANDS = [
     ["up"], ["learner"], ["generator"], ["infer"], ["eval"], ["report"], ["data", "check"], ["data", "demo"],
-    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["keys"],
+    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["config", "init"], ["keys"],
 ]
 
 
@@ -142,10 +142,8 @@ def qwen_7b_config(tmp_path_factory):
     return write_config(tmp_path_factory.mktemp("qwen-7b-sizes"), "qwen2_5_vl", "7b")
 
 
-def test_config_memory_takes_the_ranks_from_the_config_unless_told(qwen_7b_config, monkeypatch, capsys):
-    from pathlib import Path
-
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the config's deepspeed_config is relative to the repo
+def test_config_memory_takes_the_ranks_from_the_config_unless_told(qwen_7b_config, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the config's deepspeed_config is a shipped name: any directory works
     args = ["config", "memory", "--config", "qwen2_5_vl_7b_1node", "--set", f"model.name_or_path={qwen_7b_config}",
             "--gpu-gib", "80"]
     assert main(args) == 0  # launch.learner_ranks: 4
@@ -176,3 +174,36 @@ def test_config_memory_offline_with_a_hub_name_not_cached_is_one_line(tmp_path, 
     assert line.startswith("streamgrpo config memory: no model config for "
                            "model.name_or_path='Qwen/Qwen2.5-VL-7B-Instruct': HF_HUB_OFFLINE is set")
     assert "`streamgrpo model tiny --size 7b --config-only --out DIR`" in line and captured.out == ""
+
+
+def test_a_generators_fixed_metrics_port_is_offset_by_its_local_index():
+    """metrics.port P: --local-index g serves P + g (default 0); 0 stays a free port."""
+    import argparse
+
+    from streamgrpo.cli import _set_generator_port, build_parser
+    from streamgrpo.config import ConfigError, load_config
+
+    assert build_parser().parse_args(["generator", "--id", "1"]).local_index == 0
+    ports = []
+    for port, local in ((9100, 3), (9100, 0), (0, 5)):
+        cfg = load_config("demo", [f"metrics.port={port}"])
+        _set_generator_port(cfg, argparse.Namespace(local_index=local))
+        ports.append(cfg.metrics.port)
+    assert ports == [9103, 9100, 0]
+    with pytest.raises(ConfigError, match="past 65535"):
+        _set_generator_port(load_config("demo", ["metrics.port=65535"]), argparse.Namespace(local_index=1))
+
+
+def test_every_user_error_names_an_exception_class_of_its_module():
+    """cli.USER_ERRORS names classes by string: a renamed class would silently become a traceback."""
+    import importlib
+
+    from streamgrpo.cli import USER_ERRORS, _user_error
+
+    for module, names, code in USER_ERRORS:
+        mod = importlib.import_module(module)
+        for name in names:
+            cls = getattr(mod, name)
+            assert isinstance(cls, type) and issubclass(cls, BaseException), (module, name)
+            assert _user_error(cls.__new__(cls)) == code, (module, name)
+    assert _user_error(RuntimeError("not a user's mistake")) is None

@@ -30,7 +30,7 @@ def test_defaults_round_trip_through_yaml(tmp_path):
 def test_every_shipped_config_parses(name):
     cfg = load_config(name)
     assert isinstance(cfg, Config)
-    assert find_config(name).name == f"{name}.yaml"
+    assert find_config(name).as_posix().endswith(f"/{name}.yaml")
 
 
 def test_shipped_configs_include_demo_and_gpu_run():
@@ -125,6 +125,16 @@ def test_shared_prompt_refuses_flash_attention_in_one_line():
         build_config({"model": {"attn_implementation": "flash_attention_2"}, "learner": {"shared_prompt": True}})
     assert "\n" not in str(err.value) and "learner.shared_prompt" in str(err.value) and "sdpa" in str(err.value)
     assert build_config({}, ["learner.shared_prompt=true"]).learner.shared_prompt
+
+
+def test_a_relays_metrics_port_is_never_a_generators():
+    """The relay serves its own port (default 0: a free one), never metrics.port + a local index."""
+    assert build_config({}).weights.relay_metrics_port == 0
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["metrics.port=9100", "rollout.num_generators=4", "weights.relay_metrics_port=9103"])
+    assert "\n" not in str(err.value) and "weights.relay_metrics_port 9103 is a generator's metrics port" in str(err.value)
+    assert build_config({}, ["metrics.port=9100", "rollout.num_generators=4",
+                             "weights.relay_metrics_port=9200"]).weights.relay_metrics_port == 9200
 
 
 @pytest.mark.parametrize("knob", ["checkpoint_every=2", "checkpoint_offload=true"])

@@ -1,4 +1,4 @@
-"""The DeepSpeed config streamgrpo derives from learner.* and the shipped deploy/deepspeed files."""
+"""The DeepSpeed config streamgrpo derives from learner.* and the shipped DeepSpeed files (streamgrpo/configs/deepspeed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from streamgrpo.config import ConfigError, build_config
 from streamgrpo.learner.deepspeed_setup import deepspeed_config
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+DEPLOY = Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / "deepspeed"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -56,7 +56,8 @@ from streamgrpo.config.schema import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "streamgrpo" / "recipes").glob("*/README.md"))]
 
 # A command is skipped only for one of these reasons: (pattern on the words after `streamgrpo`, why).
 SKIP = [

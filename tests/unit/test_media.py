@@ -18,15 +18,45 @@ def test_a_reference_names_its_file_relative_to_the_media_root_and_resolves_back
     (root / "videos").mkdir(parents=True)
     cfg = DataConfig(train_path=str(root / "train.jsonl"))
     assert ref_path(str(root / "videos" / "a.mp4"), cfg) == "videos/a.mp4"
-    assert ref_path(str(tmp_path / "elsewhere.mp4"), cfg) == str(tmp_path / "elsewhere.mp4")  # outside: absolute
+    assert ref_path(str(tmp_path / "elsewhere.mp4"), cfg) is None  # outside the root: the learner refuses it, inline
     assert ref_file("videos/a.mp4", cfg) == str(root / "videos" / "a.mp4")
     other = DataConfig(train_path=str(tmp_path / "other" / "train.jsonl"), media_root=str(tmp_path / "mnt"))
     assert ref_file("videos/a.mp4", other) == str(tmp_path / "mnt" / "videos" / "a.mp4")  # another host's mount
     with pytest.raises(ValueError, match="lies outside data.media_root"):
         ref_file("../../etc/passwd", cfg)
-    assert ref_file("/srv/clips/a.mp4", cfg) == "/srv/clips/a.mp4"  # unbounded root: records may name any file
+    assert ref_file(str(root / "videos" / "a.mp4"), cfg) == str(root / "videos" / "a.mp4")  # absolute, inside
     with pytest.raises(ValueError, match="lies outside data.media_root"):
-        ref_file("/srv/clips/a.mp4", other)  # an explicit media_root bounds absolute paths too
+        ref_file("/srv/clips/a.mp4", cfg)  # no data.media_root: the training file's folder bounds references
+    with pytest.raises(ValueError, match="lies outside data.media_root"):
+        ref_file("/srv/clips/a.mp4", other)
+
+
+def test_a_reference_cannot_leave_the_media_root_through_a_symlink_or_name_proc(tmp_path):
+    """Resolved with realpath: a link inside the root that points out of it is refused (naming where it
+    leads), /proc/self/environ is refused with data.media_root unset; a link that stays inside is fine,
+    and a generator sends a file that leaves its root inline instead of by a reference the learner refuses."""
+    from streamgrpo.data.records import ref_file, ref_path
+
+    root = tmp_path / "data"
+    (root / "videos").mkdir(parents=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    (root / "videos" / "a.mp4").write_bytes(b"x")
+    (root / "videos" / "escape.mp4").symlink_to(secret)
+    (root / "videos" / "alias.mp4").symlink_to(root / "videos" / "a.mp4")
+    (root / "up").symlink_to(tmp_path)
+    cfg = DataConfig(train_path=str(root / "train.jsonl"))  # media_root unset: the demo's default
+    with pytest.raises(ValueError, match=f"a symlink: it resolves to {secret}"):
+        ref_file("videos/escape.mp4", cfg)
+    with pytest.raises(ValueError, match="a symlink"):
+        ref_file("up/secret.txt", cfg)  # a linked folder
+    with pytest.raises(ValueError, match="lies outside data.media_root"):
+        ref_file("/proc/self/environ", cfg)
+    with pytest.raises(ValueError, match="lies outside data.media_root"):
+        ref_file("/proc/self/environ", DataConfig(media_root=str(root)))
+    assert ref_file("videos/alias.mp4", cfg) == str(root / "videos" / "a.mp4")
+    assert ref_path(str(root / "videos" / "escape.mp4"), cfg) is None
+    assert ref_path(str(root / "videos" / "alias.mp4"), cfg) == "videos/alias.mp4"
 
 
 def test_a_file_extracted_from_a_datasets_row_travels_inline(tmp_path, monkeypatch):
@@ -41,6 +71,7 @@ def test_media_root_check_says_why_in_one_line(tmp_path):
     from streamgrpo.learner.media import check_media_root
 
     (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text("")
     assert check_media_root(DataConfig(train_path=str(tmp_path / "d" / "train.jsonl"))) is None
     line = check_media_root(DataConfig(media_root=str(tmp_path / "missing")))
     assert line == f"data.media_root {tmp_path / 'missing'} is not a directory here"
@@ -48,6 +79,46 @@ def test_media_root_check_says_why_in_one_line(tmp_path):
         locked = tmp_path / "locked"
         locked.mkdir(mode=0)
         assert "not readable" in check_media_root(DataConfig(media_root=str(locked)))
+
+
+def test_an_empty_media_root_is_unusable(tmp_path):
+    from streamgrpo.learner.media import check_media_root
+
+    (tmp_path / "mnt").mkdir()
+    assert check_media_root(DataConfig(media_root=str(tmp_path / "mnt"))) == \
+        f"data.media_root {tmp_path / 'mnt'} is empty (not mounted here?)"
+
+
+def test_the_media_watch_stops_only_after_the_time_and_with_the_root_gone(tmp_path):
+    """Pure logic under a fake clock: failures with the root readable never stop the learner; with the
+    root removed they do, once nothing resolved for after_s; one success starts the time again."""
+    import shutil
+
+    from streamgrpo.learner.media import MediaError, MediaUnavailable, MediaWatch
+
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "a.mp4").write_bytes(b"x")
+    now, slept = [0.0], []
+    watch = MediaWatch(DataConfig(media_root=str(root)), after_s=30.0, clock=lambda: now[0], sleep=slept.append)
+    bad = MediaError("media_missing", "visuals[0]: media file /x not found")
+    for t in range(0, 100, 5):  # 100 s of nothing but failures: the root is there, so they are the groups' fault
+        now[0] = float(t)
+        watch.failed(bad)
+    assert slept == []  # and they are read at full speed
+    shutil.rmtree(root)
+    watch.resolved()
+    now[0] = 100.0
+    watch.failed(bad)
+    now[0] = 129.0
+    watch.failed(bad)  # 29 s without a success: not yet, but the learner reads slowly meanwhile
+    assert slept == [1.0, 1.0]
+    now[0] = 131.0
+    with pytest.raises(MediaUnavailable) as exc:
+        watch.failed(bad)
+    line = str(exc.value)
+    assert "no group by reference could be resolved here for 31 s" in line and "\n" not in line
+    assert f"data.media_root {root} is not a directory here" in line and "media_missing" in line
 
 
 def test_redis_budget_counts_the_window_and_warns_against_maxmemory():

@@ -26,7 +26,7 @@ from streamgrpo.learner.memory import (
     plan_memory,
 )
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+DEPLOY = Path(__file__).resolve().parents[2] / "streamgrpo" / "configs" / "deepspeed"
 FULL = ParamCounts(total=1000, trainable=600)
 LORA = ParamCounts(total=1000, trainable=50, lora=True)
 
@@ -114,7 +114,7 @@ def test_check_fits_refuses_in_one_line_with_what_to_change():
         check_fits(plan, h100, FULL)
     msg = str(e.value)
     assert "\n" not in msg and "has 79.2 GiB" in msg and "at least 90.0 GiB" in msg
-    assert "weights 50.0 + optimizer 40.0 GiB" in msg and "model.lora" in msg and "zero2_offload.json" in msg
+    assert "weights 50.0 + optimizer 40.0 GiB" in msg and "model.lora" in msg and "deepspeed_config: zero2_offload" in msg
     check_fits(MemoryPlan({"weights": 70 * GiB}, {}), h100, FULL)  # fits: nothing raised
     # offload: the host's memory, shared by the host's ranks
     off = MemoryPlan({"weights": 10 * GiB}, {"optimizer": 40 * GiB})

@@ -57,3 +57,28 @@ def test_a_silent_connection_is_closed_after_the_timeout_and_the_endpoint_still_
             s.close()
     finally:
         server.close()
+
+
+def test_a_taken_fixed_port_is_one_line_naming_it_and_the_fix(tmp_path):
+    """Another process holds the port (a real listening socket): the role's start refuses in one line,
+    a usage error, with the way to another port; a free port still works and is recorded."""
+    import pytest
+
+    from streamgrpo.config import ConfigError, MetricsConfig
+    from streamgrpo.runtime import MetricsPortTaken, start_metrics
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(MetricsPortTaken) as exc:
+            start_metrics(MetricsConfig(port=port), tmp_path, "generator-1", hint="give it --local-index K")
+        assert isinstance(exc.value, ConfigError) and "\n" not in str(exc.value)
+        assert str(exc.value).startswith(f"generator-1: metrics port {port} on 127.0.0.1 is taken")
+        assert "give it --local-index K" in str(exc.value)
+        server = start_metrics(MetricsConfig(port=0), tmp_path, "relay-h")
+        assert (tmp_path / "ports" / "relay-h.json").is_file() and server.port != port
+        server.close()
+    finally:
+        holder.close()

@@ -266,3 +266,42 @@ def test_the_evaluator_takes_every_nth_version_and_the_runs_last():
     assert due(250, 225, 25, final=250) and due(241, 225, 25, final=241) and not due(241, 241, 25, final=241)
     assert final_version(build_config({}, ["learner.max_steps=250", "weights.sync_every=1"])) == 250
     assert final_version(build_config({}, ["learner.max_steps=250", "weights.sync_every=3"])) == 249
+
+
+def test_a_refusal_where_vllm_generators_overflow_names_gpu_memory_utilization():
+    # colocated: the learner's 30 GiB fit alone, vLLM's 0.85 of 80 GiB on top do not
+    with pytest.raises(PlacementError) as err:
+        plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True, learner_gib=30.0,
+                       generator_gib=68.0, device_gib=80.0, vllm_utilization=0.85)
+    msg = str(err.value)
+    assert msg.startswith("GPU 0 would hold 98.0 GiB (learner 30.0 + generator-0 68.0) of its 80 GiB: lower "
+                          "rollout.vllm.gpu_memory_utilization (now 0.85; at most 0.62 leaves room for the rest")
+    assert "\n" not in msg
+    # two vLLM generators a GPU at 0.85 each: at most 0.50 each
+    with pytest.raises(PlacementError, match=r"gpu_memory_utilization \(now 0\.85; at most 0\.50 .*"
+                                             r"lower launch\.generators_per_gpu"):
+        plan_placement(devices=(0, 1), learner_ranks=1, generators=2, generators_per_gpu=2, generator_gib=68.0,
+                       device_gib=80.0, vllm_utilization=0.85)
+    # the learner alone overflows: no generator advice
+    with pytest.raises(PlacementError) as err:
+        plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True, learner_gib=90.0,
+                       generator_gib=10.0, device_gib=80.0, vllm_utilization=0.1)
+    assert "gpu_memory_utilization" not in str(err.value) and "shrink the learner's plan" in str(err.value)
+    # HF generators that overflow: their batch
+    with pytest.raises(PlacementError, match=r"the generators \(hf engine\) need less: fewer rollout.prompts_per_batch"):
+        plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True, learner_gib=30.0,
+                       generator_gib=60.0, device_gib=80.0)
+
+
+def test_up_plans_vllm_generators_with_their_share_and_names_it_when_they_overflow(tiny_model_dir):
+    from streamgrpo.commands.up import placement_for
+
+    cfg = build_config({}, [f"model.name_or_path={tiny_model_dir}", "rollout.engine=vllm", "launch.gpus=0,1",
+                            "launch.learner_ranks=1", "rollout.num_generators=2", "launch.generators_per_gpu=2",
+                            "rollout.vllm.gpu_memory_utilization=0.6", "eval.enabled=false"])
+    with pytest.raises(PlacementError, match=r"GPU 1 would hold 96\.0 GiB \(generator-0 48\.0 \+ generator-1 48\.0\) "
+                                             r"of its 80 GiB: lower rollout\.vllm\.gpu_memory_utilization \(now 0\.6; "
+                                             r"at most 0\.50"):
+        placement_for(cfg, gpu_gib=80.0)
+    cfg.rollout.vllm.gpu_memory_utilization = 0.45
+    assert "GPU 1: generator-0 (36.0 GiB), generator-1 (36.0 GiB)" in "\n".join(placement_for(cfg, gpu_gib=80.0).lines())

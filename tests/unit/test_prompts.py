@@ -126,13 +126,14 @@ def test_processor_inputs_rejects_bad_visuals(tiny_model_dir):
 
 def test_learner_recreates_identical_inputs_from_the_wire(tiny_qwen3_dir, demo_data_dir):
     """Generator side -> msgpack ScoredGroup -> learner side: same input_ids and pixel values, with the
-    frames inline and by reference (an absolute path: the file lies outside the default media root)."""
+    frames inline and by reference (a path relative to data.media_root: a file outside the root would
+    travel inline, the learner refusing any path outside its root)."""
     from streamgrpo import wire
     from streamgrpo.learner.media import MediaResolver
 
     processor = _processor(tiny_qwen3_dir)
     factor, tp = vision_factors(processor)
-    cfg = DataConfig()
+    cfg = DataConfig(media_root=str(demo_data_dir))
     rec = _eight_video_record(demo_data_dir)
     visuals = load_visuals(rec, cfg, factor=factor, temporal_patch=tp)
     text = build_prompt_text(processor, rec, cfg)
@@ -141,7 +142,7 @@ def test_learner_recreates_identical_inputs_from_the_wire(tiny_qwen3_dir, demo_d
     group = wire.ScoredGroup("eight", "g0", 0, "tiny", gen["input_ids"][0].numpy().astype(np.int32), visuals,
                              rec.answer, [done], prompt_text=text)
     by_ref = wire.decode(wire.encode(group))
-    assert all(v.frames is None and Path(v.ref.path).is_absolute() for v in by_ref.visuals)
+    assert all(v.frames is None and not Path(v.ref.path).is_absolute() for v in by_ref.visuals)
     for back in (wire.decode(wire.encode(wire.inline(group))), MediaResolver(cfg).resolve(by_ref)):
         _same_inputs(processor, back, gen)
 

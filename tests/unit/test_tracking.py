@@ -87,3 +87,25 @@ def test_offline_run_directory_holds_the_seed_keys_and_table(tmp_path, monkeypat
     config = wandb_log.run_config(log_file)
     assert "redis-host:6379" in config["queue"]["url"] and "wandb-leak-pw" not in config["queue"]["url"]
     assert b"wandb-leak-pw" not in b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
+
+
+def test_wandb_mode_online_with_a_project_unless_told_otherwise():
+    """The pure mode choice (no test goes online: conftest sets WANDB_MODE=offline for the real runs)."""
+    from streamgrpo.config import WandbConfig
+    from streamgrpo.learner.tracking import wandb_mode
+
+    assert wandb_mode(WandbConfig(project="video-grpo"), {}) == "online"
+    assert wandb_mode(WandbConfig(), {}) == "offline"  # no project: nothing to upload to
+    assert wandb_mode(WandbConfig(project="video-grpo"), {"WANDB_MODE": "offline"}) == "offline"
+    assert wandb_mode(WandbConfig(project="video-grpo"), {"WANDB_MODE": " "}) == "online"
+    assert wandb_mode(WandbConfig(), {"WANDB_MODE": "online"}) == "online"
+    assert wandb_mode(WandbConfig(project="p", mode="offline"), {"WANDB_MODE": "online"}) == "offline"
+    assert wandb_mode(WandbConfig(mode="disabled"), {}) == "disabled"
+
+
+def test_wandb_mode_disabled_by_the_environment_is_a_no_op(tmp_path, monkeypatch):
+    from streamgrpo.config import build_config
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    t = Tracker.from_config(build_config({"metrics": {"wandb": {"project": "p"}}}), tmp_path)
+    assert type(t) is Tracker and not (tmp_path / "wandb").exists()

