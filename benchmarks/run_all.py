@@ -51,6 +51,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str], float]] = {
               ["--mib", "256", "--hosts", "2,4", "--gens", "1,4", "--repeats", "5", "--direct"], 900),
     "learner": ("bench_learner", ["--arch", "qwen2_5_vl", "--repeats", "3"], [], 600),
     "engine": ("bench_engine", ["--repeats", "5"], [], 300),
+    "checkpoint": ("bench_checkpoint", ["--vocab", "32768", "--steps", "2", "--checkpoints", "2"], [], 1500),
     "cluster": ("bench_cluster", ["--gens", "1,4,16,64", "--learners", "1,2", "--sizes", "1", "--seconds", "2"], [], 600),
     "cluster_ref": ("bench_cluster", ["--media", "reference", "--gens", "1,4,16,64", "--learners", "1", "--sizes", "10",
                                       "--seconds", "2", "--out", "benchmarks/results/bench_cluster_ref.json"],

@@ -184,6 +184,8 @@ def cmd_learner(args) -> int:
         cfg.learner.resume, cfg.learner.fresh = False, True
     if args.run_dir:
         cfg.run_dir = args.run_dir
+    if args.from_weights:
+        cfg.learner.from_weights = args.from_weights
     _check_before_loading(cfg, "learner")
     return run_learner(cfg)
 
@@ -393,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
     start.add_argument("--fresh", action="store_true",
                        help="start at step 0 although the run directory has checkpoints (they move to previous/)")
+    p.add_argument("--from-weights", default=None, metavar="CKPT",
+                   help="start at step 0 from a checkpoint's weights, with a fresh optimizer (learner.from_weights)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
     p.set_defaults(func=cmd_learner)
 

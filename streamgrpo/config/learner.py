@@ -78,12 +78,16 @@ class LearnerConfig(Section):
     """bfloat16 training: autocast for the torch backend (float32 master weights for what trains, bf16 storage for what does not: a LoRA base, a frozen tower), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: at the step boundary the state is copied to host memory (pinned when it is on a GPU) and a thread writes it while training goes on; the groups it holds are committed in Redis once the files are fsynced (exactly once unchanged). Costs a second copy of weights and optimizer state in host memory. The torch backend only (DeepSpeed ranks write synchronously); the final checkpoint is always synchronous."""
     save_total_limit: Optional[int] = Field(3, ge=1)
     """Keep at most this many checkpoints (oldest deleted first)."""
     resume: bool = False
     """Continue from the newest checkpoint in the run directory."""
     fresh: bool = False
     """Start at step 0 although the run directory has checkpoints: they, metrics.jsonl and the learner's audit log are moved to <run_dir>/previous/<time>/ first. Without resume or fresh, a learner refuses to start over existing checkpoints."""
+    from_weights: Optional[str] = None
+    """Start a new run from the weights of this checkpoint folder (a step-N of any run: torch or DeepSpeed, any number of ranks, LoRA adapters too): step 0, policy version 0 (generators take these weights as their first version), a fresh optimizer and lr schedule, and nothing of the old run's queue (what it left pending is not resumed). Used only when the learner starts at step 0: with resume and a checkpoint in this run directory, the resume wins (so the same command continues a crashed run). Not with ZeRO-3 (use model.name_or_path=<the folder>)."""
     replica_check_every: int = Field(0, ge=0)
     """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
     peak_tflops: Optional[float] = Field(None, gt=0.0, le=1e6)

@@ -49,14 +49,16 @@ from streamgrpo.models.files import read_model_tensors, to_model_names
 log = logging.getLogger(__name__)
 
 
-def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_to_flat(opt: torch.optim.Optimizer, to_cpu: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's state as ``state.<param index>.<name>`` tensors (on the CPU, or where they live with
+    ``to_cpu=False``: the asynchronous path copies them itself) and a JSON-able rest."""
     sd = opt.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, state in sd["state"].items():
         for name, value in state.items():
             if torch.is_tensor(value):
-                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous() if to_cpu else value.detach()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -146,20 +148,37 @@ def save_checkpoint(
     state: dict[str, Any] | None = None, model_card: str | None = None, total_limit: int | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically under ``ckpt_root``; prune to ``total_limit`` (one process)."""
+    return write_checkpoint(
+        ckpt_root, step, model=model, processor=processor, weights=None,
+        optimizer=_optimizer_to_flat(optimizer) if optimizer is not None else None,
+        scheduler=scheduler.state_dict() if scheduler is not None else None, rng=rng_state(), state=state,
+        model_card=model_card, total_limit=total_limit)
+
+
+def write_checkpoint(
+    ckpt_root: str | Path, step: int, *, model, processor=None, weights: dict[str, torch.Tensor] | None,
+    optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, scheduler: dict[str, Any] | None,
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]], state: dict[str, Any] | None = None,
+    model_card: str | None = None, total_limit: int | None = None,
+) -> Path:
+    """Write checkpoint ``step`` from its parts: ``weights`` (host copies; None: the model's live ones),
+    the optimizer's flat ``(tensors, meta)``, the scheduler's state, the RNG ``(tensors, meta)``; the
+    asynchronous path (:mod:`streamgrpo.learner.checkpoint_async`) calls it from a background thread."""
     tmp = staging_dir(ckpt_root, step)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if weights is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     if processor is not None:
         processor.save_pretrained(tmp)
     meta: dict[str, Any] = {"step": step, **(state or {})}
     if optimizer is not None:
-        tensors, opt_meta = _optimizer_to_flat(optimizer)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        meta["optimizer"] = opt_meta
+        save_file(optimizer[0], str(tmp / "optimizer.safetensors"))
+        meta["optimizer"] = optimizer[1]
     if scheduler is not None:
-        meta["scheduler"] = scheduler.state_dict()
-    rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    meta["rng"] = rng_meta
+        meta["scheduler"] = scheduler
+    save_file(rng[0], str(tmp / "rng.safetensors"))
+    meta["rng"] = rng[1]
     write_trainer_state(tmp, meta)
     if model_card:
         (tmp / "README.md").write_text(model_card)

@@ -54,6 +54,7 @@ from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.learner.agreement_guard import AgreementGuard
+from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.crash_loop import CrashLoopBreaker
 from streamgrpo.learner.distributed import (
     DistInfo,
@@ -64,7 +65,13 @@ from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
 from streamgrpo.learner.limits import GroupLimits
 from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
-from streamgrpo.learner.resume import final_checkpoint, resume_from, start_point
+from streamgrpo.learner.resume import (
+    final_checkpoint,
+    resume_from,
+    start_from_weights,
+    start_point,
+    weights_source,
+)
 from streamgrpo.learner.screen import Screen
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
@@ -138,6 +145,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     for line in cfg.advice() if main else []:
         log.warning("config: %s", line)
     found = start_point(cfg.learner, run_dir, dist)
+    weights_from = weights_source(cfg.learner, found, run_dir)
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
@@ -146,6 +154,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
     _resume_or_reset(found, learner, queue, audit_path, run_dir, dist)
+    if weights_from is not None:
+        start_from_weights(weights_from, learner, dist)
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
@@ -160,17 +170,11 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
                 media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
-    uncommitted: list[tuple[str, str]] = []  # (stream id, group id) this rank trained since the last checkpoint
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
-
-    def checkpoint_and_commit() -> None:
-        state.committing = [tuple(e) for part in gather_json(dist, uncommitted) for e in part]
-        learner.save(ckpt_root, model_card=model_card(cfg, state.to_json(), last_metrics) if main else None)
-        queue.commit(uncommitted, step=state.step)  # the checkpoint is durable: so is these groups' training
-        uncommitted.clear()
-        state.committing = []
-
     last_metrics: dict[str, Any] = {}
+    # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)
+    ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
+                          model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
     breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
@@ -194,7 +198,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
                             "free them", early, state.step - saved_step, state.step)
-                checkpoint_and_commit()
+                ckpts.save(wait=True)
                 saved_step, carry = state.step, early.carry
                 continue
             wait_s = time.perf_counter() - t_wait
@@ -220,7 +224,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             state.dropped.update(merged.drops)
             state.remember(merged.group_ids)
             ids = [a.group.group_id for a in batch]
-            uncommitted.extend((a.stream_id, a.group.group_id) for a in batch)
+            ckpts.trained([(a.stream_id, a.group.group_id) for a in batch])
             audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))
             # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
@@ -228,9 +232,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
             last_metrics = rec.to_json()
             _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker, agreement)
-            # 5. checkpoint, then commit what it holds
+            # 5. checkpoint, then commit what it holds (a background write: once it is durable)
+            ckpts.poll()
             if state.step % cfg.learner.save_steps == 0:
-                checkpoint_and_commit()
+                ckpts.save()
                 saved_step = state.step
         finished = True
     except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
@@ -238,7 +243,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            final_checkpoint(dist, gate, state, saved_step, checkpoint_and_commit)
+            final_checkpoint(dist, gate, state, saved_step, ckpts)
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})

@@ -4,10 +4,10 @@ checkpoint (logs trimmed back, its commit rolled forward); the final checkpoint 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from streamgrpo.config import ConfigError, LearnerConfig
+from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.distributed import DistInfo, barrier, broadcast_json, gather_json, share
 from streamgrpo.learner.gate import Gate
 from streamgrpo.learner.state import LearnerState
@@ -46,6 +46,48 @@ def start_point(lc: LearnerConfig, run_dir: Path, dist: DistInfo) -> Path | None
     return None
 
 
+def weights_source(lc: LearnerConfig, found: Path | None, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint folder ``learner.from_weights`` names, when this start uses it (at step 0; a resume wins),
+    checked before any model is loaded: a ConfigError of one line when it holds no weights. A folder of this
+    run directory's checkpoints that ``--fresh`` has just moved to ``previous/<time>/`` is found there."""
+    if not lc.from_weights:
+        return None
+    if found is not None:
+        log.info("--from-weights %s not used: resuming this run from %s", lc.from_weights, found)
+        return None
+    src = Path(lc.from_weights).expanduser()
+    if not src.exists() and run_dir is not None:
+        src = _moved_aside(src, run_dir) or src
+    names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    if not src.is_dir() or not any((src / n).is_file() for n in names):
+        raise ConfigError(f"learner.from_weights={lc.from_weights!r}: not a checkpoint folder with weights (expected "
+                          f"{' or '.join(names)} in it, e.g. <run_dir>/checkpoints/step-000100)")
+    return src
+
+
+def _moved_aside(src: Path, run_dir: Path) -> Path | None:
+    """Where ``src``, a path inside ``run_dir``, is now if ``--fresh`` moved it to the newest ``previous/<time>/``."""
+    try:
+        rel = src.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        return None
+    moved = sorted((run_dir / "previous").glob("*"))
+    return moved[-1] / rel if moved and (moved[-1] / rel).exists() else None
+
+
+def start_from_weights(src: Path, learner: Learner, dist: DistInfo) -> None:
+    """Step 0 from the weights in ``src`` (every rank): the optimizer and lr schedule stay as built (fresh)."""
+    try:
+        learner.load_weights_only(src)
+    except Exception as exc:  # noqa: BLE001 - a model that does not match, ZeRO-3 ...: one line
+        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    else:
+        why = None
+    if share(dist, [why is not None])[:, 0].any():
+        raise ConfigError(f"learner.from_weights={str(src)!r} cannot be loaded ({why or 'on another rank'})")
+    log.info("started from the weights of %s (step 0, policy v0, fresh optimizer and lr schedule)", src)
+
+
 def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir: Path, dist: DistInfo) -> None:
     """Load the checkpoint ``found``, trim the logs back to its step (their training is re-done) and
     roll its commit forward on rank 0 (it may not have happened); every rank waits for that before it
@@ -56,13 +98,17 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
     a one-line :class:`~streamgrpo.learner.checkpoint.CheckpointUnusable`."""
     from streamgrpo.learner.checkpoint import CheckpointUnusable
 
-    why = None
+    why = refused = None
     try:
         learner.load(found)
+    except CheckpointUnusable as exc:  # it cannot be resumed here (other ranks, ZeRO-3...): its own line says why
+        refused = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure to read it back: say which and what to do
         why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-    bad = None if why else learner.nonfinite_weight()
-    flags = share(dist, [why is not None, bad is not None])  # every rank refuses together, none waits
+    bad = None if why or refused else learner.nonfinite_weight()
+    flags = share(dist, [why is not None, bad is not None, refused is not None])  # every rank refuses together
+    if flags[:, 2].any():
+        raise CheckpointUnusable(refused or f"{found} cannot be resumed on these ranks (see rank 0's log)")
     if flags[:, 0].any():
         raise CheckpointUnusable(
             f"{found} cannot be loaded ({why or 'on another rank'}): move it aside (mv {found} {found}.broken) and "
@@ -83,6 +129,8 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
     rewound = rewind_jsonl(audit_path, learner.state.step)
     if dist.is_main:
         rewound += rewind_jsonl(run_dir / "metrics.jsonl", learner.state.step)
+        for gone in _audits_of_absent_ranks(audit_path.parent, dist.world_size):  # resumed on fewer ranks
+            rewound += rewind_jsonl(gone, learner.state.step)
         if learner.state.committing:  # roll the checkpoint's commit forward (it may not have happened)
             queue.commit(learner.state.committing, step=learner.state.step)
     if rewound:
@@ -91,16 +139,27 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
     barrier(dist)  # no rank reads its pending entries before the roll-forward
 
 
-def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step: int,
-                     checkpoint_and_commit: Callable[[], None]) -> None:
-    """On a clean stop (every rank here): merge the drops since the last step, then checkpoint and
-    commit what was trained since the last checkpoint."""
+def _audits_of_absent_ranks(audit_dir: Path, world_size: int) -> list[Path]:
+    """The audit logs of ranks ``world_size`` and above (a run resumed on fewer ranks than wrote them): their
+    lines after the checkpoint are trained again by the ranks there are now, so they are trimmed too."""
+    found = []
+    for path in audit_dir.glob("learner-rank*.jsonl"):
+        rank = path.stem.removeprefix("learner-rank")
+        if rank.isdigit() and int(rank) >= world_size:
+            found.append(path)
+    return sorted(found)
+
+
+def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step: int, ckpts: Checkpointing) -> None:
+    """On a clean stop (every rank here): merge the drops since the last step, wait for a background write and
+    commit it, then checkpoint and commit what was trained since the last checkpoint."""
     from streamgrpo.transport.queue.redis_stream import QueueError
 
     for late in gather_json(dist, dict(gate.drops)):  # drops since the last step, of every rank
         state.dropped.update(late)
-    if state.step > saved_step:
-        try:
-            checkpoint_and_commit()
-        except QueueError as exc:  # checkpoint written; the next start commits what it recorded
-            log.warning("checkpoint written, commit deferred to the next start: %s", exc)
+    try:
+        ckpts.finish()
+        if state.step > saved_step:
+            ckpts.save(wait=True)
+    except QueueError as exc:  # checkpoint written; the next start commits what it recorded
+        log.warning("checkpoint written, commit deferred to the next start: %s", exc)

@@ -30,6 +30,7 @@ in the optimizer) for the deepspeed backend.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -578,6 +579,47 @@ class Learner:
         """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout).
         A write that fails (disk full...) removes ``step-N.tmp`` and raises a one-line
         :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed."""
+        return self._guarded_write(ckpt_root, self.state.step, lambda: self._save(ckpt_root, model_card=model_card))
+
+    @property
+    def saves_async(self) -> bool:
+        """Whether checkpoints can be written in the background (:meth:`snapshot`): the torch backend (one process)."""
+        return self.engine is None
+
+    def snapshot(self, *, model_card: str | None = None):
+        """Checkpoint ``state.step`` as host copies (:class:`~streamgrpo.learner.checkpoint_async.Snapshot`): the
+        stall of an asynchronous checkpoint; :meth:`write_snapshot` writes it (any thread)."""
+        from streamgrpo.learner.checkpoint import _optimizer_to_flat, rng_state
+        from streamgrpo.learner.checkpoint_async import HostBuffers, Snapshot, host_optimizer
+
+        if not self.saves_async:
+            raise RuntimeError("asynchronous checkpoints need learner.backend: torch")
+        host = self.__dict__.setdefault("_host_buffers", HostBuffers())
+        live = self.module.state_dict()
+        if self.is_lora:  # the adapters (what peft's save_pretrained keeps), not the frozen base
+            live = {k: v for k, v in live.items() if "lora_" in k or "modules_to_save" in k}
+        meta = {"learner": self.state.to_json(), "backend": self.cfg.learner.backend,
+                "world_size": self.dist.world_size, "zero_stage": self.zero_stage,
+                "param_names": self._trainable_names()}
+        rng_tensors, rng_meta = rng_state()
+        return Snapshot(step=self.state.step, model=host.copy(live, prefix="model/"),
+                        optimizer=host_optimizer(_optimizer_to_flat(self.optimizer, to_cpu=False), host),
+                        scheduler=copy.deepcopy(self.scheduler.state_dict()),
+                        rng=({k: v.clone() for k, v in rng_tensors.items()}, rng_meta), meta=meta,
+                        model_card=model_card)
+
+    def write_snapshot(self, ckpt_root: str | Path, snap) -> Path:
+        """Write a :meth:`snapshot` as checkpoint ``snap.step`` (fsynced and renamed when this returns); errors as
+        :meth:`save`'s."""
+        from streamgrpo.learner.checkpoint import write_checkpoint
+
+        return self._guarded_write(ckpt_root, snap.step, lambda: write_checkpoint(
+            ckpt_root, snap.step, model=self.module, processor=self.processor, weights=snap.model,
+            optimizer=snap.optimizer, scheduler=snap.scheduler, rng=snap.rng, state=snap.meta,
+            model_card=snap.model_card, total_limit=self.cfg.learner.save_total_limit))
+
+    @staticmethod
+    def _guarded_write(ckpt_root: str | Path, step: int, write) -> Path:
         import shutil
 
         from safetensors import SafetensorError
@@ -585,14 +627,14 @@ class Learner:
         from streamgrpo.learner.checkpoint import CheckpointWriteError
 
         try:
-            return self._save(ckpt_root, model_card=model_card)
+            return write()
         except (OSError, SafetensorError) as exc:  # safetensors reports an I/O error as its own type
-            tmp = Path(ckpt_root) / f"step-{self.state.step:06d}.tmp"
+            tmp = Path(ckpt_root) / f"step-{step:06d}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             why = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
             raise CheckpointWriteError(
-                f"cannot write checkpoint step-{self.state.step:06d} in {ckpt_root}: {why}{where}; "
+                f"cannot write checkpoint step-{step:06d} in {ckpt_root}: {why}{where}; "
                 "nothing was committed: the groups since the last checkpoint stay in Redis and are trained again "
                 "after --resume (free space there, or lower learner.save_total_limit)") from None
 
@@ -606,7 +648,8 @@ class Learner:
         )
 
         root, step, lc = Path(ckpt_root), self.state.step, self.cfg.learner
-        meta = {"learner": self.state.to_json(), "backend": lc.backend, "world_size": self.dist.world_size}
+        meta = {"learner": self.state.to_json(), "backend": lc.backend, "world_size": self.dist.world_size,
+                "zero_stage": self.zero_stage, "param_names": self._trainable_names()}
         if self.engine is None:
             return save_checkpoint(root, step, model=self.module, processor=self.processor, optimizer=self.optimizer,
                                    scheduler=self.scheduler, state=meta, model_card=model_card,
@@ -636,14 +679,20 @@ class Learner:
         return final
 
     def load(self, ckpt: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank)."""
-        from streamgrpo.learner.checkpoint import load_rank_rng, load_trainer_state
+        """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank).
+
+        A checkpoint of the same backend, ZeRO stage and number of ranks loads as it was written (DeepSpeed's
+        own ``load_checkpoint``); any other goes through the per-parameter consolidation of
+        :mod:`streamgrpo.learner.reshard`, or is refused in one line before DeepSpeed reads anything."""
+        from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_trainer_state
         from streamgrpo.models.files import read_model_tensors
 
         ckpt = Path(ckpt)
         meta = json.loads((ckpt / "trainer_state.json").read_text())
         ds_dir = ckpt / "deepspeed"
-        if self.engine is not None and ds_dir.is_dir():
+        same_layout = (meta.get("world_size", 1) == self.dist.world_size
+                       and meta.get("zero_stage", self.zero_stage) == self.zero_stage)
+        if self.engine is not None and ds_dir.is_dir() and same_layout:
             path, _ = self.engine.load_checkpoint(str(ds_dir), tag="state", load_module_strict=False,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
             if path is None:
@@ -651,26 +700,92 @@ class Learner:
             if not load_rank_rng(ckpt, self.dist.rank):
                 log.warning("%s has no RNG state for rank %d (saved by %s ranks)", ckpt, self.dist.rank,
                             meta.get("world_size"))
-        else:
-            if self.engine is not None or meta.get("backend", "torch") != self.cfg.learner.backend:
-                if self.zero_stage >= 3:
-                    raise RuntimeError(f"{ckpt} has no DeepSpeed state: a ZeRO-3 learner resumes only from its own "
-                                       "checkpoints (start from the weights with model.name_or_path instead)")
-                log.warning("%s was written by the %s backend: weights restored, optimizer state starts fresh",
-                            ckpt, meta.get("backend", "torch"))
+        elif self.engine is None and meta.get("backend", "torch") == "torch":
+            if self.is_lora:
                 self._load_weights(read_model_tensors(ckpt))
-                if self.engine is not None and self.zero_stage < 3:
-                    self.engine.optimizer.refresh_fp32_params()
-            else:
-                if self.is_lora:
-                    self._load_weights(read_model_tensors(ckpt))
-                meta = load_trainer_state(ckpt, model=None if self.is_lora else self.module,
-                                          optimizer=self.optimizer, scheduler=self.scheduler)
+            meta = load_trainer_state(ckpt, model=None if self.is_lora else self.module,
+                                      optimizer=self.optimizer, scheduler=self.scheduler)
+        else:
+            from streamgrpo.learner.reshard import reshard_refusal
+
+            why = reshard_refusal(ckpt, meta, zero_stage=self.zero_stage, world_size=self.dist.world_size)
+            if why:
+                raise CheckpointUnusable(why)
+            self._load_resharded(ckpt, meta)
         self.state = LearnerState.from_json(meta["learner"])
         self.resumed_from = ckpt
         return meta
 
+    def load_weights_only(self, ckpt: str | Path) -> None:
+        """The weights of checkpoint ``ckpt`` (any backend and number of ranks; LoRA: its adapters), nothing else:
+        optimizer, schedule and :attr:`state` stay fresh (``learner.from_weights``)."""
+        from streamgrpo.models.files import read_model_tensors
+
+        self._load_weights(read_model_tensors(Path(ckpt)))
+        if self.engine is not None and hasattr(self.engine.optimizer, "refresh_fp32_params"):
+            self.engine.optimizer.refresh_fp32_params()  # the fp32 master copy from the weights just loaded
+
+    def _trainable_names(self) -> list[str]:
+        """The trained parameters' names in the optimizer's order (its state is keyed by that index)."""
+        order = {id(p): n for n, p in self.module.named_parameters()}
+        groups = self.optimizer.param_groups if self.engine is None else []
+        return [order[id(p)] for g in groups for p in g["params"]]
+
+    def _load_resharded(self, ckpt: Path, meta: dict[str, Any]) -> None:
+        """Weights, then the optimizer state consolidated per parameter (any backend, ZeRO-1/2, any number of
+        ranks), the lr schedule and this rank's RNG: see :mod:`streamgrpo.learner.reshard`."""
+        from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_tree, set_rng_state
+        from streamgrpo.learner.optim import param_groups
+        from streamgrpo.learner.reshard import (
+            apply_to_torch,
+            apply_to_zero12,
+            consolidate_torch,
+            consolidate_zero12,
+        )
+        from streamgrpo.models.files import read_model_tensors
+
+        weights = read_model_tensors(ckpt)
+        self._load_weights(weights)
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        target = self.engine.optimizer if self.engine is not None else self.optimizer
+        zero12 = hasattr(target, "single_partition_of_fp32_groups")
+        if not zero12 and not isinstance(target, torch.optim.Optimizer):
+            raise CheckpointUnusable(f"{ckpt} was written by {meta.get('world_size', 1)} rank(s): resuming it on "
+                                     f"{self.dist.world_size} needs ZeRO-1/2 or the torch backend here (this is "
+                                     f"{type(target).__name__}); or start from its weights with --from-weights")
+        mine = [n for n, p in named if not zero12 or getattr(p, "_hp_mapping", None) is not None]
+        ds_state = ckpt / "deepspeed" / "state"
+        if meta.get("backend", "torch") == "deepspeed":
+            states = consolidate_zero12(ds_state, {n: p.shape for n, p in named}, wanted=mine)
+            sched = load_tree(ds_state / "mp_rank_00_model_states.pt").get("lr_scheduler")
+        else:
+            from streamgrpo.models.files import to_model_names
+
+            full = to_model_names(weights, self.module.state_dict().keys())
+            name_of = {id(p): n for n, p in named}  # an older checkpoint without names: the optimizer's order now
+            order = [name_of[id(p)] for g in param_groups(named, self.cfg.learner) for p in g["params"]]
+            states = consolidate_torch(ckpt, meta, order, full, wanted=mine)
+            sched = meta.get("scheduler")
+        if zero12:
+            apply_to_zero12(target, named, states)
+        else:
+            apply_to_torch(target, named, states)
+        if self.engine is not None:
+            self.engine.global_steps = states.step
+        if sched:
+            self.scheduler.load_state_dict(sched)
+        if not load_rank_rng(ckpt, self.dist.rank) and (ckpt / "rng.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            set_rng_state(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
+        log.info("%s: written by %s rank(s) (%s%s), resumed on %d (%s): optimizer state of %d parameter(s) "
+                 "consolidated and re-partitioned", ckpt, meta.get("world_size", 1), meta.get("backend", "torch"),
+                 f" ZeRO-{meta['zero_stage']}" if "zero_stage" in meta else "", self.dist.world_size,
+                 f"ZeRO-{self.zero_stage}" if self.engine is not None else "torch", len(mine))
+
     def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.zero_stage >= 3:
+            raise RuntimeError("a ZeRO-3 learner loads weights only from its own checkpoints (or model.name_or_path)")
         if self.is_lora:
             from peft import set_peft_model_state_dict
 

@@ -243,14 +243,15 @@ def write_config(out_dir: str | Path, arch: str = "qwen2_5_vl", size: str = "tin
 
 
 def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny",
-               layers: int | None = None) -> Path:
+               layers: int | None = None, vocab: int | None = None) -> Path:
     """Write a random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path.
 
     ``size="tiny"`` (~0.6M parameters, float32, deterministic per seed) for tests and the demo;
     ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes, ``"8b"``: Qwen3-VL's, in bfloat16, initialised on
     CUDA when there is one (GPU measurements at real size). ``layers``: that many decoder layers and
     vision blocks instead of the size's own (the real shapes of each layer, few of them: what a CPU
-    can run at a real size)."""
+    can run at a real size). ``vocab``: that many embedding rows instead of the size's own (at least the
+    tokenizer's; a smaller model in host memory at the same layer shapes)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -270,6 +271,8 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
         if hasattr(config.vision_config, "deepstack_visual_indexes"):
             config.vision_config.deepstack_visual_indexes = [i for i in config.vision_config.deepstack_visual_indexes
                                                              if i < layers]
+    if vocab is not None:
+        config.text_config.vocab_size = max(int(vocab), len(tokenizer))
     state = torch.random.get_rng_state()
     device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
     try:

@@ -1,0 +1,88 @@
+"""Checkpoint, then commit: the order that makes training exactly once, synchronous or asynchronous.
+
+:class:`Checkpointing` holds the ``(stream id, group id)`` entries this rank trained since the last
+checkpoint and commits them in Redis (``queue.commit``: marked trained, acked, deleted) only once a
+checkpoint holding their training is durable on disk:
+
+* synchronous (:meth:`Checkpointing.save` with ``wait=True``, every DeepSpeed learner, the final checkpoint):
+  write (every rank), fsync, rename, then commit right away;
+* asynchronous (``learner.async_checkpoint``, the torch backend): copy the state to host memory
+  (the only stall), hand the copies to a background write (:mod:`streamgrpo.learner.checkpoint_async`)
+  and go on training; :meth:`Checkpointing.poll`, called at every step boundary, commits the entries
+  of a write that has finished. A write that failed raises its one-line
+  :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError` there: nothing of it was committed.
+
+At most one write is in flight: a checkpoint due while the previous one is still being written
+waits for it first (and commits it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from streamgrpo.learner.checkpoint_async import BackgroundWrite
+from streamgrpo.learner.distributed import DistInfo, gather_json
+from streamgrpo.learner.trainer import Learner
+
+log = logging.getLogger("streamgrpo.learner")
+
+
+class Checkpointing:
+    """This rank's uncommitted entries and its checkpoint in flight (see the module docstring)."""
+
+    def __init__(self, learner: Learner, queue, dist: DistInfo, ckpt_root: Path, *, asynchronous: bool,
+                 model_card: Callable[[], str | None]):
+        self.learner, self.queue, self.dist, self.root = learner, queue, dist, ckpt_root
+        self.asynchronous = asynchronous and learner.saves_async and dist.world_size == 1
+        self.model_card = model_card
+        self.uncommitted: list[tuple[str, str]] = []
+        self._inflight: tuple[BackgroundWrite, list[tuple[str, str]]] | None = None
+        self.last_stall_s = 0.0
+        """Seconds the last :meth:`save` kept training waiting (the copy, or the whole synchronous write)."""
+
+    def trained(self, entries: list[tuple[str, str]]) -> None:
+        """Entries trained by the step just taken: committed with the next checkpoint."""
+        self.uncommitted.extend(entries)
+
+    def save(self, *, wait: bool = False) -> None:
+        """Checkpoint ``state.step`` now (every rank calls it); commit its entries once it is durable: right
+        away when ``wait`` or synchronous, else at the first :meth:`poll` after the background write ends."""
+        t0 = time.perf_counter()
+        self.finish()  # at most one in flight; its entries are committed first
+        state = self.learner.state
+        card = self.model_card() if self.dist.is_main else None
+        if wait or not self.asynchronous:
+            state.committing = [tuple(e) for part in gather_json(self.dist, self.uncommitted) for e in part]
+            try:
+                self.learner.save(self.root, model_card=card)
+            finally:
+                state.committing = []
+            self.queue.commit(self.uncommitted, step=state.step)  # the checkpoint is durable: so is their training
+            self.uncommitted.clear()
+        else:
+            entries, step = list(self.uncommitted), state.step
+            state.committing = list(entries)
+            try:
+                snap = self.learner.snapshot(model_card=card)
+            finally:
+                state.committing = []
+            self.uncommitted.clear()
+            self._inflight = (BackgroundWrite(step, lambda: self.learner.write_snapshot(self.root, snap)), entries)
+        self.last_stall_s = time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """At a step boundary: commit the entries of a background write that has finished (re-raises its error)."""
+        if self._inflight is not None and self._inflight[0].done:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the write in flight, if any, and commit its entries (re-raises its error: nothing committed)."""
+        if self._inflight is None:
+            return
+        write, entries = self._inflight
+        self._inflight = None
+        write.result()  # fsynced and renamed, or its error
+        self.queue.commit(entries, step=write.step)

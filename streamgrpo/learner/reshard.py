@@ -1,0 +1,220 @@
+"""Resume on another number of learner ranks: a checkpoint's optimizer state, consolidated per parameter.
+
+A checkpoint holds the optimizer state in the layout of the ranks that wrote it: the torch backend
+one ``optimizer.safetensors`` (one process, every parameter), DeepSpeed ZeRO-1/2 one flat partition
+per rank and parameter group (``deepspeed/state/*zero_pp_rank_R_*optim_states.pt``, written by
+:class:`~streamgrpo.learner.checkpoint.SafeTensorsCheckpointEngine`). DeepSpeed itself loads only
+its own layout on the same number of ranks. When the ranks (or the backend, or the ZeRO stage)
+differ, the learner instead:
+
+1. consolidates the saved state per parameter name (:func:`consolidate_zero12`, :func:`consolidate_torch`):
+   the fp32 master weight, ``exp_avg``, ``exp_avg_sq`` and the optimizer's step count, as DeepSpeed's
+   own ``ds_to_universal`` does it (the fragment of each parameter in each rank's flat partition is
+   recorded in the shard as ``param_slice_mappings``); a rank reads only the parameters it will hold;
+2. writes them into the new layout: the torch optimizer (:func:`apply_to_torch`), or this rank's
+   ZeRO-1/2 partitions through DeepSpeed's ``safe_set_full_*`` functions (:func:`apply_to_zero12`).
+
+What cannot be done is refused before DeepSpeed loads anything, in one line (:func:`reshard_refusal`):
+ZeRO-3 on either side (its partitioned model cannot be loaded from the consolidated weights here),
+shards missing on disk, DeepSpeed's "elastic" optimizer format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter state tensors (besides the fp32 master weight, key ``fp32``)."""
+
+DS_PREFIX = "policy."
+"""DeepSpeed names the parameters of the module it wraps (:class:`~streamgrpo.learner.trainer.PolicyLogprobs`)."""
+
+_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+@dataclass
+class ParamStates:
+    """Optimizer state per parameter name (the policy module's names): ``{"fp32", "exp_avg", "exp_avg_sq"}``
+    full-shape float32 tensors, and the number of optimizer steps taken (AdamW's bias correction)."""
+
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def zero_shards(ds_state: Path) -> dict[int, Path]:
+    """The ZeRO optimizer shards under ``deepspeed/state``, by data-parallel rank."""
+    if not ds_state.is_dir():
+        return {}
+    found = {int(m.group(1)): p for p in ds_state.iterdir() if (m := _SHARD.match(p.name))}
+    return dict(sorted(found.items()))
+
+
+def reshard_refusal(ckpt: Path, meta: dict[str, Any], *, zero_stage: int, world_size: int) -> str | None:
+    """Why the checkpoint ``ckpt`` cannot be resumed on ``world_size`` ranks at ``zero_stage`` (0: the torch
+    backend or ZeRO-0) through the consolidated path, or None when it can (pure but for listing the folder)."""
+    saved_ws = int(meta.get("world_size", 1))
+    if zero_stage >= 3:
+        return (f"{ckpt} was written by {saved_ws} rank(s) and this learner runs ZeRO-3 on {world_size}: a ZeRO-3 "
+                "learner resumes only from its own checkpoints on the same number of ranks; run ZeRO-2 on the new "
+                "ranks, or start from the weights with --from-weights (a fresh optimizer)")
+    ds_dir = ckpt / "deepspeed" / "state"
+    if meta.get("backend", "torch") != "deepspeed" or not ds_dir.is_dir():
+        return None if (ckpt / "optimizer.safetensors").is_file() or meta.get("backend") == "deepspeed" else (
+            f"{ckpt} has no optimizer.safetensors: resume it with --from-weights (a fresh optimizer)")
+    saved_stage = int(meta.get("zero_stage", -1))
+    shards = zero_shards(ds_dir)
+    if saved_stage >= 3 or (not shards and saved_stage != 0):
+        return (f"{ckpt} holds a ZeRO-3 (or unknown) DeepSpeed state written by {saved_ws} rank(s): it resumes only on "
+                f"{saved_ws} rank(s) with the same DeepSpeed config; or start from its weights with --from-weights")
+    if not shards:
+        return (f"{ckpt} holds no ZeRO optimizer shards (ZeRO-0): it resumes only on {saved_ws} rank(s); or start "
+                "from its weights with --from-weights")
+    if sorted(shards) != list(range(saved_ws)):
+        return (f"{ckpt}: {len(shards)} ZeRO optimizer shard(s) on disk (ranks {sorted(shards)}) but it was written "
+                f"by {saved_ws} rank(s): it is incomplete; resume from an earlier checkpoint")
+    return None
+
+
+# ------------------------------------------------------------------------------- consolidate
+def _step_of(state: dict[str, Any]) -> int:
+    step = state.get("step", 0)
+    return int(step.item() if torch.is_tensor(step) else step)
+
+
+def merge_zero12_shard(tree: dict[str, Any], wanted: set[str] | None, pieces: dict[str, dict[str, list]]) -> int:
+    """Take one ZeRO-1/2 rank's fragments of the ``wanted`` parameters (DeepSpeed names; None: all) out of its
+    optimizer shard ``tree`` into ``pieces[name][key]`` (in rank order); returns the shard's step count."""
+    osd = tree["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    if not isinstance(base, dict):
+        raise ValueError("DeepSpeed's elastic_checkpoint optimizer format cannot be consolidated; "
+                         "set zero_optimization.elastic_checkpoint=false")
+    step = 0
+    for g, mapping in enumerate(osd["param_slice_mappings"]):
+        flat_fp32 = osd["single_partition_of_fp32_groups"][g]
+        state = base["state"].get(base["param_groups"][g]["params"][0], {})
+        step = max(step, _step_of(state))
+        flats = {"fp32": flat_fp32, **{k: state[k] for k in STATE_KEYS if k in state}}
+        for name, addr in mapping.items():
+            if wanted is not None and name not in wanted:
+                continue
+            slot = pieces.setdefault(name, {})
+            for key, flat in flats.items():
+                slot.setdefault(key, []).append(flat.narrow(0, addr.start, addr.numel).clone())
+    return step
+
+
+def consolidate_zero12(ds_state: Path, shapes: dict[str, torch.Size], wanted: Iterable[str] | None = None) -> ParamStates:
+    """The per-parameter state of a ZeRO-1/2 checkpoint (``deepspeed/state``), for the module parameter names
+    ``wanted`` (None: all); ``shapes``: module name -> shape. Shards are read one at a time."""
+    from streamgrpo.learner.checkpoint import load_tree
+
+    want = None if wanted is None else {DS_PREFIX + n for n in wanted}
+    pieces: dict[str, dict[str, list]] = {}
+    step = 0
+    for _rank, path in zero_shards(ds_state).items():
+        step = max(step, merge_zero12_shard(load_tree(path), want, pieces))
+    out = ParamStates(step=step)
+    for ds_name, slots in pieces.items():
+        name = ds_name.removeprefix(DS_PREFIX)
+        shape = shapes.get(name)
+        if shape is None:
+            raise ValueError(f"{ds_state}: parameter {name!r} is not in this model")
+        out.tensors[name] = {}
+        for key, parts in slots.items():
+            flat = torch.cat(parts)
+            if flat.numel() != shape.numel():
+                raise ValueError(f"{ds_state}: {name}.{key} has {flat.numel()} elements in the shards, the model "
+                                 f"{shape.numel()}")
+            out.tensors[name][key] = flat.view(shape).float()
+    if want is not None and (absent := sorted(n.removeprefix(DS_PREFIX) for n in want - set(pieces))):
+        raise ValueError(f"{ds_state}: no optimizer state for {len(absent)} trainable parameter(s), e.g. {absent[:3]}")
+    return out
+
+
+def consolidate_torch(ckpt: Path, meta: dict[str, Any], names_now: list[str],
+                      weights: dict[str, torch.Tensor], wanted: Iterable[str] | None = None) -> ParamStates:
+    """The per-parameter state of a torch-backend checkpoint: ``optimizer.safetensors`` (keyed by the
+    optimizer's parameter index; the names in that order are in ``trainer_state.json``, else ``names_now``,
+    this learner's trainable names in optimizer order) and the fp32 master weights from ``weights``."""
+    from safetensors.torch import load_file
+
+    opt = meta.get("optimizer") or {}
+    names = meta.get("param_names") or names_now
+    want = None if wanted is None else set(wanted)
+    raw = load_file(str(ckpt / "optimizer.safetensors"))
+    order = [i for g in opt.get("param_groups", []) for i in g["params"]]
+    if len(order) != len(names):
+        raise ValueError(f"{ckpt}: the optimizer holds {len(order)} parameters and the model trains {len(names)}")
+    by_index = dict(zip(order, names))
+    out = ParamStates(step=0)
+    for key, tensor in raw.items():
+        _, idx, what = key.split(".", 2)
+        name = by_index[int(idx)]
+        if want is None or name in want:
+            if what == "step":
+                out.step = max(out.step, int(tensor.item()))
+            else:
+                out.tensors.setdefault(name, {})[what] = tensor.float()
+    for name in list(out.tensors):
+        out.tensors[name]["fp32"] = weights[name].float()
+    return out
+
+
+# ------------------------------------------------------------------------------------ apply
+def _adam_step(step: int, flat: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """AdamW's ``step`` entry as torch keeps it (on the parameter's device for the fused/capturable kernels)."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(float(step), dtype=torch.float32, device=flat.device if on_device else "cpu")
+
+
+def apply_to_torch(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]],
+                   states: ParamStates) -> int:
+    """Write ``states`` into a torch AdamW over ``named`` (fp32 weights included); returns the parameters set."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    done = 0
+    with torch.no_grad():
+        for name, p in named:
+            src = states.tensors.get(name)
+            if src is None or id(p) not in group_of:
+                continue
+            p.copy_(src["fp32"].to(p.dtype))
+            entry = {"step": _adam_step(states.step, p, group_of[id(p)])}
+            for key in STATE_KEYS:
+                entry[key] = src[key].to(device=p.device, dtype=torch.float32).clone() if key in src else \
+                    torch.zeros_like(p, dtype=torch.float32)
+            optimizer.state[p] = entry
+            done += 1
+    return done
+
+
+def apply_to_zero12(zero_optimizer, named: list[tuple[str, torch.nn.Parameter]], states: ParamStates) -> int:
+    """Write ``states`` into this rank's ZeRO-1/2 partitions (DeepSpeed's ``safe_set_full_*``); the AdamW state of
+    each flat partition is created first when no step has run yet. Returns the parameters set."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    inner = zero_optimizer.optimizer
+    for g, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+        entry = inner.state[flat]
+        entry["step"] = _adam_step(states.step, flat, inner.param_groups[g])
+        for key in STATE_KEYS:
+            entry.setdefault(key, torch.zeros_like(flat))
+    zero_optimizer._hp_optimizer_states_linked = False  # link the per-parameter views to the states just made
+    zero_optimizer._lazy_init_hp_params_optimizer_state()
+    done = 0
+    for name, p in named:
+        if getattr(p, "_hp_mapping", None) is None:
+            continue
+        src = states.tensors[name]
+        safe_set_full_fp32_param(p, src["fp32"].to(p.device))
+        for key in STATE_KEYS:
+            if key in src:
+                safe_set_full_optimizer_state(p, src[key].to(p.device), key)
+        done += 1
+    return done

@@ -1,0 +1,185 @@
+"""A checkpoint written by N learner ranks resumes on M (issue 54 item 3), exactly once.
+
+Real parts: redis-server, real ScoredGroups of the tiny Qwen2.5-VL, DeepSpeed ZeRO-2 ranks on the CPU
+(gloo) under ``python -m torch.distributed.run``, the ``streamgrpo learner`` CLI, ``kill -9``.
+
+1 rank -> 2 ranks -> 1 rank: the optimizer state is consolidated per parameter from the writer's
+layout and re-partitioned for the reader's (``streamgrpo.learner.reshard``); the lr schedule goes on;
+the audit over every rank's log finds nothing lost and nothing trained twice. The 2 -> 1 move
+follows a ``kill -9`` of both ranks between checkpoints: the groups the dead rank 1 held are
+claimed by the lone rank and trained once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_learner_scale import DEPLOY, ENV, _alive, _config, _jsonl, _put, _torchrun
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir, demo_data_dir):
+    from streamgrpo.generator.rollouts import sample_groups
+
+    return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 24, num_generations=4, max_tokens=6)
+
+
+def _one_rank(cfg: Path, cwd: Path, *flags: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(cfg), *flags], env=ENV,
+                         cwd=cwd, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    return out.stderr
+
+
+def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str) -> Path:
+    path = _config(tmp_path, model_dir, url, ns, "learner.backend=deepspeed",
+                   f"learner.deepspeed_config={DEPLOY / 'zero2.json'}", f"learner.max_steps={steps}",
+                   "learner.save_steps=2", "learner.warmup_steps=6", "learner.micro_batch_tokens=250",
+                   "queue.claim_idle_s=2")
+    return path.rename(tmp_path / name)
+
+
+def _audit(run: Path, url: str, ns: str):
+    from streamgrpo.audit import audit_run
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:
+        return audit_run(run, q), q.held_count(), q.depth()
+
+
+def test_zero2_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(groups, tiny_model_dir, redis_server,
+                                                                           redis_ns, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.learner.reshard import consolidate_zero12
+
+    url, run = redis_server.url, tmp_path / "run"
+    _put(url, redis_ns, groups[:8])
+    first = _one_rank(_cfg(tmp_path, tiny_model_dir, url, redis_ns, 2, "a.yaml"), tmp_path)  # 1 rank: steps 1-2
+    assert "consolidated" not in first
+    _put(url, redis_ns, groups[8:16])
+    _torchrun("-m", "streamgrpo", "learner", "--config", str(_cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "b.yaml")),
+              "--resume", cwd=tmp_path)  # 2 ranks: steps 3-4
+    assert "written by 1 rank(s) (deepspeed ZeRO-2), resumed on 2 (ZeRO-2)" in (tmp_path / "torchrun.log").read_text()
+    ckpt = run / "checkpoints" / "step-000004"
+    meta = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (meta["world_size"], meta["zero_stage"]) == (2, 2)
+
+    # the per-parameter consolidation of the two shards is the model rank 0 gathered (an independent path)
+    model = dict(AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).named_parameters())
+    states = consolidate_zero12(ckpt / "deepspeed" / "state", {n: t.shape for n, t in model.items()})
+    assert states.step == 4 and set(states.tensors) <= set(model) and len(states.tensors) > 10
+    for name, st in states.tensors.items():
+        assert torch.equal(st["fp32"], model[name].detach()), name
+        assert st["exp_avg_sq"].abs().sum() > 0, name  # Adam's moments came along, not zeros
+    assert load_file(str(ckpt / "rng-rank1.safetensors"))
+
+    _put(url, redis_ns, groups[16:24])
+    last = _one_rank(_cfg(tmp_path, tiny_model_dir, url, redis_ns, 6, "c.yaml"), tmp_path, "--resume")  # 1 rank: 5-6
+    assert "written by 2 rank(s) (deepspeed ZeRO-2), resumed on 1 (ZeRO-2)" in last
+    rows = _jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["ranks"] for r in rows] == [1, 1, 2, 2, 1, 1]
+    peak = rows[-1]["lr"]  # the rate after each step: one warm-up of 6 steps across both moves
+    assert [r["lr"] for r in rows] == pytest.approx([peak * min(k + 1, 6) / 6 for k in range(1, 7)], rel=1e-6)
+    assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [2, 4]
+    audit, held, depth = _audit(run, url, redis_ns)
+    assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 24, 6, 0, 0)
+
+
+def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups, tiny_model_dir, redis_server,
+                                                                        redis_ns, tmp_path):
+    from streamgrpo.audit import read_jsonl
+    from streamgrpo.runtime import free_port
+
+    url, run = redis_server.url, tmp_path / "run"
+    cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "two.yaml")
+    _put(url, redis_ns, groups[:12])  # step 4 waits for groups: the kill lands before it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 480
+        while not [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == 3]:
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
+            time.sleep(0.2)
+        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    for pid in ranks:
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"rank pid {pid} survived SIGKILL"
+            time.sleep(0.1)
+    assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
+    _put(url, redis_ns, groups[12:16])
+    err = _one_rank(cfg, tmp_path, "--resume")  # one rank: its own step-3 groups and rank 1's (claimed)
+    assert "written by 2 rank(s) (deepspeed ZeRO-2), resumed on 1 (ZeRO-2)" in err
+    assert "claimed" in err
+    audit, held, depth = _audit(run, url, redis_ns)
+    assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 16, 4, 0, 0)
+
+
+def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, redis_server, redis_ns, tmp_path):
+    import torch
+
+    from streamgrpo.config import ConfigError, load_config
+    from streamgrpo.learner.distributed import DistInfo
+    from streamgrpo.learner.resume import start_from_weights, weights_source
+    from streamgrpo.learner.trainer import Learner
+
+    cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}"])
+    old = Learner(cfg)
+    with torch.no_grad():
+        for p in old.module.parameters():
+            p.add_(0.25)
+    old.state.step = old.state.version = 7
+    ckpt = old.save(tmp_path / "old" / "checkpoints")
+
+    new_cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'new'}",
+                                   f"learner.from_weights={ckpt}"])
+    assert weights_source(new_cfg.learner, found=tmp_path / "some-checkpoint") is None  # a resume wins
+    new = Learner(new_cfg)
+    start_from_weights(weights_source(new_cfg.learner, found=None), new, DistInfo())
+    for (name, a), b in zip(old.module.named_parameters(), new.module.parameters()):
+        assert torch.equal(a, b), name
+    assert (new.state.step, new.state.version) == (0, 0) and not new.optimizer.state and new.scheduler.last_epoch == 0
+
+    # --fresh --from-weights <this run's own checkpoint>: --fresh moves it to previous/<time>/, where it is found
+    from streamgrpo.learner.resume import start_point
+
+    own = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}",
+                               "learner.fresh=true", f"learner.from_weights={ckpt}"])
+    assert start_point(own.learner, tmp_path / "old", DistInfo()) is None and not ckpt.exists()
+    moved = weights_source(own.learner, None, tmp_path / "old")
+    assert moved.parent.parent.parent.name == "previous" and (moved / "model.safetensors").is_file()
+
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", "demo", "--from-weights",
+                          str(bad), "--run-dir", str(tmp_path / "x"), "--set", f"model.name_or_path={tiny_model_dir}",
+                          "--set", f"queue.url={redis_server.url}", "--set", f"queue.namespace={redis_ns}"],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("streamgrpo learner:")]
+    assert out.returncode != 0 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "not a checkpoint folder with weights" in lines[0]
+    try:
+        weights_source(new_cfg.learner.model_copy(update={"from_weights": str(bad)}), found=None)
+    except ConfigError as exc:
+        assert str(bad) in str(exc)
+    else:
+        raise AssertionError("a folder without weights was accepted")
