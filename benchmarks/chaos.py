@@ -9,7 +9,9 @@ writing a checkpoint (``step-N.tmp`` exists) and kills it then. Then it stops th
 the learner with SIGTERM (a clean stop: final checkpoint and commit). With ``--up-minutes``, the same
 run goes on under ``streamgrpo up --resume`` (same run directory, same Redis): `up` is killed with
 -9 (its children stop with it: SIGTERM from the kernel) and restarted, then sent SIGHUP (a closed
-terminal: a clean stop) and restarted, then stopped with SIGTERM. Then it audits the run directory against Redis
+terminal: a clean stop) and restarted, then stopped with SIGTERM. With ``--maxmemory-minutes`` (before
+`up`), Redis' ``maxmemory`` is set under what it uses for that long (writes refused until the learner's
+commit frees memory), then restored: nothing may exit, and training goes on. Then it audits the run directory against Redis
 (:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
@@ -141,6 +143,50 @@ def _pids_gone(run_dir: Path, timeout_s: float) -> bool:
     return False
 
 
+def _maxmemory_phase(url: str, run_dir: Path, procs: list[Proc], seconds: float, kills: list[Kill], t0: float,
+                     log) -> None:
+    """Redis at ``maxmemory`` for ``seconds``: set under what it uses (half the stream's bytes less), so the
+    generators are refused until the learner commits, then restored. Nothing may exit (a process that does
+    is noted and restarted), and the learner must train a step after the restore."""
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(url)
+    text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731
+    try:
+        used = int(r.info("memory")["used_memory"])
+        stream = next((k for k in r.scan_iter(match="*:groups", count=1000)), None)
+        held = int(r.memory_usage(stream) or 0) if stream else 0
+        limit = max(1, used - max(held // 2, 1 << 16))
+        old = {k: text(v) for k, v in r.config_get("maxmemory*").items() if text(k) in ("maxmemory", "maxmemory-policy")}
+        kills.append(Kill(round(time.monotonic() - t0, 1), "redis-maxmemory", _last_step(run_dir)))
+        log(f"[{time.monotonic() - t0:6.1f}s] redis maxmemory {limit >> 10} KiB (it uses {used >> 10} KiB) for "
+            f"{seconds:.0f}s (learner at step {kills[-1].step})")
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(limit))
+        oom = lambda: int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))  # noqa: E731
+        exits, oom0 = [], oom()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for proc in procs:
+                if proc.p.poll() is not None:
+                    exits.append(f"{proc.name} (code {proc.p.returncode})")
+                    log(f"  {proc.name} exited at maxmemory (code {proc.p.returncode}); restarting")
+                    proc.start()
+            time.sleep(0.5)
+        at_restore, refused = _last_step(run_dir), oom() - oom0
+        for key, value in old.items():
+            r.config_set(key, value)
+        deadline = time.monotonic() + 180
+        while _last_step(run_dir) <= at_restore and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = _last_step(run_dir)
+        kills[-1].note = (f"steps {kills[-1].step} -> {at_restore} at maxmemory, {after} after the restore; "
+                          f"{refused} writes refused (OOM); exited: {', '.join(exits) or 'none'}")
+        log(f"  {kills[-1].note}")
+    finally:
+        r.close()
+
+
 def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float, kills: list[Kill], t0: float,
               log) -> None:
     """The run goes on under `up --resume`: kill -9 it, restart; SIGHUP it, restart; SIGTERM it."""
@@ -171,7 +217,7 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
 
 def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generators: int = 2, seed: int = 0,
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
-              log=print, up_s: float = 0.0) -> tuple[object, list[Kill], dict]:
+              log=print, up_s: float = 0.0, maxmemory_s: float = 0.0) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
     from streamgrpo.config import load_config
     from streamgrpo.recipes.demo.assets import prepare_assets
@@ -231,6 +277,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                     proc.kill9()
                     proc.start()
             time.sleep(0.5)
+        if maxmemory_s > 0:
+            _maxmemory_phase(url, run_dir, [learner, *gens.values()], maxmemory_s, kills, t0, log)
         log(f"[{time.monotonic() - t0:6.1f}s] stopping: generators, then the learner (final checkpoint)")
         for g in gens.values():
             g.term()
@@ -262,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--up-minutes", type=float, default=3.0,
                     help="then go on under `up --resume`: kill -9 it, SIGHUP it (0: skip)")
+    ap.add_argument("--maxmemory-minutes", type=float, default=1.0,
+                    help="then Redis maxmemory under what it uses for this long, then restored (0: skip)")
     ap.add_argument("--run-dir", default=str(ROOT / "benchmarks" / ".work" / "chaos"))
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every process")
     args = ap.parse_args(argv)
@@ -271,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
     result, kills, info = run_chaos(run_dir, duration_s=args.minutes * 60, learner_kills=args.learner_kills,
                                     generators=args.generators, seed=args.seed, sets=tuple(args.sets),
-                                    up_s=args.up_minutes * 60)
+                                    up_s=args.up_minutes * 60, maxmemory_s=args.maxmemory_minutes * 60)
     by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
     up = {t: sum(k.target == t for k in kills) for t in ("up", "up-hup")}
     ckpt = next((k.note for k in kills if k.target == "learner-ckpt"), "none")
@@ -280,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
           f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
           f"still queued {result.queued}, uncommitted {result.uncommitted}")
+    for k in kills:
+        if k.target == "redis-maxmemory":
+            print(f"redis at maxmemory: {k.note}")
     if result.lost_ids or result.twice_ids:
         print(f"lost ids (first 20): {result.lost_ids}; twice: {result.twice_ids}")
     print(result.line())

@@ -179,7 +179,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
             try:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
-                                       pressure=pressure)
+                                       pressure=pressure, redis_full=(lambda: watch.full) if watch else None)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
                             "free them", early, state.step - saved_step, state.step)
