@@ -20,6 +20,7 @@ from streamgrpo.learner.distributed import DistInfo, share
 from streamgrpo.learner.state import Accepted, LearnerState
 
 log = logging.getLogger("streamgrpo.learner")
+STARVED_S = 5.0  # Redis at maxmemory and no group for this long: train the groups at hand (collect_groups)
 
 
 class Gate:
@@ -185,8 +186,8 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
     once every rank holds at least one group. ``pressure`` (rank 0): a callable that returns a reason
     to checkpoint now (Redis near ``maxmemory``) or None; then every rank raises :class:`CommitNow`.
-    ``redis_full`` (rank 0): a callable, true while Redis is at ``maxmemory``; then, once a round brought
-    no group to any rank and every rank holds at least one, the step trains on what the ranks hold: the
+    ``redis_full`` (rank 0): a callable, true while Redis is at ``maxmemory``; then, once no group came to
+    any rank for ``STARVED_S`` and every rank holds at least one, the step trains on what the ranks hold: the
     groups held and not trained would otherwise fill Redis with nothing able to free it (its commit
     needs a step, the step more groups, and the generators are refused).
     """
@@ -194,6 +195,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     state = gate.state
     loss = gate.loss
     fill_by = time.monotonic() + loss.fill_timeout_s if loss.drop_zero_variance else math.inf
+    came = time.monotonic()  # when a group last came to this rank
     while True:
         deliveries = []
         if len(accepted) < want and not stop:
@@ -205,11 +207,13 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
                 a = gate.admit(d)
                 if a is not None:
                     accepted.append(a)
+            if deliveries:
+                came = time.monotonic()
         enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
         why = pressure() if pressure is not None else None  # also with a full batch: before Redis refuses
         full = bool(redis_full()) if redis_full is not None else False
         flags = share(dist, [enough, bool(stop), state.version, why is not None, full, bool(accepted),
-                             bool(deliveries)])
+                             time.monotonic() - came >= STARVED_S])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 3].any():  # the groups accepted so far are carried into the step after the checkpoint
@@ -221,7 +225,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
             return accepted
         if flags[:, 1].any():
             return None  # held groups stay pending: re-read by this consumer after a restart
-        if flags[:, 4].any() and flags[:, 5].all() and not flags[:, 6].any():
-            log.warning("step %d: Redis is at maxmemory and no group came: training on the %d group(s) at hand (of "
-                        "%d) so that the commit can free them", state.step + 1, len(accepted), want)
+        if flags[:, 4].any() and flags[:, 5].all() and flags[:, 6].all():
+            log.warning("step %d: Redis is at maxmemory and no group came for %.0fs: training on the %d group(s) at hand (of "
+                        "%d) so that the commit can free them", state.step + 1, STARVED_S, len(accepted), want)
             return accepted

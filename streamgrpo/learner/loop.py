@@ -171,6 +171,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
     watch = MemoryWatch(queue) if main else None
     pressure = (lambda: watch.check(holding=state.step > saved_step)) if watch is not None else None
+    # Redis full and nothing trained to commit: a smaller step, whose commit then frees its groups
+    redis_full = (lambda: watch.full and state.step == saved_step) if watch is not None else None
     finished = False
     try:
         while state.step < cfg.learner.max_steps:
@@ -179,7 +181,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
             try:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
-                                       pressure=pressure, redis_full=(lambda: watch.full) if watch else None)
+                                       pressure=pressure, redis_full=redis_full)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
                             "free them", early, state.step - saved_step, state.step)
