@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 # Redis at maxmemory refuses a command that may grow memory (HSET, ZADD, XADD, SET...), but inside a
 # script only as long as the script has written nothing yet: once it has, Redis lets it finish (it
 # cannot stop half-way; Redis 6.2 and 7.x alike). So every script below starts with a write Redis never
-# refuses (PERSIST of a key that has no TTL, or XACK/XDEL): the learner's bookkeeping -- holding a
+# refuses (HDEL of the empty field, which no group id is): the learner's bookkeeping -- holding a
 # group, committing, releasing, dead-lettering, counting a failure -- goes on at maxmemory. Each adds at
 # most a few hundred bytes per group, and the commit it leads to frees the groups' messages: refusing
 # them would leave nothing able to free memory (a deadlock).
-OOM_PASS = "redis.call('PERSIST', KEYS[3])  -- never refused at maxmemory: lets the script finish (see above)\n"
+OOM_PASS = "redis.call('HDEL', KEYS[3], '')  -- never refused at maxmemory: lets the script finish (see above)\n"
 
 # HOLD: a consumer claims each decoded entry for training. Per (gid, sid) pair, in order:
 #   1 = already trained (within the horizon), 2 = another live entry holds this group id (a duplicate),
@@ -92,7 +92,7 @@ return acked
 
 # FAIL: count one failed training attempt per group id (and keep the last error); returns the counts.
 FAIL_LUA = """
-redis.call('PERSIST', KEYS[1])  -- never refused at maxmemory (see above)
+redis.call('HDEL', KEYS[1], '')  -- never refused at maxmemory (see above)
 local out = {}
 for i = 2, #ARGV do
   out[#out + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], 1)
