@@ -68,6 +68,7 @@ from streamgrpo.runtime import (
     RunLock,
     StopFlag,
     queue_url,
+    rewind_jsonl,
     setup_torch_threads,
     start_metrics,
     write_json,
@@ -138,7 +139,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     if main:
         _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
-    _resume_or_reset(found, learner, queue, audit_path, run_dir, dist)
+    again = _resume_or_reset(found, learner, queue, audit_path, run_dir, dist, resume=cfg.learner.resume)
     state = learner.state
 
     # --- weights, metrics, wandb ---------------------------------------------------------------
@@ -147,7 +148,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     M.POLICY_VERSION.labels(role="learner").set(state.version)
     server = _serve_metrics(cfg, run_dir, dist)
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
-    audit = _open_audit(audit_path, state, found)
+    audit = _open_audit(audit_path, state, found, again=again)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
@@ -246,13 +247,21 @@ def _startup_warnings(cfg: Config, queue) -> None:
 
 
 def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
-                     dist: DistInfo) -> None:
+                     dist: DistInfo, resume: bool = False) -> bool:
     """Resume from the checkpoint ``found``, if any; otherwise (step 0) rank 0 forgets the committed step of a
-    previous run in this namespace."""
+    previous run in this namespace, and ``--resume`` after a learner killed before its first checkpoint trims
+    the logs it left back to step 0 (what they hold is trained again). True when this start resumes."""
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
-    elif dist.is_main:
+        return True
+    again = resume and audit_path.is_file() and audit_path.stat().st_size > 0
+    if again:
+        rewind_jsonl(audit_path, 0)
+        if dist.is_main:
+            rewind_jsonl(run_dir / "metrics.jsonl", 0)
+    if dist.is_main:
         queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
+    return again
 
 
 def _serve_metrics(cfg: Config, run_dir: Path, dist: DistInfo):
@@ -274,11 +283,12 @@ def _start_publisher(cfg: Config, run_dir: Path):
     return publisher
 
 
-def _open_audit(path: Path, state: LearnerState, found: Path | None) -> JsonlWriter:
-    """This rank's audit log; a resumed run first notes the checkpoint it resumed from."""
+def _open_audit(path: Path, state: LearnerState, found: Path | None, again: bool = False) -> JsonlWriter:
+    """This rank's audit log; a resumed run (``again``) first notes the checkpoint it resumed from (none:
+    step 0, a learner killed before its first checkpoint)."""
     audit = JsonlWriter(path)
-    if found:
-        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
+    if again:
+        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found or "")})
     return audit
 
 
