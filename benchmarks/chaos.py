@@ -145,14 +145,17 @@ def _pids_gone(run_dir: Path, timeout_s: float) -> bool:
 
 def _maxmemory_phase(url: str, run_dir: Path, procs: list[Proc], seconds: float, kills: list[Kill], t0: float,
                      log) -> None:
-    """Redis at ``maxmemory`` for ``seconds``: set under what it uses (half the stream's bytes less), so the
-    generators are refused until the learner commits, then restored. Nothing may exit (a process that does
+    """Redis at ``maxmemory`` for ``seconds``, from the learner's next step on: set under what it uses (half
+    the stream's bytes less), so the generators are refused until the learner commits, then restored. Nothing may exit (a process that does
     is noted and restarted), and the learner must train a step after the restore."""
     import redis as redis_py
 
     r = redis_py.Redis.from_url(url)
     text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731
     try:
+        start, wait_until = _last_step(run_dir), time.monotonic() + 180
+        while _last_step(run_dir) <= start and time.monotonic() < wait_until:  # a learner that trains (not loading)
+            time.sleep(0.5)
         used = int(r.info("memory")["used_memory"])
         stream = next((k for k in r.scan_iter(match="*:groups", count=1000)), None)
         held = int(r.memory_usage(stream) or 0) if stream else 0
