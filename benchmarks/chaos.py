@@ -105,6 +105,21 @@ def _last_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def _resumes(run_dir: Path) -> int:
+    from streamgrpo.audit import read_jsonl
+
+    return sum(r.get("event") == "resumed" for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def _writing_checkpoint(run_dir: Path) -> str | None:
     tmp = sorted((run_dir / "checkpoints").glob("step-*.tmp")) if (run_dir / "checkpoints").is_dir() else []
     return tmp[-1].name if tmp else None
@@ -199,7 +214,9 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
     end = time.monotonic() + duration_s
     try:
         for target, sig in (("up", signal.SIGKILL), ("up-hup", signal.SIGHUP)):
+            resumes = _resumes(run_dir)
             time.sleep(max(5.0, duration_s / 3))
+            _wait(lambda n=resumes: _resumes(run_dir) > n, 180)  # its learner resumed (a loaded machine loads slowly)
             kills.append(Kill(round(time.monotonic() - t0, 1), target, _last_step(run_dir)))
             log(f"[{time.monotonic() - t0:6.1f}s] {'kill -9' if sig == signal.SIGKILL else 'SIGHUP to'} up "
                 f"(learner at step {kills[-1].step})")
