@@ -244,3 +244,31 @@ def test_resume_against_a_full_redis(groups, tiny_model_dir, redis_factory, redi
         assert _audit(run, q).trained == 12
     finally:
         q.close()
+
+
+def test_an_on_policy_generators_slot_claim_waits_at_maxmemory(redis_factory, redis_ns):
+    """On-policy generators share a Redis counter per version (INCRBY, which Redis refuses at maxmemory once the
+    key exists): the claim waits, counted, and goes through once memory is freed."""
+    from streamgrpo.config import load_config
+    from streamgrpo.generator.loop import _claim_sync_slots
+
+    srv = redis_factory("system")
+    q = RedisQueue(srv.url, namespace=redis_ns, consumer="generator-0", **FAST)
+    cfg = load_config("demo", [f"queue.namespace={redis_ns}", "learner.groups_per_step=4"])
+    got: list[int] = []
+    try:
+        assert _claim_sync_slots(q, cfg, 1, 2) == 2
+        before = _value(metrics.REDIS_FULL_WAITS, op="sync_claim")
+        _fill(q)
+        t = threading.Thread(target=lambda: got.append(_claim_sync_slots(q, cfg, 1, 2)))
+        t.start()
+        deadline = time.monotonic() + 20
+        while _value(metrics.REDIS_FULL_WAITS, op="sync_claim") == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.is_alive() and not got  # waiting, not crashed
+        _room(q)
+        t.join(20)
+        assert got == [2] and _value(metrics.REDIS_FULL_WAITS, op="sync_claim") == before + 1
+    finally:
+        _room(q)
+        q.close()

@@ -236,7 +236,7 @@ class RedisQueue(GroupQueue):
     def _ensure_group(self) -> None:
         """Create the consumer group (and the stream) unless it exists. Looked up first (XINFO reads only):
         Redis at maxmemory refuses XGROUP CREATE even for a group that exists, which would stop a
-        ``--resume`` against a full Redis; a group really missing there is waited for (:meth:`_roomy`)."""
+        ``--resume`` against a full Redis; a group really missing there is waited for (:meth:`wait_for_memory`)."""
 
         def exists() -> bool:
             try:
@@ -256,9 +256,9 @@ class RedisQueue(GroupQueue):
                     raise
 
         if not self._call("XINFO GROUPS", exists):
-            self._roomy("group_create", "XGROUP CREATE", create)
+            self.wait_for_memory("group_create", "XGROUP CREATE", create)
 
-    def _roomy(self, op: str, what: str, fn, *args, **kwargs):
+    def wait_for_memory(self, op: str, what: str, fn, *args, **kwargs):
         """:meth:`_call`, waiting while Redis refuses the call at maxmemory (``OutOfMemoryError``): one
         warning every 30 s, ``redis_full_waits{op}`` counted and ``redis_full`` set meanwhile; the call is
         retried until memory is freed (the learner's commit frees it) or raised. A stop request ends the
@@ -551,7 +551,7 @@ class RedisQueue(GroupQueue):
         args: list[Any] = [time.time() - self.dedupe_ttl_s, self.max_failures]
         for sid, group, _ in decoded:
             args += [group.group_id, sid]
-        codes = self._roomy("hold", "hold", self._hold_script, keys=self._keys(), args=args)
+        codes = self.wait_for_memory("hold", "hold", self._hold_script, keys=self._keys(), args=args)
         out, dup = [], []
         for (sid, group, size), code in zip(decoded, codes):
             code = int(code)
@@ -585,7 +585,7 @@ class RedisQueue(GroupQueue):
         if len(data) <= DEAD_KEEP_BYTES:
             letter[b"data"] = data
         fields = [x for kv in letter.items() for x in kv]  # one script: released, then lettered (atomic)
-        self._roomy("dead_letter", "dead-letter", self._dead_script, keys=[*self._keys(), self.dead],
+        self.wait_for_memory("dead_letter", "dead-letter", self._dead_script, keys=[*self._keys(), self.dead],
                     args=[CONSUMER_GROUP, sid, gid, DEAD_MAXLEN, *fields])
         with self._lock:
             self._inflight.pop(sid, None)
@@ -624,7 +624,7 @@ class RedisQueue(GroupQueue):
             args: list[Any] = [CONSUMER_GROUP]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
-            acked += int(self._roomy("release", "XACK", self._release_script, keys=self._keys(), args=args))
+            acked += int(self.wait_for_memory("release", "XACK", self._release_script, keys=self._keys(), args=args))
         return acked
 
     def ack(self, stream_ids: list[str]) -> int:
@@ -657,7 +657,7 @@ class RedisQueue(GroupQueue):
                                -1 if step is None else int(step)]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
-            acked += int(self._roomy("commit", "commit", self._commit_script,
+            acked += int(self.wait_for_memory("commit", "commit", self._commit_script,
                                      keys=[*self._keys(), self.committed_step_key], args=args))
         with self._lock:
             for sid, _ in entries:
@@ -670,7 +670,7 @@ class RedisQueue(GroupQueue):
         gids = [g for g in group_ids if g]
         if not gids:
             return []
-        out = self._roomy("failure", "record_failure", self._fail_script, keys=[self.failures],
+        out = self.wait_for_memory("failure", "record_failure", self._fail_script, keys=[self.failures],
                           args=[error[:2000], *gids])
         return [int(x) for x in out]
 
