@@ -210,13 +210,14 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
     """The run goes on under `up --resume`: kill -9 it, restart; SIGHUP it, restart; SIGTERM it."""
     argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg_path), "--resume", "--generators",
             str(generators)]
+    resumes = _resumes(run_dir)
     up = Proc("up", argv, run_dir / "logs" / "up.log")
     end = time.monotonic() + duration_s
+    resumed = lambda n: _wait(lambda: _resumes(run_dir) > n, 180)  # noqa: E731 - its learner resumed (slow machines load slowly)
     try:
         for target, sig in (("up", signal.SIGKILL), ("up-hup", signal.SIGHUP)):
-            resumes = _resumes(run_dir)
             time.sleep(max(5.0, duration_s / 3))
-            _wait(lambda n=resumes: _resumes(run_dir) > n, 180)  # its learner resumed (a loaded machine loads slowly)
+            resumed(resumes)
             kills.append(Kill(round(time.monotonic() - t0, 1), target, _last_step(run_dir)))
             log(f"[{time.monotonic() - t0:6.1f}s] {'kill -9' if sig == signal.SIGKILL else 'SIGHUP to'} up "
                 f"(learner at step {kills[-1].step})")
@@ -225,7 +226,9 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
             if not _pids_gone(run_dir, 180):
                 kills[-1].note = "children still running after 180 s"
                 log(f"  {kills[-1].note}")
+            resumes = _resumes(run_dir)
             up.start()  # `up --resume` again: the learner resumes, the generators carry on
+        resumed(resumes)
         time.sleep(max(0.0, end - time.monotonic()))
         log(f"[{time.monotonic() - t0:6.1f}s] stopping up (SIGTERM)")
         code = up.term(180)
