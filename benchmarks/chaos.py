@@ -13,7 +13,9 @@ terminal: a clean stop) and restarted, then stopped with SIGTERM. Before the fir
 huge-group phase: one valid group 16x the demo's pixels (taken: ``learner.max_group_pixels`` is raised for it) and one
 over that limit go into the stream; the second is dead-lettered ``too_large``, and the learner is killed -9
 each time a step holds the first (as an out-of-memory killer would) until a start dead-letters it as
-``crash_loop``. Then it audits the run directory against Redis
+``crash_loop``. With ``--maxmemory-minutes`` (before `up`), Redis' ``maxmemory`` is set under what it uses
+for that long (writes refused until the learner's commit frees memory), then restored: nothing may exit,
+and training goes on. Then it audits the run directory against Redis
 (:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
@@ -107,6 +109,21 @@ def _last_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def _resumes(run_dir: Path) -> int:
+    from streamgrpo.audit import read_jsonl
+
+    return sum(r.get("event") == "resumed" for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def _writing_checkpoint(run_dir: Path) -> str | None:
     tmp = sorted((run_dir / "checkpoints").glob("step-*.tmp")) if (run_dir / "checkpoints").is_dir() else []
     return tmp[-1].name if tmp else None
@@ -145,16 +162,66 @@ def _pids_gone(run_dir: Path, timeout_s: float) -> bool:
     return False
 
 
+def _maxmemory_phase(url: str, run_dir: Path, procs: list[Proc], seconds: float, kills: list[Kill], t0: float,
+                     log) -> None:
+    """Redis at ``maxmemory`` for ``seconds``, from the learner's next step on: set under what it uses (half
+    the stream's bytes less), so the generators are refused until the learner commits, then restored. Nothing may exit (a process that does
+    is noted and restarted), and the learner must train a step after the restore."""
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(url)
+    text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731
+    try:
+        start, wait_until = _last_step(run_dir), time.monotonic() + 180
+        while _last_step(run_dir) <= start and time.monotonic() < wait_until:  # a learner that trains (not loading)
+            time.sleep(0.5)
+        used = int(r.info("memory")["used_memory"])
+        stream = next((k for k in r.scan_iter(match="*:groups", count=1000)), None)
+        held = int(r.memory_usage(stream) or 0) if stream else 0
+        limit = max(1, used - max(held // 2, 1 << 16))
+        old = {k: text(v) for k, v in r.config_get("maxmemory*").items() if text(k) in ("maxmemory", "maxmemory-policy")}
+        kills.append(Kill(round(time.monotonic() - t0, 1), "redis-maxmemory", _last_step(run_dir)))
+        log(f"[{time.monotonic() - t0:6.1f}s] redis maxmemory {limit >> 10} KiB (it uses {used >> 10} KiB) for "
+            f"{seconds:.0f}s (learner at step {kills[-1].step})")
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(limit))
+        oom = lambda: int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))  # noqa: E731
+        exits, oom0 = [], oom()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for proc in procs:
+                if proc.p.poll() is not None:
+                    exits.append(f"{proc.name} (code {proc.p.returncode})")
+                    log(f"  {proc.name} exited at maxmemory (code {proc.p.returncode}); restarting")
+                    proc.start()
+            time.sleep(0.5)
+        at_restore, refused = _last_step(run_dir), oom() - oom0
+        for key, value in old.items():
+            r.config_set(key, value)
+        deadline = time.monotonic() + 180
+        while _last_step(run_dir) <= at_restore and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = _last_step(run_dir)
+        kills[-1].note = (f"steps {kills[-1].step} -> {at_restore} at maxmemory, {after} after the restore; "
+                          f"{refused} writes refused (OOM); exited: {', '.join(exits) or 'none'}")
+        log(f"  {kills[-1].note}")
+    finally:
+        r.close()
+
+
 def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float, kills: list[Kill], t0: float,
               log) -> None:
     """The run goes on under `up --resume`: kill -9 it, restart; SIGHUP it, restart; SIGTERM it."""
     argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg_path), "--resume", "--generators",
             str(generators)]
+    resumes = _resumes(run_dir)
     up = Proc("up", argv, run_dir / "logs" / "up.log")
     end = time.monotonic() + duration_s
+    resumed = lambda n: _wait(lambda: _resumes(run_dir) > n, 180)  # noqa: E731 - its learner resumed (slow machines load slowly)
     try:
         for target, sig in (("up", signal.SIGKILL), ("up-hup", signal.SIGHUP)):
             time.sleep(max(5.0, duration_s / 3))
+            resumed(resumes)
             kills.append(Kill(round(time.monotonic() - t0, 1), target, _last_step(run_dir)))
             log(f"[{time.monotonic() - t0:6.1f}s] {'kill -9' if sig == signal.SIGKILL else 'SIGHUP to'} up "
                 f"(learner at step {kills[-1].step})")
@@ -163,7 +230,9 @@ def _up_phase(run_dir: Path, cfg_path: Path, generators: int, duration_s: float,
             if not _pids_gone(run_dir, 180):
                 kills[-1].note = "children still running after 180 s"
                 log(f"  {kills[-1].note}")
+            resumes = _resumes(run_dir)
             up.start()  # `up --resume` again: the learner resumes, the generators carry on
+        resumed(resumes)
         time.sleep(max(0.0, end - time.monotonic()))
         log(f"[{time.monotonic() - t0:6.1f}s] stopping up (SIGTERM)")
         code = up.term(180)
@@ -250,7 +319,7 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
 
 def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generators: int = 2, seed: int = 0,
               model: str | None = None, data: str | None = None, sets: tuple[str, ...] = (),
-              log=print, up_s: float = 0.0) -> tuple[object, list[Kill], dict]:
+              log=print, up_s: float = 0.0, maxmemory_s: float = 0.0) -> tuple[object, list[Kill], dict]:
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
     from streamgrpo.config import load_config
     from streamgrpo.recipes.demo.assets import prepare_assets
@@ -312,6 +381,8 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
                     proc.start()
             time.sleep(0.5)
         _huge_group_phase(run_dir, cfg, url, learner, kills, t0, log)
+        if maxmemory_s > 0:
+            _maxmemory_phase(url, run_dir, [learner, *gens.values()], maxmemory_s, kills, t0, log)
         log(f"[{time.monotonic() - t0:6.1f}s] stopping: generators, then the learner (final checkpoint)")
         for g in gens.values():
             g.term()
@@ -343,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--up-minutes", type=float, default=3.0,
                     help="then go on under `up --resume`: kill -9 it, SIGHUP it (0: skip)")
+    ap.add_argument("--maxmemory-minutes", type=float, default=1.0,
+                    help="then Redis maxmemory under what it uses for this long, then restored (0: skip)")
     ap.add_argument("--run-dir", default=str(ROOT / "benchmarks" / ".work" / "chaos"))
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every process")
     args = ap.parse_args(argv)
@@ -352,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
     result, kills, info = run_chaos(run_dir, duration_s=args.minutes * 60, learner_kills=args.learner_kills,
                                     generators=args.generators, seed=args.seed, sets=tuple(args.sets),
-                                    up_s=args.up_minutes * 60)
+                                    up_s=args.up_minutes * 60, maxmemory_s=args.maxmemory_minutes * 60)
     by = {t: sum(k.target.startswith(t) for k in kills) for t in ("learner", "generator", "redis")}
     up = {t: sum(k.target == t for k in kills) for t in ("up", "up-hup")}
     ckpt = next((k.note for k in kills if k.target == "learner-ckpt"), "none")
@@ -363,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps {result.steps} (in order: {result.steps_in_order}), final version {result.version}; "
           f"groups produced {result.produced}, trained {result.trained}, dropped {result.dropped}, "
           f"still queued {result.queued}, uncommitted {result.uncommitted}")
+    for k in kills:
+        if k.target == "redis-maxmemory":
+            print(f"redis at maxmemory: {k.note}")
     if result.lost_ids or result.twice_ids:
         print(f"lost ids (first 20): {result.lost_ids}; twice: {result.twice_ids}")
     print(result.line())

@@ -113,6 +113,10 @@ LEARNER_MFU.set(float("nan"))  # unknown until a learner step with a known peak:
 IDLE_SECONDS = Counter("streamgrpo_idle_seconds", "Seconds spent waiting (learner for groups, generator on backpressure)", ["role"])
 ERRORS = Counter("streamgrpo_errors", "Errors by kind (data, reward, wire, queue, weights, loss, ...)", ["kind"])
 BACKPRESSURE = Gauge("streamgrpo_backpressure", "1 while this producer is blocked because the queue is full")
+REDIS_FULL_WAITS = Counter(
+    "streamgrpo_redis_full_waits", "Redis commands refused at maxmemory and retried, by operation (put, hold, commit, "
+    "release, dead_letter, failure, group_create, sync_claim)", ["op"])
+REDIS_FULL = Gauge("streamgrpo_redis_full", "1 while this process waits because Redis is at maxmemory")
 MEDIA_CACHE = Counter("streamgrpo_media_cache", "Learner: referenced visuals by decoded-frame cache result (hit, miss)",
                       ["result"])
 MEDIA_DECODE_SECONDS = Histogram(

@@ -160,7 +160,7 @@ def _claim_sync_slots(queue, cfg: Config, version: int, want: int) -> int:
     produced with each version and the learner never sees a stale group.
     """
     key = f"{cfg.queue.namespace}:sync:{version}"
-    total = queue.client.incrby(key, want)
+    total = queue.wait_for_memory("sync_claim", "INCRBY", queue.client.incrby, key, want)  # waits at maxmemory
     queue.client.expire(key, 24 * 3600)
     already = total - want
     return max(0, min(want, cfg.learner.groups_per_step - already))

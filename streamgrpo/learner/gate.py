@@ -20,6 +20,7 @@ from streamgrpo.learner.distributed import DistInfo, share
 from streamgrpo.learner.state import Accepted, LearnerState
 
 log = logging.getLogger("streamgrpo.learner")
+STARVED_S = 5.0  # Redis at maxmemory and no group for this long: train the groups at hand (collect_groups)
 
 
 class Gate:
@@ -145,13 +146,15 @@ class Gate:
 class MemoryWatch:
     """Rank 0: when Redis uses ``at`` of its ``maxmemory`` (read every ``every_s`` with INFO) and the
     learner holds trained groups not committed yet, say why to checkpoint now; with nothing to commit,
-    warn (once a minute) that only more memory helps. Silent when Redis has no limit or refuses INFO."""
+    warn (once a minute) that only more memory helps. Silent when Redis has no limit or refuses INFO.
+    :attr:`full` says Redis used ``full_at`` of its limit at the last read (it refuses the generators)."""
 
-    def __init__(self, queue, every_s: float = 5.0, at: float = 0.8):
-        self.queue, self.every_s, self.at = queue, every_s, at
+    def __init__(self, queue, every_s: float = 2.0, at: float = 0.8, full_at: float = 0.95):
+        self.queue, self.every_s, self.at, self.full_at = queue, every_s, at, full_at
         self._next = 0.0
         self._warned = -1e9
         self._off = False
+        self.full = False
 
     def check(self, holding: bool) -> str | None:
         now = time.monotonic()
@@ -163,6 +166,7 @@ class MemoryWatch:
         except Exception:  # noqa: BLE001 - INFO refused (ACL, managed Redis): nothing to watch
             self._off = True
             return None
+        self.full = bool(limit) and used >= self.full_at * limit
         if not limit or used < self.at * limit:
             return None
         why = f"Redis uses {used / limit:.0%} of its maxmemory ({used / 2**20:.0f} of {limit / 2**20:.0f} MiB)"
@@ -185,7 +189,7 @@ class CommitNow(Exception):
 
 
 def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
-                   timeout_s: float, pressure=None) -> list[Accepted] | None:
+                   timeout_s: float, pressure=None, redis_full=None) -> list[Accepted] | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
 
     ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
@@ -194,12 +198,18 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
     once every rank holds at least one group. ``pressure`` (rank 0): a callable that returns a reason
     to checkpoint now (Redis near ``maxmemory``) or None; then every rank raises :class:`CommitNow`.
+    ``redis_full`` (rank 0): a callable, true while Redis is at ``maxmemory``; then, once no group came to
+    any rank for ``STARVED_S`` and every rank holds at least one, the step trains on what the ranks hold: the
+    groups held and not trained would otherwise fill Redis with nothing able to free it (its commit
+    needs a step, the step more groups, and the generators are refused).
     """
     accepted: list[Accepted] = list(carry)
     state = gate.state
     loss = gate.loss
     fill_by = time.monotonic() + loss.fill_timeout_s if loss.drop_zero_variance else math.inf
+    came = time.monotonic()  # when a group last came to this rank
     while True:
+        deliveries = []
         if len(accepted) < want and not stop:
             t0 = time.perf_counter()
             deliveries = queue.get(want - len(accepted), timeout_s=timeout_s)
@@ -209,11 +219,17 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
                 a = gate.admit(d)
                 if a is not None:
                     accepted.append(a)
+            if deliveries:
+                came = time.monotonic()
         enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
-        why = pressure() if pressure is not None and not enough else None
-        flags = share(dist, [enough, bool(stop), state.version, why is not None])
+        why = pressure() if pressure is not None else None  # also with a full batch: before Redis refuses
+        full = bool(redis_full()) if redis_full is not None else False
+        flags = share(dist, [enough, bool(stop), state.version, why is not None, full, bool(accepted),
+                             time.monotonic() - came >= STARVED_S])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
+        if flags[:, 3].any():  # the groups accepted so far are carried into the step after the checkpoint
+            raise CommitNow(accepted, why or "rank 0 asked for an early checkpoint")
         if flags[:, 0].all():
             if len(accepted) < want:
                 log.info("step %d: %d of %d groups after waiting %.0fs for informative ones (drop_zero_variance)",
@@ -221,5 +237,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
             return accepted
         if flags[:, 1].any():
             return None  # held groups stay pending: re-read by this consumer after a restart
-        if flags[:, 3].any():
-            raise CommitNow(accepted, why or "rank 0 asked for an early checkpoint")
+        if flags[:, 4].any() and flags[:, 5].all() and flags[:, 6].all():
+            log.warning("step %d: Redis is at maxmemory and no group came for %.0fs: training on the %d group(s) at hand (of "
+                        "%d) so that the commit can free them", state.step + 1, STARVED_S, len(accepted), want)
+            return accepted

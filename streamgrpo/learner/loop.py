@@ -153,7 +153,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     if main:
         _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
-    _resume_or_reset(found, learner, queue, audit_path, run_dir, dist)
+    again = _resume_or_reset(found, learner, queue, audit_path, run_dir, dist, resume=cfg.learner.resume)
     if weights_from is not None:
         start_from_weights(weights_from, learner, dist)
     state = learner.state
@@ -164,7 +164,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     M.POLICY_VERSION.labels(role="learner").set(state.version)
     server = _serve_metrics(cfg, run_dir, dist)
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
-    audit = _open_audit(audit_path, state, found)
+    audit = _open_audit(audit_path, state, found, again=again)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
@@ -186,6 +186,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
     watch = MemoryWatch(queue) if main else None
     pressure = (lambda: watch.check(holding=state.step > saved_step)) if watch is not None else None
+    # Redis full and nothing trained to commit: a smaller step, whose commit then frees its groups
+    redis_full = (lambda: watch.full and state.step == saved_step) if watch is not None else None
     finished = False
     try:
         while state.step < cfg.learner.max_steps:
@@ -194,7 +196,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
             try:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
-                                       pressure=pressure)
+                                       pressure=pressure, redis_full=redis_full)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
                             "free them", early, state.step - saved_step, state.step)
@@ -263,19 +265,22 @@ def _startup_warnings(cfg: Config, queue) -> None:
 
 
 def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Path, run_dir: Path,
-                     dist: DistInfo) -> None:
+                     dist: DistInfo, resume: bool = False) -> bool:
     """Resume from the checkpoint ``found``, if any; otherwise (step 0) the logs lose the steps of a learner
     that died before its first checkpoint (no checkpoint holds them: they are trained again), and rank 0
-    forgets the committed step of a previous run in this namespace."""
+    forgets the committed step of a previous run in this namespace. True when this start resumes (a
+    checkpoint, or ``--resume`` after a learner killed before its first checkpoint)."""
     if found:
         resume_from(found, learner, queue, audit_path, run_dir, dist)
-        return
+        return True
+    again = resume and audit_path.is_file() and audit_path.stat().st_size > 0
     rewound = rewind_jsonl(audit_path, 0) + (rewind_jsonl(run_dir / "metrics.jsonl", 0) if dist.is_main else 0)
     if rewound:
         log.info("no checkpoint: dropped %d log line(s) of steps trained by a learner that stopped before its "
                  "first checkpoint (their training is re-done)", rewound)
     if dist.is_main:
         queue.reset_committed_step()  # step 0: a previous run's commits in this namespace are not ours
+    return again
 
 
 def _serve_metrics(cfg: Config, run_dir: Path, dist: DistInfo):
@@ -297,11 +302,12 @@ def _start_publisher(cfg: Config, run_dir: Path):
     return publisher
 
 
-def _open_audit(path: Path, state: LearnerState, found: Path | None) -> JsonlWriter:
-    """This rank's audit log; a resumed run first notes the checkpoint it resumed from."""
+def _open_audit(path: Path, state: LearnerState, found: Path | None, again: bool = False) -> JsonlWriter:
+    """This rank's audit log; a resumed run (``again``) first notes the checkpoint it resumed from (none:
+    step 0, a learner killed before its first checkpoint)."""
     audit = JsonlWriter(path)
-    if found:
-        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found)})
+    if again:
+        audit.write({"event": "resumed", "step": state.step, "version": state.version, "from": str(found or "")})
     return audit
 
 

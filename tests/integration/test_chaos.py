@@ -1,11 +1,12 @@
 """The chaos soak, short: kill -9 of the learner (twice, once while it writes a checkpoint), a generator
-and redis-server during a run, each restarted; then the run goes on under `up --resume`, which is
-killed with -9 and sent SIGHUP, each time restarted; then the audit: every produced group trained
+and redis-server during a run, each restarted; then Redis at maxmemory for 20 s; then the run goes on under
+`up --resume`, which is killed with -9 and sent SIGHUP, each time restarted; then the audit: every produced group trained
 exactly once (or dropped with a reason, or still queued), steps 1..N with version N. The 10-minute
 version: python -m benchmarks.chaos."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from benchmarks import chaos
@@ -26,7 +27,8 @@ def test_kill9_learner_generator_and_redis_loses_nothing_and_trains_nothing_twic
     lines: list[str] = []
     result, kills, _ = chaos.run_chaos(tmp_path / "chaos", duration_s=75.0, learner_kills=2, generators=2, seed=1,
                                        model=str(tiny_model_dir), data=str(Path(demo_data_dir) / "train.jsonl"),
-                                       sets=("learner.save_steps=4",), log=lines.append, up_s=30.0)
+                                       sets=("learner.save_steps=4",), log=lines.append, up_s=30.0,
+                                       maxmemory_s=20.0)
     targets = [k.target for k in kills]
     assert targets.count("learner") == 1 and targets.count("learner-ckpt") == 1, lines
     assert targets.count("redis") == 1 and any(t.startswith("generator") for t in targets), lines
@@ -39,3 +41,6 @@ def test_kill9_learner_generator_and_redis_loses_nothing_and_trains_nothing_twic
     assert result.steps_in_order and result.version == result.steps, lines
     assert result.trained > 0 and result.uncommitted == 0, lines
     assert (result.lost, result.twice) == (0, 0), (result.lost_ids, result.twice_ids, lines)
+    full = next(k for k in kills if k.target == "redis-maxmemory")  # Redis full for 20 s: writes refused, no exit
+    at = re.match(r"steps (\d+) -> (\d+) at maxmemory, (\d+) after the restore; (\d+) writes refused", full.note)
+    assert at and int(at[3]) > int(at[2]) and int(at[4]) > 0 and full.note.endswith("exited: none"), lines

@@ -47,6 +47,7 @@ from streamgrpo.transport.queue.base import (  # noqa: F401 - QueueFull is part 
 )
 from streamgrpo.transport.queue.resp import (
     COMMIT_LUA,
+    DEAD_LUA,
     FAIL_LUA,
     HOLD_LUA,
     RELEASE_LUA,
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learner"
 DEAD_MAXLEN = 10_000
 DEAD_KEEP_BYTES = 1 << 20  # raw payloads up to this size are kept in the dead-letter entry
+FULL_WARN_EVERY_S = 30.0  # one warning per this many seconds while Redis refuses writes at maxmemory
 
 
 def _unknown_url_options(client: redis.Redis) -> set[str]:
@@ -142,7 +144,8 @@ class RedisQueue(GroupQueue):
         self._last_depth: int | None = None  # producer: depth seen by the last put (skips a round trip)
         self._full_since: float | None = None  # producer: start of the current backpressure spell
         self._full_logged = 0.0
-        self._oom_logged = -1e9
+        self._oom_logged = -1e9  # last "Redis at maxmemory" warning (producer and consumer alike)
+        self._added: dict[str, str] = {}  # producer: group id -> stream id added by a batch Redis refused part of
         try:
             tcp = {} if url.startswith("unix:") else {"socket_connect_timeout": 5.0, "socket_keepalive": True}
             self._r = redis.Redis.from_url(
@@ -167,6 +170,7 @@ class RedisQueue(GroupQueue):
         self._release_script = self._r.register_script(RELEASE_LUA)
         self._commit_script = self._r.register_script(COMMIT_LUA)
         self._fail_script = self._r.register_script(FAIL_LUA)
+        self._dead_script = self._r.register_script(DEAD_LUA)
         self._ensure_group()
 
     @classmethod
@@ -230,14 +234,68 @@ class RedisQueue(GroupQueue):
             return out
 
     def _ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless it exists. Looked up first (XINFO reads only):
+        Redis at maxmemory refuses XGROUP CREATE even for a group that exists, which would stop a
+        ``--resume`` against a full Redis; a group really missing there is waited for (:meth:`wait_for_memory`)."""
+
+        def exists() -> bool:
+            try:
+                return any(to_str(g.get("name", b"")) == CONSUMER_GROUP for g in self._r.xinfo_groups(self.stream))
+            except redis.ResponseError as exc:
+                if "no such key" in str(exc).lower():
+                    return False
+                raise
+
         def create() -> None:
             try:
                 self._r.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.exceptions.OutOfMemoryError:
+                raise
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-        self._call("XGROUP CREATE", create)
+        if not self._call("XINFO GROUPS", exists):
+            self.wait_for_memory("group_create", "XGROUP CREATE", create)
+
+    def wait_for_memory(self, op: str, what: str, fn, *args, **kwargs):
+        """:meth:`_call`, waiting while Redis refuses the call at maxmemory (``OutOfMemoryError``): one
+        warning every 30 s, ``redis_full_waits{op}`` counted and ``redis_full`` set meanwhile; the call is
+        retried until memory is freed (the learner's commit frees it) or raised. A stop request ends the
+        wait (:class:`QueueStopped`). The learner's own scripts are never refused (resp.OOM_PASS): this is
+        for what Redis still refuses (creating a missing consumer group) and for other Redis servers."""
+        since, pause = None, 0.1
+        while True:
+            try:
+                out = self._call(what, fn, *args, **kwargs)
+            except redis.exceptions.OutOfMemoryError as exc:
+                now = time.monotonic()
+                if since is None:
+                    since = now
+                    metrics.REDIS_FULL_WAITS.labels(op=op).inc()
+                    metrics.REDIS_FULL.set(1)
+                self._note_full(what, exc, "waiting for memory to be freed (the learner's commit frees it)")
+                if self.stop:
+                    metrics.REDIS_FULL.set(0)
+                    raise QueueStopped(f"stop requested while redis at {self.safe_url} was at maxmemory "
+                                       f"({now - since:.1f}s) during {what}") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            if since is not None:
+                metrics.REDIS_FULL.set(0)
+                log.warning("redis at %s took %s again after %.1fs at maxmemory", self.safe_url, what,
+                            time.monotonic() - since)
+            return out
+
+    def _note_full(self, what: str, exc: Exception, doing: str) -> None:
+        """One warning per FULL_WARN_EVERY_S while Redis refuses writes at maxmemory."""
+        now = time.monotonic()
+        if now - self._oom_logged >= FULL_WARN_EVERY_S:
+            self._oom_logged = now
+            log.warning("redis at %s refuses %s: it is at maxmemory (%s); %s (raise maxmemory, or lower "
+                        "learner.save_steps x groups_per_step or queue.max_pending)", self.safe_url, what,
+                        str(exc).split("\n")[0].split(". script:")[0], doing)
 
     def _with_group(self, what: str, fn, *args):
         """Like _call, but recreate the consumer group once if Redis lost it (restarted without its AOF)."""
@@ -297,7 +355,9 @@ class RedisQueue(GroupQueue):
     def put_many(self, groups: list[ScoredGroup], *, timeout_s: float | None = None) -> list[str]:
         """Append several groups in one round trip (pipelined XADDs); waits for room for all of them.
 
-        Same errors and guarantees as :meth:`put`; nothing is sent if any group fails to encode.
+        Same errors and guarantees as :meth:`put`; nothing is sent if any group fails to encode. Redis at
+        maxmemory may take the first XADDs of a batch and refuse the rest: :class:`QueueFull`, and the
+        caller's next ``put_many`` of the same groups adds only the ones refused (never a second entry).
         """
         messages = []
         for g in groups:
@@ -308,40 +368,61 @@ class RedisQueue(GroupQueue):
                 raise
         if not messages:
             return []
-        need = min(len(messages), self.max_pending)
+        done = {g.group_id: self._added[g.group_id] for g in groups if g.group_id in self._added}
+        self._added = {}  # what a refused batch added: only the groups of this call may use it
+        todo = [(g, parts) for g, parts in zip(groups, messages) if g.group_id not in done]
+        if not todo:
+            return [done[g.group_id] for g in groups]
+        need = min(len(todo), self.max_pending)
         # Depth is re-read only when the estimate (last depth read + our puts since) nears the bound.
         if self._last_depth is None or self._last_depth + need > self.max_pending:
             self._wait_for_room(timeout_s, need)
 
         def add() -> list[bytes]:  # [XLEN, HLEN, XADD...]: the depth other producers left, in the same trip
             chunks = [command(b"XLEN", self.stream.encode()), command(b"HLEN", self.held.encode())]
-            for g, parts in zip(groups, messages):
+            for g, parts in todo:
                 chunks += xadd_command(self.stream.encode(), [(b"g", [g.group_id.encode()]), (b"d", parts)])
-            return self._send_raw(chunks, 2 + len(messages))
+            replies = self._send_raw(chunks, 2 + len(todo))
+            other = next((x for x in replies if isinstance(x, redis.ResponseError)
+                          and not isinstance(x, redis.exceptions.OutOfMemoryError)), None)
+            if other is not None:
+                raise other  # as before: a permission error is told apart from an outage by _call
+            return replies
 
-        try:
-            length, held, *sids = self._call("XADD", add)
-        except redis.exceptions.OutOfMemoryError as exc:  # Redis at maxmemory: backpressure, not a crash
+        length, held, *sids = self._call("XADD", add)
+        refused = next((x for x in (length, held, *sids) if isinstance(x, redis.ResponseError)), None)
+        for (g, _), sid in zip(todo, sids):
+            if not isinstance(sid, redis.ResponseError):
+                done[g.group_id] = to_str(sid)
+        if refused is not None:  # Redis at maxmemory (the only error left): backpressure, not a crash
+            self._added = done  # the next put_many of these groups adds only the rest
             self._last_depth = None
             metrics.ERRORS.labels(kind="queue_oom").inc()
-            now = time.monotonic()
-            if now - self._oom_logged >= 30.0:
-                self._oom_logged = now
-                log.warning("redis at %s refuses writes: it is at maxmemory (%s); waiting for the learner to commit "
-                            "and free what it holds (raise maxmemory, or lower learner.save_steps x groups_per_step)",
-                            self.safe_url, str(exc).split("\n")[0])
+            metrics.REDIS_FULL_WAITS.labels(op="put").inc()
+            metrics.REDIS_FULL.set(1)
+            self._note_full("XADD", refused, "waiting for the learner to commit and free what it holds")
             time.sleep(min(1.0, timeout_s if timeout_s is not None else 1.0))
-            raise QueueFull(f"redis at {self.safe_url} is at maxmemory: group(s) not added yet") from None
-        self._last_depth = max(0, int(length) - int(held)) + len(messages)
-        return [to_str(sid) for sid in sids]
+            left = sum(g.group_id not in done for g in groups)
+            raise QueueFull(f"redis at {self.safe_url} is at maxmemory: {left} group(s) not added yet") from None
+        metrics.REDIS_FULL.set(0)
+        self._last_depth = max(0, int(length) - int(held)) + len(todo)
+        return [done[g.group_id] for g in groups]
 
     def _send_raw(self, chunks: list[Any], n_replies: int) -> list[Any]:
-        """Write pre-packed commands on one pooled connection and read ``n_replies`` replies."""
+        """Write pre-packed commands on one pooled connection and read ``n_replies`` replies; an error
+        reply (a ``redis.ResponseError``, e.g. one XADD refused at maxmemory) takes its place in the list."""
         pool = self._r.connection_pool
         conn = pool.get_connection()
+
+        def reply() -> Any:
+            try:
+                return conn.read_response()
+            except redis.ResponseError as exc:  # read in full: the socket stays in step
+                return exc
+
         try:
             conn.send_packed_command(coalesce(chunks))
-            return [conn.read_response() for _ in range(n_replies)]  # a ResponseError is raised here
+            return [reply() for _ in range(n_replies)]
         except BaseException:
             conn.disconnect()  # replies may be left unread: never reuse this socket
             raise
@@ -470,7 +551,7 @@ class RedisQueue(GroupQueue):
         args: list[Any] = [time.time() - self.dedupe_ttl_s, self.max_failures]
         for sid, group, _ in decoded:
             args += [group.group_id, sid]
-        codes = self._call("hold", self._hold_script, keys=self._keys(), args=args)
+        codes = self.wait_for_memory("hold", "hold", self._hold_script, keys=self._keys(), args=args)
         out, dup = [], []
         for (sid, group, size), code in zip(decoded, codes):
             code = int(code)
@@ -503,14 +584,9 @@ class RedisQueue(GroupQueue):
         }
         if len(data) <= DEAD_KEEP_BYTES:
             letter[b"data"] = data
-
-        def tx() -> None:
-            p = self._r.pipeline(transaction=True)
-            p.xadd(self.dead, letter, maxlen=DEAD_MAXLEN, approximate=True)
-            self._release_script(keys=self._keys(), args=[CONSUMER_GROUP, sid, gid], client=p)
-            p.execute()
-
-        self._call("dead-letter", tx)
+        fields = [x for kv in letter.items() for x in kv]  # one script: released, then lettered (atomic)
+        self.wait_for_memory("dead_letter", "dead-letter", self._dead_script, keys=[*self._keys(), self.dead],
+                    args=[CONSUMER_GROUP, sid, gid, DEAD_MAXLEN, *fields])
         with self._lock:
             self._inflight.pop(sid, None)
 
@@ -548,7 +624,7 @@ class RedisQueue(GroupQueue):
             args: list[Any] = [CONSUMER_GROUP]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
-            acked += int(self._call("XACK", self._release_script, keys=self._keys(), args=args))
+            acked += int(self.wait_for_memory("release", "XACK", self._release_script, keys=self._keys(), args=args))
         return acked
 
     def ack(self, stream_ids: list[str]) -> int:
@@ -581,8 +657,8 @@ class RedisQueue(GroupQueue):
                                -1 if step is None else int(step)]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
-            acked += int(self._call("commit", self._commit_script, keys=[*self._keys(), self.committed_step_key],
-                                    args=args))
+            acked += int(self.wait_for_memory("commit", "commit", self._commit_script,
+                                     keys=[*self._keys(), self.committed_step_key], args=args))
         with self._lock:
             for sid, _ in entries:
                 self._inflight.pop(sid, None)
@@ -594,7 +670,8 @@ class RedisQueue(GroupQueue):
         gids = [g for g in group_ids if g]
         if not gids:
             return []
-        out = self._call("record_failure", self._fail_script, keys=[self.failures], args=[error[:2000], *gids])
+        out = self.wait_for_memory("failure", "record_failure", self._fail_script, keys=[self.failures],
+                          args=[error[:2000], *gids])
         return [int(x) for x in out]
 
     def memory(self) -> tuple[int, int]:

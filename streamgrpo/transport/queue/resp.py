@@ -14,12 +14,21 @@ from urllib.parse import urlsplit
 # The queue's bookkeeping runs as Lua scripts, so every decision about an entry is atomic on the
 # server. Keys: stream, trained (zset gid -> time trained), held (hash gid -> stream id of the entry a
 # learner accepted and has not committed), failures (hash gid -> training failures, gid:err -> last error).
+#
+# Redis at maxmemory refuses a command that may grow memory (HSET, ZADD, XADD, SET...), but inside a
+# script only as long as the script has written nothing yet: once it has, Redis lets it finish (it
+# cannot stop half-way; Redis 6.2 and 7.x alike). So every script below starts with a write Redis never
+# refuses (HDEL of the empty field, which no group id is): the learner's bookkeeping -- holding a
+# group, committing, releasing, dead-lettering, counting a failure -- goes on at maxmemory. Each adds at
+# most a few hundred bytes per group, and the commit it leads to frees the groups' messages: refusing
+# them would leave nothing able to free memory (a deadlock).
+OOM_PASS = "redis.call('HDEL', KEYS[3], '')  -- never refused at maxmemory: lets the script finish (see above)\n"
 
 # HOLD: a consumer claims each decoded entry for training. Per (gid, sid) pair, in order:
 #   1 = already trained (within the horizon), 2 = another live entry holds this group id (a duplicate),
 #   3 = its training failed max_failures times, 0 = held now (or already held by this very entry).
 # A holder whose stream entry is gone (deleted by hand) does not block a new entry.
-HOLD_LUA = """
+HOLD_LUA = OOM_PASS + """
 local horizon, max_fail = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out = {}
 for i = 3, #ARGV, 2 do
@@ -42,7 +51,7 @@ return out
 
 # RELEASE: acknowledge and delete entries that will not be trained (dropped, duplicate, dead-lettered)
 # and forget their hold when they own it. ARGV: consumer group, then (sid, gid) pairs (gid may be '').
-RELEASE_LUA = """
+RELEASE_LUA = OOM_PASS + """
 local acked = 0
 for i = 2, #ARGV, 2 do
   local sid, gid = ARGV[i], ARGV[i + 1]
@@ -61,7 +70,7 @@ return acked
 # ARGV: consumer group, now, horizon, ttl seconds, the checkpoint's step (-1: none), then (sid, gid)
 # pairs. KEYS[5] keeps the highest step committed: a resume from an older checkpoint would lose what
 # the newer one committed, and the learner refuses it.
-COMMIT_LUA = """
+COMMIT_LUA = OOM_PASS + """
 local acked = 0
 if tonumber(ARGV[5]) >= 0 and tonumber(redis.call('GET', KEYS[5]) or '-1') < tonumber(ARGV[5]) then
   redis.call('SET', KEYS[5], ARGV[5])
@@ -83,12 +92,31 @@ return acked
 
 # FAIL: count one failed training attempt per group id (and keep the last error); returns the counts.
 FAIL_LUA = """
+redis.call('HDEL', KEYS[1], '')  -- never refused at maxmemory (see above)
 local out = {}
 for i = 2, #ARGV do
   out[#out + 1] = redis.call('HINCRBY', KEYS[1], ARGV[i], 1)
   redis.call('HSET', KEYS[1], ARGV[i] .. ':err', ARGV[1])
 end
 return out
+"""
+
+# DEAD: release one entry (as RELEASE) and add its dead letter to KEYS[5], capped at about ARGV[4]
+# entries. The release comes first: at maxmemory it frees the entry and lets the XADD through.
+# ARGV: consumer group, sid, gid, maxlen, then the letter's field/value pairs.
+DEAD_LUA = OOM_PASS + """
+local sid, gid = ARGV[2], ARGV[3]
+redis.call('XACK', KEYS[1], ARGV[1], sid)
+redis.call('XDEL', KEYS[1], sid)
+if gid ~= '' and redis.call('HGET', KEYS[3], gid) == sid then
+  redis.call('HDEL', KEYS[3], gid)
+  redis.call('HDEL', KEYS[4], gid, gid .. ':err')
+end
+local letter = {}
+for i = 5, #ARGV do
+  letter[#letter + 1] = ARGV[i]
+end
+return redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', unpack(letter))
 """
 
 

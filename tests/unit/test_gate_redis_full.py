@@ -1,0 +1,65 @@
+"""How a learner rank collects a step when Redis nears or reaches ``maxmemory`` (pure logic of
+:func:`streamgrpo.learner.gate.collect_groups`; the queue and the gate are stand-ins that hand out
+nothing, the real ones are in tests/integration/test_redis_full.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from streamgrpo.config import LossConfig
+from streamgrpo.learner import gate as gate_mod
+from streamgrpo.learner.distributed import DistInfo
+from streamgrpo.learner.gate import CommitNow, collect_groups
+from streamgrpo.learner.state import LearnerState
+
+
+class NoGroups:
+    """A queue with nothing to read (the generators are refused at maxmemory)."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def get(self, n, timeout_s):
+        self.reads += 1
+        return []
+
+
+class StopAfter:
+    """A stop flag that turns true after ``n`` looks (so a test that would wait forever ends)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __bool__(self):
+        self.n -= 1
+        return self.n < 0
+
+
+def _gate():
+    return SimpleNamespace(state=LearnerState(), loss=LossConfig(), admit=lambda d: None)
+
+
+def test_a_full_batch_checkpoints_first_when_redis_nears_maxmemory():
+    carry = ["a", "b", "c", "d"]  # a full step at hand: before, the pressure was read only when short
+    with pytest.raises(CommitNow) as raised:
+        collect_groups(NoGroups(), _gate(), StopAfter(100), DistInfo(), 4, carry, timeout_s=0.0,
+                       pressure=lambda: "Redis uses 85% of its maxmemory")
+    assert raised.value.carry == carry and "85%" in str(raised.value)
+
+
+def test_redis_full_and_nothing_coming_trains_the_groups_at_hand(monkeypatch):
+    monkeypatch.setattr(gate_mod, "STARVED_S", 0.05)
+    queue = NoGroups()
+    got = collect_groups(queue, _gate(), StopAfter(10_000), DistInfo(), 4, ["a", "b"], timeout_s=0.0,
+                         redis_full=lambda: True)
+    assert got == ["a", "b"] and queue.reads >= 1
+
+
+def test_without_a_full_redis_a_short_step_waits(monkeypatch):
+    monkeypatch.setattr(gate_mod, "STARVED_S", 0.0)
+    assert collect_groups(NoGroups(), _gate(), StopAfter(50), DistInfo(), 4, ["a", "b"], timeout_s=0.0,
+                          redis_full=lambda: False) is None  # waited until stopped: never a short step
+    assert collect_groups(NoGroups(), _gate(), StopAfter(50), DistInfo(), 4, [], timeout_s=0.0,
+                          redis_full=lambda: True) is None  # nothing at hand: nothing to train
