@@ -14,6 +14,10 @@ checkpoint holding their training is durable on disk:
 
 At most one write is in flight: a checkpoint due while the previous one is still being written
 waits for it first (and commits it).
+
+:attr:`Checkpointing.holding` says whether this rank holds trained groups Redis has not committed yet:
+steps since the last checkpoint (:attr:`~Checkpointing.saved_step`), *or* a background write whose
+commit has not happened. Under Redis memory pressure :meth:`Checkpointing.commit_now` commits both.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class Checkpointing:
         self._inflight: tuple[BackgroundWrite, list[tuple[str, str]]] | None = None
         self.last_stall_s = 0.0
         """Seconds the last :meth:`save` kept training waiting (the copy, or the whole synchronous write)."""
+        self.saved_step = learner.state.step
+        """The step of the last checkpoint taken (written, or being written in the background)."""
 
     def trained(self, entries: list[tuple[str, str]]) -> None:
         """Entries trained by the step just taken: committed with the next checkpoint."""
@@ -71,7 +77,28 @@ class Checkpointing:
                 state.committing = []
             self.uncommitted.clear()
             self._inflight = (BackgroundWrite(step, lambda: self.learner.write_snapshot(self.root, snap)), entries)
+        self.saved_step = state.step
         self.last_stall_s = time.perf_counter() - t0
+
+    @property
+    def in_flight(self) -> bool:
+        """A background write whose groups are not committed yet."""
+        return self._inflight is not None
+
+    @property
+    def holding(self) -> bool:
+        """Trained groups not committed yet: steps since the last checkpoint, or a write not committed yet
+        (same on every rank: a background write exists only with one rank)."""
+        return self.learner.state.step > self.saved_step or self._inflight is not None
+
+    def commit_now(self) -> None:
+        """Redis near ``maxmemory`` (every rank calls it): commit what this learner holds now. Steps since the
+        last checkpoint: a synchronous checkpoint (which commits a write in flight first); otherwise wait for
+        the write in flight and commit it (a background write's groups are freed only by its commit)."""
+        if self.learner.state.step > self.saved_step:
+            self.save(wait=True)
+        else:
+            self.finish()
 
     def poll(self) -> None:
         """At a step boundary: commit the entries of a background write that has finished (re-raises its error)."""

@@ -175,7 +175,6 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)
     ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
-    saved_step = state.step
     want = cfg.learner.groups_per_step // dist.world_size
     breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
     breaker.on_start()  # the groups of a step the last learner died in
@@ -185,9 +184,11 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
         log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
                  dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
     watch = MemoryWatch(queue) if main else None
-    pressure = (lambda: watch.check(holding=state.step > saved_step)) if watch is not None else None
+    # held = trained since the last checkpoint, or in a background write not committed yet (it frees nothing
+    # until its commit, which a learner waiting for groups in a full Redis would otherwise never reach)
+    pressure = (lambda: watch.check(holding=ckpts.holding)) if watch is not None else None
     # Redis full and nothing trained to commit: a smaller step, whose commit then frees its groups
-    redis_full = (lambda: watch.full and state.step == saved_step) if watch is not None else None
+    redis_full = (lambda: watch.full and not ckpts.holding) if watch is not None else None
     finished = False
     try:
         while state.step < cfg.learner.max_steps:
@@ -198,10 +199,11 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
                                        pressure=pressure, redis_full=redis_full)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
-                log.warning("%s with %d step(s) of groups uncommitted: checkpointing at step %d now to commit and "
-                            "free them", early, state.step - saved_step, state.step)
-                ckpts.save(wait=True)
-                saved_step, carry = state.step, early.carry
+                log.warning("%s with %d step(s) of groups uncommitted%s: checkpointing at step %d now to commit and "
+                            "free them", early, state.step - ckpts.saved_step,
+                            " and a checkpoint write in flight" if ckpts.in_flight else "", state.step)
+                ckpts.commit_now()
+                carry = early.carry
                 continue
             wait_s = time.perf_counter() - t_wait
             carry = []
@@ -238,14 +240,13 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             ckpts.poll()
             if state.step % cfg.learner.save_steps == 0:
                 ckpts.save()
-                saved_step = state.step
         finished = True
     except QueueStopped as exc:  # SIGTERM during a Redis outage: unacked groups stay pending for the next start
         log.warning("%s; stopping", exc)
         finished = dist.world_size == 1  # one rank: the final checkpoint needs no peers
     finally:
         if finished:  # a clean stop: every rank is here, so collectives are safe
-            final_checkpoint(dist, gate, state, saved_step, ckpts)
+            final_checkpoint(dist, gate, state, ckpts.saved_step, ckpts)
         if main:
             write_json(run_dir / "learner_state.json", {k: v for k, v in state.to_json().items()
                                                         if k not in ("recent_group_ids", "committing")})

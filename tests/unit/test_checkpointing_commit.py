@@ -1,0 +1,77 @@
+"""Checkpoint, then commit (:class:`streamgrpo.learner.checkpointing.Checkpointing`) with stand-ins for the
+learner and the queue: what a learner holds uncommitted, and what an early commit under Redis pressure does
+while a background write is in flight (its groups are freed only by its commit)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from streamgrpo.learner.checkpointing import Checkpointing
+from streamgrpo.learner.distributed import DistInfo
+from streamgrpo.learner.state import LearnerState
+
+
+class FakeLearner:
+    saves_async = True
+
+    def __init__(self, release: threading.Event):
+        self.state = LearnerState()
+        self.release = release
+        self.sync_saves: list[int] = []
+        self.written: list[int] = []
+
+    def save(self, root, model_card=None):
+        self.sync_saves.append(self.state.step)
+
+    def snapshot(self, model_card=None):
+        return SimpleNamespace(step=self.state.step)
+
+    def write_snapshot(self, root, snap):
+        self.release.wait(5)
+        self.written.append(snap.step)
+        return root
+
+
+class FakeQueue:
+    def __init__(self):
+        self.commits: list[tuple[list, int]] = []
+
+    def commit(self, entries, step=None):
+        self.commits.append((list(entries), step))
+        return len(entries)
+
+
+def _ckpts(release):
+    learner, queue = FakeLearner(release), FakeQueue()
+    c = Checkpointing(learner, queue, DistInfo(), "/nonexistent", asynchronous=True, model_card=lambda: None)
+    return c, learner, queue
+
+
+def test_a_background_write_is_held_until_its_commit_and_commit_now_commits_it():
+    release = threading.Event()
+    c, learner, queue = _ckpts(release)
+    assert not c.holding
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    assert c.holding
+    c.save()  # asynchronous: the write is in flight, nothing committed
+    assert c.saved_step == 1 and c.in_flight and c.holding and queue.commits == []
+    release.set()
+    c.commit_now()  # no step since the checkpoint: wait for the write and commit it, no second checkpoint
+    assert queue.commits == [([("1-0", "g1")], 1)] and learner.sync_saves == [] and learner.written == [1]
+    assert not c.holding and not c.in_flight
+
+
+def test_commit_now_after_more_steps_checkpoints_synchronously_and_commits_everything():
+    release = threading.Event()
+    c, learner, queue = _ckpts(release)
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    c.save()
+    learner.state.step = 2
+    c.trained([("2-0", "g2")])
+    release.set()
+    c.commit_now()
+    assert queue.commits == [([("1-0", "g1")], 1), ([("2-0", "g2")], 2)] and learner.sync_saves == [2]
+    assert c.saved_step == 2 and not c.holding
