@@ -66,6 +66,7 @@ from streamgrpo.learner.limits import GroupLimits
 from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import (
+    _audits_of_absent_ranks,
     final_checkpoint,
     resume_from,
     start_from_weights,
@@ -275,7 +276,10 @@ def _resume_or_reset(found: Path | None, learner: Learner, queue, audit_path: Pa
         resume_from(found, learner, queue, audit_path, run_dir, dist)
         return True
     again = resume and audit_path.is_file() and audit_path.stat().st_size > 0
-    rewound = rewind_jsonl(audit_path, 0) + (rewind_jsonl(run_dir / "metrics.jsonl", 0) if dist.is_main else 0)
+    rewound = rewind_jsonl(audit_path, 0)
+    if dist.is_main:  # and the logs of ranks this start lacks (killed on more ranks): the audit reads them all
+        for path in [run_dir / "metrics.jsonl", *_audits_of_absent_ranks(audit_path.parent, dist.world_size)]:
+            rewound += rewind_jsonl(path, 0)
     if rewound:
         log.info("no checkpoint: dropped %d log line(s) of steps trained by a learner that stopped before its "
                  "first checkpoint (their training is re-done)", rewound)
