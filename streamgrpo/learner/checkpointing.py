@@ -112,4 +112,8 @@ class Checkpointing:
         write, entries = self._inflight
         self._inflight = None
         write.result()  # fsynced and renamed, or its error
-        self.queue.commit(entries, step=write.step)
+        try:
+            self.queue.commit(entries, step=write.step)
+        except BaseException:  # Redis refused (stop during an outage): the next checkpoint records and commits them
+            self.uncommitted[:0] = entries
+            raise

@@ -23,6 +23,7 @@ class FakeLearner:
 
     def save(self, root, model_card=None):
         self.sync_saves.append(self.state.step)
+        self.recorded = list(self.state.committing)
 
     def snapshot(self, model_card=None):
         return SimpleNamespace(step=self.state.step)
@@ -75,3 +76,34 @@ def test_commit_now_after_more_steps_checkpoints_synchronously_and_commits_every
     c.commit_now()
     assert queue.commits == [([("1-0", "g1")], 1), ([("2-0", "g2")], 2)] and learner.sync_saves == [2]
     assert c.saved_step == 2 and not c.holding
+
+
+def test_a_commit_refused_after_a_background_write_leaves_its_entries_to_the_next_checkpoint():
+    from streamgrpo.transport.queue.base import QueueStopped
+
+    release = threading.Event()
+    release.set()
+    c, learner, queue = _ckpts(release)
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    c.save()
+    real, calls = queue.commit, []
+
+    def refuse_once(entries, step=None):
+        calls.append(step)
+        if len(calls) == 1:
+            raise QueueStopped("stop requested while redis was unavailable")
+        return real(entries, step)
+
+    queue.commit = refuse_once
+    try:
+        c.finish()
+    except QueueStopped:
+        pass
+    else:
+        raise AssertionError("the refused commit should raise")
+    learner.state.step = 2
+    c.trained([("2-0", "g2")])
+    c.save(wait=True)  # the final checkpoint: it records (committing) and commits step 1's entries too
+    assert queue.commits == [([("1-0", "g1"), ("2-0", "g2")], 2)]
+    assert learner.recorded == [("1-0", "g1"), ("2-0", "g2")]  # a resume from step 2 would roll them forward
