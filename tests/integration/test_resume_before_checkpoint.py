@@ -68,6 +68,8 @@ def test_resume_with_no_checkpoint_yet_trims_the_killed_learners_logs(groups, ti
         assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
         result = audit_run(run, q)
         assert (result.lost, result.twice) == (0, 0) and result.steps_in_order and result.steps == 3, result
-        assert result.trained == 12 and result.uncommitted == 0, result
+        # the killed step's groups train one per step first (the crash-loop breaker isolates them): fewer
+        # than 3 x 4 are trained, the rest stay queued; none lost, none twice
+        assert result.trained + result.queued == 12 and result.trained >= 3 and result.uncommitted == 0, result
     finally:
         q.close()
