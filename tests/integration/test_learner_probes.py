@@ -70,8 +70,9 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_groups_train_exactly_on
         assert f"cannot write checkpoint step-{step:06d}" in lines[0] and "nothing was committed" in lines[0]
         assert not list((run / "checkpoints").glob("*.tmp"))
         # uncommitted: trained again next time (an asynchronous write of step 2 fails while steps 3-4 train:
-        # their groups are held too)
-        assert q.committed_step() == before and q.held_count() in ((4, 8) if full_at == "first" else (4,))
+        # theirs are held too, as far as they got)
+        held = q.held_count()
+        assert q.committed_step() == before and (4 <= held <= 8 if full_at == "first" else held == 4), held
 
         out = learner(4)
         assert out.returncode == 0, out.stderr[-3000:]
