@@ -3,7 +3,9 @@
 Exactly-once keeps every trained group's message in Redis until the checkpoint that commits it, and
 producers may queue ``queue.max_pending`` more, so Redis holds up to
 ``((learner.save_steps + 2) x learner.groups_per_step + queue.max_pending) x message bytes`` (the two
-steps: the one being collected and the next one, read ahead while a step trains). A message is
+steps: the one being collected and the next one, read ahead while a step trains; with
+``learner.async_checkpoint`` on the torch backend, ``2 x save_steps``: a checkpoint's groups are held
+until its background write ends). A message is
 dominated by its pixels when visuals travel inline (``data.total_pixels x 3`` bytes at most) and by
 its completions when they travel by reference (``rollout.media``). Size ``maxmemory`` at least 1.25x
 the estimate (Redis' own overhead, fragmentation).
@@ -45,10 +47,18 @@ def message_bytes(cfg: Sections) -> int:
     return completions + prompt + visuals + 2048
 
 
+def uncommitted_steps(cfg: Sections) -> int:
+    """Steps whose groups Redis may hold uncommitted: ``save_steps``, twice that with
+    ``learner.async_checkpoint`` on the torch backend (a checkpoint's groups are committed once its
+    background write ends, while the next window trains; DeepSpeed ranks write synchronously)."""
+    background = cfg.learner.async_checkpoint and cfg.learner.backend == "torch"
+    return cfg.learner.save_steps * (2 if background else 1)
+
+
 def held_groups(cfg: Sections) -> int:
     """Groups Redis may hold at once: the uncommitted window, the step being collected and the next one
     read ahead, and the producers' backlog."""
-    return (cfg.learner.save_steps + 2) * cfg.learner.groups_per_step + cfg.queue.max_pending
+    return (uncommitted_steps(cfg) + 2) * cfg.learner.groups_per_step + cfg.queue.max_pending
 
 
 def held_bytes(cfg: Sections) -> int:
@@ -57,7 +67,8 @@ def held_bytes(cfg: Sections) -> int:
 
 def describe(cfg: Sections) -> str:
     """``~N GiB (G groups of up to M MiB, visuals <media>)``."""
-    return (f"~{held_bytes(cfg) / 2**30:.1f} GiB ({held_groups(cfg)} groups: (save_steps + 2) x groups_per_step "
+    window = "2 x save_steps (async_checkpoint)" if uncommitted_steps(cfg) != cfg.learner.save_steps else "save_steps"
+    return (f"~{held_bytes(cfg) / 2**30:.1f} GiB ({held_groups(cfg)} groups: ({window} + 2) x groups_per_step "
             f"+ max_pending, of up to {message_bytes(cfg) / 2**20:.2f} MiB each, visuals {cfg.rollout.media})")
 
 

@@ -188,6 +188,31 @@ class CommitNow(Exception):
         self.carry = carry
 
 
+def _admit_all(gate: Gate, deliveries, accepted: list[Accepted]):
+    """Admit ``deliveries`` into ``accepted``; the :class:`~.media.MediaUnavailable` that stops this rank, if
+    any (the deliveries after it stay pending: read again after a restart)."""
+    from streamgrpo.learner.media import MediaUnavailable
+
+    for d in deliveries:
+        try:
+            a = gate.admit(d)
+        except MediaUnavailable as exc:
+            return exc
+        if a is not None:
+            accepted.append(a)
+    return None
+
+
+def _stop_together(unusable, ranks) -> None:
+    """Raise this rank's :class:`~.media.MediaUnavailable`, or one naming the ranks that stopped."""
+    from streamgrpo.learner.media import MediaUnavailable
+
+    if unusable is not None:
+        raise unusable
+    which = ", ".join(str(r) for r in ranks.nonzero()[0].tolist())
+    raise MediaUnavailable(f"stopping with learner rank(s) {which}, whose media root is unusable (their log says why)")
+
+
 def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
                    timeout_s: float, pressure=None, redis_full=None) -> list[Accepted] | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
@@ -209,25 +234,24 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     fill_by = time.monotonic() + loss.fill_timeout_s if loss.drop_zero_variance else math.inf
     came = time.monotonic()  # when a group last came to this rank
     while True:
-        deliveries = []
+        deliveries, unusable = [], None
         if len(accepted) < want and not stop:
             t0 = time.perf_counter()
             deliveries = queue.get(want - len(accepted), timeout_s=timeout_s)
             if not deliveries:
                 M.IDLE_SECONDS.labels(role="learner").inc(time.perf_counter() - t0)
-            for d in deliveries:
-                a = gate.admit(d)
-                if a is not None:
-                    accepted.append(a)
+            unusable = _admit_all(gate, deliveries, accepted)
             if deliveries:
                 came = time.monotonic()
         enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
         why = pressure() if pressure is not None else None  # also with a full batch: before Redis refuses
         full = bool(redis_full()) if redis_full is not None else False
         flags = share(dist, [enough, bool(stop), state.version, why is not None, full, bool(accepted),
-                             time.monotonic() - came >= STARVED_S])
+                             time.monotonic() - came >= STARVED_S, unusable is not None])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
+        if flags[:, 7].any():  # a rank's media root is unusable: every rank stops (none waits in a collective)
+            _stop_together(unusable, flags[:, 7])
         if flags[:, 3].any():  # the groups accepted so far are carried into the step after the checkpoint
             raise CommitNow(accepted, why or "rank 0 asked for an early checkpoint")
         if flags[:, 0].all():
