@@ -343,6 +343,7 @@ class Learner:
             groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
+            tb.vision_cache = {}  # a frozen vision trunk once for the reference, the policy and the probes
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():
