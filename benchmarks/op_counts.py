@@ -7,8 +7,9 @@ chunks, the loss, the optimizer). Counted per region:
 
 * ``ops``: aten ops (a proxy for kernel launches on a GPU: each is one or a few kernels);
 * ``attention``: ``scaled_dot_product_attention`` calls (any of its backends' aten ops);
-* ``weight_casts``: ``_to_copy`` of a model parameter to another floating dtype (autocast reading an fp32
-  weight as bf16: one full copy of the weight per forward and per recompute);
+* ``weight_casts``: ``_to_copy`` of a model parameter to a narrower floating dtype (autocast reading an
+  fp32 weight as bf16: one full copy of the weight per forward and per recompute); ``weight_upcasts`` the
+  other way (``model.fp32_lm_head`` reading a bf16 head in float32);
 * ``passes``: how many times a region's first module ran forward (a vision pass = the first vision block).
 
 Backward ops run on autograd's thread with no module hook around them: a backward op is counted in the
@@ -50,7 +51,8 @@ class OpCounter(TorchDispatchMode):
             dtype = kwargs.get("dtype")
             if (dtype is not None and dtype != src.dtype and src.is_floating_point()
                     and src.untyped_storage().data_ptr() in self.param_ptrs):
-                c["weight_casts"] += 1
+                down = torch.finfo(dtype).bits < torch.finfo(src.dtype).bits
+                c["weight_casts" if down else "weight_upcasts"] += 1
         return func(*args, **kwargs)
 
     def total(self, what: str) -> int:
@@ -58,7 +60,7 @@ class OpCounter(TorchDispatchMode):
 
     def summary(self) -> dict[str, Any]:
         out = {r: dict(c) for r, c in self.counts.items()}
-        out["total"] = {k: self.total(k) for k in ("ops", "attention", "weight_casts")}
+        out["total"] = {k: self.total(k) for k in ("ops", "attention", "weight_casts", "weight_upcasts")}
         return out
 
 
