@@ -247,6 +247,7 @@ class Learner:
         self._mixed_temperatures_logged = False
         self.micro_tokens = lc.micro_batch_tokens  # halved after an out-of-memory step (every rank alike)
         self.cut_groups = False  # after running out of memory: a group over the budget is cut into runs of rows
+        self.share_vision_trunk = True  # models/vision_trunk.py (same values either way; benchmarks turn it off)
         self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
     # -------------------------------------------------------------------------------- helpers
@@ -356,7 +357,8 @@ class Learner:
             groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
-            tb.vision_cache = {}  # a frozen vision trunk once for the reference, the policy and the probes
+            # a frozen vision trunk once for the reference, the policy and the probes
+            tb.vision_cache = {} if self.share_vision_trunk else None
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():

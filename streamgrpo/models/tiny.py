@@ -243,14 +243,15 @@ def write_config(out_dir: str | Path, arch: str = "qwen2_5_vl", size: str = "tin
 
 
 def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, size: str = "tiny",
-               layers: int | None = None) -> Path:
+               layers: int | None = None, small_vocab: bool = False) -> Path:
     """Write a random ``arch`` model, its tokenizer and processor to ``out_dir``; return the path.
 
     ``size="tiny"`` (~0.6M parameters, float32, deterministic per seed) for tests and the demo;
     ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes, ``"8b"``: Qwen3-VL's, in bfloat16, initialised on
     CUDA when there is one (GPU measurements at real size). ``layers``: that many decoder layers and
     vision blocks instead of the size's own (the real shapes of each layer, few of them: what a CPU
-    can run at a real size)."""
+    can run at a real size). ``small_vocab``: the tokenizer's own vocabulary (padded) instead of the size's
+    (small embeddings and LM head: the CPU proxy of benchmarks/bench_learner.py --proxy)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -262,6 +263,8 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
     config = _model_config(arch, tokenizer, size)
+    if small_vocab:
+        config.text_config.vocab_size = ((len(tokenizer) + 63) // 64) * 64
     if layers is not None:
         config.text_config.num_hidden_layers = layers
         if getattr(config.text_config, "layer_types", None):
