@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_learner.json)")
     ap.add_argument("--proxy", action="store_true", help="the 3B-shape compute-path counts (see above)")
     ap.add_argument("--proxy-variant", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--variants", default="before,vision_once,master")
+    ap.add_argument("--variants", default="before_fp32,vision_once_fp32,before,vision_once,master")
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "streamgrpo-qwen25vl-3b-l2"))
     a = ap.parse_args()
     if a.proxy_variant:
@@ -177,11 +177,16 @@ def proxy_main(a) -> None:
     from benchmarks.learner_proxy import run_all
 
     machine = learner_machine_info("cpu")
+    from benchmarks.learner_proxy import baseline_of
+
     rows = run_all(a)
-    base = rows[0]
+    by_name = {r["variant"]: r for r in rows}
     figures = []
-    for r in rows[1:]:
+    for r in rows:
         v = r["variant"]
+        base = by_name.get(baseline_of(v))
+        if base is None or base is r:
+            continue
         for key, unit in (("total_ops", "ops"), ("ops_per_decoder_layer", "ops"), ("ops_per_vision_block", "ops"),
                           ("vision_attention_per_block", "calls"), ("weight_casts", "casts"),
                           ("peak_rss_step_mib", "MiB")):

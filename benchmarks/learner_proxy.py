@@ -4,14 +4,14 @@
 Qwen2.5-VL-3B's layer shapes (decoder hidden 2048 / MLP 11008, vision 1280 / 3420, 16 heads, 112-pixel
 windows, the merger into 2048), two decoder layers and two vision blocks, and the tokenizer's own small
 vocabulary (the embeddings and LM head are not what is counted here). Each variant runs the real
-:class:`~streamgrpo.learner.trainer.Learner` (torch backend, ``learner.bf16`` autocast, activation
+:class:`~streamgrpo.learner.trainer.Learner` (torch backend, activation
 checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one step on one group of
 ``--G`` completions x ``--completion-len`` tokens over a ``--frames`` x ``--size``² video, under
 :class:`benchmarks.op_counts.OpCounter`:
 
 * ``before``: the learner as it was (float32 parameters under autocast; the vision tower run by the
-  reference and by the policy);
-* ``vision_once``: the frozen trunk once per micro-batch (:mod:`streamgrpo.models.vision_trunk`);
+  reference and by the policy); ``before_fp32`` the same without bf16 (a CPU runs bf16 ~10x slower);
+* ``vision_once`` (``vision_once_fp32``): the frozen trunk once per micro-batch (:mod:`streamgrpo.models.vision_trunk`);
 * ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer).
 
 Per variant: aten ops per step (and per layer of each region, forward and recompute), vision attention
@@ -29,11 +29,19 @@ import threading
 import time
 from pathlib import Path
 
-VARIANTS = {
-    "before": dict(share_vision=False, sets=[]),
-    "vision_once": dict(share_vision=True, sets=[]),
-    "master": dict(share_vision=True, sets=["learner.master_weights=true"]),
+BF16 = ["model.dtype=bfloat16", "learner.bf16=true"]
+FP32 = ["model.dtype=float32", "learner.bf16=false"]
+VARIANTS = {  # the first of each precision is the baseline of the others
+    "before_fp32": dict(share_vision=False, sets=FP32),
+    "vision_once_fp32": dict(share_vision=True, sets=FP32),
+    "before": dict(share_vision=False, sets=BF16),
+    "vision_once": dict(share_vision=True, sets=BF16),
+    "master": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"]),
 }
+
+
+def baseline_of(name: str) -> str:
+    return "before_fp32" if name.endswith("_fp32") else "before"
 
 
 def _rss() -> int:
@@ -71,8 +79,7 @@ def run_variant(name: str, a) -> dict:
     from streamgrpo.learner.trainer import Learner
 
     v = VARIANTS[name]
-    sets = [f"model.name_or_path={a.model_dir}", "model.dtype=bfloat16", "learner.device=cpu", "learner.bf16=true",
-            "learner.gradient_checkpointing=true", "loss.beta=0.04", "learner.groups_per_step=1",
+    sets = [f"model.name_or_path={a.model_dir}", "learner.device=cpu", "learner.gradient_checkpointing=true", "loss.beta=0.04", "learner.groups_per_step=1",
             f"rollout.num_generations={a.G}", f"rollout.max_completion_length={a.completion_len}",
             "model.tune_mm_vision=false", *v["sets"]]
     torch.manual_seed(0)
