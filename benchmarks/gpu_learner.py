@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="3b", choices=["tiny", "3b", "7b"])
     p.add_argument("--model-dir", default=None, help="built once if missing (default: /tmp/streamgrpo-qwen25vl-<size>)")
     p.add_argument("--backends", default="torch,deepspeed", help=f"of {', '.join(BACKENDS)}")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="full,full_vision,lora,full_shared",
+                   help=f"of {', '.join(MODES)} (the *_master modes: torch backend, bf16 only)")
     p.add_argument("--groups", type=int, default=1, help="groups per step")
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=256)
