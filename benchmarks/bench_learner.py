@@ -14,15 +14,22 @@ backward of a policy-gradient-shaped loss, all parameters trainable (the vision 
 Prints ``name: value (baseline: value, ratio: x)`` lines and writes
 ``benchmarks/results/bench_learner.json`` with machine info. Medians over ``--repeats``.
 
+``--proxy``: the learner's compute path at the 3B layer shapes (two decoder layers, two vision blocks):
+aten ops, vision attention calls, weight casts and peak memory of one step, before vs after each lever of
+issue 52 (:mod:`benchmarks.learner_proxy`), into ``benchmarks/results/bench_learner_proxy.json``.
+
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner [--size 224] [--repeats 5] [--device cpu]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner --proxy [--model-dir /tmp/qwen25vl-3b-l2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import emit, figure, machine_info, write_result
 
@@ -135,7 +142,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_learner.json)")
+    ap.add_argument("--proxy", action="store_true", help="the 3B-shape compute-path counts (see above)")
+    ap.add_argument("--proxy-variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default="before_fp32,vision_once_fp32,before,vision_once,master")
+    ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "streamgrpo-qwen25vl-3b-l2"))
     a = ap.parse_args()
+    if a.proxy_variant:
+        from benchmarks.learner_proxy import run_variant
+
+        print(json.dumps(run_variant(a.proxy_variant, a)), flush=True)
+        return
+    if a.proxy:
+        return proxy_main(a)
     import torch
 
     torch.manual_seed(0)
@@ -153,6 +171,29 @@ def main() -> None:
         print(f"#   {arch}: G={r['rows']} seq_len={r['seq_len']} video_tokens={r['video_tokens']} "
               f"patches/group={r['vision_patches_per_group']} max|shared-naive|={r['max_abs_logprob_diff_shared_vs_naive']:.2e}")
     write_result("bench_learner", figures, machine, vars(a), results, a.out)
+
+
+def proxy_main(a) -> None:
+    from benchmarks.learner_proxy import run_all
+
+    machine = learner_machine_info("cpu")
+    from benchmarks.learner_proxy import baseline_of
+
+    rows = run_all(a)
+    by_name = {r["variant"]: r for r in rows}
+    figures = []
+    for r in rows:
+        v = r["variant"]
+        base = by_name.get(baseline_of(v))
+        if base is None or base is r:
+            continue
+        for key, unit in (("total_ops", "ops"), ("ops_per_decoder_layer", "ops"), ("ops_per_vision_block", "ops"),
+                          ("vision_attention_per_block", "calls"), ("weight_casts", "casts"),
+                          ("peak_rss_step_mib", "MiB")):
+            ratio = r[key] / base[key] if base[key] else None
+            figures.append(emit(figure(f"proxy_{v}_{key}", r[key], base[key], ratio, unit=unit,
+                                       note=f"baseline: {base['variant']}; ratio = value / baseline")))
+    write_result("bench_learner_proxy", figures, machine, vars(a), {"rows": rows}, a.out)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,14 @@ MODES = {
     "full_vision": ["model.tune_mm_vision=true"],
     "lora": ["model.tune_mm_vision=false"],  # the LoRA r is added from --lora-r
     "full_shared": ["model.tune_mm_vision=false", "learner.shared_prompt=true"],
+    # issue 52's levers, one at a time from the learner as it was (full_unshared: the frozen vision tower run by
+    # the reference and the policy alike; full: once per micro-batch; full_master: and bf16 parameters with
+    # float32 master weights in the optimizer)
+    "full_unshared": ["model.tune_mm_vision=false"],
+    "full_master": ["model.tune_mm_vision=false", "learner.master_weights=true"],
+    "full_shared_master": ["model.tune_mm_vision=false", "learner.shared_prompt=true", "learner.master_weights=true"],
 }
+LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
 BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the built-in ZeRO-2)
     "torch": ("torch", None),
     "deepspeed": ("deepspeed", None),
@@ -137,6 +144,8 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     learner = None
     try:
         learner = Learner(build_config({}, combo_sets(a, backend, mode, cuda)))
+        for key, value in LEARNER_ATTRS.get(mode, {}).items():
+            setattr(learner, key, value)
         batch = synthetic_groups(learner.processor, a.groups, frames=a.frames, size=a.frame_size, G=a.G,
                                  completion_len=a.completion_len)
         times, out = [], None
@@ -215,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="3b", choices=["tiny", "3b", "7b"])
     p.add_argument("--model-dir", default=None, help="built once if missing (default: /tmp/streamgrpo-qwen25vl-<size>)")
     p.add_argument("--backends", default="torch,deepspeed", help=f"of {', '.join(BACKENDS)}")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="full,full_vision,lora,full_shared",
+                   help=f"of {', '.join(MODES)} (the *_master modes: torch backend, bf16 only)")
     p.add_argument("--groups", type=int, default=1, help="groups per step")
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=256)

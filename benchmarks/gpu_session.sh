@@ -7,7 +7,13 @@
 #
 # Stages:
 #   smoke      the tiny model, torch backend, rows and shared prompt (checks the script itself)
-#   learner3b  Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
+#   learner3b  Qwen2.5-VL-3B sizes, beta 0.04, torch backend: MFU per lever of issue 52 (< 6 min), one at a time
+#              from the learner as it was: full_unshared (the frozen vision tower run by the reference and the
+#              policy), full (once per micro-batch), full_master (and bf16 parameters + fp32 master weights),
+#              full_shared_master (and each prompt once); a profiled step each (aten ops, kernels) under
+#              $OUT/profile_3b_levers. On a CPU, the script's own check (the tiny model, bf16 asked for):
+#              SIZE=tiny LEVER_ARGS="--set learner.bf16=true" bash benchmarks/gpu_session.sh learner3b
+#   matrix3b   Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
 #              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b; then
 #              full_shared without gradient checkpointing (an oom row is an answer too)
@@ -37,6 +43,10 @@ case "$stage" in
   smoke) learner smoke --size tiny --steps 1 --warmup 0 --backends torch --modes full,full_shared \
            --profile "$OUT/profile_smoke" ;;
   learner3b)
+    learner 3b_levers --size "${SIZE:-3b}" --beta 0.04 --steps 3 --warmup 1 --backends torch \
+      --modes "${MODES:-full_unshared,full,full_master,full_shared_master}" --profile "$OUT/profile_3b_levers" \
+      ${LEVER_ARGS:-} ;;
+  matrix3b)
     learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \
       --profile "$OUT/profile_3b"
     # with each prompt once the activations are ~4.5x smaller: does the step fit without recomputation?
@@ -80,5 +90,5 @@ case "$stage" in
 'kl_behaviour', 'is_masked_frac', 'ess', 'ratio_min', 'ratio_max')})) for r in map(json.loads, open(sys.argv[1]))]" \
         "$work/up_$backend/metrics.jsonl" | tee "$OUT/agreement_up_$backend.jsonl"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|recompute3b|learner7b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|matrix3b|recompute3b|learner7b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
 esac

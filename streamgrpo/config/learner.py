@@ -76,6 +76,8 @@ class LearnerConfig(Section):
     """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
     bf16: bool = False
     """bfloat16 training: autocast for the torch backend (float32 master weights for what trains, bf16 storage for what does not: a LoRA base, a frozen tower), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
+    master_weights: bool = False
+    """With bf16 and the torch backend (full-weight training, not LoRA): the model's parameters in bfloat16 and float32 master copies in the optimizer (gradients summed in float32, AdamW on the masters, the result copied back rounded), as DeepSpeed's bf16 mode and Megatron do, instead of float32 parameters cast to bf16 by autocast in every forward and recompute. Faster on a GPU; the model then computes as a bf16 generator does (bf16 residual stream). See docs/performance.md."""
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
     async_checkpoint: bool = True

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from streamgrpo.config import Config
+from streamgrpo.learner.master_weights import MasterAdamW
 
 __all__ = ["fused_adamw", "lr_lambda", "make_optimizer", "param_groups"]
 
@@ -56,16 +57,19 @@ def fused_adamw(device_type: str, offload: bool) -> bool | None:
     return True if offload or device_type == "cuda" else None
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config, *, fused: bool | None = None):
+def make_optimizer(model: torch.nn.Module, cfg: Config, *, fused: bool | None = None, master_weights: bool = False):
     """AdamW over the trainable parameters (per-module learning rates, see :func:`param_groups`) and
     the LambdaLR schedule of ``learner.*`` (it scales every group's peak rate alike).
 
-    ``fused``: torch's fused kernel (:func:`fused_adamw` says when the learner asks for it)."""
+    ``fused``: torch's fused kernel (:func:`fused_adamw` says when the learner asks for it).
+    ``master_weights``: over float32 master copies of the (bf16) parameters
+    (:class:`~streamgrpo.learner.master_weights.MasterAdamW`, ``learner.master_weights``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("no trainable parameters: check model.tune_mm_llm / tune_mm_mlp / tune_mm_vision")
     lc = cfg.learner
-    opt = torch.optim.AdamW(param_groups(named, lc), lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
-                            eps=lc.adam_eps, weight_decay=lc.weight_decay, fused=fused)
+    cls = MasterAdamW if master_weights else torch.optim.AdamW
+    opt = cls(param_groups(named, lc), lr=lc.learning_rate, betas=(lc.adam_beta1, lc.adam_beta2),
+              eps=lc.adam_eps, weight_decay=lc.weight_decay, fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lc))
     return opt, sched

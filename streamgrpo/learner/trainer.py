@@ -24,7 +24,12 @@ turns into a non-finite global gradient norm, and DeepSpeed skips the step on ev
 Precision. The weights that train are kept in float32. ``learner.bf16`` means bfloat16 autocast for
 the torch backend (CUDA, or CPU when asked), with the weights that do not train (the LoRA base, a
 frozen vision tower) stored in bfloat16, and DeepSpeed's bf16 mode (bf16 weights, fp32 master copy
-in the optimizer) for the deepspeed backend.
+in the optimizer) for the deepspeed backend. ``learner.master_weights`` gives the torch backend the
+latter too (:mod:`streamgrpo.learner.master_weights`): no weight is cast in a forward.
+
+Vision. Each micro-batch's :class:`~streamgrpo.models.batching.TrainBatch` carries a ``vision_cache``:
+a frozen vision trunk runs once for the reference, the policy and the update guard's probes
+(:mod:`streamgrpo.models.vision_trunk`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from streamgrpo.learner.deepspeed_setup import (
 )
 from streamgrpo.learner.distributed import DistInfo, barrier, share
 from streamgrpo.learner.flops import LearnerWork
+from streamgrpo.learner.master_weights import MasterAdamW, trained_tensors
 from streamgrpo.learner.memory import preflight
 from streamgrpo.learner.micro_batches import (
     cut_to,
@@ -177,6 +183,11 @@ class Learner:
         if lc.checkpoint_offload and torch.device(device).type != "cuda":
             raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
                               f"learner runs on {torch.device(device).type}: set it to false")
+        self.master_weights = lc.master_weights
+        if lc.master_weights and (not lc.bf16 or self.deepspeed or cfg.model.lora is not None):
+            raise ConfigError("learner.master_weights (bf16 parameters, float32 master weights in the optimizer) is for "
+                              "full-weight training with learner.bf16: true and learner.backend: torch (DeepSpeed's "
+                              "bf16 mode does this already; LoRA's base is bf16 already): set it to false")
         if lc.max_update_kl is not None and self.deepspeed:
             raise ValueError("learner.max_update_kl needs learner.backend: torch (DeepSpeed owns the weights)")
         if cfg.learner.groups_per_step % self.dist.world_size:
@@ -197,7 +208,8 @@ class Learner:
             model = apply_lora(base, lora, seed=cfg.seed)
             model.train()
         else:
-            model = load_model(cfg.model, device, dtype="float32", trainable=True, custom_mask=packed)
+            model = load_model(cfg.model, device, dtype="bfloat16" if lc.master_weights else "float32", trainable=True,
+                               custom_mask=packed)
             if frozen_bf16:
                 store_frozen_in(model, torch.bfloat16)
             if lc.gradient_checkpointing:
@@ -209,7 +221,10 @@ class Learner:
             log.info("trainable parameters: %d of %d (%.2f%%, LoRA adapters)", self.trainable, self.total,
                      100.0 * self.trainable / max(self.total, 1))
         # reference: the base itself with adapters off (LoRA), else a frozen copy
-        self.ref = load_model(cfg.model, device, custom_mask=packed) if cfg.loss.beta > 0 and lora is None else None
+        # (learner.master_weights: in bf16 like the policy, so that both compute alike and nothing is cast)
+        ref_dtype = "bfloat16" if lc.master_weights else None
+        self.ref = (load_model(cfg.model, device, dtype=ref_dtype, custom_mask=packed)
+                    if cfg.loss.beta > 0 and lora is None else None)
         self.module = model  # the peft or transformers module: names, saving, publishing
         capabilities(unwrap_model(model), role="learner")  # one line if this release lacks what log-probs use
         # what computes the policy's log-probs (DeepSpeed wraps it)
@@ -218,7 +233,7 @@ class Learner:
         self.engine = None
         ds = deepspeed_config(cfg) if self.deepspeed else None
         fused = fused_adamw(torch.device(device).type, offload=ds is not None and offloads_optimizer(ds))
-        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=fused)
+        self.optimizer, self.scheduler = make_optimizer(model, cfg, fused=fused, master_weights=lc.master_weights)
         self.resumed_from: Path | None = None
         if self.deepspeed:
             deepspeed = import_deepspeed()
@@ -236,6 +251,7 @@ class Learner:
         self._mixed_temperatures_logged = False
         self.micro_tokens = lc.micro_batch_tokens  # halved after an out-of-memory step (every rank alike)
         self.cut_groups = False  # after running out of memory: a group over the budget is cut into runs of rows
+        self.share_vision_trunk = True  # models/vision_trunk.py (same values either way; benchmarks turn it off)
         self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
     # -------------------------------------------------------------------------------- helpers
@@ -345,6 +361,8 @@ class Learner:
             groups = [GroupInputs.from_processor(a.inputs, [torch.from_numpy(np.array(c.token_ids, dtype=np.int64))
                                                             for c in a.group.completions]) for a in part]
             tb = build_batch(groups, pad_id).to(self.device)
+            # a frozen vision trunk once for the reference, the policy and the probes
+            tb.vision_cache = {} if self.share_vision_trunk else None
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():
@@ -381,11 +399,10 @@ class Learner:
             if guard:
                 probes.append((tb, logprobs.detach(), temperature))
         if dry_run:  # the loss can be finite while its gradient is not (inf x 0 in a masked ratio)
-            finite = finite and all(p.grad is None or bool(torch.isfinite(p.grad).all())
-                                    for p in self.module.parameters() if p.requires_grad)
+            finite = finite and all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self._trained())
             self._zero_grad()
             return Probe(finite=finite)
-        params = [p for p in self.module.parameters() if p.requires_grad] if guard else []
+        params = self._trained() if guard else []
         before = [p.detach().clone() for p in params]
         with out_of_memory(self, max(micro, key=lambda p: sum(group_tokens(a, shared) for a in p)), shared):
             grad_norm, applied = self._optimizer_step()
@@ -413,8 +430,12 @@ class Learner:
             agreed = share(self.dist, [total, tokens]).sum(axis=0)  # every rank takes the same decision
             return float(agreed[0] / max(agreed[1], 1.0))
 
-        check = backtrack(measure, lambda f: shrink_towards(params, before, f), lc.max_update_kl,
-                          lc.max_update_halvings)
+        def shrink(f: float) -> None:
+            shrink_towards(params, before, f)
+            if isinstance(self.optimizer, MasterAdamW):  # the masters moved: the model follows
+                self.optimizer.push()
+
+        check = backtrack(measure, shrink, lc.max_update_kl, lc.max_update_halvings)
         M.UPDATE_KL.set(check.kl)
         if check.scale < 1.0:  # halved, or undone (also with max_update_halvings 0)
             M.UPDATES_SHRUNK.labels(outcome="undone" if check.undone else "halved").inc()
@@ -423,6 +444,11 @@ class Learner:
                             "%.3g): %s", self.state.step + 1, check.kl_first, lc.max_update_kl,
                             "undone" if check.undone else f"applied x{check.scale:g} (KL {check.kl:.3g})")
         return check
+
+    def _trained(self) -> list[torch.Tensor]:
+        """What an optimizer step changes (``learner.master_weights``: the float32 masters, whose gradients
+        the backward fills), for clipping, the gradient checks and ``learner.max_update_kl``."""
+        return trained_tensors(self.optimizer, (p for p in self.module.parameters() if p.requires_grad))
 
     def discard_gradients(self) -> None:
         """Forget any gradients of a failed or probing step (nothing is applied)."""
@@ -449,8 +475,7 @@ class Learner:
             norm = float(norm) if norm is not None else float("nan")
             applied = bool(self.engine.was_step_applied())
             return norm, applied and math.isfinite(norm)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.max_grad_norm))
+        norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.cfg.learner.max_grad_norm))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return norm, False

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -269,6 +269,9 @@ class TrainBatch:
     row_group: Tensor
     groups: list[GroupInputs]
     validated: bool = False
+    vision_cache: dict | None = field(default=None, repr=False, compare=False)
+    """A dict to keep a frozen vision trunk's outputs in for every forward of this batch
+    (:mod:`streamgrpo.models.vision_trunk`); None: none kept. The learner gives each micro-batch one."""
 
     padding_side = "right"
 
@@ -287,8 +290,10 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """A copy on ``device`` (visual tensors of the groups included)."""
-        moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self) if f.name != "groups"}
-        return replace(self, groups=[g.to(device) for g in self.groups], **moved)
+        moved = {f.name: _move(getattr(self, f.name), device) for f in fields(self)
+                 if f.name not in ("groups", "vision_cache")}
+        cache = None if self.vision_cache is None else {}  # what was kept is on the old device
+        return replace(self, groups=[g.to(device) for g in self.groups], vision_cache=cache, **moved)
 
 
 def build_batch(groups: Sequence[GroupInputs], pad_token_id: int, model: Any = None) -> TrainBatch:

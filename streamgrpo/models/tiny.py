@@ -250,8 +250,9 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
     ``"3b"``/``"7b"``: Qwen2.5-VL's real layer sizes, ``"8b"``: Qwen3-VL's, in bfloat16, initialised on
     CUDA when there is one (GPU measurements at real size). ``layers``: that many decoder layers and
     vision blocks instead of the size's own (the real shapes of each layer, few of them: what a CPU
-    can run at a real size). ``vocab``: that many embedding rows instead of the size's own (at least the
-    tokenizer's; a smaller model in host memory at the same layer shapes)."""
+    can run at a real size). ``vocab``: that many embedding rows instead of the size's own, at least the
+    tokenizer's padded to 64 (``0``: just that: small embeddings and LM head at the same layer shapes, the
+    CPU proxy of benchmarks/bench_learner.py --proxy; a smaller model in host memory)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -272,7 +273,7 @@ def build_tiny(out_dir: str | Path, arch: str = "qwen2_5_vl", seed: int = 0, siz
             config.vision_config.deepstack_visual_indexes = [i for i in config.vision_config.deepstack_visual_indexes
                                                              if i < layers]
     if vocab is not None:
-        config.text_config.vocab_size = max(int(vocab), len(tokenizer))
+        config.text_config.vocab_size = max(int(vocab), ((len(tokenizer) + 63) // 64) * 64)
     state = torch.random.get_rng_state()
     device = "cuda" if size != "tiny" and torch.cuda.is_available() else "cpu"
     try:

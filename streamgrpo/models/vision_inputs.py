@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from streamgrpo.models.batching import TrainBatch
 from streamgrpo.models.capabilities import ENCODER_OUTPUTS, PER_ROW, Capabilities, takes
+from streamgrpo.models.vision_trunk import encoder_output
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 _VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -43,7 +44,8 @@ def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] |
     Returns ``{"image"|"video": encoder output}``, each output's ``pooler_output`` (and Qwen3-VL's
     ``deepstack_features``, per layer) a tuple with one entry per image/video in the order they occur
     in the flattened forward batch (sequence after sequence). ``seq_groups``: the group of each
-    sequence; default one sequence per row. Releases that return each deepstack layer as one tensor
+    sequence; default one sequence per row. With ``batch.vision_cache`` a frozen trunk runs once per batch
+    (:mod:`.vision_trunk`). Releases that return each deepstack layer as one tensor
     over all items (5.17) are split into items here, so the layout does not depend on the release.
     """
     encoded: dict[str, Any] = {}
@@ -54,8 +56,7 @@ def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] |
             continue
         pixels = torch.cat([getattr(batch.groups[gi], pix_key) for gi in members])
         grids = torch.cat([getattr(batch.groups[gi], grid_key) for gi in members])
-        fn = inner.get_image_features if kind == "image" else inner.get_video_features
-        out = fn(pixels, grids, return_dict=True)
+        out = encoder_output(inner, kind, pixels, grids, batch.vision_cache)
         if not isinstance(getattr(out, "pooler_output", None), (tuple, list)):
             raise TypeError(f"{type(inner).__name__}.get_{kind}_features returned no per-{kind} pooler_output tuple")
         # the items (images or videos) of each group, as index ranges into the encoder's tuples
