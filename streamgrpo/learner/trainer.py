@@ -752,9 +752,14 @@ class Learner:
 
     def _trainable_names(self) -> list[str]:
         """The trained parameters' names in the optimizer's order (its state is keyed by that index)."""
+        if self.engine is not None:
+            return []
         order = {id(p): n for n, p in self.module.named_parameters()}
-        groups = self.optimizer.param_groups if self.engine is None else []
-        return [order[id(p)] for g in groups for p in g["params"]]
+        # learner.master_weights: the optimizer steps float32 masters of these model parameters, in this order
+        params = getattr(self.optimizer, "model_params", None)
+        if params is None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [order[id(p)] for p in params]
 
     def _load_resharded(self, ckpt: Path, meta: dict[str, Any]) -> None:
         """Weights, then the optimizer state consolidated per parameter (any backend, ZeRO-1/2, any number of

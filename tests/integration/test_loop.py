@@ -278,7 +278,10 @@ def test_kill_learner_and_resume_trains_every_group_exactly_once(demo_assets, tm
         held = q.held_count()
     finally:
         q.close()
-    assert committed == set(trained_ids) and held == 0  # every trained group committed by the final checkpoint
+    assert committed == set(trained_ids)  # every trained group committed by the final checkpoint
+    # read and not trained: after the kill the crash-loop breaker trains the killed step's groups one per
+    # step and carries the others; what max_steps did not reach stays held for the next start
+    assert held <= 2 * 4, held
     missing = produced - (set(trained_ids) | dropped | in_queue)
     assert not missing, f"{len(missing)} produced groups are neither trained, dropped nor queued"
     redis.stop()

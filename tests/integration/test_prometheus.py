@@ -315,7 +315,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     assert {name for name, _ in rules} == {
         "StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
         "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights", "StreamgrpoMediaDeadLetters",
-        "StreamgrpoGeneratorLearnerMismatch",
+        "StreamgrpoGeneratorLearnerMismatch", "StreamgrpoHugeGroupDeadLetters", "StreamgrpoRedisFull",
     }
     for name, expr in rules:
         r = query(prom_port, expr)
@@ -336,7 +336,8 @@ def test_every_alert_rule_evaluates_without_error(live_run):
     firing = {a["labels"]["alertname"] for a in api(prom_port, "/api/v1/alerts")["data"]["alerts"]
               if a["state"] == "firing"}
     assert not firing & {"StreamgrpoLearnerDown", "StreamgrpoRewardNaN", "StreamgrpoGeneratorWithoutWeights",
-                         "StreamgrpoMediaDeadLetters", "StreamgrpoGeneratorLearnerMismatch"}, firing
+                         "StreamgrpoMediaDeadLetters", "StreamgrpoGeneratorLearnerMismatch",
+                         "StreamgrpoHugeGroupDeadLetters", "StreamgrpoRedisFull"}, firing
 
 
 def test_learner_totals_over_both_ranks_equal_the_audit_logs(live_run):
