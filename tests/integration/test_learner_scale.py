@@ -200,12 +200,8 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
                                                                                redis_ns, tmp_path):
     """kill -9 of both DeepSpeed ranks (and torchrun) after a checkpoint: each rank re-reads and re-trains
     its own groups trained after it; the audit over both ranks' logs finds nothing lost, nothing twice."""
-    import os
-    import signal
-    import time
 
-    from streamgrpo.audit import audit_run, read_jsonl
-    from streamgrpo.runtime import free_port
+    from streamgrpo.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     total = 4
@@ -215,26 +211,7 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
     batch = groups[:total * 4]
     _put(redis_server.url, redis_ns, batch[:12])  # step 4 waits for groups: the kill lands before it
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 480
-        while not [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == 3]:
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.2)
-        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
-        for pid in ranks:  # both ranks (torchrun starts them in their own sessions), then torchrun
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    for pid in ranks:
-        deadline = time.monotonic() + 30
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"rank pid {pid} survived SIGKILL"
-            time.sleep(0.1)
+    kill_two_ranks_after_step(cfg, tmp_path, run, 3)
     assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
     _put(redis_server.url, redis_ns, batch[12:])
     _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path)
@@ -246,6 +223,38 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
         audit = audit_run(run, q)
         assert q.held_count() == 0
     assert (audit.lost, audit.twice, audit.uncommitted, audit.trained, audit.steps) == (0, 0, 0, 16, total)
+
+
+def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -> None:
+    """Start two learner ranks under torchrun; once step ``step`` is in the audit, kill -9 both ranks (torchrun
+    starts them in their own sessions), then torchrun; return once the ranks are gone."""
+    import os
+    import signal
+    import time
+
+    from streamgrpo.audit import read_jsonl
+    from streamgrpo.runtime import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 480
+        while not [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]:
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
+            time.sleep(0.2)
+        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    for pid in ranks:
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"rank pid {pid} survived SIGKILL"
+            time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

@@ -13,15 +13,20 @@ claimed by the lone rank and trained once.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from test_learner_scale import DEPLOY, ENV, _alive, _config, _jsonl, _put, _torchrun
+from test_learner_scale import (
+    DEPLOY,
+    ENV,
+    _config,
+    _jsonl,
+    _put,
+    _torchrun,
+    kill_two_ranks_after_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -99,32 +104,10 @@ def test_zero2_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(group
 
 def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups, tiny_model_dir, redis_server,
                                                                         redis_ns, tmp_path):
-    from streamgrpo.audit import read_jsonl
-    from streamgrpo.runtime import free_port
-
     url, run = redis_server.url, tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "two.yaml")
     _put(url, redis_ns, groups[:12])  # step 4 waits for groups: the kill lands before it
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 480
-        while not [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == 3]:
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.2)
-        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
-        for pid in ranks:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    for pid in ranks:
-        deadline = time.monotonic() + 30
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"rank pid {pid} survived SIGKILL"
-            time.sleep(0.1)
+    kill_two_ranks_after_step(cfg, tmp_path, run, 3)
     assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
     _put(url, redis_ns, groups[12:16])
     err = _one_rank(cfg, tmp_path, "--resume")  # one rank: its own step-3 groups and rank 1's (claimed)

@@ -15,6 +15,9 @@ import time
 import pytest
 import torch
 from conftest import wait_weights_version as _wait
+from weight_updates import counter_value as _value
+from weight_updates import same as _same
+from weight_updates import small_update as _step
 
 from streamgrpo import metrics as M
 from streamgrpo.config import build_config
@@ -27,23 +30,6 @@ def _base(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w": (torch.randn(300, 257, generator=g) * 0.02).to(torch.bfloat16),
             "norm": torch.ones(257, dtype=torch.bfloat16), "f32": torch.randn(99, generator=g)}
-
-
-def _step(t: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
-    """A small update: ~1% of the bf16 words and one float32 value change."""
-    out = {n: v.clone() for n, v in t.items()}
-    flat = out["w"].view(-1)
-    flat[k::97] = flat[k::97] + torch.tensor(0.01, dtype=torch.bfloat16)
-    out["f32"][k % 99] += 1.0
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _value(counter, **labels) -> float:
-    return (counter.labels(**labels) if labels else counter)._value.get()
 
 
 @pytest.fixture
