@@ -4,8 +4,8 @@ Exactly-once keeps every trained group's message in Redis until the checkpoint t
 producers may queue ``queue.max_pending`` more, so Redis holds up to
 ``((learner.save_steps + 2) x learner.groups_per_step + queue.max_pending) x message bytes`` (the two
 steps: the one being collected and the next one, read ahead while a step trains; with
-``learner.async_checkpoint`` on the torch backend, ``2 x save_steps``: a checkpoint's groups are held
-until its background write ends). A message is
+``learner.async_checkpoint`` (any backend, any number of ranks), ``2 x save_steps``: a checkpoint's groups
+are held until its background write ends on every rank). A message is
 dominated by its pixels when visuals travel inline (``data.total_pixels x 3`` bytes at most) and by
 its completions when they travel by reference (``rollout.media``). Size ``maxmemory`` at least 1.25x
 the estimate (Redis' own overhead, fragmentation).
@@ -49,10 +49,9 @@ def message_bytes(cfg: Sections) -> int:
 
 def uncommitted_steps(cfg: Sections) -> int:
     """Steps whose groups Redis may hold uncommitted: ``save_steps``, twice that with
-    ``learner.async_checkpoint`` on the torch backend (a checkpoint's groups are committed once its
-    background write ends, while the next window trains; DeepSpeed ranks write synchronously)."""
-    background = cfg.learner.async_checkpoint and cfg.learner.backend == "torch"
-    return cfg.learner.save_steps * (2 if background else 1)
+    ``learner.async_checkpoint`` (torch or DeepSpeed, one rank or many: a checkpoint's groups are committed
+    once every rank's background write has ended, while the next window trains)."""
+    return cfg.learner.save_steps * (2 if cfg.learner.async_checkpoint else 1)
 
 
 def held_groups(cfg: Sections) -> int:

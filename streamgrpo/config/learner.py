@@ -81,7 +81,7 @@ class LearnerConfig(Section):
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
     async_checkpoint: bool = True
-    """Write checkpoints in the background: at the step boundary the state is copied to host memory (pinned when it is on a GPU) and a thread writes it while training goes on; the groups it holds are committed in Redis once the files are fsynced (exactly once unchanged). Costs a second copy of weights and optimizer state in host memory. The torch backend only (DeepSpeed ranks write synchronously); the final checkpoint is always synchronous."""
+    """Write checkpoints in the background: at the step boundary the state is copied to host memory (pinned when it is on a GPU) and a thread writes it while training goes on; the groups it holds are committed in Redis once the files are fsynced (exactly once unchanged). Costs a second copy of weights and optimizer state in host memory. The torch backend and DeepSpeed ranks (one or many: each rank copies and writes its own part; rank 0 renames the checkpoint once every rank's part is fsynced); the final checkpoint is always synchronous."""
     save_total_limit: Optional[int] = Field(3, ge=1)
     """Keep at most this many checkpoints (oldest deleted first)."""
     resume: bool = False

@@ -311,10 +311,11 @@ def _trusted_node(x: Any, path: str, enc: Callable[[Any, str], Any]) -> dict:
     raise CheckpointError(f"state tree at {path or '/'}: cannot store a {_qualname(cls)} without pickle")
 
 
-def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def pack_tree(obj: Any, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
     """Split a nested state (dicts, lists, tuples, tensors, numbers, strings, dtypes, enums and
-    trusted objects) into ``(tensors, skeleton)``: tensors keyed ``t0, t1, ...`` and a JSON-able
-    skeleton that refers to them. Inverse: :func:`unpack_tree`."""
+    trusted objects) into ``(tensors, skeleton)``: tensors keyed ``t0, t1, ...`` (contiguous CPU copies;
+    ``copy=False``: the live tensors, detached, which the caller copies) and a JSON-able skeleton that
+    refers to them. Inverse: :func:`unpack_tree`."""
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(x: Any, path: str) -> Any:
@@ -328,7 +329,7 @@ def pack_tree(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
             return x.item()
         if torch.is_tensor(x):
             key = f"t{len(tensors)}"
-            tensors[key] = x.detach().to("cpu").contiguous().clone()
+            tensors[key] = x.detach().to("cpu").contiguous().clone() if copy else x.detach()
             return {"$": "tensor", "key": key}
         if (node := _torch_or_bytes_node(x)) is not None:  # disjoint from the containers below
             return node
@@ -392,7 +393,11 @@ def _hashable(x: Any) -> Any:
 
 def save_tree(obj: Any, path: str | Path) -> None:
     """One state tree -> one safetensors file (skeleton in the metadata under ``streamgrpo_tree``)."""
-    tensors, skeleton = pack_tree(obj)
+    write_tree(*pack_tree(obj), path)
+
+
+def write_tree(tensors: dict[str, torch.Tensor], skeleton: Any, path: str | Path) -> None:
+    """Write a :func:`pack_tree` split as one safetensors file (renamed into place when complete)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     save_file(tensors, tmp, metadata={"format": "pt", "streamgrpo_tree": json.dumps(skeleton)})
     os.replace(tmp, path)
@@ -420,12 +425,31 @@ class SafeTensorsCheckpointEngine:
     Install with ``engine.checkpoint_engine = SafeTensorsCheckpointEngine()`` after
     ``deepspeed.initialize``; ``engine.save_checkpoint`` / ``engine.load_checkpoint`` then go
     through it on every rank (same file names as DeepSpeed's own engine).
+
+    Capturing (:meth:`capturing`, the asynchronous checkpoints of :mod:`streamgrpo.learner.checkpoint_ranks`):
+    :meth:`save` copies each state tree's tensors to host buffers and keeps ``(path, tensors, skeleton)`` in
+    :attr:`captured` instead of writing; a background thread writes them later with :func:`write_tree`. The
+    engine stays coupled for DeepSpeed (:meth:`is_decoupled` is False): DeepSpeed's decoupled protocol commits
+    inside the next ``engine.step()`` behind a barrier, which would stall that step for the whole write and
+    hide the moment the files are durable, which is when the learner commits in Redis.
     """
 
     name = "streamgrpo-safetensors"
 
     def __init__(self, config_params: Any = None):
         self._commit_info = None
+        self.captured: list[tuple[str, dict[str, torch.Tensor], Any]] | None = None
+        self._buffers: Any = None
+
+    def capturing(self, buffers: Any) -> None:
+        """Capture (do not write) the trees of the next saves into ``buffers`` (a
+        :class:`~streamgrpo.learner.checkpoint_async.HostBuffers`), until :meth:`captures` returns them."""
+        self.captured, self._buffers = [], buffers
+
+    def captures(self) -> list[tuple[str, dict[str, torch.Tensor], Any]]:
+        """What was captured since :meth:`capturing`; saves write again from now on."""
+        out, self.captured, self._buffers = self.captured or [], None, None
+        return out
 
     def create(self, info: Any) -> None:
         self._commit_info = info
@@ -434,7 +458,12 @@ class SafeTensorsCheckpointEngine:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
-        save_tree(state_dict, path)
+        if self.captured is None:
+            save_tree(state_dict, path)
+            return
+        tensors, skeleton = pack_tree(state_dict, copy=False)
+        host = self._buffers.copy(tensors, prefix=f"{os.path.basename(path)}/", tied=False)
+        self.captured.append((path, host, skeleton))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return load_tree(path, map_location)

@@ -50,14 +50,16 @@ class HostBuffers:
     def __init__(self) -> None:
         self._kept: dict[str, torch.Tensor] = {}
 
-    def copy(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    def copy(self, tensors: dict[str, torch.Tensor], prefix: str = "", *, tied: bool = True) -> dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` (``tied=False``: one buffer per name even where storage is shared, as a
+        state tree's safetensors file needs)."""
         out: dict[str, torch.Tensor] = {}
         seen: dict[tuple[int, torch.dtype, tuple], torch.Tensor] = {}
         cuda = False
         for name, t in tensors.items():
             t = t.detach()
             key = (t.data_ptr(), t.dtype, tuple(t.shape))
-            if key in seen:  # tied: the same host copy
+            if tied and key in seen:  # tied: the same host copy
                 out[name] = seen[key]
                 continue
             cuda = cuda or t.is_cuda
@@ -75,6 +77,29 @@ def host_optimizer(opt_flat: tuple[dict[str, torch.Tensor], dict[str, Any]], buf
     """The optimizer's flat ``(tensors, meta)`` with the tensors copied to the host and the meta deep-copied."""
     tensors, meta = opt_flat
     return buffers.copy(tensors, prefix="optimizer/"), copy.deepcopy(meta)
+
+
+WRITING, WRITTEN, FAILED = 0, 1, 2
+"""A rank's background write: still writing, its files written and fsynced, or failed."""
+
+
+def agree(statuses: list[int]) -> int:
+    """What every rank concludes from every rank's write status (pure; the same on every rank): FAILED as soon
+    as one rank failed (nothing is committed; no rank waits for the others' writes), WRITTEN once every rank's
+    files are durable (the checkpoint can be renamed, then committed), else WRITING (ask again at the next step
+    boundary)."""
+    if any(s == FAILED for s in statuses):
+        return FAILED
+    return WRITTEN if statuses and all(s == WRITTEN for s in statuses) else WRITING
+
+
+def first_failure(lines: list[str]) -> str:
+    """The one line every rank raises when a write failed: the first failing rank's (``lines``: every rank's
+    error line, empty where it did not fail), naming the rank when there are several."""
+    for rank, line in enumerate(lines):
+        if line:
+            return line if len(lines) == 1 else f"learner rank {rank}: {line}"
+    return "checkpoint write failed on a learner rank; nothing was committed"
 
 
 class BackgroundWrite:
@@ -98,6 +123,22 @@ class BackgroundWrite:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    @property
+    def status(self) -> int:
+        """:data:`WRITING`, :data:`WRITTEN` or :data:`FAILED` (what this rank tells the others)."""
+        if self._thread.is_alive():
+            return WRITING
+        return FAILED if self._error is not None else WRITTEN
+
+    @property
+    def error(self) -> BaseException | None:
+        """The writer's error once it has ended (None: written, or still writing)."""
+        return None if self._thread.is_alive() else self._error
+
+    def join(self) -> None:
+        """Wait for the write to end (its error, if any, stays in :attr:`error`)."""
+        self._thread.join()
 
     def result(self) -> Path:
         self._thread.join()

@@ -4,13 +4,18 @@
 checkpoint and commits them in Redis (``queue.commit``: marked trained, acked, deleted) only once a
 checkpoint holding their training is durable on disk:
 
-* synchronous (:meth:`Checkpointing.save` with ``wait=True``, every DeepSpeed learner, the final checkpoint):
-  write (every rank), fsync, rename, then commit right away;
-* asynchronous (``learner.async_checkpoint``, the torch backend): copy the state to host memory
-  (the only stall), hand the copies to a background write (:mod:`streamgrpo.learner.checkpoint_async`)
-  and go on training; :meth:`Checkpointing.poll`, called at every step boundary, commits the entries
-  of a write that has finished. A write that failed raises its one-line
-  :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError` there: nothing of it was committed.
+* synchronous (:meth:`Checkpointing.save` with ``wait=True``, the final checkpoint, or
+  ``learner.async_checkpoint: false``): write (every rank), fsync, rename, then commit right away;
+* asynchronous (``learner.async_checkpoint``, the torch backend and DeepSpeed ranks, one or many): copy
+  the state to host memory (the only stall; every rank its own part), hand the copies to a background
+  write (:mod:`streamgrpo.learner.checkpoint_async`, :mod:`streamgrpo.learner.checkpoint_ranks`) and go on
+  training. :meth:`Checkpointing.poll`, called at every step boundary, settles the write: every rank
+  says whether its part is still being written, written and fsynced, or failed (one all-reduce of a
+  number per rank, only while a write is in flight; every rank gets the same answer, so every rank takes
+  the same branch and no collective is left waiting). Once every rank's part is written, rank 0 renames
+  ``step-N.tmp`` to ``step-N`` and tells the others; then each rank commits its entries. A write that failed
+  on any rank stops every rank at that boundary with the same one-line
+  :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing of it was committed.
 
 At most one write is in flight: a checkpoint due while the previous one is still being written
 waits for it first (and commits it).
@@ -27,8 +32,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from streamgrpo.learner.checkpoint_async import BackgroundWrite
-from streamgrpo.learner.distributed import DistInfo, gather_json
+from streamgrpo.learner.checkpoint import CheckpointWriteError
+from streamgrpo.learner.checkpoint_async import FAILED, WRITING, BackgroundWrite, agree, first_failure
+from streamgrpo.learner.distributed import DistInfo, broadcast_json, gather_json, share
 from streamgrpo.learner.trainer import Learner
 
 log = logging.getLogger("streamgrpo.learner")
@@ -40,7 +46,7 @@ class Checkpointing:
     def __init__(self, learner: Learner, queue, dist: DistInfo, ckpt_root: Path, *, asynchronous: bool,
                  model_card: Callable[[], str | None]):
         self.learner, self.queue, self.dist, self.root = learner, queue, dist, ckpt_root
-        self.asynchronous = asynchronous and learner.saves_async and dist.world_size == 1
+        self.asynchronous = asynchronous
         self.model_card = model_card
         self.uncommitted: list[tuple[str, str]] = []
         self._inflight: tuple[BackgroundWrite, list[tuple[str, str]]] | None = None
@@ -70,9 +76,9 @@ class Checkpointing:
             self.uncommitted.clear()
         else:
             entries, step = list(self.uncommitted), state.step
-            state.committing = list(entries)
+            state.committing = [tuple(e) for part in gather_json(self.dist, entries) for e in part]
             try:
-                snap = self.learner.snapshot(model_card=card)
+                snap = self.learner.snapshot(self.root, model_card=card)
             finally:
                 state.committing = []
             self.uncommitted.clear()
@@ -88,7 +94,8 @@ class Checkpointing:
     @property
     def holding(self) -> bool:
         """Trained groups not committed yet: steps since the last checkpoint, or a write not committed yet
-        (same on every rank: a background write exists only with one rank)."""
+        (the same on every rank: every rank checkpoints at the same steps and settles its write at the same
+        boundary)."""
         return self.learner.state.step > self.saved_step or self._inflight is not None
 
     def commit_now(self) -> None:
@@ -101,17 +108,38 @@ class Checkpointing:
             self.finish()
 
     def poll(self) -> None:
-        """At a step boundary: commit the entries of a background write that has finished (re-raises its error)."""
-        if self._inflight is not None and self._inflight[0].done:
-            self.finish()
+        """At a step boundary (every rank): commit the entries of a background write that every rank has finished
+        (raises the one-line error of a write that failed on any rank)."""
+        if self._inflight is not None:
+            self._settle(wait=False)
 
     def finish(self) -> None:
-        """Wait for the write in flight, if any, and commit its entries (re-raises its error: nothing committed)."""
-        if self._inflight is None:
-            return
+        """Wait for the write in flight, if any, and commit its entries (every rank; raises its error: nothing
+        committed)."""
+        if self._inflight is not None:
+            self._settle(wait=True)
+
+    def _settle(self, *, wait: bool) -> None:
         write, entries = self._inflight
+        if wait:
+            write.join()
+        verdict = agree([int(s) for s in share(self.dist, [write.status])[:, 0]])  # every rank: the same verdict
+        if verdict == WRITING:
+            return
         self._inflight = None
-        write.result()  # fsynced and renamed, or its error
+        if verdict == FAILED:
+            line = first_failure(gather_json(self.dist, str(write.error) if write.error is not None else ""))
+            if write.error is not None and not isinstance(write.error, CheckpointWriteError):
+                raise write.error  # not a write failure (a bug): its own traceback here, the one line elsewhere
+            raise CheckpointWriteError(line)
+        refused = ""
+        try:
+            self.learner.finalise_write(self.root, write.step)  # rank 0: rename step-N.tmp (DeepSpeed)
+        except CheckpointWriteError as exc:
+            refused = str(exc)
+        refused = broadcast_json(self.dist, refused)  # the others commit only once rank 0 has renamed
+        if refused:
+            raise CheckpointWriteError(refused)
         try:
             self.queue.commit(entries, step=write.step)
         except BaseException:  # Redis refused (stop during an outage): the next checkpoint records and commits them

@@ -606,26 +606,27 @@ class Learner:
         :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed."""
         return self._guarded_write(ckpt_root, self.state.step, lambda: self._save(ckpt_root, model_card=model_card))
 
-    @property
-    def saves_async(self) -> bool:
-        """Whether checkpoints can be written in the background (:meth:`snapshot`): the torch backend (one process)."""
-        return self.engine is None
-
-    def snapshot(self, *, model_card: str | None = None):
-        """Checkpoint ``state.step`` as host copies (:class:`~streamgrpo.learner.checkpoint_async.Snapshot`): the
-        stall of an asynchronous checkpoint; :meth:`write_snapshot` writes it (any thread)."""
+    def snapshot(self, ckpt_root: str | Path | None = None, *, model_card: str | None = None):
+        """Checkpoint ``state.step`` (under ``ckpt_root``) as host copies: the stall of an asynchronous checkpoint; :meth:`write_snapshot`
+        writes it (any thread). The torch backend: a :class:`~streamgrpo.learner.checkpoint_async.Snapshot`;
+        DeepSpeed (every rank calls it, collectives): this rank's
+        :class:`~streamgrpo.learner.checkpoint_ranks.RankSnapshot`."""
         from streamgrpo.learner.checkpoint import _optimizer_to_flat, rng_state
         from streamgrpo.learner.checkpoint_async import HostBuffers, Snapshot, host_optimizer
 
-        if not self.saves_async:
-            raise RuntimeError("asynchronous checkpoints need learner.backend: torch")
+        meta = {"learner": self.state.to_json(), "backend": self.cfg.learner.backend,
+                "world_size": self.dist.world_size, "zero_stage": self.zero_stage,
+                "param_names": self._trainable_names()}
+        if self.engine is not None:
+            from streamgrpo.learner.checkpoint_ranks import capture
+
+            if ckpt_root is None:
+                raise ValueError("a DeepSpeed snapshot is staged in its checkpoint folder: pass ckpt_root")
+            return capture(self, ckpt_root, meta, model_card)
         host = self.__dict__.setdefault("_host_buffers", HostBuffers())
         live = self.module.state_dict()
         if self.is_lora:  # the adapters (what peft's save_pretrained keeps), not the frozen base
             live = {k: v for k, v in live.items() if "lora_" in k or "modules_to_save" in k}
-        meta = {"learner": self.state.to_json(), "backend": self.cfg.learner.backend,
-                "world_size": self.dist.world_size, "zero_stage": self.zero_stage,
-                "param_names": self._trainable_names()}
         rng_tensors, rng_meta = rng_state()
         return Snapshot(step=self.state.step, model=host.copy(live, prefix="model/"),
                         optimizer=host_optimizer(_optimizer_to_flat(self.optimizer, to_cpu=False), host),
@@ -634,17 +635,31 @@ class Learner:
                         model_card=model_card)
 
     def write_snapshot(self, ckpt_root: str | Path, snap) -> Path:
-        """Write a :meth:`snapshot` as checkpoint ``snap.step`` (fsynced and renamed when this returns); errors as
-        :meth:`save`'s."""
+        """Write a :meth:`snapshot` as checkpoint ``snap.step``; errors as :meth:`save`'s. The torch backend: fsynced
+        and renamed when this returns; DeepSpeed: this rank's files fsynced, the rename is :meth:`finalise_write`'s
+        once every rank's are."""
         from streamgrpo.learner.checkpoint import write_checkpoint
 
+        if self.engine is not None:
+            from streamgrpo.learner.checkpoint_ranks import write_rank
+
+            return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=self.dist.is_main)
         return self._guarded_write(ckpt_root, snap.step, lambda: write_checkpoint(
             ckpt_root, snap.step, model=self.module, processor=self.processor, weights=snap.model,
             optimizer=snap.optimizer, scheduler=snap.scheduler, rng=snap.rng, state=snap.meta,
             model_card=snap.model_card, total_limit=self.cfg.learner.save_total_limit))
 
+    def finalise_write(self, ckpt_root: str | Path, step: int) -> None:
+        """Every rank's part of checkpoint ``step`` is durable (DeepSpeed, asynchronous): rank 0 renames it.
+        The torch backend's :meth:`write_snapshot` renamed it already."""
+        if self.engine is None or not self.dist.is_main:
+            return
+        from streamgrpo.learner.checkpoint_ranks import finalise
+
+        self._guarded_write(ckpt_root, step, lambda: finalise(ckpt_root, step, self.cfg.learner.save_total_limit))
+
     @staticmethod
-    def _guarded_write(ckpt_root: str | Path, step: int, write) -> Path:
+    def _guarded_write(ckpt_root: str | Path, step: int, write, *, clean: bool = True) -> Path:
         import shutil
 
         from safetensors import SafetensorError
@@ -654,8 +669,8 @@ class Learner:
         try:
             return write()
         except (OSError, SafetensorError) as exc:  # safetensors reports an I/O error as its own type
-            tmp = Path(ckpt_root) / f"step-{step:06d}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
+            if clean:  # several ranks write into one folder: rank 0 removes it
+                shutil.rmtree(Path(ckpt_root) / f"step-{step:06d}.tmp", ignore_errors=True)
             why = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
             raise CheckpointWriteError(

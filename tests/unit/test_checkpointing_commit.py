@@ -13,20 +13,22 @@ from streamgrpo.learner.state import LearnerState
 
 
 class FakeLearner:
-    saves_async = True
-
     def __init__(self, release: threading.Event):
         self.state = LearnerState()
         self.release = release
         self.sync_saves: list[int] = []
         self.written: list[int] = []
+        self.finalised: list[int] = []
 
     def save(self, root, model_card=None):
         self.sync_saves.append(self.state.step)
         self.recorded = list(self.state.committing)
 
-    def snapshot(self, model_card=None):
+    def snapshot(self, root=None, model_card=None):
         return SimpleNamespace(step=self.state.step)
+
+    def finalise_write(self, root, step):
+        self.finalised.append(step)
 
     def write_snapshot(self, root, snap):
         self.release.wait(5)
@@ -107,3 +109,49 @@ def test_a_commit_refused_after_a_background_write_leaves_its_entries_to_the_nex
     c.save(wait=True)  # the final checkpoint: it records (committing) and commits step 1's entries too
     assert queue.commits == [([("1-0", "g1"), ("2-0", "g2")], 2)]
     assert learner.recorded == [("1-0", "g1"), ("2-0", "g2")]  # a resume from step 2 would roll them forward
+
+
+def test_the_ranks_agree_on_a_write_only_when_every_rank_has_written_and_stop_together_on_one_failure():
+    from streamgrpo.learner.checkpoint_async import FAILED, WRITING, WRITTEN, agree, first_failure
+
+    assert agree([WRITTEN]) == WRITTEN and agree([WRITING]) == WRITING
+    assert agree([WRITTEN, WRITING]) == WRITING  # rank 1 still writes: nobody renames or commits
+    assert agree([WRITTEN, WRITTEN, WRITTEN]) == WRITTEN
+    assert agree([WRITING, FAILED]) == FAILED  # no rank waits for the others' writes to end after a failure
+    assert agree([]) == WRITING
+    assert first_failure(["", "cannot write checkpoint step-000002 in /x: No space left on device"]) == \
+        "learner rank 1: cannot write checkpoint step-000002 in /x: No space left on device"
+    assert first_failure(["disk full"]) == "disk full"  # one rank: its own line
+
+
+def test_a_failed_background_write_raises_its_one_line_error_and_commits_nothing():
+    import pytest
+
+    from streamgrpo.learner.checkpoint import CheckpointWriteError
+
+    release = threading.Event()
+    c, learner, queue = _ckpts(release)
+
+    def fail(root, snap):
+        raise CheckpointWriteError("cannot write checkpoint step-000001 in /x: No space left on device")
+
+    learner.write_snapshot = fail
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    c.save()
+    with pytest.raises(CheckpointWriteError, match="^cannot write checkpoint step-000001"):
+        c.finish()
+    assert queue.commits == [] and learner.finalised == [] and not c.in_flight
+
+
+def test_a_write_is_committed_only_after_it_is_finalised():
+    release = threading.Event()
+    c, learner, queue = _ckpts(release)
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    c.save()
+    c.poll()  # still writing: nothing finalised, nothing committed
+    assert learner.finalised == [] and queue.commits == [] and c.in_flight
+    release.set()
+    c.finish()
+    assert learner.finalised == [1] and queue.commits == [([("1-0", "g1")], 1)]
