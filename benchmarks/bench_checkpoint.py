@@ -16,7 +16,14 @@ Figures: ``checkpoint_stall_s`` (async vs sync; ratio = sync / async, the reduct
 ``checkpoint_stall_steps`` (the stall in steps; the target is at most 1). Medians over
 ``--checkpoints``. Writes ``benchmarks/results/bench_checkpoint.json`` with machine info.
 
+``--ranks N`` (N > 1): the same on N DeepSpeed ZeRO-2 ranks (gloo, CPU; the script relaunches itself under
+``torch.distributed.run``): synchronous ``Learner.save`` on every rank against each rank's ``snapshot`` and
+background ``write_snapshot``, the ranks agreeing at each step boundary (one all-reduce) and rank 0 renaming
+(``finalise_write``) once every rank has written; the stall is the slowest rank's copy plus what its
+overlapping steps lose plus the rename. Writes ``bench_checkpoint_ranks.json``.
+
     OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.bench_checkpoint [--layers 2] [--vocab 151936] [--checkpoints 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_checkpoint --ranks 2 --vocab 32000
 """
 
 from __future__ import annotations
@@ -32,15 +39,15 @@ from pathlib import Path
 from benchmarks.common import emit, figure, machine_info, write_result
 
 
-def _learner(model_dir: Path, a):
+def _learner(model_dir: Path, a, dist=None, *more: str):
     from streamgrpo.config import build_config
     from streamgrpo.learner.trainer import Learner
 
     sets = [f"model.name_or_path={model_dir}", "model.dtype=float32", "learner.device=cpu", "learner.bf16=false",
             "loss.beta=0", "model.tune_mm_vision=false", "learner.groups_per_step=1",
             f"rollout.num_generations={a.G}", f"rollout.max_completion_length={a.completion_len}",
-            "learner.save_total_limit=1", "learner.gradient_checkpointing=true"]
-    return Learner(build_config({}, sets))
+            "learner.save_total_limit=1", "learner.gradient_checkpointing=true", *more]
+    return Learner(build_config({}, sets), dist=dist) if dist is not None else Learner(build_config({}, sets))
 
 
 def _step(learner, batch) -> float:
@@ -91,6 +98,93 @@ def measure(a, model_dir: Path, root: Path) -> dict:
             "checkpoint_bytes": sum(f.stat().st_size for f in (root / "sync").rglob("*") if f.is_file())}
 
 
+def measure_ranks(a, model_dir: Path, root: Path) -> dict:
+    """Every rank (under torchrun): the synchronous and the asynchronous stall of a ZeRO-2 learner, per rank; the
+    figures are the slowest rank's (every rank waits for it at the next collective)."""
+    from benchmarks.gpu_learner import synthetic_groups
+    from streamgrpo.learner.checkpoint_async import FAILED, WRITTEN, BackgroundWrite, agree
+    from streamgrpo.learner.distributed import barrier, init_distributed, share
+
+    dist = init_distributed("deepspeed", dist_backend="gloo")
+    learner = _learner(model_dir, a, dist, "learner.backend=deepspeed", "learner.deepspeed_config=zero2",
+                       f"learner.groups_per_step={dist.world_size}")
+    batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.frame_size, G=a.G,
+                             completion_len=a.completion_len)
+
+    def slowest(x: float) -> float:
+        return float(share(dist, [x]).max())
+
+    _step(learner, batch)  # warm-up
+    step_s = statistics.median([slowest(_step(learner, batch)) for _ in range(a.steps)])
+    sync, stall, copy_s, rename_s, during = [], [], [], [], []
+    for _ in range(a.checkpoints):
+        _step(learner, batch)
+        barrier(dist)
+        t0 = time.perf_counter()
+        learner.save(root / "sync")
+        sync.append(slowest(time.perf_counter() - t0))
+    for _ in range(a.checkpoints):
+        _step(learner, batch)
+        barrier(dist)
+        t0 = time.perf_counter()
+        snap = learner.snapshot(root / "async")
+        step = learner.state.step
+        write = BackgroundWrite(step, lambda snap=snap: learner.write_snapshot(root / "async", snap))
+        copied = time.perf_counter() - t0
+        lost, n = 0.0, 0
+        while True:  # training goes on; the ranks agree at each step boundary, as Checkpointing.poll does
+            lost += max(0.0, _step(learner, batch) - step_s)
+            n += 1
+            verdict = agree([int(v) for v in share(dist, [write.status])[:, 0]])
+            if verdict == FAILED:
+                write.result()
+            if verdict == WRITTEN:
+                break
+        t1 = time.perf_counter()
+        learner.finalise_write(root / "async", step)
+        renamed = slowest(time.perf_counter() - t1)
+        copy_s.append(slowest(copied))
+        rename_s.append(renamed)
+        during.append(n)
+        stall.append(slowest(copied + lost) + renamed)
+        del snap
+        gc.collect()
+    return {"ranks": dist.world_size, "is_main": dist.is_main, "params": learner.total, "step_s": step_s,
+            "sync_stall_s": sync, "async_copy_s": copy_s, "async_rename_s": rename_s, "steps_during_write": during,
+            "async_stall_s": stall,
+            "checkpoint_bytes": sum(f.stat().st_size for f in (root / "sync").rglob("*") if f.is_file())}
+
+
+def _relaunch(a, work: Path, model_dir: Path) -> None:
+    """Run this benchmark on ``--ranks`` processes (torch.distributed.run), each given the model built here."""
+    import os
+    import subprocess
+    import sys
+
+    from streamgrpo.runtime import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "benchmarks.bench_checkpoint", *sys.argv[1:],
+           "--model-dir", str(model_dir), "--dir", str(work)]
+    subprocess.run(cmd, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
+def _report_ranks(a, r: dict) -> None:
+    sync, stall = statistics.median(r["sync_stall_s"]), statistics.median(r["async_stall_s"])
+    figures = [
+        emit(figure("checkpoint_stall_s", stall, sync, sync / stall if stall else None, unit="s",
+                    note=f"{r['ranks']} ZeRO-2 ranks; ratio = sync / async; async = slowest rank's copy + what its "
+                         "overlapping steps lose + rank 0's rename")),
+        emit(figure("checkpoint_stall_steps", stall / r["step_s"], sync / r["step_s"], unit="steps",
+                    note="the stall in median steps (target <= 1); baseline = the synchronous write")),
+    ]
+    print(f"#   {r['ranks']} ranks, {r['params'] / 1e6:.0f}M parameters, checkpoint "
+          f"{r['checkpoint_bytes'] / 2**30:.2f} GiB, step {r['step_s']:.2f}s, host copy "
+          f"{statistics.median(r['async_copy_s']):.2f}s, rename {statistics.median(r['async_rename_s']):.3f}s, "
+          f"written over {r['steps_during_write']} step(s)")
+    write_result("bench_checkpoint_ranks", figures, machine_info(), vars(a), r, a.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_checkpoint", description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="3b", choices=["tiny", "3b", "7b"])
@@ -104,10 +198,23 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=3, help="checkpoints of each kind")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     ap.add_argument("--out", default=None, help="result json (default benchmarks/results/bench_checkpoint.json)")
+    ap.add_argument("--ranks", type=int, default=1, help="DeepSpeed ZeRO-2 ranks (more than 1: under torchrun)")
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # the ranks' model, built by the launcher
     a = ap.parse_args()
     from streamgrpo.models.tiny import build_tiny
 
+    if a.model_dir is not None:  # one rank of --ranks
+        r = measure_ranks(a, Path(a.model_dir), Path(a.dir) / "checkpoints")
+        if r["is_main"]:
+            _report_ranks(a, r)
+        return
     work = Path(a.dir or tempfile.mkdtemp(prefix="bench_checkpoint-"))
+    if a.ranks > 1:
+        try:
+            _relaunch(a, work, build_tiny(work / "model", size=a.size, layers=a.layers, vocab=a.vocab))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         model_dir = build_tiny(work / "model", size=a.size, layers=a.layers, vocab=a.vocab)
         r = measure(a, model_dir, work / "checkpoints")

@@ -226,8 +226,9 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
 
 
 def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -> None:
-    """Start two learner ranks under torchrun; once step ``step`` is in the audit, kill -9 both ranks (torchrun
-    starts them in their own sessions), then torchrun; return once the ranks are gone."""
+    """Start two learner ranks under torchrun; once step ``step`` is in the audit and no checkpoint write is in
+    flight (an asynchronous one is renamed, then committed, at a step boundary after it), kill -9 both ranks
+    (torchrun starts them in their own sessions), then torchrun; return once the ranks are gone."""
     import os
     import signal
     import time
@@ -241,7 +242,8 @@ def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -
         first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 480
-        while not [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]:
+        while not ([r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]
+                   and not list((run / "checkpoints").glob("step-*.tmp"))):
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
             time.sleep(0.2)
         ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
