@@ -607,10 +607,10 @@ class Learner:
         return self._guarded_write(ckpt_root, self.state.step, lambda: self._save(ckpt_root, model_card=model_card))
 
     def snapshot(self, ckpt_root: str | Path | None = None, *, model_card: str | None = None):
-        """Checkpoint ``state.step`` (under ``ckpt_root``) as host copies: the stall of an asynchronous checkpoint; :meth:`write_snapshot`
-        writes it (any thread). The torch backend: a :class:`~streamgrpo.learner.checkpoint_async.Snapshot`;
-        DeepSpeed (every rank calls it, collectives): this rank's
-        :class:`~streamgrpo.learner.checkpoint_ranks.RankSnapshot`."""
+        """Checkpoint ``state.step`` (under ``ckpt_root``) as host copies, the stall of an asynchronous checkpoint;
+        :meth:`write_snapshot` writes it (any thread). The torch backend: a
+        :class:`~streamgrpo.learner.checkpoint_async.Snapshot`; DeepSpeed (every rank calls it, collectives):
+        this rank's :class:`~streamgrpo.learner.checkpoint_ranks.RankSnapshot`."""
         from streamgrpo.learner.checkpoint import _optimizer_to_flat, rng_state
         from streamgrpo.learner.checkpoint_async import HostBuffers, Snapshot, host_optimizer
 

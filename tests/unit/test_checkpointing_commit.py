@@ -155,3 +155,19 @@ def test_a_write_is_committed_only_after_it_is_finalised():
     release.set()
     c.finish()
     assert learner.finalised == [1] and queue.commits == [([("1-0", "g1")], 1)]
+
+
+def test_host_buffers_are_reused_and_a_state_tree_gets_one_buffer_per_name():
+    import torch
+
+    from streamgrpo.learner.checkpoint_async import HostBuffers
+
+    live = torch.randn(8, 4)
+    host = HostBuffers()
+    first = host.copy({"a": live, "b": live}, prefix="x/")
+    assert first["a"] is first["b"] and first["a"].data_ptr() != live.data_ptr()
+    live.add_(1.0)
+    second = host.copy({"a": live, "b": live}, prefix="x/")
+    assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], live)
+    tree = host.copy({"a": live, "b": live}, prefix="t/", tied=False)
+    assert tree["a"].data_ptr() != tree["b"].data_ptr() and torch.equal(tree["a"], tree["b"])
