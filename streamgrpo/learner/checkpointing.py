@@ -128,17 +128,20 @@ class Checkpointing:
             return
         self._inflight = None
         if verdict == FAILED:
-            line = first_failure(gather_json(self.dist, str(write.error) if write.error is not None else ""))
-            if write.error is not None and not isinstance(write.error, CheckpointWriteError):
-                raise write.error  # not a write failure (a bug): its own traceback here, the one line elsewhere
+            error = write.error  # None here while this rank's own part is still being written
+            line = first_failure(gather_json(self.dist, "" if error is None else (str(error) or type(error).__name__)))
+            if error is not None and not isinstance(error, CheckpointWriteError):
+                raise error  # not a write failure (a bug): its own traceback here, the one line elsewhere
             raise CheckpointWriteError(line)
-        refused = ""
+        error = None
         try:
             self.learner.finalise_write(self.root, write.step)  # rank 0: rename step-N.tmp (DeepSpeed)
-        except CheckpointWriteError as exc:
-            refused = str(exc)
-        refused = broadcast_json(self.dist, refused)  # the others commit only once rank 0 has renamed
-        if refused:
+        except Exception as exc:  # noqa: BLE001 - told to every rank first: none may wait for it in a collective
+            error = exc
+        refused = broadcast_json(self.dist, "" if error is None else (str(error) or type(error).__name__))
+        if error is not None and not isinstance(error, CheckpointWriteError):
+            raise error
+        if refused:  # the others commit only once rank 0 has renamed
             raise CheckpointWriteError(refused)
         try:
             self.queue.commit(entries, step=write.step)

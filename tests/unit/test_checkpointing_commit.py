@@ -171,3 +171,24 @@ def test_host_buffers_are_reused_and_a_state_tree_gets_one_buffer_per_name():
     assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], live)
     tree = host.copy({"a": live, "b": live}, prefix="t/", tied=False)
     assert tree["a"].data_ptr() != tree["b"].data_ptr() and torch.equal(tree["a"], tree["b"])
+
+
+def test_a_rename_that_fails_commits_nothing():
+    import pytest
+
+    from streamgrpo.learner.checkpoint import CheckpointWriteError
+
+    release = threading.Event()
+    release.set()
+    c, learner, queue = _ckpts(release)
+
+    def refuse(root, step):
+        raise CheckpointWriteError(f"cannot write checkpoint step-{step:06d} in /x: Read-only file system")
+
+    learner.finalise_write = refuse
+    learner.state.step = 1
+    c.trained([("1-0", "g1")])
+    c.save()
+    with pytest.raises(CheckpointWriteError, match="Read-only file system"):
+        c.finish()
+    assert queue.commits == [] and not c.in_flight
