@@ -1,6 +1,6 @@
 """ZeRO-2 with the optimizer offloaded to the host (the shipped ``zero2_offload.json``) and ZeRO-3
 (``zero3.json``): the same training as ZeRO-2 on the device (AdamW's states on the host with offload), and an
-exact resume from their checkpoints.
+exact resume from their asynchronous checkpoints (copied at step 2, written after two more steps).
 
 One DeepSpeed rank on the CPU in its own process (``zero_offload_driver.py``), the tiny Qwen2.5-VL, real
 groups sampled from the demo videos. On the CPU "device" and "host" are the same memory, so this checks the

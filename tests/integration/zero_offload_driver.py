@@ -2,7 +2,8 @@
 
 Trains the tiny model on the same groups with ZeRO-2 (``zero2.json``), ZeRO-2 with the optimizer
 offloaded to the host (``zero2_offload.json``) and ZeRO-3 (``zero3.json``, the shipped 7B config's), and
-the offload and ZeRO-3 learners saved after step 2, loaded by a fresh Learner and trained on. Writes
+the offload and ZeRO-3 learners checkpointed asynchronously after step 2 (host copies, then two more steps,
+then the write), loaded by a fresh Learner and trained on. Writes
 ``--out`` (JSON): each run's per-step losses and grad norms and every trained weight at the end.
 """
 
@@ -70,7 +71,12 @@ def main() -> int:
     for name in ("zero2_offload.json", "zero3.json"):
         first = learner(name, f"resume-{name}")
         steps = train(first, batches[:2])
-        ckpt = first.save(Path(args.run_dir) / f"resume-{name}" / "checkpoints")
+        root = Path(args.run_dir) / f"resume-{name}" / "checkpoints"
+        snap = first.snapshot(root)  # an asynchronous checkpoint: host copies now, written later
+        train(first, batches[2:], start=2)  # training goes on before the write: none of it may reach the files
+        first.write_snapshot(root, snap)
+        first.finalise_write(root, snap.step)
+        ckpt = root / f"step-{snap.step:06d}"
         del first
         resumed = learner(name, f"resume-{name}")
         resumed.load(ckpt)
