@@ -61,7 +61,7 @@ def capture(learner, root: str | Path, meta: dict[str, Any], model_card: str | N
     gathered = learner.policy_tensors() if learner.zero_stage >= 3 else None  # ZeRO-3: collective, CPU copies
     weights = None
     if dist.is_main:
-        weights = gathered if gathered is not None else host.copy(learner.module.state_dict(), prefix="model/")
+        weights = gathered if gathered is not None else host.copy(learner.saved_weights(), prefix="model/")
     engine = learner.engine.checkpoint_engine
     engine.capturing(host)
     try:

@@ -624,15 +624,20 @@ class Learner:
                 raise ValueError("a DeepSpeed snapshot is staged in its checkpoint folder: pass ckpt_root")
             return capture(self, ckpt_root, meta, model_card)
         host = self.__dict__.setdefault("_host_buffers", HostBuffers())
-        live = self.module.state_dict()
-        if self.is_lora:  # the adapters (what peft's save_pretrained keeps), not the frozen base
-            live = {k: v for k, v in live.items() if "lora_" in k or "modules_to_save" in k}
         rng_tensors, rng_meta = rng_state()
-        return Snapshot(step=self.state.step, model=host.copy(live, prefix="model/"),
+        return Snapshot(step=self.state.step, model=host.copy(self.saved_weights(), prefix="model/"),
                         optimizer=host_optimizer(_optimizer_to_flat(self.optimizer, to_cpu=False), host),
                         scheduler=copy.deepcopy(self.scheduler.state_dict()),
                         rng=({k: v.clone() for k, v in rng_tensors.items()}, rng_meta), meta=meta,
                         model_card=model_card)
+
+    def saved_weights(self) -> dict[str, torch.Tensor]:
+        """The live tensors a checkpoint's model files hold (LoRA: the adapters, what peft's save_pretrained keeps,
+        not the frozen base), for the host copies of an asynchronous checkpoint."""
+        live = self.module.state_dict()
+        if self.is_lora:
+            live = {k: v for k, v in live.items() if "lora_" in k or "modules_to_save" in k}
+        return live
 
     def write_snapshot(self, ckpt_root: str | Path, snap) -> Path:
         """Write a :meth:`snapshot` as checkpoint ``snap.step``; errors as :meth:`save`'s. The torch backend: fsynced
