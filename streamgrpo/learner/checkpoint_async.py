@@ -5,7 +5,9 @@ At a checkpoint's step boundary the learner copies what the checkpoint holds to 
 learner state; into pinned buffers reused from one checkpoint to the next when they live on a GPU)
 and a background thread (:class:`BackgroundWrite`) writes those copies in the usual layout
 (:mod:`streamgrpo.learner.checkpoint`: ``step-N.tmp``, every file and folder fsynced, renamed to
-``step-N``) while training goes on. The stall is the copy, not the write.
+``step-N``) while training goes on. The stall is the copy, not the write. This module is the torch backend's
+path and what every path shares (the buffers, the writer thread, the ranks' agreement :func:`agree`);
+DeepSpeed ranks capture and write their parts in :mod:`streamgrpo.learner.checkpoint_ranks`.
 
 Exactly once is unchanged: the groups a checkpoint holds are committed in Redis by the learner's loop
 only after the write has finished (renamed and fsynced), at the first step boundary after that
