@@ -193,7 +193,7 @@ def proxy_main(a) -> None:
         if base is None or base is r:
             continue
         keys = ((("ops_and_kernels", "ops"), ("ops_and_kernels_per_decoder_layer", "ops"), ("kernels", "kernels"),
-                 ("step_s", "s")) if a.counter == "profiler" else
+                 ("launches", "launches"), ("launches_per_decoder_layer", "launches"), ("step_s", "s")) if a.counter == "profiler" else
                 (("total_ops", "ops"), ("ops_per_decoder_layer", "ops"), ("ops_per_vision_block", "ops"),
                  ("vision_attention_per_block", "calls"), ("weight_casts", "casts"), ("peak_rss_step_mib", "MiB")))
         for key, unit in keys:

@@ -185,14 +185,15 @@ def _profiled_row(name: str, a) -> dict:
     decoder layer's ops and kernels a step (forward, recompute, backward)."""
     full = _subprocess_variant(name, a)
     fewer = _subprocess_variant(name, a, "--decoder-layers", str(full["decoder_layers"] - 1))
-    for key in ("aten_ops", "kernels", "ops_and_kernels"):
+    for key in ("aten_ops", "kernels", "ops_and_kernels", "launches"):
         full[f"{key}_per_decoder_layer"] = full[key] - fewer[key]
     names = {k: n - fewer["by_name"].get(k, 0) for k, n in full.pop("by_name").items()}
     full["top_per_decoder_layer"] = dict(sorted(((k, n) for k, n in names.items() if n), key=lambda kv: -kv[1])[:25])
     fewer.pop("by_name")
     full["fewer_layers"] = fewer
     print(f"#   {name}: {full['aten_ops']} aten ops + {full['kernels']} compiled kernels a step; one decoder layer: "
-          f"{full['aten_ops_per_decoder_layer']} + {full['kernels_per_decoder_layer']} (fwd, recompute, bwd); "
+          f"{full['aten_ops_per_decoder_layer']} + {full['kernels_per_decoder_layer']} (fwd, recompute, bwd), "
+          f"{full['launches_per_decoder_layer']} of them kernel launches; "
           f"step {full['step_s']:.1f} s (first {full['first_step_s']:.1f} s)", flush=True)
     return full
 
