@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 BACKENDS = ("inductor", "aot_eager")
+RECOMPILE_LIMIT = 32
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -40,6 +41,11 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") ->
     kind (grad mode, dtype) pays it."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown torch.compile backend {backend!r}; expected one of {BACKENDS}")
+    import torch._dynamo.config as dynamo_config
+
+    # every layer of every model shares the layer's code, so all its graph variants (grad mode, dtype, eval mode,
+    # adapters off, a batch of one row) count against one limit, past which dynamo silently runs the layer eagerly
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(backend=backend, dynamic=True)
