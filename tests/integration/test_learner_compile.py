@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.op_counts import profiled
 from streamgrpo.config import ConfigError
 from streamgrpo.models.compile import RECOMPILE_LIMIT, compiled_graphs, decoder_layers, is_compiled
 from tests.integration.test_learner_core import _accept, _cfg, _learner, _step_grads
 
 SETS = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0.04")
 LORA = "model.lora={r: 4, alpha: 8, dropout: 0.0}"
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +55,24 @@ def _two_steps(eager, compiled, groups, *, lp_atol, grad_atol, probe=True):
         np.testing.assert_allclose(np.concatenate(compiled.own_logprobs(first)),
                                    np.concatenate(eager.own_logprobs(first)), atol=lp_atol, rtol=0)
     lengths = _seq_lengths(compiled)
-    graphs = []
+    graphs, matmuls = [], []
     for batch in (first, second):
-        out_e, g_e = _step_grads(eager, batch)
-        out_c, g_c = _step_grads(compiled, batch)
+        with profiled() as p_e:
+            out_e, g_e = _step_grads(eager, batch)
+        with profiled() as p_c:
+            out_c, g_c = _step_grads(compiled, batch)
         graphs.append(compiled_graphs())
+        matmuls.append([sum(n for k, n in p["by_name"].items() if k in MATMULS) for p in (p_e, p_c)])
         assert out_c.loss == pytest.approx(out_e.loss, abs=lp_atol)
         assert out_c.grad_norm == pytest.approx(out_e.grad_norm, rel=1e-4)
         assert g_c.keys() == g_e.keys() and g_e
         for n, g in g_e.items():
             torch.testing.assert_close(g_c[n], g, rtol=1e-4, atol=grad_atol, msg=n)
+    # the compiled layers still recompute under activation checkpointing (the second step: the first also
+    # compiled): not recomputing would drop one forward's matmuls, a matmul per Linear of every layer; the
+    # compiled recompute leaves out only what the backward does not read (a layer's last projection)
+    linears = sum(isinstance(m, torch.nn.Linear) for layer in decoder_layers(compiled.module) for m in layer.modules())
+    assert matmuls[1][0] - linears / 2 < matmuls[1][1] <= matmuls[1][0], (matmuls, linears)
     for (n, p), (m, q) in zip(eager.module.named_parameters(), compiled.module.named_parameters(), strict=True):
         assert n == m
         torch.testing.assert_close(q, p, rtol=1e-4, atol=grad_atol, msg=n)
