@@ -20,6 +20,8 @@ issue 52 (:mod:`benchmarks.learner_proxy`), into ``benchmarks/results/bench_lear
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner [--size 224] [--repeats 5] [--device cpu]
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner --proxy [--model-dir /tmp/qwen25vl-3b-l2]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_learner --proxy --counter profiler \
+        --variants before_fp32,vision_once_fp32,compiled_fp32      # learner.compile, counted as it runs
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ def main() -> None:
     ap.add_argument("--proxy", action="store_true", help="the 3B-shape compute-path counts (see above)")
     ap.add_argument("--proxy-variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variants", default="before_fp32,vision_once_fp32,before,vision_once,master")
+    ap.add_argument("--counter", choices=("dispatch", "profiler"), default="dispatch",
+                    help="--proxy: count with a TorchDispatchMode (per region) or torch.profiler (compiled variants)")
+    ap.add_argument("--decoder-layers", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "streamgrpo-qwen25vl-3b-l2"))
     a = ap.parse_args()
     if a.proxy_variant:
@@ -187,13 +192,16 @@ def proxy_main(a) -> None:
         base = by_name.get(baseline_of(v))
         if base is None or base is r:
             continue
-        for key, unit in (("total_ops", "ops"), ("ops_per_decoder_layer", "ops"), ("ops_per_vision_block", "ops"),
-                          ("vision_attention_per_block", "calls"), ("weight_casts", "casts"),
-                          ("peak_rss_step_mib", "MiB")):
+        keys = ((("ops_and_kernels", "ops"), ("ops_and_kernels_per_decoder_layer", "ops"), ("kernels", "kernels"),
+                 ("launches", "launches"), ("launches_per_decoder_layer", "launches"), ("step_s", "s")) if a.counter == "profiler" else
+                (("total_ops", "ops"), ("ops_per_decoder_layer", "ops"), ("ops_per_vision_block", "ops"),
+                 ("vision_attention_per_block", "calls"), ("weight_casts", "casts"), ("peak_rss_step_mib", "MiB")))
+        for key, unit in keys:
             ratio = r[key] / base[key] if base[key] else None
             figures.append(emit(figure(f"proxy_{v}_{key}", r[key], base[key], ratio, unit=unit,
                                        note=f"baseline: {base['variant']}; ratio = value / baseline")))
-    write_result("bench_learner_proxy", figures, machine, vars(a), {"rows": rows}, a.out)
+    name = "bench_learner_proxy" + ("_profiler" if a.counter == "profiler" else "")
+    write_result(name, figures, machine, vars(a), {"rows": rows}, a.out)
 
 
 if __name__ == "__main__":

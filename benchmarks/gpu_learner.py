@@ -53,6 +53,8 @@ MODES = {
     "full_unshared": ["model.tune_mm_vision=false"],
     "full_master": ["model.tune_mm_vision=false", "learner.master_weights=true"],
     "full_shared_master": ["model.tune_mm_vision=false", "learner.shared_prompt=true", "learner.master_weights=true"],
+    # learner.compile on top of full_master: each decoder layer compiled by inductor (its warm-up step compiles)
+    "full_master_compiled": ["model.tune_mm_vision=false", "learner.master_weights=true", "learner.compile=true"],
 }
 LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
 BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the built-in ZeRO-2)

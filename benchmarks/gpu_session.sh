@@ -10,8 +10,10 @@
 #   learner3b  Qwen2.5-VL-3B sizes, beta 0.04, torch backend: MFU per lever of issue 52 (< 6 min), one at a time
 #              from the learner as it was: full_unshared (the frozen vision tower run by the reference and the
 #              policy), full (once per micro-batch), full_master (and bf16 parameters + fp32 master weights),
-#              full_shared_master (and each prompt once); a profiled step each (aten ops, kernels) under
-#              $OUT/profile_3b_levers. On a CPU, the script's own check (the tiny model, bf16 asked for):
+#              full_shared_master (and each prompt once), full_master_compiled (full_master and learner.compile:
+#              each decoder layer compiled by inductor; its warm-up step compiles, ~1-2 min of the stage); a
+#              profiled step each (aten ops, kernels) under $OUT/profile_3b_levers. On a CPU, the script's own
+#              check (the tiny model, bf16 asked for):
 #              SIZE=tiny LEVER_ARGS="--set learner.bf16=true" bash benchmarks/gpu_session.sh learner3b
 #   matrix3b   Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
@@ -44,7 +46,8 @@ case "$stage" in
            --profile "$OUT/profile_smoke" ;;
   learner3b)
     learner 3b_levers --size "${SIZE:-3b}" --beta 0.04 --steps 3 --warmup 1 --backends torch \
-      --modes "${MODES:-full_unshared,full,full_master,full_shared_master}" --profile "$OUT/profile_3b_levers" \
+      --modes "${MODES:-full_unshared,full,full_master,full_shared_master,full_master_compiled}" \
+      --profile "$OUT/profile_3b_levers" \
       ${LEVER_ARGS:-} ;;
   matrix3b)
     learner 3b --size 3b --beta 0.04 --steps 3 --backends torch,deepspeed --modes full,full_shared,lora \

@@ -12,7 +12,14 @@ checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one
 * ``before``: the learner as it was (float32 parameters under autocast; the vision tower run by the
   reference and by the policy); ``before_fp32`` the same without bf16 (a CPU runs bf16 ~10x slower);
 * ``vision_once`` (``vision_once_fp32``): the frozen trunk once per micro-batch (:mod:`streamgrpo.models.vision_trunk`);
-* ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer).
+* ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer);
+* ``compiled`` (``compiled_fp32`` on top of ``vision_once_fp32``): and ``learner.compile`` (each decoder layer
+  compiled by inductor).
+
+``--counter profiler`` (what a compiled step can be counted with: under the dispatch mode nothing compiles)
+counts each variant's second step (the first compiles) from torch.profiler's events: every ``aten::`` op and
+every kernel inductor generated (:func:`benchmarks.op_counts.profiled`); and runs it again with one decoder
+layer fewer: the difference is one decoder layer's ops and kernels a step, forward, recompute and backward.
 
 Per variant: aten ops per step (and per layer of each region, forward and recompute), vision attention
 calls per layer and vision passes, fp32->bf16 weight casts per step, the step's peak resident memory above
@@ -37,6 +44,9 @@ VARIANTS = {  # the first of each precision is the baseline of the others
     "before": dict(share_vision=False, sets=BF16),
     "vision_once": dict(share_vision=True, sets=BF16),
     "master": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"]),
+    # learner.compile (item 5): counted with --counter profiler only (under the dispatch mode nothing compiles)
+    "compiled_fp32": dict(share_vision=True, sets=[*FP32, "learner.compile=true"]),
+    "compiled": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true", "learner.compile=true"]),
 }
 
 
@@ -69,6 +79,51 @@ class PeakRSS:
         self.peak = max(self.peak, _rss())
 
 
+def keep_decoder_layers(learner, n: int) -> None:
+    """Run only the first ``n`` decoder layers of the policy and the reference (``--decoder-layers``: a step with one
+    layer fewer gives one layer's ops by difference; the others' parameters stay, without gradients)."""
+    for m in (learner.module, learner.ref):
+        if m is not None:
+            lm = m.model.language_model
+            lm.layers = lm.layers[:n]
+            lm.config.num_hidden_layers = n
+
+
+def run_profiled(name: str, a) -> dict:
+    """One variant counted by torch.profiler (``--counter profiler``): a first step (it compiles what
+    ``learner.compile`` compiles), then the counted step."""
+    import torch
+
+    from benchmarks.gpu_learner import synthetic_groups
+    from benchmarks.op_counts import profiled, record_kernels
+    from streamgrpo.config import build_config
+    from streamgrpo.learner.trainer import Learner
+
+    record_kernels()
+    torch.manual_seed(0)
+    learner = Learner(build_config({}, variant_sets(name, a)))
+    learner.share_vision_trunk = VARIANTS[name]["share_vision"]
+    if a.decoder_layers:
+        keep_decoder_layers(learner, a.decoder_layers)
+    batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.size, G=a.G, completion_len=a.completion_len)
+    t0 = time.perf_counter()
+    assert learner.train_step(batch) is not None, "step skipped"
+    first = time.perf_counter() - t0
+    with profiled() as p:
+        t0 = time.perf_counter()
+        out = learner.train_step(batch)
+        wall = time.perf_counter() - t0
+    assert out is not None, "step skipped"
+    return {"variant": name, "counter": "profiler", "decoder_layers": len(learner.module.model.language_model.layers),
+            **p, "first_step_s": first, "step_s": wall, "loss": out.loss}
+
+
+def variant_sets(name: str, a) -> list[str]:
+    return [f"model.name_or_path={a.model_dir}", "learner.device=cpu", "learner.gradient_checkpointing=true",
+            "loss.beta=0.04", "learner.groups_per_step=1", f"rollout.num_generations={a.G}",
+            f"rollout.max_completion_length={a.completion_len}", "model.tune_mm_vision=false", *VARIANTS[name]["sets"]]
+
+
 def run_variant(name: str, a) -> dict:
     """One variant in this process (``--proxy-variant``): its counts as a dict."""
     import torch
@@ -78,12 +133,13 @@ def run_variant(name: str, a) -> dict:
     from streamgrpo.config import build_config
     from streamgrpo.learner.trainer import Learner
 
+    if getattr(a, "counter", "dispatch") == "profiler":
+        return run_profiled(name, a)
+    if name.startswith("compiled"):
+        raise SystemExit(f"{name}: count it with --counter profiler (under a TorchDispatchMode nothing compiles)")
     v = VARIANTS[name]
-    sets = [f"model.name_or_path={a.model_dir}", "learner.device=cpu", "learner.gradient_checkpointing=true", "loss.beta=0.04", "learner.groups_per_step=1",
-            f"rollout.num_generations={a.G}", f"rollout.max_completion_length={a.completion_len}",
-            "model.tune_mm_vision=false", *v["sets"]]
     torch.manual_seed(0)
-    learner = Learner(build_config({}, sets))
+    learner = Learner(build_config({}, variant_sets(name, a)))
     learner.share_vision_trunk = v["share_vision"]
     batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.size, G=a.G, completion_len=a.completion_len)
     with PeakRSS() as mem, counting(learner.module, learner.ref) as c:
@@ -113,19 +169,44 @@ def build_model(a) -> None:
         build_tiny(a.model_dir, size="3b", layers=2, vocab=0)
 
 
+def _subprocess_variant(name: str, a, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.bench_learner", "--proxy-variant", name, "--model-dir", a.model_dir,
+           "--G", str(a.G), "--frames", str(a.frames), "--size", str(a.size),
+           "--completion-len", str(a.completion_len), "--counter", a.counter, *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode or not line:
+        raise RuntimeError(f"variant {name} failed:\n{res.stderr[-3000:]}")
+    return json.loads(line[-1])
+
+
+def _profiled_row(name: str, a) -> dict:
+    """A profiler-counted variant: the step with every decoder layer and with one fewer; their difference is one
+    decoder layer's ops and kernels a step (forward, recompute, backward)."""
+    full = _subprocess_variant(name, a)
+    fewer = _subprocess_variant(name, a, "--decoder-layers", str(full["decoder_layers"] - 1))
+    for key in ("aten_ops", "kernels", "ops_and_kernels", "launches"):
+        full[f"{key}_per_decoder_layer"] = full[key] - fewer[key]
+    names = {k: n - fewer["by_name"].get(k, 0) for k, n in full.pop("by_name").items()}
+    full["top_per_decoder_layer"] = dict(sorted(((k, n) for k, n in names.items() if n), key=lambda kv: -kv[1])[:25])
+    fewer.pop("by_name")
+    full["fewer_layers"] = fewer
+    print(f"#   {name}: {full['aten_ops']} aten ops + {full['kernels']} compiled kernels a step; one decoder layer: "
+          f"{full['aten_ops_per_decoder_layer']} + {full['kernels_per_decoder_layer']} (fwd, recompute, bwd), "
+          f"{full['launches_per_decoder_layer']} of them kernel launches; "
+          f"step {full['step_s']:.1f} s (first {full['first_step_s']:.1f} s)", flush=True)
+    return full
+
+
 def run_all(a) -> list[dict]:
     """Every variant in a fresh process (so that each peak is its own), in order."""
     build_model(a)
     rows = []
     for name in a.variants.split(","):
-        cmd = [sys.executable, "-m", "benchmarks.bench_learner", "--proxy-variant", name, "--model-dir", a.model_dir,
-               "--G", str(a.G), "--frames", str(a.frames), "--size", str(a.size),
-               "--completion-len", str(a.completion_len)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-        if res.returncode or not line:
-            raise RuntimeError(f"variant {name} failed:\n{res.stderr[-3000:]}")
-        rows.append(json.loads(line[-1]))
+        if a.counter == "profiler":
+            rows.append(_profiled_row(name, a))
+            continue
+        rows.append(_subprocess_variant(name, a))
         r = rows[-1]
         print(f"#   {name}: {r['total_ops']} aten ops, {r['ops_per_decoder_layer']:.0f}/decoder layer, "
               f"{r['ops_per_vision_block']:.0f}/vision block, vision passes {r['vision_passes']}, "

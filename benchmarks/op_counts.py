@@ -98,3 +98,89 @@ def counting(*models: torch.nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+def _is_kernel(name: str) -> bool:
+    """A kernel inductor generated (``cpp_fused_*`` on a CPU, ``triton_*`` on a GPU), recorded by the profiler when
+    ``torch._inductor.config.cpp.enable_kernel_profile`` is on."""
+    return "cpp_fused" in name or name.startswith("triton_")
+
+
+CLIP_RANGE = "clip_grad_norm_"
+# aten ops that only make a tensor's metadata (views, strides, empty buffers): no kernel on a GPU
+METADATA_OPS = {f"aten::{n}" for n in (
+    "as_strided", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
+    "expand_as", "unsqueeze", "squeeze", "slice", "select", "narrow", "detach", "alias", "empty", "empty_strided",
+    "empty_like", "resolve_conj", "resolve_neg", "lift_fresh", "split", "split_with_sizes", "chunk", "unbind",
+    "contiguous", "flatten", "unflatten", "view_as", "result_type", "set_")}
+
+
+def _in_optimizer(event) -> bool:
+    while event is not None:
+        if event.name.startswith("Optimizer.") or event.name == CLIP_RANGE:  # torch.optim's ranges: step, zero_grad
+            return True
+        event = event.cpu_parent
+    return False
+
+
+@contextlib.contextmanager
+def _clip_in_a_range():
+    """``torch.nn.utils.clip_grad_norm_`` inside a profiler range while counting (a loop over parameters on a CPU)."""
+    import torch.nn.utils as nn_utils
+    from torch.profiler import record_function
+
+    original = nn_utils.clip_grad_norm_
+
+    def clip(*args, **kwargs):
+        with record_function(CLIP_RANGE):
+            return original(*args, **kwargs)
+    nn_utils.clip_grad_norm_ = clip
+    try:
+        yield
+    finally:
+        nn_utils.clip_grad_norm_ = original
+
+
+@contextlib.contextmanager
+def profiled():
+    """``with profiled() as p: step()``, then ``p["aten_ops"]``, ``p["kernels"]``: what a step issued, counted from
+    torch.profiler's events (every ``aten::`` op, nested ones included, as issue 52's GPU profile counted them; and
+    inductor's generated kernels), outside the optimizer's ``step``/``zero_grad`` and the gradient clipping
+    (counted apart in ``optimizer_ops``: a loop over parameters on a CPU, fused/foreach kernels on a GPU).
+    ``launches``: what would launch a kernel on a GPU: the innermost aten ops that are not views or empty
+    buffers (:data:`METADATA_OPS`; ``aten::mm`` counts once, not its ``resolve_conj`` inside), and inductor's
+    kernels. Unlike
+    :class:`OpCounter` (a ``TorchDispatchMode``, under which torch.compile does not compile: dynamo runs the frame
+    eagerly), this sees a compiled step as it runs: the aten ops its graphs still call (matmuls, attention: extern
+    kernels) and each fused kernel it launches. Backward included. Inductor records its CPU kernels only if
+    :func:`record_kernels` was called before it compiled them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, Any] = {}
+    with _clip_in_a_range(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield out
+    names: Counter = Counter()
+    optimizer = launches = 0
+    for e in prof.events():
+        if not (e.name.startswith("aten::") or _is_kernel(e.name)):
+            continue
+        if _in_optimizer(e):
+            optimizer += 1
+            continue
+        names[e.name] += 1
+        if _is_kernel(e.name) or (e.name not in METADATA_OPS and not any(
+                c.name.startswith("aten::") and c.name not in METADATA_OPS for c in e.cpu_children)):
+            launches += 1
+    out["aten_ops"] = sum(n for k, n in names.items() if k.startswith("aten::"))
+    out["kernels"] = sum(n for k, n in names.items() if _is_kernel(k))
+    out["ops_and_kernels"] = out["aten_ops"] + out["kernels"]
+    out["launches"] = launches
+    out["optimizer_ops"] = optimizer
+    out["by_name"] = dict(names)
+
+
+def record_kernels() -> None:
+    """Make inductor's generated CPU kernels profiler events (before anything compiles; part of its cache key)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True

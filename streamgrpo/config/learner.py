@@ -78,6 +78,10 @@ class LearnerConfig(Section):
     """bfloat16 training: autocast for the torch backend (float32 master weights for what trains, bf16 storage for what does not: a LoRA base, a frozen tower), DeepSpeed's bf16 mode for the deepspeed backend; false keeps float32."""
     master_weights: bool = False
     """With bf16 and the torch backend (full-weight training, not LoRA): the model's parameters in bfloat16 and float32 master copies in the optimizer (gradients summed in float32, AdamW on the masters, the result copied back rounded), as DeepSpeed's bf16 mode and Megatron do, instead of float32 parameters cast to bf16 by autocast in every forward and recompute. Faster on a GPU; the model then computes as a bf16 generator does (bf16 residual stream). See docs/performance.md."""
+    compile: bool = False
+    """torch.compile each decoder layer of the policy and the reference (nn.Module.compile, dynamic shapes: one graph all layers reuse, no recompile when the sequence length changes; parameter names unchanged), activation checkpointing and LoRA adapters inside it. Fewer, fused kernels per layer for a launch-bound step on a GPU; the first step pays the compile (about 1-2 minutes, and once more for each new kind of forward: the reference's, under no_grad). The vision blocks and the rest of the step stay eager. The torch backend only, not with checkpoint_offload. See docs/performance.md."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """With compile: torch.compile's backend: inductor (generated, fused kernels: the speed-up) or aot_eager (dynamo and AOTAutograd run the same aten ops without code generation: checks that the model traces, no speed-up)."""
     save_steps: int = Field(100, ge=1)
     """Write a checkpoint every this many steps (and on SIGTERM)."""
     async_checkpoint: bool = True

@@ -64,6 +64,17 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _compile_where_it_works(self) -> Config:
+        lc = self.learner
+        if lc.compile and lc.backend == "deepspeed":
+            raise ValueError("learner.compile is for learner.backend: torch (DeepSpeed's hooks around each layer's "
+                             "parameters are not compiled with it): set learner.compile to false")
+        if lc.compile and lc.checkpoint_offload:
+            raise ValueError("learner.compile does not compile the saved-input offload of learner.checkpoint_offload: "
+                             "set one of them to false")
+        return self
+
+    @model_validator(mode="after")
     def _shared_prompt_attention(self) -> Config:
         if self.learner.shared_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("learner.shared_prompt needs a custom attention mask: set model.attn_implementation "

@@ -27,6 +27,9 @@ frozen vision tower) stored in bfloat16, and DeepSpeed's bf16 mode (bf16 weights
 in the optimizer) for the deepspeed backend. ``learner.master_weights`` gives the torch backend the
 latter too (:mod:`streamgrpo.learner.master_weights`): no weight is cast in a forward.
 
+Compilation. ``learner.compile`` compiles each decoder layer of the policy and the reference in place
+(:mod:`streamgrpo.models.compile`): same modules and names, activation checkpointing and adapters inside.
+
 Vision. Each micro-batch's :class:`~streamgrpo.models.batching.TrainBatch` carries a ``vision_cache``:
 a frozen vision trunk runs once for the reference, the policy and the update guard's probes
 (:mod:`streamgrpo.models.vision_trunk`).
@@ -225,6 +228,13 @@ class Learner:
         ref_dtype = "bfloat16" if lc.master_weights else None
         self.ref = (load_model(cfg.model, device, dtype=ref_dtype, custom_mask=packed)
                     if cfg.loss.beta > 0 and lora is None else None)
+        if lc.compile:  # each decoder layer in place: same modules, same parameter names (models/compile.py)
+            from streamgrpo.models.compile import compile_decoder_layers
+
+            n = sum(compile_decoder_layers(m, lc.compile_backend) for m in (model, self.ref) if m is not None)
+            if self.dist.is_main:
+                log.info("learner.compile: %d decoder layers compiled (%s); the first step of each kind of forward "
+                         "compiles them (minutes on a CPU, about one on a GPU)", n, lc.compile_backend)
         self.module = model  # the peft or transformers module: names, saving, publishing
         capabilities(unwrap_model(model), role="learner")  # one line if this release lacks what log-probs use
         # what computes the policy's log-probs (DeepSpeed wraps it)
