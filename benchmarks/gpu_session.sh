@@ -2,7 +2,7 @@
 # The GPU checks still open for the learner (issue 20), in stages that each fit one device call (< 10 min).
 # Logs and result JSON go to $OUT (default: gpu-out/), so they come back even from a call that times out.
 #
-#   source .gpu/env.sh; bash benchmarks/gpu_session.sh learner3b     # on the lent GPU box (../shared/gpu)
+#   source .gpu/env.sh; bash benchmarks/gpu_session.sh learner3b     # on the lent GPU box (see docs/gpu.md)
 #   bash benchmarks/gpu_session.sh smoke                              # anywhere: the tiny model, seconds
 #
 # Stages:
