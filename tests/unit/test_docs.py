@@ -624,3 +624,13 @@ def test_commands_in_docs_parse(path):
 def test_config_keys_in_docs_exist(path):
     unknown = unknown_keys(path.read_text(encoding="utf-8"))
     assert unknown == [], f"config keys that do not exist (keys: {REFERENCE.relative_to(ROOT)}):\n" + _report(path, unknown)
+
+
+def test_nothing_in_the_repo_points_outside_it():
+    """The brief and spec the project began from lived beside the checkout (a folder named shared); the repo's own
+    truth is docs/design.md, so no tracked file may point there."""
+    OUTSIDE = "../" + "shared"  # spelt apart: this file is tracked too
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    pointing = [name for name in files.decode().split("\0") if name and (ROOT / name).is_file()
+                and OUTSIDE in (ROOT / name).read_text(errors="ignore")]
+    assert pointing == [], f"files that point at {OUTSIDE}: {pointing}"
