@@ -99,7 +99,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 # 72 steps: a 120-step run (2026-11-26, 2 cores, load ~10) rose from 0.39 (first 20 groups) by 0.41 at step 50,
-# 0.55 at step 60 and 0.54-0.58 from there to step 120; the bound below is a rise of 0.25
+# 0.55 at step 60 and 0.54-0.58 from there to step 120; four runs rose by 0.49-0.61 at step 72 (docs/performance.md,
+# the test suite's wall time); the bound below is a rise of 0.25
 ACCURACY_STEPS = 72
 
 
