@@ -45,35 +45,35 @@ def test_up_with_two_learner_ranks_trains_each_group_once_and_resumes(tiny_model
     sets = [f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",
             f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "demo.make_data=false", "data.kinds=null",
             f"queue.url={redis_server.url}", f"queue.namespace={redis_ns}", "learner.groups_per_step=4",
-            "rollout.prompts_per_batch=2", "learner.save_steps=2", "learner.get_timeout_s=1", "metrics.port=0",
+            "rollout.prompts_per_batch=2", "learner.save_steps=4", "learner.get_timeout_s=1", "metrics.port=0",
             "loss.max_staleness=100", "eval.enabled=false"]
-    out = _up(run, [*sets, "learner.max_steps=4"])  # a checkpoint at step 2, the last at 4
+    out = _up(run, [*sets, "learner.max_steps=8"])
     assert "placement: 2 learner rank(s), 2 generator(s) on the CPU" in out.stdout
     assert "learner.backend set to deepspeed" in out.stdout and "2 learner ranks, gens" in out.stdout
     rows = _jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 5)) and rows[-1]["groups_trained"] == 4 * 4
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["groups_trained"] == 8 * 4
     # every process of this `up` served /metrics on a port of its own, both ranks included
     ports = {f.stem: json.loads(f.read_text())["metrics"] for f in (run / "ports").glob("*.json") if f.stem != "weights"}
     assert set(ports) == {"learner", "learner-rank1", "generator-0", "generator-1"}
     assert len(set(ports.values())) == 4
     ranks = {name: [r for r in _jsonl(run / "audit" / f"{name}.jsonl") if r["event"] == "trained"]
              for name in ("learner", "learner-rank1")}
-    assert all(len(r) == 4 for r in ranks.values())  # both ranks took part in every step
+    assert all(len(r) == 8 for r in ranks.values())  # both ranks took part in every step
     assert all(len(r["group_ids"]) == 2 for rs in ranks.values() for r in rs)  # 4 groups a step, 2 on each rank
 
     q = RedisQueue.from_config(QueueConfig(url=redis_server.url, namespace=redis_ns), redis_server.url,
                                consumer="audit")
     try:
         first = audit_run(run, q)
-        assert (first.lost, first.twice, first.uncommitted, first.steps, first.trained) == (0, 0, 0, 4, 16), first
+        assert (first.lost, first.twice, first.uncommitted, first.steps, first.trained) == (0, 0, 0, 8, 32), first
         assert first.steps_in_order
 
-        out = _up(run, [*sets, "learner.max_steps=6"], "--resume")
+        out = _up(run, [*sets, "learner.max_steps=12"], "--resume")
         rows = _jsonl(run / "metrics.jsonl")
-        assert [r["step"] for r in rows][-2:] == [5, 6] and rows[-1]["groups_trained"] == 6 * 4
-        assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [4]
+        assert [r["step"] for r in rows][-4:] == [9, 10, 11, 12] and rows[-1]["groups_trained"] == 12 * 4
+        assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [8]
         again = audit_run(run, q)
-        assert (again.lost, again.twice, again.uncommitted, again.steps, again.trained) == (0, 0, 0, 6, 24), again
+        assert (again.lost, again.twice, again.uncommitted, again.steps, again.trained) == (0, 0, 0, 12, 48), again
         assert again.resumes == 1 and again.steps_in_order
     finally:
         q.close()
