@@ -716,7 +716,8 @@ def test_deepspeed_configs_parse(stage):
 
 _DS_SCRIPT = """
 import json, os, sys, torch
-import deepspeed
+from streamgrpo.learner.deepspeed_setup import import_deepspeed
+deepspeed = import_deepspeed()  # as the learner imports it: no JIT build of the CPU shared-memory op (a minute)
 deepspeed.init_distributed(dist_backend="gloo")
 out = {}
 for stage in (1, 2, 3):
@@ -747,6 +748,7 @@ def deepspeed_runs(tmp_path_factory):
     out = subprocess.run([sys.executable, "-c", _DS_SCRIPT, str(DS_DIR)], capture_output=True, text=True,
                          timeout=600, env=env, cwd=tmp_path_factory.mktemp("deepspeed"))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "shm_comm" not in out.stdout + out.stderr, "DeepSpeed built or loaded its shared-memory op on the CPU"
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
