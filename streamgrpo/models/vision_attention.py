@@ -19,10 +19,13 @@ Always on for sdpa and eager (:func:`install`, from :func:`~streamgrpo.models.lo
 are the per-chunk path's within float rounding (the padded keys get exactly zero weight), tested on both
 architectures, with the trunk frozen and with the tower training (the gathers are differentiable).
 
-Memory: a call's padded attention scores ``chunks x heads x L²`` are kept at most :data:`PAD_BUDGET` (2)
-times the exact ``heads x Σ len²`` of its chunks; a batch of very unequal chunks (a large image with small
-ones) is split into a few calls, longest first, each within that bound (so padded q/k/v are at most twice
-the real tokens too). Equal windows and equal frames are one call with no padding at all.
+Memory: a call's padded attention scores ``chunks x heads x L²`` are kept at most :data:`PAD_BUDGET` (4)
+times the exact ``heads x Σ len²`` of its chunks (and so its padded q/k/v/output at most 4x the real tokens:
+``chunks x L <= 4 Σ len``); chunks that would exceed it (a large image with many small ones) go to another
+call, longest first. 4 is what keeps every windowed block of any one video or image size a single call: a
+frame's windows are at most 4 times its full windows (2 x 2 windows, three of them edge slivers, is the
+worst: a 140-pixel frame). At real sizes it is close to 1 (16 x 448²: 128 equal windows, no padding, no
+copy; a 336 x 504 frame: 1.18).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-PAD_BUDGET = 2.0
+PAD_BUDGET = 4.0
 """A packed call's padded scores are at most this many times its chunks' exact scores."""
 
 NAMES = {"sdpa": "streamgrpo_packed_sdpa_flash_api", "eager": "streamgrpo_packed_eager_flash_api"}
