@@ -12,7 +12,10 @@ checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one
 * ``before``: the learner as it was (float32 parameters under autocast; the vision tower run by the
   reference and by the policy); ``before_fp32`` the same without bf16 (a CPU runs bf16 ~10x slower);
 * ``vision_once`` (``vision_once_fp32``): the frozen trunk once per micro-batch (:mod:`streamgrpo.models.vision_trunk`);
-* ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer).
+* ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer);
+* ``vision_batched`` (on ``master``; ``vision_batched_fp32`` on ``vision_once_fp32``, each its baseline): the
+  vision attention's windows in one packed call per block (:mod:`streamgrpo.models.vision_attention`); the
+  other variants run transformers' per-chunk vision attention, as before it.
 
 Per variant: aten ops per step (and per layer of each region, forward and recompute), vision attention
 calls per layer and vision passes, fp32->bf16 weight casts per step, the step's peak resident memory above
@@ -37,11 +40,14 @@ VARIANTS = {  # the first of each precision is the baseline of the others
     "before": dict(share_vision=False, sets=BF16),
     "vision_once": dict(share_vision=True, sets=BF16),
     "master": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"]),
+    "vision_batched_fp32": dict(share_vision=True, sets=FP32, packed_vision=True),
+    "vision_batched": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"], packed_vision=True),
 }
+BASELINES = {"vision_batched_fp32": "vision_once_fp32", "vision_batched": "master"}  # else the first of the precision
 
 
 def baseline_of(name: str) -> str:
-    return "before_fp32" if name.endswith("_fp32") else "before"
+    return BASELINES.get(name) or ("before_fp32" if name.endswith("_fp32") else "before")
 
 
 def _rss() -> int:
@@ -77,6 +83,7 @@ def run_variant(name: str, a) -> dict:
     from benchmarks.op_counts import counting
     from streamgrpo.config import build_config
     from streamgrpo.learner.trainer import Learner
+    from streamgrpo.models.vision_attention import install as install_packed_vision_attention
 
     v = VARIANTS[name]
     sets = [f"model.name_or_path={a.model_dir}", "learner.device=cpu", "learner.gradient_checkpointing=true", "loss.beta=0.04", "learner.groups_per_step=1",
@@ -85,6 +92,9 @@ def run_variant(name: str, a) -> dict:
     torch.manual_seed(0)
     learner = Learner(build_config({}, sets))
     learner.share_vision_trunk = v["share_vision"]
+    for m in (learner.module, learner.ref):  # load_model packs the vision attention: per chunk unless asked
+        if m is not None:
+            install_packed_vision_attention(m, on=v.get("packed_vision", False))
     batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.size, G=a.G, completion_len=a.completion_len)
     with PeakRSS() as mem, counting(learner.module, learner.ref) as c:
         t0 = time.perf_counter()
