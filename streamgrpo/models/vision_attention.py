@@ -13,7 +13,10 @@ tower's config only: transformers then takes its variable-length branch (the one
 implementation whose name contains ``flash``), so q/k/v, rotary embeddings, the output projection, windows
 and positions are the installed release's own code, and the kernel itself is transformers' own sdpa or the
 model's own eager function, now on a batch of chunks. Where flash_attention_2 is the implementation,
-nothing is installed: flash-attention's varlen kernel already is one call.
+nothing is installed: flash-attention's varlen kernel already is one call. (Replacing each attention
+module's forward instead would copy transformers' q/k/v and rotary code into ours; a release that stopped
+routing ``flash`` names to the varlen branch would call this function per chunk without ``cu_seqlens``,
+which it passes straight to the kernel: the same values, unpacked, and the count test failing.)
 
 Always on for sdpa and eager (:func:`install`, from :func:`~streamgrpo.models.loading.load_model`): the values
 are the per-chunk path's within float rounding (the padded keys get exactly zero weight), tested on both
