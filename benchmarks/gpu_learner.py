@@ -55,8 +55,14 @@ MODES = {
     "full_shared_master": ["model.tune_mm_vision=false", "learner.shared_prompt=true", "learner.master_weights=true"],
     # learner.compile on top of full_master: each decoder layer compiled by inductor (its warm-up step compiles)
     "full_master_compiled": ["model.tune_mm_vision=false", "learner.master_weights=true", "learner.compile=true"],
+    # the vision attention packed into one call per block (sdpa: what flash-attn's varlen call does anyway) vs
+    # transformers' call per window (full_master_sdpa_per_chunk)
+    "full_master_sdpa": ["model.tune_mm_vision=false", "learner.master_weights=true", "model.attn_implementation=sdpa"],
+    "full_master_sdpa_per_chunk": ["model.tune_mm_vision=false", "learner.master_weights=true",
+                                   "model.attn_implementation=sdpa"],
 }
 LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
+PER_CHUNK_VISION = {"full_master_sdpa_per_chunk"}  # modes whose vision attention is transformers' per-chunk loop
 BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the built-in ZeRO-2)
     "torch": ("torch", None),
     "deepspeed": ("deepspeed", None),
@@ -148,6 +154,12 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
         learner = Learner(build_config({}, combo_sets(a, backend, mode, cuda)))
         for key, value in LEARNER_ATTRS.get(mode, {}).items():
             setattr(learner, key, value)
+        if mode in PER_CHUNK_VISION:
+            from streamgrpo.models.vision_attention import install
+
+            for m in (learner.module, learner.ref):
+                if m is not None:
+                    install(m, on=False)
         batch = synthetic_groups(learner.processor, a.groups, frames=a.frames, size=a.frame_size, G=a.G,
                                  completion_len=a.completion_len)
         times, out = [], None

@@ -15,6 +15,8 @@
 #              profiled step each (aten ops, kernels) under $OUT/profile_3b_levers. On a CPU, the script's own
 #              check (the tiny model, bf16 asked for):
 #              SIZE=tiny LEVER_ARGS="--set learner.bf16=true" bash benchmarks/gpu_session.sh learner3b
+#              The vision attention in one call per block under sdpa (flash-attn's varlen call is one already):
+#              MODES=full_master_sdpa_per_chunk,full_master_sdpa bash benchmarks/gpu_session.sh learner3b
 #   matrix3b   Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
 #              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b; then

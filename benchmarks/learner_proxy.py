@@ -15,6 +15,9 @@ checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one
 * ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer);
 * ``compiled`` (``compiled_fp32`` on top of ``vision_once_fp32``): and ``learner.compile`` (each decoder layer
   compiled by inductor).
+* ``vision_batched`` (on ``master``; ``vision_batched_fp32`` on ``vision_once_fp32``, each its baseline): the
+  vision attention's windows in one packed call per block (:mod:`streamgrpo.models.vision_attention`); the
+  other variants run transformers' per-chunk vision attention, as before it.
 
 ``--counter profiler`` (what a compiled step can be counted with: under the dispatch mode nothing compiles)
 counts each variant's second step (the first compiles) from torch.profiler's events: every ``aten::`` op and
@@ -47,11 +50,14 @@ VARIANTS = {  # the first of each precision is the baseline of the others
     # learner.compile (item 5): counted with --counter profiler only (under the dispatch mode nothing compiles)
     "compiled_fp32": dict(share_vision=True, sets=[*FP32, "learner.compile=true"]),
     "compiled": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true", "learner.compile=true"]),
+    "vision_batched_fp32": dict(share_vision=True, sets=FP32, packed_vision=True),
+    "vision_batched": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"], packed_vision=True),
 }
+BASELINES = {"vision_batched_fp32": "vision_once_fp32", "vision_batched": "master"}  # else the first of the precision
 
 
 def baseline_of(name: str) -> str:
-    return "before_fp32" if name.endswith("_fp32") else "before"
+    return BASELINES.get(name) or ("before_fp32" if name.endswith("_fp32") else "before")
 
 
 def _rss() -> int:
@@ -103,6 +109,7 @@ def run_profiled(name: str, a) -> dict:
     torch.manual_seed(0)
     learner = Learner(build_config({}, variant_sets(name, a)))
     learner.share_vision_trunk = VARIANTS[name]["share_vision"]
+    vision_attention_of(name, learner)
     if a.decoder_layers:
         keep_decoder_layers(learner, a.decoder_layers)
     batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.size, G=a.G, completion_len=a.completion_len)
@@ -116,6 +123,15 @@ def run_profiled(name: str, a) -> dict:
     assert out is not None, "step skipped"
     return {"variant": name, "counter": "profiler", "decoder_layers": len(learner.module.model.language_model.layers),
             **p, "first_step_s": first, "step_s": wall, "loss": out.loss}
+
+
+def vision_attention_of(name: str, learner) -> None:
+    """load_model packs the vision attention (one call per block): per chunk, as before it, unless the variant asks."""
+    from streamgrpo.models.vision_attention import install
+
+    for m in (learner.module, learner.ref):
+        if m is not None:
+            install(m, on=VARIANTS[name].get("packed_vision", False))
 
 
 def variant_sets(name: str, a) -> list[str]:
@@ -141,6 +157,7 @@ def run_variant(name: str, a) -> dict:
     torch.manual_seed(0)
     learner = Learner(build_config({}, variant_sets(name, a)))
     learner.share_vision_trunk = v["share_vision"]
+    vision_attention_of(name, learner)
     batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.size, G=a.G, completion_len=a.completion_len)
     with PeakRSS() as mem, counting(learner.module, learner.ref) as c:
         t0 = time.perf_counter()

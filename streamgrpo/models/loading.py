@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from streamgrpo.models.vision_attention import install as install_packed_vision_attention
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +58,8 @@ def load_processor(name_or_path: str, revision: str | None = None):
 def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | None = None, trainable: bool = False,
                custom_mask: bool = False):
     """Load the policy as the transformers class of its checkpoint, on ``device``, in ``dtype``, with the
-    attention kernel :func:`~streamgrpo.models.attention.resolve` picks (``custom_mask``: learner.shared_prompt)."""
+    attention kernel :func:`~streamgrpo.models.attention.resolve` picks (``custom_mask``: learner.shared_prompt),
+    the vision tower's packed into one call per block (:mod:`streamgrpo.models.vision_attention`)."""
     from transformers import AutoModelForImageTextToText
 
     from streamgrpo.models.attention import resolve
@@ -69,6 +72,7 @@ def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | No
         model_cfg.name_or_path, revision=model_cfg.revision, dtype=_DTYPES[dtype_name], attn_implementation=attn
     )
     model.to(device)
+    install_packed_vision_attention(model)  # sdpa/eager: the vision tower's chunks in one call per block (same values)
     if model_cfg.fp32_lm_head:
         from streamgrpo.models.head import use_fp32_head
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from streamgrpo.models.apply import WeightsApplyError, apply_to_model
+from streamgrpo.models.vision_attention import install as install_packed_vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def load_quantized(model_cfg, lora_cfg, device: torch.device, *, custom_mask: bo
         attn_implementation=resolve(model_cfg.attn_implementation, torch.device(device).type,
                                     custom_mask=custom_mask),
     )
+    install_packed_vision_attention(model)
     if model_cfg.fp32_lm_head:
         from streamgrpo.models.head import use_fp32_head
 
