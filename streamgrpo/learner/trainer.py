@@ -150,6 +150,19 @@ def enable_activation_checkpointing(model, every: int = 1, offload: bool = False
     getattr(model, caps.checkpointing)(**{caps.checkpointing_kwargs: kwargs}, every_n_layers=every, offload=offload)
 
 
+def refuse_selective_around_compiled_layers(lc) -> None:
+    """``learner.checkpoint_matmuls`` with ``learner.compile``: one line on a transformers release that checkpoints
+    around the compiled layer (5.17), where the policy would not be traced into the compiled graph."""
+    from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
+
+    if lc.compile and lc.checkpoint_matmuls and not checkpoints_inside_forward():
+        import transformers
+
+        raise ConfigError(f"learner.checkpoint_matmuls with learner.compile needs transformers' checkpointing inside "
+                          f"the compiled layer's forward (5.24 and later; this is {transformers.__version__}, which "
+                          f"checkpoints around it): upgrade transformers, or set one of them to false")
+
+
 class PolicyLogprobs(torch.nn.Module):
     """The policy with its forward set to "completion log-probs of a TrainBatch".
 
@@ -191,6 +204,7 @@ class Learner:
         if lc.checkpoint_offload and torch.device(device).type != "cuda":
             raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
                               f"learner runs on {torch.device(device).type}: set it to false")
+        refuse_selective_around_compiled_layers(lc)
         self.master_weights = lc.master_weights
         if lc.master_weights and (not lc.bf16 or self.deepspeed or cfg.model.lora is not None):
             raise ConfigError("learner.master_weights (bf16 parameters, float32 master weights in the optimizer) is for "

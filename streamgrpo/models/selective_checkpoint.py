@@ -48,3 +48,12 @@ def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def save_matmuls_context_fn():
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (a partial: dynamo takes it as a constant)."""
     return functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+
+
+def checkpoints_inside_forward() -> bool:
+    """Whether transformers checkpoints a layer's ``forward`` (5.24: under ``learner.compile`` the checkpoint, and
+    so the policy, is traced into the compiled layer) rather than its ``__call__`` (5.17: the checkpoint runs
+    around the compiled layer, and the policy's dispatch modes would keep dynamo from running it compiled)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" not in GradientCheckpointingLayer.__dict__

@@ -17,6 +17,7 @@ import torch
 from benchmarks.op_counts import profiled
 from streamgrpo.config import ConfigError
 from streamgrpo.models.compile import RECOMPILE_LIMIT, compiled_graphs, decoder_layers, is_compiled
+from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
 from tests.integration.test_learner_core import _accept, _cfg, _learner, _step_grads
 
 SETS = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0.04")
@@ -179,6 +180,11 @@ def test_checkpoint_matmuls_keeps_the_matmul_outputs_instead_of_recomputing_them
     model_dir, groups = groups_by_arch["qwen2_5_vl"]
     sets = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0")
     compiled = ("learner.compile=true", f"learner.compile_backend={backend}") if backend != "eager" else ()
+    if compiled and not checkpoints_inside_forward():  # transformers 5.17: the checkpoint runs around the compiled layer
+        with pytest.raises(ConfigError, match="learner.checkpoint_matmuls with learner.compile") as e:
+            _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.checkpoint_matmuls=true", *compiled))
+        assert "\n" not in str(e.value)
+        return
     plain = _learner(_cfg(model_dir, tmp_path / "a", *sets, *compiled))
     selective = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.checkpoint_matmuls=true", *compiled))
     batch = _accept(groups[:4], plain)
