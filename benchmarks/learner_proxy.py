@@ -15,7 +15,7 @@ checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one
 * ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer);
 * ``compiled`` (``compiled_fp32`` on top of ``vision_once_fp32``): and ``learner.compile`` (each decoder layer
   compiled by inductor); ``compiled_matmuls_fp32``: and ``learner.checkpoint_matmuls`` (the recompute keeps
-  the matmul and attention outputs).
+  the matmul and attention outputs); ``matmuls_fp32``: that without the compile (what it keeps: the step's peak).
 
 ``--counter profiler`` (what a compiled step can be counted with: under the dispatch mode nothing compiles)
 counts each variant's second step (the first compiles) from torch.profiler's events: every ``aten::`` op and
@@ -48,7 +48,8 @@ VARIANTS = {  # the first of each precision is the baseline of the others
     # learner.compile (item 5): counted with --counter profiler only (under the dispatch mode nothing compiles)
     "compiled_fp32": dict(share_vision=True, sets=[*FP32, "learner.compile=true"]),
     "compiled": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true", "learner.compile=true"]),
-    # learner.checkpoint_matmuls (selective checkpointing) on top of compiled_fp32: profiler only, as compiled_fp32
+    # learner.checkpoint_matmuls (selective checkpointing), eager (its step's peak memory) and on top of compiled_fp32
+    "matmuls_fp32": dict(share_vision=True, sets=[*FP32, "learner.checkpoint_matmuls=true"]),
     "compiled_matmuls_fp32": dict(share_vision=True, sets=[*FP32, "learner.compile=true",
                                                            "learner.checkpoint_matmuls=true"]),
 }

@@ -131,12 +131,16 @@ INDUCTOR_ON_CPU = os.environ.get("STREAMGRPO_INDUCTOR_TESTS") == "1"
                                                  "1-2 min on a 2-core CPU: STREAMGRPO_INDUCTOR_TESTS=1 runs it")),
     pytest.param("cuda", marks=[pytest.mark.gpu,
                                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_inductor_compiled_layers_match_eager_within_float_rounding(groups_by_arch, tmp_path, device):
+@pytest.mark.parametrize("selective", [False, True], ids=["plain", "checkpoint_matmuls"])
+def test_inductor_compiled_layers_match_eager_within_float_rounding(groups_by_arch, tmp_path, device, selective):
+    """Inductor's kernels against the eager learner; with ``learner.checkpoint_matmuls`` too (selective
+    checkpointing: the partitioner keeps the matmul and attention outputs, inductor recomputes the rest)."""
     model_dir, groups = groups_by_arch["qwen2_5_vl"]
     sets = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0",  # one graph
             f"learner.device={device}")
     eager = _learner(_cfg(model_dir, tmp_path / "a", *sets))
-    compiled = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.compile=true"))
+    compiled = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.compile=true",
+                             *(["learner.checkpoint_matmuls=true"] if selective else [])))
     assert compiled.cfg.learner.compile_backend == "inductor"
     batch = _accept(groups[:4], eager)
     out_e, g_e = _step_grads(eager, batch)
