@@ -55,6 +55,10 @@ MODES = {
     "full_shared_master": ["model.tune_mm_vision=false", "learner.shared_prompt=true", "learner.master_weights=true"],
     # learner.compile on top of full_master: each decoder layer compiled by inductor (its warm-up step compiles)
     "full_master_compiled": ["model.tune_mm_vision=false", "learner.master_weights=true", "learner.compile=true"],
+    # and learner.checkpoint_matmuls: the recompute keeps the matmul and attention outputs (not in learner3b's
+    # default modes: MODES=full_master_compiled,full_master_compiled_matmuls bash benchmarks/gpu_session.sh learner3b)
+    "full_master_compiled_matmuls": ["model.tune_mm_vision=false", "learner.master_weights=true",
+                                     "learner.compile=true", "learner.checkpoint_matmuls=true"],
 }
 LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
 BACKENDS = {  # name -> learner.backend and its DeepSpeed config (None: the built-in ZeRO-2)
