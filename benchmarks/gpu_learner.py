@@ -60,6 +60,10 @@ MODES = {
     "full_master_sdpa": ["model.tune_mm_vision=false", "learner.master_weights=true", "model.attn_implementation=sdpa"],
     "full_master_sdpa_per_chunk": ["model.tune_mm_vision=false", "learner.master_weights=true",
                                    "model.attn_implementation=sdpa"],
+    # and learner.checkpoint_matmuls: the recompute keeps the matmul and attention outputs (not in learner3b's
+    # default modes: MODES=full_master_compiled,full_master_compiled_matmuls bash benchmarks/gpu_session.sh learner3b)
+    "full_master_compiled_matmuls": ["model.tune_mm_vision=false", "learner.master_weights=true",
+                                     "learner.compile=true", "learner.checkpoint_matmuls=true"],
 }
 LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
 PER_CHUNK_VISION = {"full_master_sdpa_per_chunk"}  # modes whose vision attention is transformers' per-chunk loop

@@ -14,7 +14,8 @@ checkpointing, ``loss.beta`` 0.04: a reference model) in its own process for one
 * ``vision_once`` (``vision_once_fp32``): the frozen trunk once per micro-batch (:mod:`streamgrpo.models.vision_trunk`);
 * ``master``: and ``learner.master_weights`` (bf16 parameters, float32 masters in the optimizer);
 * ``compiled`` (``compiled_fp32`` on top of ``vision_once_fp32``): and ``learner.compile`` (each decoder layer
-  compiled by inductor).
+  compiled by inductor); ``compiled_matmuls_fp32``: and ``learner.checkpoint_matmuls`` (the recompute keeps
+  the matmul and attention outputs); ``matmuls_fp32``: that without the compile (what it keeps: the step's peak).
 * ``vision_batched`` (on ``master``; ``vision_batched_fp32`` on ``vision_once_fp32``, each its baseline): the
   vision attention's windows in one packed call per block (:mod:`streamgrpo.models.vision_attention`); the
   other variants run transformers' per-chunk vision attention, as before it.
@@ -52,6 +53,10 @@ VARIANTS = {  # the first of each precision is the baseline of the others
     "compiled": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true", "learner.compile=true"]),
     "vision_batched_fp32": dict(share_vision=True, sets=FP32, packed_vision=True),
     "vision_batched": dict(share_vision=True, sets=[*BF16, "learner.master_weights=true"], packed_vision=True),
+    # learner.checkpoint_matmuls (selective checkpointing), eager (its step's peak memory) and on top of compiled_fp32
+    "matmuls_fp32": dict(share_vision=True, sets=[*FP32, "learner.checkpoint_matmuls=true"]),
+    "compiled_matmuls_fp32": dict(share_vision=True, sets=[*FP32, "learner.compile=true",
+                                                           "learner.checkpoint_matmuls=true"]),
 }
 BASELINES = {"vision_batched_fp32": "vision_once_fp32", "vision_batched": "master"}  # else the first of the precision
 

@@ -72,6 +72,8 @@ class LearnerConfig(Section):
     """With gradient_checkpointing: recompute only every n-th layer (vision blocks and decoder layers, counted in order; transformers' every_n_layers); the others keep their activations. 1 = every layer; 2 recomputes half of them: less recomputation for more memory."""
     checkpoint_offload: bool = False
     """With gradient_checkpointing on a GPU: hold the inputs saved for each recomputed layer in pinned host memory instead of on the GPU (transformers' offload); frees layers x tokens x hidden of GPU memory for two copies per layer and step."""
+    checkpoint_matmuls: bool = False
+    """With gradient_checkpointing: selective checkpointing. Each recomputed layer keeps the outputs of its matmuls and its attention, and backward recomputes only the elementwise ops around them (norms, rotary, SiLU gate, residuals): each projection's forward matmul runs once a step instead of twice (and the attention once), for about T x (5 hidden + 2 intermediate) x 2 bytes more per recomputed layer (T: a micro-batch's tokens; 3B: 63 KiB a token a layer, counted by the memory plan). Works eagerly and with compile (the partitioner saves the same outputs; with compile it needs transformers 5.24 or later). See docs/performance.md."""
     shared_prompt: bool = False
     """Put each group's prompt in the forward once, its completions after it behind a block attention mask (each sees the prompt and itself), instead of once per completion: the decoder processes P + sum(C) tokens per group instead of G*P + sum(C). Same log-probs (to float rounding); needs model.attn_implementation sdpa or eager."""
     bf16: bool = False

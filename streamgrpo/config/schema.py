@@ -57,8 +57,9 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _checkpointing_knobs(self) -> Config:
         lc = self.learner
-        if (lc.checkpoint_every > 1 or lc.checkpoint_offload) and not lc.gradient_checkpointing:
-            knob = "checkpoint_every" if lc.checkpoint_every > 1 else "checkpoint_offload"
+        if (lc.checkpoint_every > 1 or lc.checkpoint_offload or lc.checkpoint_matmuls) and not lc.gradient_checkpointing:
+            knob = ("checkpoint_every" if lc.checkpoint_every > 1 else
+                    "checkpoint_offload" if lc.checkpoint_offload else "checkpoint_matmuls")
             raise ValueError(f"learner.{knob} applies to recomputed layers: set learner.gradient_checkpointing to "
                              "true, or leave it out")
         return self

@@ -19,7 +19,9 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
   buckets and the host a pinned float32 bucket the gradients go through.
 * **activations** (:func:`activation_bytes`), from the micro-batch's token budget: with gradient
   checkpointing each recomputed layer keeps its input (``L x T x H x 2``; on the host with
-  ``learner.checkpoint_offload``); a layer that is not recomputed keeps ``T x (10 H + 4 I) x 2``
+  ``learner.checkpoint_offload``), with ``learner.checkpoint_matmuls`` also its matmul and attention
+  outputs (``T x (5 H + 2 I) x 2``: q, k, v, attention, o, down; gate, up; on the device even with
+  the offload); a layer that is not recomputed keeps ``T x (10 H + 4 I) x 2``
   (norms, q/k/v, attention output, residuals; gate, up, activation, product); and the layer being
   recomputed and differentiated holds its working set ``T x (8 H + 4 I) x 2``. LoRA with dropout adds
   the dropped inputs of the adapted linears, ``T x (6 H + I) x 2``.
@@ -67,6 +69,7 @@ ACT_BYTES = 2
 _WORK = (8, 4)  # one recomputed layer's forward + backward working set, per token, x (H, I)
 _KEPT = (10, 4)  # a layer that keeps its activations (no recompute), per token, x (H, I)
 _LORA = (6, 1)  # LoRA dropout's copies of the adapted linears' inputs (q, k, v, o, gate, up: H; down: I)
+_MATMULS = (5, 2)  # learner.checkpoint_matmuls: a recomputed layer's kept matmul and attention outputs, per token
 _NOGRAD = (4, 2)  # one layer of a forward without gradients (the reference, a generator's prefill)
 
 
@@ -81,6 +84,8 @@ class Workload:
     gradient_checkpointing: bool = False
     checkpoint_every: int = 1
     checkpoint_offload: bool = False
+    checkpoint_matmuls: bool = False
+    """``learner.checkpoint_matmuls``: each recomputed layer keeps its matmul and attention outputs too."""
     reference_forward: bool = False
     """``loss.beta > 0``: the reference's forward over the micro-batch."""
     lora_dropout: bool = False
@@ -106,7 +111,8 @@ def workload(cfg: Any, shape: ModelShape, world_size: int = 1) -> Workload:
     lora = cfg.model.lora
     return Workload(tokens=tokens, completion_tokens=tokens * g * c / per_group,
                     gradient_checkpointing=lc.gradient_checkpointing, checkpoint_every=lc.checkpoint_every,
-                    checkpoint_offload=lc.checkpoint_offload, reference_forward=cfg.loss.beta > 0,
+                    checkpoint_offload=lc.checkpoint_offload, checkpoint_matmuls=lc.checkpoint_matmuls,
+                    reference_forward=cfg.loss.beta > 0,
                     lora_dropout=bool(lora is not None and lora.dropout > 0))
 
 
@@ -120,6 +126,8 @@ def activation_bytes(shape: ModelShape, work: Workload) -> tuple[float, float]:
     recomputed = math.ceil(shape.layers / work.checkpoint_every) if work.gradient_checkpointing else 0
     saved_inputs = recomputed * t * shape.hidden * ACT_BYTES
     kept = (shape.layers - recomputed) * t * _per_token(shape, _KEPT)
+    if work.checkpoint_matmuls:
+        kept += recomputed * t * _per_token(shape, _MATMULS)
     working = t * _per_token(shape, _WORK) + (t * _per_token(shape, _LORA) if work.lora_dropout else 0.0)
     if work.checkpoint_offload:
         return kept + working, saved_inputs

@@ -125,15 +125,20 @@ def weights_checksum(module: torch.nn.Module) -> list[float]:
     return [s, q]
 
 
-def enable_activation_checkpointing(model, every: int = 1, offload: bool = False) -> None:
+def enable_activation_checkpointing(model, every: int = 1, offload: bool = False, matmuls: bool = False) -> None:
     """``learner.gradient_checkpointing``: recompute every ``every``-th layer in backward (non-reentrant),
     with ``offload`` its saved inputs in pinned host memory (``learner.checkpoint_every`` /
     ``checkpoint_offload``: transformers' ``every_n_layers`` / ``offload``, in
     ``activation_checkpointing_enable`` on 5.24 and in ``gradient_checkpointing_enable`` on 5.17:
-    :mod:`streamgrpo.models.capabilities` finds which)."""
+    :mod:`streamgrpo.models.capabilities` finds which); with ``matmuls`` (``learner.checkpoint_matmuls``)
+    the matmul and attention outputs kept, the rest recomputed (:mod:`streamgrpo.models.selective_checkpoint`)."""
     from streamgrpo.models.capabilities import inspect_model
 
     kwargs = {"use_reentrant": False}
+    if matmuls:
+        from streamgrpo.models.selective_checkpoint import save_matmuls_context_fn
+
+        kwargs["context_fn"] = save_matmuls_context_fn()
     caps = inspect_model(model)  # the class of this module (a LoRA base is not unwrapped here)
     if caps.checkpointing is None:
         if every > 1 or offload:
@@ -143,6 +148,19 @@ def enable_activation_checkpointing(model, every: int = 1, offload: bool = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     getattr(model, caps.checkpointing)(**{caps.checkpointing_kwargs: kwargs}, every_n_layers=every, offload=offload)
+
+
+def refuse_selective_around_compiled_layers(lc) -> None:
+    """``learner.checkpoint_matmuls`` with ``learner.compile``: one line on a transformers release that checkpoints
+    around the compiled layer (5.17), where the policy would not be traced into the compiled graph."""
+    from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
+
+    if lc.compile and lc.checkpoint_matmuls and not checkpoints_inside_forward():
+        import transformers
+
+        raise ConfigError(f"learner.checkpoint_matmuls with learner.compile needs transformers' checkpointing inside "
+                          f"the compiled layer's forward (5.24 and later; this is {transformers.__version__}, which "
+                          f"checkpoints around it): upgrade transformers, or set one of them to false")
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -186,6 +204,7 @@ class Learner:
         if lc.checkpoint_offload and torch.device(device).type != "cuda":
             raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
                               f"learner runs on {torch.device(device).type}: set it to false")
+        refuse_selective_around_compiled_layers(lc)
         self.master_weights = lc.master_weights
         if lc.master_weights and (not lc.bf16 or self.deepspeed or cfg.model.lora is not None):
             raise ConfigError("learner.master_weights (bf16 parameters, float32 master weights in the optimizer) is for "
@@ -207,7 +226,7 @@ class Learner:
             base = load_quantized(cfg.model, lora, device, custom_mask=packed) if lora.quantize_4bit else \
                 load_model(cfg.model, device, dtype="bfloat16" if frozen_bf16 else "float32", custom_mask=packed)
             if lc.gradient_checkpointing:
-                enable_activation_checkpointing(base, lc.checkpoint_every, lc.checkpoint_offload)
+                enable_activation_checkpointing(base, lc.checkpoint_every, lc.checkpoint_offload, lc.checkpoint_matmuls)
             model = apply_lora(base, lora, seed=cfg.seed)
             model.train()
         else:
@@ -216,7 +235,8 @@ class Learner:
             if frozen_bf16:
                 store_frozen_in(model, torch.bfloat16)
             if lc.gradient_checkpointing:
-                enable_activation_checkpointing(model, lc.checkpoint_every, lc.checkpoint_offload)
+                enable_activation_checkpointing(model, lc.checkpoint_every, lc.checkpoint_offload,
+                                                lc.checkpoint_matmuls)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids the model can embed
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in model.parameters())

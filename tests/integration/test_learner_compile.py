@@ -17,6 +17,7 @@ import torch
 from benchmarks.op_counts import profiled
 from streamgrpo.config import ConfigError
 from streamgrpo.models.compile import RECOMPILE_LIMIT, compiled_graphs, decoder_layers, is_compiled
+from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
 from tests.integration.test_learner_core import _accept, _cfg, _learner, _step_grads
 
 SETS = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0.04")
@@ -130,12 +131,16 @@ INDUCTOR_ON_CPU = os.environ.get("STREAMGRPO_INDUCTOR_TESTS") == "1"
                                                  "1-2 min on a 2-core CPU: STREAMGRPO_INDUCTOR_TESTS=1 runs it")),
     pytest.param("cuda", marks=[pytest.mark.gpu,
                                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_inductor_compiled_layers_match_eager_within_float_rounding(groups_by_arch, tmp_path, device):
+@pytest.mark.parametrize("selective", [False, True], ids=["plain", "checkpoint_matmuls"])
+def test_inductor_compiled_layers_match_eager_within_float_rounding(groups_by_arch, tmp_path, device, selective):
+    """Inductor's kernels against the eager learner; with ``learner.checkpoint_matmuls`` too (selective
+    checkpointing: the partitioner keeps the matmul and attention outputs, inductor recomputes the rest)."""
     model_dir, groups = groups_by_arch["qwen2_5_vl"]
     sets = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0",  # one graph
             f"learner.device={device}")
     eager = _learner(_cfg(model_dir, tmp_path / "a", *sets))
-    compiled = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.compile=true"))
+    compiled = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.compile=true",
+                             *(["learner.checkpoint_matmuls=true"] if selective else [])))
     assert compiled.cfg.learner.compile_backend == "inductor"
     batch = _accept(groups[:4], eager)
     out_e, g_e = _step_grads(eager, batch)
@@ -153,3 +158,54 @@ def test_compile_where_it_is_not_supported_is_refused_at_config_load_in_one_line
     with pytest.raises(ConfigError, match="learner.compile") as e:
         _cfg(tiny_model_dir, tmp_path, "learner.compile=true", *sets)
     assert "\n" not in str(e.value) and "{" not in str(e.value)
+
+
+class _MatmulCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """The matmuls an eager step runs (torch.profiler records an op that selective checkpointing answers from its
+    cache too; a dispatch mode outside the checkpoint's own sees only what runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_name = {}
+
+    def __getitem__(self, key):
+        return self.by_name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"aten::{func.overloadpacket.__name__}"
+        self.by_name[name] = self.by_name.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_checkpoint_matmuls_keeps_the_matmul_outputs_instead_of_recomputing_them(groups_by_arch, tmp_path, backend):
+    """``learner.checkpoint_matmuls`` (selective checkpointing): the same loss and gradients as plain checkpointing,
+    eagerly and compiled (each against plain checkpointing run the same way), and the backward's recompute runs none of the layers' matmuls."""
+    model_dir, groups = groups_by_arch["qwen2_5_vl"]
+    sets = ("model.tune_mm_vision=false", "learner.gradient_checkpointing=true", "loss.beta=0")
+    compiled = ("learner.compile=true", f"learner.compile_backend={backend}") if backend != "eager" else ()
+    if compiled and not checkpoints_inside_forward():  # transformers 5.17: the checkpoint runs around the compiled layer
+        with pytest.raises(ConfigError, match="learner.checkpoint_matmuls with learner.compile") as e:
+            _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.checkpoint_matmuls=true", *compiled))
+        assert "\n" not in str(e.value)
+        return
+    plain = _learner(_cfg(model_dir, tmp_path / "a", *sets, *compiled))
+    selective = _learner(_cfg(model_dir, tmp_path / "b", *sets, "learner.checkpoint_matmuls=true", *compiled))
+    batch = _accept(groups[:4], plain)
+    counts = []
+    for learner in (plain, selective):
+        _step_grads(learner, batch)  # a first step (it compiles); the second is counted
+        with _MatmulCounter() if backend == "eager" else profiled() as p:
+            out, grads = _step_grads(learner, batch)
+        counts.append((out, grads, sum(n for k, n in p["by_name"].items() if k in MATMULS)))
+    (out_p, g_p, mm_p), (out_s, g_s, mm_s) = counts
+    assert out_s.loss == pytest.approx(out_p.loss, abs=1e-6)
+    assert out_s.grad_norm == pytest.approx(out_p.grad_norm, rel=1e-4)
+    assert g_s.keys() == g_p.keys() and g_p
+    for n, g in g_p.items():
+        torch.testing.assert_close(g_s[n], g, rtol=1e-4, atol=1e-7, msg=n)
+    # plain checkpointing's recompute stops after the last output the backward reads (a layer's last projection,
+    # down, is not run again): it runs every other Linear of each layer again, which the selective one does not
+    layers = decoder_layers(plain.module)
+    linears = sum(isinstance(m, torch.nn.Linear) for layer in layers for m in layer.modules())
+    assert mm_p - mm_s == linears - len(layers), (mm_p, mm_s, linears)

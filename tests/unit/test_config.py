@@ -137,14 +137,15 @@ def test_a_relays_metrics_port_is_never_a_generators():
                              "weights.relay_metrics_port=9200"]).weights.relay_metrics_port == 9200
 
 
-@pytest.mark.parametrize("knob", ["checkpoint_every=2", "checkpoint_offload=true"])
+@pytest.mark.parametrize("knob", ["checkpoint_every=2", "checkpoint_offload=true", "checkpoint_matmuls=true"])
 def test_checkpointing_knobs_need_gradient_checkpointing(knob):
     with pytest.raises(ConfigError) as err:
         build_config({}, [f"learner.{knob}"])
     assert "\n" not in str(err.value) and f"learner.{knob.split('=')[0]}" in str(err.value)
     assert "learner.gradient_checkpointing" in str(err.value)
     cfg = build_config({}, ["learner.gradient_checkpointing=true", f"learner.{knob}"])
-    assert (cfg.learner.checkpoint_every, cfg.learner.checkpoint_offload) != (1, False)
+    lc = cfg.learner
+    assert (lc.checkpoint_every, lc.checkpoint_offload, lc.checkpoint_matmuls) != (1, False, False)
 
 
 def test_cross_field_bounds():

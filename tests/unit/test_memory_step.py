@@ -83,6 +83,15 @@ def test_activations_follow_the_recompute_setting():
     assert activation_bytes(SHAPE, off) == (working, 4 * t * h * 2)  # the saved inputs on the host
     lora = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, lora_dropout=True)
     assert activation_bytes(SHAPE, lora)[0] == activation_bytes(SHAPE, work)[0] + t * (6 * h + i) * 2
+    # learner.checkpoint_matmuls: every recomputed layer keeps its matmul and attention outputs too, on the device
+    sel = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, checkpoint_matmuls=True)
+    assert activation_bytes(SHAPE, sel)[0] == activation_bytes(SHAPE, work)[0] + 4 * t * (5 * h + 2 * i) * 2
+    sel_half = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, checkpoint_every=2,
+                        checkpoint_matmuls=True)
+    assert activation_bytes(SHAPE, sel_half)[0] == activation_bytes(SHAPE, half)[0] + 2 * t * (5 * h + 2 * i) * 2
+    sel_off = Workload(tokens=t, completion_tokens=20, gradient_checkpointing=True, checkpoint_offload=True,
+                       checkpoint_matmuls=True)
+    assert activation_bytes(SHAPE, sel_off) == (working + 4 * t * (5 * h + 2 * i) * 2, 4 * t * h * 2)
 
 
 def test_logits_are_one_chunk_and_the_reference_one_layer():
@@ -112,6 +121,9 @@ def test_workload_from_the_config():
     assert workload(capped, shape).tokens == 5000  # at least one sequence
     tiny = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"micro_batch_tokens": 16})})
     assert workload(tiny, shape).tokens == p + 256
+    sel = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"gradient_checkpointing": True,
+                                                                           "checkpoint_matmuls": True})})
+    assert workload(sel, shape).checkpoint_matmuls and not workload(cfg, shape).checkpoint_matmuls
     big = build_config({})  # the defaults: data.total_pixels caps a long video
     assert prompt_tokens(big, shape) == 24576 // 2 + PROMPT_TEXT_TOKENS
 
