@@ -11,15 +11,12 @@ whose write fails as a full disk does).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from test_learner_scale import DEPLOY, ENV, _alive, _config, _jsonl, _put, _torchrun
+from test_learner_scale import DEPLOY, ENV, _config, _jsonl, _put, _torchrun, kill_two_ranks_when
 
 pytestmark = pytest.mark.slow
 DRIVER = str(Path(__file__).with_name("checkpoint_write_driver.py"))
@@ -100,33 +97,14 @@ def test_two_zero2_ranks_write_in_the_background_commit_after_it_and_resume(grou
 
 def test_kill_9_during_a_two_rank_background_write_resumes_from_the_previous_checkpoint_exactly_once(
         groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.runtime import free_port
 
     url, run = redis_server.url, tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "learner.save_steps=1")
     _put(url, redis_ns, groups[:16])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), DRIVER, "--hold-step", "2", "--out", str(tmp_path),
-           "learner", "--config", str(cfg)]
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    try:
-        deadline = time.monotonic() + 480
-        while not all((tmp_path / f"writing-rank{r}").exists() for r in (0, 1)):  # both ranks inside write 2
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.2)
-        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner-rank1", "learner")]
-        for pid in ranks:  # rank 1 first, in the middle of its write
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    for pid in ranks:
-        deadline = time.monotonic() + 30
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"rank pid {pid} survived SIGKILL"
-            time.sleep(0.1)
+    kill_two_ranks_when(  # rank 1 first, in the middle of its write
+        [DRIVER, "--hold-step", "2", "--out", str(tmp_path), "learner", "--config", str(cfg)], tmp_path, run,
+        lambda: all((tmp_path / f"writing-rank{r}").exists() for r in (0, 1)),  # both ranks inside write 2
+        order=("learner-rank1", "learner"))
     ckpts = run / "checkpoints"
     assert (ckpts / "step-000001").is_dir() and (ckpts / "step-000002.tmp").is_dir()
     assert not (ckpts / "step-000002").exists()

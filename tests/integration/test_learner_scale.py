@@ -229,24 +229,35 @@ def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -
     """Start two learner ranks under torchrun; once step ``step`` is in the audit and no checkpoint write is in
     flight (an asynchronous one is renamed, then committed, at a step boundary after it), kill -9 both ranks
     (torchrun starts them in their own sessions), then torchrun; return once the ranks are gone."""
+    from streamgrpo.audit import read_jsonl
+
+    def ready() -> bool:
+        return bool([r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]
+                    and not list((run / "checkpoints").glob("step-*.tmp")))
+
+    kill_two_ranks_when(["-m", "streamgrpo", "learner", "--config", str(cfg)], tmp_path, run, ready)
+
+
+def kill_two_ranks_when(args: list[str], tmp_path: Path, run: Path, ready, *,
+                        order: tuple[str, str] = ("learner", "learner-rank1")) -> None:
+    """Start two ranks of ``torchrun ... *args``; once ``ready()``, kill -9 both ranks (in ``order``: their
+    ports files' names), then torchrun; return once the ranks are gone. Its output: ``tmp_path/first.log``."""
     import os
     import signal
     import time
 
-    from streamgrpo.audit import read_jsonl
     from streamgrpo.runtime import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
+           "--master_port", str(free_port()), *args]
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 480
-        while not ([r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]
-                   and not list((run / "checkpoints").glob("step-*.tmp"))):
+        while not ready():
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
             time.sleep(0.2)
-        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in ("learner", "learner-rank1")]
+        ranks = [json.loads((run / "ports" / f"{n}.json").read_text())["pid"] for n in order]
         for pid in ranks:
             os.kill(pid, signal.SIGKILL)
     finally:
