@@ -122,7 +122,8 @@ def _format_validation_error(exc: ValidationError, tree: Mapping[str, Any], sour
         elif err["type"] == "finite_number":  # NaN/inf: not "should be <= 1", which would mislead
             got = value if isinstance(value, str) else repr(value)
             lines.append(f"{source}: {key}: must be a finite number, got {got}")
-        elif isinstance(value, Mapping):  # a section's or the whole config's own check: its message names the keys
+        elif err["type"] == "value_error" and isinstance(value, Mapping):  # a section's or the config's own check
+            # (its message names the keys); a type error on a key given a mapping still names the key, below
             lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{source}: {key} = {value!r}: {err['msg']}")

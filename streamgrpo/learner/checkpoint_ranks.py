@@ -18,6 +18,7 @@ files are the same as a synchronous DeepSpeed checkpoint's, so loading (and resh
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,6 @@ import torch
 from streamgrpo.learner.checkpoint import (
     commit_checkpoint,
     fsync_path,
-    fsync_tree,
     rng_state,
     staging_dir,
     write_trainer_state,
@@ -93,11 +93,24 @@ def write_rank(learner, snap: RankSnapshot) -> Path:
         write_tree(tensors, skeleton, path)
         written.append(Path(path))
     if snap.weights is not None:
-        fsync_tree(tmp)  # rank 0: what it wrote, and the folders
+        fsync_written_tree(tmp)  # rank 0: what it wrote (save_pretrained's names), and the folders
     else:
         for path in written:
             fsync_path(path)
     return tmp  # the folders again, with every rank's files in them: finalise()
+
+
+def fsync_written_tree(folder: Path) -> None:
+    """Rank 0's :func:`~streamgrpo.learner.checkpoint.fsync_tree` while other ranks still write into ``folder``:
+    a file listed and then gone (another rank's ``*.tmp``, renamed into place by :func:`write_tree`) is that
+    rank's to fsync; :func:`finalise` fsyncs the whole tree once every rank is done, before the rename."""
+    for dirpath, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            try:
+                fsync_path(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+        fsync_path(dirpath)
 
 
 def finalise(root: str | Path, step: int, total_limit: int | None) -> Path:

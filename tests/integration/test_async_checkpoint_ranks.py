@@ -147,3 +147,48 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_not
     assert len(trained) == 8
     with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:  # steps 1-2's groups: held, not trained
         assert q.committed_step() in (None, 0) and q.is_trained(trained) == [False] * 8
+
+
+def test_a_zero3_lora_snapshot_writes_what_a_synchronous_checkpoint_writes(tiny_model_dir, tmp_path):
+    """LoRA under ZeRO-3 (the adapters gathered, the frozen base left out), one rank: the asynchronous checkpoint's
+    files (model, DeepSpeed's module and optimizer trees, RNG, learner state) are the synchronous one's."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    from streamgrpo.learner.checkpoint import load_tree
+    from streamgrpo.runtime import free_port
+
+    env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("snapshot_ranks_driver.py")), str(tiny_model_dir),
+                          str(tmp_path), str(DEPLOY / "zero3.json"), "lora"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sync, written = tmp_path / "sync" / "step-000003", tmp_path / "async" / "step-000003"
+    names = sorted(str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(written)) for p in written.rglob("*") if p.is_file())
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names
+    trees = [n for n in names if n.startswith("deepspeed/state/") and n.endswith(".pt")]
+    assert len(trees) == 2  # the module states and the rank's ZeRO optimizer shard
+    for name in names:
+        a, b = sync / name, written / name
+        if name.endswith(".safetensors"):
+            ta, tb = load_file(str(a)), load_file(str(b))
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+        elif name in trees:
+            ta, tb = load_tree(a), load_tree(b)
+            flat_a, flat_b = _tensors(ta), _tensors(tb)
+            assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), name
+        elif name == "trainer_state.json":
+            assert json.loads(a.read_text()) == json.loads(b.read_text())
+
+
+def _tensors(tree, path: str = "") -> dict:
+    import torch
+
+    if torch.is_tensor(tree):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{path}/{key}").items()}

@@ -119,6 +119,17 @@ def test_warm_pixels_overrides_only_the_warm_starts_data_section():
         build_config({}, ["demo.warm_pixels=10"])
 
 
+def test_a_mapping_given_to_a_scalar_key_still_names_the_key():
+    """A section's own check prints its message alone (it names its keys); a type error whose input is a mapping
+    (a key given a nested block by mistake) still names the key it is about."""
+    with pytest.raises(ConfigError) as err:
+        build_config({"learner": {"save_steps": {"a": 1}}}, source="x.yaml")
+    assert "learner.save_steps" in str(err.value) and "valid integer" in str(err.value), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        build_config({"learner": {"compile": True, "backend": "deepspeed"}}, source="x.yaml")
+    assert str(err.value).startswith("x.yaml: learner.compile is for learner.backend: torch"), str(err.value)
+
+
 def test_shared_prompt_refuses_flash_attention_in_one_line():
     assert build_config({}).learner.shared_prompt is False
     with pytest.raises(ConfigError) as err:
