@@ -169,15 +169,19 @@ def _relaunch(a, work: Path, model_dir: Path) -> None:
     subprocess.run(cmd, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
 
-def _report_ranks(a, r: dict) -> None:
+def _stall_figures(r: dict, note: str) -> list:
+    """The stall per checkpoint (seconds; in median steps) against the synchronous write's, printed."""
     sync, stall = statistics.median(r["sync_stall_s"]), statistics.median(r["async_stall_s"])
-    figures = [
-        emit(figure("checkpoint_stall_s", stall, sync, sync / stall if stall else None, unit="s",
-                    note=f"{r['ranks']} ZeRO-2 ranks; ratio = sync / async; async = slowest rank's copy + what its "
-                         "overlapping steps lose + rank 0's rename")),
+    return [
+        emit(figure("checkpoint_stall_s", stall, sync, sync / stall if stall else None, unit="s", note=note)),
         emit(figure("checkpoint_stall_steps", stall / r["step_s"], sync / r["step_s"], unit="steps",
                     note="the stall in median steps (target <= 1); baseline = the synchronous write")),
     ]
+
+
+def _report_ranks(a, r: dict) -> None:
+    figures = _stall_figures(r, f"{r['ranks']} ZeRO-2 ranks; ratio = sync / async; async = slowest rank's copy + "
+                                "what its overlapping steps lose + rank 0's rename")
     print(f"#   {r['ranks']} ranks, {r['params'] / 1e6:.0f}M parameters, checkpoint "
           f"{r['checkpoint_bytes'] / 2**30:.2f} GiB, step {r['step_s']:.2f}s, host copy "
           f"{statistics.median(r['async_copy_s']):.2f}s, rename {statistics.median(r['async_rename_s']):.3f}s, "
@@ -220,13 +224,7 @@ def main() -> None:
         r = measure(a, model_dir, work / "checkpoints")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    sync, stall = statistics.median(r["sync_stall_s"]), statistics.median(r["async_stall_s"])
-    figures = [
-        emit(figure("checkpoint_stall_s", stall, sync, sync / stall if stall else None, unit="s",
-                    note="ratio = sync / async (the reduction); async = host copy + what overlapping steps lose")),
-        emit(figure("checkpoint_stall_steps", stall / r["step_s"], sync / r["step_s"], unit="steps",
-                    note="the stall in median steps (target <= 1); baseline = the synchronous write")),
-    ]
+    figures = _stall_figures(r, "ratio = sync / async (the reduction); async = host copy + what overlapping steps lose")
     print(f"#   {r['params'] / 1e6:.0f}M parameters ({r['trainable'] / 1e6:.0f}M trained), checkpoint "
           f"{r['checkpoint_bytes'] / 2**30:.2f} GiB, step {r['step_s']:.2f}s, host copy "
           f"{statistics.median(r['async_copy_s']):.2f}s, background write {statistics.median(r['async_write_s']):.2f}s "
