@@ -119,12 +119,8 @@ class BackgroundWrite:
     def _run(self) -> None:
         try:
             self._path = self._write()
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by result()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread (result(), error)
             self._error = exc
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     @property
     def status(self) -> int:
