@@ -45,7 +45,10 @@ from benchmarks.common import emit, figure, machine_info, write_result
 MODES = {
     "full": ["model.tune_mm_vision=false"],
     "full_vision": ["model.tune_mm_vision=true"],
-    "lora": ["model.tune_mm_vision=false"],  # the LoRA r is added from --lora-r
+    "lora": ["model.tune_mm_vision=false"],  # the LoRA r is added from --lora-r (to every lora* mode)
+    # learner.compile refuses LoRA dropout in recomputed layers: the compile lever measured against lora_nodropout
+    "lora_nodropout": ["model.tune_mm_vision=false", "model.lora.dropout=0"],
+    "lora_compiled": ["model.tune_mm_vision=false", "model.lora.dropout=0", "learner.compile=true"],
     "full_shared": ["model.tune_mm_vision=false", "learner.shared_prompt=true"],
     # issue 52's levers, one at a time from the learner as it was (full_unshared: the frozen vision tower run by
     # the reference and the policy alike; full: once per micro-batch; full_master: and bf16 parameters with
@@ -112,10 +115,13 @@ def combo_sets(a, backend: str, mode: str, cuda: bool) -> list[str]:
                f"learner.checkpoint_offload={str(a.checkpoint_offload).lower()}"] if a.gradient_checkpointing else []),
             f"learner.backend={BACKENDS[backend][0]}",
             f"loss.beta={a.beta}", f"learner.groups_per_step={a.groups}", f"rollout.num_generations={a.G}",
-            f"rollout.max_completion_length={a.completion_len}", *MODES[mode]]
+            f"rollout.max_completion_length={a.completion_len}",
+            # the memory plan sizes a prompt from the data limits: those of the synthetic video measured
+            "data.min_frames=1", f"data.max_frames={a.frames}", "data.min_pixels=784",
+            f"data.max_pixels={a.frame_size ** 2}", f"data.total_pixels={a.frames * a.frame_size ** 2}", *MODES[mode]]
     if BACKENDS[backend][1]:
         sets.append(f"learner.deepspeed_config={DEEPSPEED_DIR / BACKENDS[backend][1]}")
-    if mode == "lora":
+    if mode.startswith("lora"):
         sets.append(f"model.lora.r={a.lora_r}")
     if a.peak_tflops:
         sets.append(f"learner.peak_tflops={a.peak_tflops}")
@@ -191,6 +197,9 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
         row.update(status="wont_fit", error=str(exc))
     except torch.cuda.OutOfMemoryError as exc:
         row.update(status="oom", error=str(exc).splitlines()[0])
+    except Exception as exc:  # noqa: BLE001 - one combination failing (a compiler error, say) is its row's answer
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        row.update(status="error", error=f"{type(exc).__name__}: {' | '.join(lines[:2])[:400]}")
     finally:
         del learner
         gc.collect()

@@ -7,16 +7,15 @@
 #
 # Stages:
 #   smoke      the tiny model, torch backend, rows and shared prompt (checks the script itself)
-#   learner3b  Qwen2.5-VL-3B sizes, beta 0.04, torch backend: MFU per lever of issue 52 (< 6 min), one at a time
-#              from the learner as it was: full_unshared (the frozen vision tower run by the reference and the
-#              policy), full (once per micro-batch), full_master (and bf16 parameters + fp32 master weights),
-#              full_shared_master (and each prompt once), full_master_compiled (full_master and learner.compile:
-#              each decoder layer compiled by inductor; its warm-up step compiles, ~1-2 min of the stage); a
-#              profiled step each (aten ops, kernels) under $OUT/profile_3b_levers. On a CPU, the script's own
-#              check (the tiny model, bf16 asked for):
+#   learner3b  Qwen2.5-VL-3B sizes, beta 0.04, torch backend: MFU per lever of issue 52 (4 min 11 s on an H100,
+#              2026-11-27), one at a time from the learner as it was: full_unshared (the frozen vision tower run by
+#              the reference and the policy), full (once per micro-batch), full_master (and bf16 parameters + fp32
+#              master weights), full_shared_master (and each prompt once), full_master_compiled (full_master and
+#              learner.compile: each decoder layer compiled by inductor; its warm-up step compiles),
+#              full_master_sdpa_per_chunk (full_master with transformers' vision attention call per window, not
+#              packed); a profiled step each (aten ops, kernels) under $OUT/profile_3b_levers. On a CPU, the
+#              script's own check (the tiny model, bf16 asked for):
 #              SIZE=tiny LEVER_ARGS="--set learner.bf16=true" bash benchmarks/gpu_session.sh learner3b
-#              The vision attention in one call per block under sdpa (flash-attn's varlen call is one already):
-#              MODES=full_master_sdpa_per_chunk,full_master_sdpa bash benchmarks/gpu_session.sh learner3b
 #   matrix3b   Qwen2.5-VL-3B sizes, beta 0.04: torch and DeepSpeed ZeRO-2 x full, full_shared, lora:
 #              step time, tokens/s, MFU (goal >= 35%), CUDA peak against the static memory plan, and one
 #              profiled step each (top kernels by GPU time, kernel count) under $OUT/profile_3b; then
@@ -24,8 +23,10 @@
 #   recompute3b  Qwen2.5-VL-3B sizes, torch full, beta 0.04: recomputing every layer (the baseline), every 2nd,
 #              every 3rd, none, and every layer with its saved inputs on the host (learner.checkpoint_every /
 #              checkpoint_offload): step time against CUDA peak, to pick the least recomputation that fits
-#   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA on one GPU (goal: fits 80 GB), full weights with the
-#              torch backend (the plan must refuse it before loading: wont_fit)
+#   learner7b  Qwen2.5-VL-7B sizes, beta 0.04: LoRA r=64 on one GPU (goal: fits 80 GB, MFU >= 35%): eager with the
+#              default dropout (lora) and none (lora_nodropout), and with learner.compile (lora_compiled, dropout 0:
+#              compile refuses LoRA dropout), full weights with the torch backend (the plan must refuse it before
+#              loading: wont_fit)
 #   rollout3b  the HF engine (log-probs in the sampling loop) against plain model.generate at 3B, G=8, 128
 #              new tokens, 16 frames 448x448 (goal: >= 0.95x plain generate's speed; 0.80x before)
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
@@ -48,7 +49,7 @@ case "$stage" in
            --profile "$OUT/profile_smoke" ;;
   learner3b)
     learner 3b_levers --size "${SIZE:-3b}" --beta 0.04 --steps 3 --warmup 1 --backends torch \
-      --modes "${MODES:-full_unshared,full,full_master,full_shared_master,full_master_compiled}" \
+      --modes "${MODES:-full_unshared,full,full_master,full_shared_master,full_master_compiled,full_master_sdpa_per_chunk}" \
       --profile "$OUT/profile_3b_levers" \
       ${LEVER_ARGS:-} ;;
   matrix3b)
@@ -63,7 +64,8 @@ case "$stage" in
     done
     learner 3b_offload --size 3b --beta 0.04 --steps 3 --backends torch --modes full --checkpoint-offload
     learner 3b_none --size 3b --beta 0.04 --steps 3 --backends torch --modes full --no-gradient-checkpointing ;;
-  learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes lora,full --lora-r 64 ;;
+  learner7b) learner 7b --size 7b --beta 0.04 --steps 2 --backends torch --modes "${MODES:-lora,lora_nodropout,lora_compiled,full}" \
+      --lora-r 64 ;;
   rollout3b)
     "$py" -m benchmarks.bench_engine --model-size 3b --prompts 1 --n 8 --max-tokens 128 --frames 16 --size 448 \
       --repeats 3 --out "$OUT/bench_engine_3b.json" 2>&1 | tee "$OUT/rollout3b.log" ;;

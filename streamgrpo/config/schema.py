@@ -73,6 +73,11 @@ class Config(BaseModel):
         if lc.compile and lc.checkpoint_offload:
             raise ValueError("learner.compile does not compile the saved-input offload of learner.checkpoint_offload: "
                              "set one of them to false")
+        lora = self.model.lora
+        if lc.compile and lc.gradient_checkpointing and lora is not None and lora.dropout > 0:
+            raise ValueError(f"learner.compile with model.lora.dropout {lora.dropout} in recomputed layers: inductor "
+                             "cannot replay the dropout in the recompute (BackendCompilerFailed on CUDA, torch 2.11): "
+                             "set model.lora.dropout to 0, or learner.compile to false")
         return self
 
     @model_validator(mode="after")

@@ -93,6 +93,24 @@ def test_recompute_options_reach_the_learner_config(argv):
         assert (cfg.gradient_checkpointing, cfg.checkpoint_every, cfg.checkpoint_offload) == (False, 1, False)
 
 
+def test_the_memory_plan_sees_the_video_measured_and_lora_modes_get_their_r():
+    """The plan sizes a prompt from data.max_frames/max_pixels: the combination sets them to the synthetic video's
+    (the defaults' 12k-token prompt made the 3B plan refuse a step that fits in 63 GiB); every lora* mode is LoRA."""
+    from benchmarks.gpu_learner import build_parser, combo_sets
+    from streamgrpo.config import build_config
+    from streamgrpo.learner.step_memory import prompt_tokens
+    from streamgrpo.models.params import ModelShape
+
+    a = build_parser().parse_args(["--lora-r", "64"])
+    a.model_dir = "/models/qwen"
+    cfg = build_config({}, combo_sets(a, "torch", "full", cuda=True))
+    shape = ModelShape(layers=36, hidden=2048, intermediate=11008, vocab=151936, kv_heads=2, head_dim=128)
+    assert prompt_tokens(cfg, shape) == 16 * 448 * 448 // shape.pixels_per_video_token + 128 == 2048 + 128
+    for mode in ("lora", "lora_nodropout", "lora_compiled"):
+        lora = build_config({}, combo_sets(a, "torch", mode, cuda=True)).model.lora
+        assert lora is not None and lora.r == 64 and (lora.dropout == 0) == (mode != "lora")
+
+
 def test_gpu_session_script_runs_its_smoke_stage_and_refuses_an_unknown_one(tmp_path):
     import sys
 
