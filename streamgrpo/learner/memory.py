@@ -14,8 +14,9 @@ one line before the model is loaded (loading a 7B model to see it run out of mem
 Bytes per parameter, per rank (``W`` ranks; "trains": what the optimizer updates):
 
 * torch backend: trained weights 4 (float32), gradients 4, AdamW moments 8 (and 4 more for the copy
-  ``learner.max_update_kl`` keeps through a step); weights that do not train 4, or 2 with
-  ``learner.bf16`` (stored in bf16), or 0.5 under QLoRA's 4-bit base;
+  ``learner.max_update_kl`` keeps through a step); with ``learner.master_weights`` trained weights 2
+  (bf16) and the optimizer 12 (the float32 masters and the moments; their float32 gradients are the 4);
+  weights that do not train 4, or 2 with ``learner.bf16`` (stored in bf16), or 0.5 under QLoRA's 4-bit base;
 * deepspeed backend: every weight in the engine's dtype (2 with bf16, else 4; ZeRO-3 divides
   them by ``W``, ``offload_param`` moves them to the host); with bf16 a float32 master copy of
   what trains (4) and the moments (8), divided by ``W`` under ZeRO-1/2/3 (and bf16's own
@@ -106,9 +107,10 @@ def _static_plan(counts: ParamCounts, place: Placement) -> MemoryPlan:
     device["reference"] = place.reference_bytes * counts.total
     if place.backend != "deepspeed":
         frozen_b = 0.5 if place.quantize_4bit else 2 if place.bf16 else 4
-        device["weights"] = 4 * n_train + frozen_b * counts.frozen
+        trained_b, optimizer_b = (2, 12) if place.master_weights else (4, 8)  # master_weights: masters in AdamW
+        device["weights"] = trained_b * n_train + frozen_b * counts.frozen
         device["gradients"] = 4 * n_train
-        device["optimizer"] = 8 * n_train
+        device["optimizer"] = optimizer_b * n_train
         if place.update_guard:
             device["step copy"] = 4 * n_train
         return MemoryPlan(device, host)

@@ -25,6 +25,8 @@ class Placement:
     world_size: int = 1
     reference_bytes: float = 0.0
     """Bytes per parameter of the reference copy (0: none)."""
+    master_weights: bool = False
+    """``learner.master_weights`` (torch backend): trained weights in bf16, float32 masters in the optimizer."""
     update_guard: bool = False
     """``learner.max_update_kl``: a copy of the trained weights is kept through each step (torch backend)."""
     optimizer_impl: str = "fused"
@@ -47,7 +49,8 @@ class Placement:
         common = dict(backend=lc.backend, quantize_4bit=bool(lora is not None and lora.quantize_4bit),
                       world_size=world_size, reference_bytes=reference)
         if lc.backend != "deepspeed":
-            return cls(bf16=bool(lc.bf16), update_guard=lc.max_update_kl is not None,
+            return cls(bf16=bool(lc.bf16), master_weights=bool(lc.master_weights),
+                       update_guard=lc.max_update_kl is not None,
                        optimizer_impl="for" if lc.device == "cpu" else "fused", **common)
         ds = ds_config or {}
         zero = ds.get("zero_optimization", {}) or {}

@@ -20,8 +20,8 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
 * **activations** (:func:`activation_bytes`), from the micro-batch's token budget: with gradient
   checkpointing each recomputed layer keeps its input (``L x T x H x 2``; on the host with
   ``learner.checkpoint_offload``), with ``learner.checkpoint_matmuls`` also its matmul and attention
-  outputs (``T x (5 H + 2 I) x 2``: q, k, v, attention, o, down; gate, up; on the device even with
-  the offload); a layer that is not recomputed keeps ``T x (10 H + 4 I) x 2``
+  outputs (``T x (4 H + 2 K + 2 I) x 2``: q, attention, o, down; k, v of ``K`` = key-value heads x head
+  dim; gate, up; on the device even with the offload); a layer that is not recomputed keeps ``T x (10 H + 4 I) x 2``
   (norms, q/k/v, attention output, residuals; gate, up, activation, product); and the layer being
   recomputed and differentiated holds its working set ``T x (8 H + 4 I) x 2``. LoRA with dropout adds
   the dropped inputs of the adapted linears, ``T x (6 H + I) x 2``.
@@ -69,7 +69,6 @@ ACT_BYTES = 2
 _WORK = (8, 4)  # one recomputed layer's forward + backward working set, per token, x (H, I)
 _KEPT = (10, 4)  # a layer that keeps its activations (no recompute), per token, x (H, I)
 _LORA = (6, 1)  # LoRA dropout's copies of the adapted linears' inputs (q, k, v, o, gate, up: H; down: I)
-_MATMULS = (5, 2)  # learner.checkpoint_matmuls: a recomputed layer's kept matmul and attention outputs, per token
 _NOGRAD = (4, 2)  # one layer of a forward without gradients (the reference, a generator's prefill)
 
 
@@ -120,6 +119,12 @@ def _per_token(shape: ModelShape, factors: tuple[int, int]) -> float:
     return (factors[0] * shape.hidden + factors[1] * shape.intermediate) * ACT_BYTES
 
 
+def _matmul_outputs(shape: ModelShape) -> float:
+    """``learner.checkpoint_matmuls``: a recomputed layer's kept matmul and attention outputs, bytes per token
+    (q, attention, o, down: H each; k and v: key-value heads x head dim each; gate, up: I each)."""
+    return (4 * shape.hidden + 2 * shape.kv_heads * shape.head_dim + 2 * shape.intermediate) * ACT_BYTES
+
+
 def activation_bytes(shape: ModelShape, work: Workload) -> tuple[float, float]:
     """(device, host) bytes of the micro-batch's activations (the module docstring has the rule)."""
     t = work.tokens
@@ -127,7 +132,7 @@ def activation_bytes(shape: ModelShape, work: Workload) -> tuple[float, float]:
     saved_inputs = recomputed * t * shape.hidden * ACT_BYTES
     kept = (shape.layers - recomputed) * t * _per_token(shape, _KEPT)
     if work.checkpoint_matmuls:
-        kept += recomputed * t * _per_token(shape, _MATMULS)
+        kept += recomputed * t * _matmul_outputs(shape)
     working = t * _per_token(shape, _WORK) + (t * _per_token(shape, _LORA) if work.lora_dropout else 0.0)
     if work.checkpoint_offload:
         return kept + working, saved_inputs

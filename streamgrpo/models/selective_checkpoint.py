@@ -5,7 +5,8 @@ backward: every projection's matmul twice. With this policy the layer's forward 
 and its attention return (:data:`SAVED_OPS`), and the backward's recompute replays only the cheap
 elementwise ops (norms, rotary embedding, SiLU gate, residual adds) around them: one matmul per Linear
 and one attention a layer fewer per step, for the kept outputs' memory (per token and recomputed layer
-about ``5 H + 2 I`` values: q, k, v, attention, o and down, gate and up; the memory plan counts it,
+``4 H + 2 K + 2 I`` values: q, attention, o and down, k and v (``K``: key-value heads x head dim), gate
+and up; the memory plan counts it,
 :mod:`streamgrpo.learner.step_memory`).
 
 Eagerly, :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` caches those ops' outputs in

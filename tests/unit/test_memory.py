@@ -40,6 +40,11 @@ def test_torch_backend_bytes_by_hand():
     guarded = plan_memory(FULL, Placement(update_guard=True))  # learner.max_update_kl: a copy of what trains
     assert guarded.device["step copy"] == 2400 and guarded.device_bytes == fp32.device_bytes + 2400
     assert Placement.from_config(build_config({"learner": {"max_update_kl": 0.05}})).update_guard
+    # learner.master_weights: trained weights in bf16 (2), the optimizer's float32 masters beside the moments (12)
+    master = plan_memory(FULL, Placement(bf16=True, master_weights=True, reference_bytes=2))
+    assert master.device == {"weights": 600 * 2 + 400 * 2, "gradients": 2400, "optimizer": 600 * 12, "reference": 2000}
+    assert master.device_bytes == bf16.device_bytes + 2 * 600  # 2 bytes more a trained parameter, as measured
+    assert Placement.from_config(build_config({"learner": {"bf16": True, "master_weights": True}})).master_weights
 
 
 def test_lora_holds_the_base_frozen_and_trains_only_the_adapters():
