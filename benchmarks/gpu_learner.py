@@ -10,7 +10,8 @@ downloaded), or the tiny model with ``--size tiny`` (a CPU smoke run in seconds)
   float32 master weights on the host, the step fused on its cores);
 * mode: ``full`` (decoder + merger train, vision tower frozen: the default), ``full_vision`` (the vision
   tower trains too), ``lora`` (LoRA adapters on the decoder, r=``--lora-r``; everything else frozen),
-  ``full_shared`` (``full`` with ``learner.shared_prompt``: each group's prompt through the decoder once).
+  ``full_shared`` (``full`` with ``learner.shared_prompt``: each group's prompt through the decoder once),
+  ``full_compiled`` (``full`` with ``learner.compile``; with ``deepspeed``: compiled layers under ZeRO-2).
 
 Each trains on synthetic groups: ``--groups`` per step of G=``--G`` completions x ``--completion-len``
 tokens sharing one ``--frames``-frame ``--frame-size``² video prompt. After ``--warmup`` steps, ``--steps``
@@ -67,6 +68,9 @@ MODES = {
     # default modes: MODES=full_master_compiled,full_master_compiled_matmuls bash benchmarks/gpu_session.sh learner3b)
     "full_master_compiled_matmuls": ["model.tune_mm_vision=false", "learner.master_weights=true",
                                      "learner.compile=true", "learner.checkpoint_matmuls=true"],
+    # learner.compile with either backend (DeepSpeed: ZeRO-0/1/2, the reduce hooks run from the compiled layers'
+    # backward; DeepSpeed's bf16 mode has bf16 weights and float32 masters already): against full of the backend
+    "full_compiled": ["model.tune_mm_vision=false", "learner.compile=true"],
 }
 LEARNER_ATTRS = {"full_unshared": {"share_vision_trunk": False}}  # set on the Learner after it is built
 PER_CHUNK_VISION = {"full_master_sdpa_per_chunk"}  # modes whose vision attention is transformers' per-chunk loop

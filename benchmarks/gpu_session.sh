@@ -29,6 +29,10 @@
 #              loading: wont_fit)
 #   rollout3b  the HF engine (log-probs in the sampling loop) against plain model.generate at 3B, G=8, 128
 #              new tokens, 16 frames 448x448 (goal: >= 0.95x plain generate's speed; 0.80x before)
+#   deepspeed3b  Qwen2.5-VL-3B sizes, beta 0.04: learner.compile under DeepSpeed ZeRO-2 (one rank, its bf16 mode):
+#              deepspeed full against deepspeed full_compiled (inductor; its warm-up step compiles), with the torch
+#              backend's full and full_compiled in the same run (the figures' baseline: torch full). On a CPU:
+#              SIZE=tiny LEVER_ARGS="--set learner.compile_backend=aot_eager" bash benchmarks/gpu_session.sh deepspeed3b
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
 #   tests      the unit suite on the GPU (CUDA variants included) and the GPU integration tests
 #   agreement  generator = learner at the 3B shape in bf16 on CUDA (goal: KL <= 0.01 at staleness 0):
@@ -69,6 +73,9 @@ case "$stage" in
   rollout3b)
     "$py" -m benchmarks.bench_engine --model-size 3b --prompts 1 --n 8 --max-tokens 128 --frames 16 --size 448 \
       --repeats 3 --out "$OUT/bench_engine_3b.json" 2>&1 | tee "$OUT/rollout3b.log" ;;
+  deepspeed3b)
+    learner 3b_deepspeed --size "${SIZE:-3b}" --beta 0.04 --steps 3 --warmup 1 --backends torch,deepspeed \
+      --modes "${MODES:-full,full_compiled}" ${LEVER_ARGS:-} ;;
   offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
   tests)
     "$py" -m pytest -q -p no:cacheprovider -n 8 tests/unit 2>&1 | tail -40 | tee "$OUT/unit.log"
@@ -97,5 +104,5 @@ case "$stage" in
 'kl_behaviour', 'is_masked_frac', 'ess', 'ratio_min', 'ratio_max')})) for r in map(json.loads, open(sys.argv[1]))]" \
         "$work/up_$backend/metrics.jsonl" | tee "$OUT/agreement_up_$backend.jsonl"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|matrix3b|recompute3b|learner7b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|matrix3b|recompute3b|learner7b|deepspeed3b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
 esac

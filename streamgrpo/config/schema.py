@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes
 from streamgrpo.config.data import DataConfig
+from streamgrpo.config.deepspeed_files import compile_refusal, shipped_zero_stage
 from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig
 from streamgrpo.config.learner import LearnerConfig
@@ -67,9 +68,11 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _compile_where_it_works(self) -> Config:
         lc = self.learner
-        if lc.compile and lc.backend == "deepspeed":
-            raise ValueError("learner.compile is for learner.backend: torch (DeepSpeed's hooks around each layer's "
-                             "parameters are not compiled with it): set learner.compile to false")
+        if lc.compile and lc.backend == "deepspeed":  # a path's stage: at learner start (learner/deepspeed_setup.py)
+            stage = shipped_zero_stage(lc.deepspeed_config)
+            refusal = compile_refusal(stage, lc.deepspeed_config) if stage is not None else None
+            if refusal:
+                raise ValueError(refusal)
         if lc.compile and lc.checkpoint_offload:
             raise ValueError("learner.compile does not compile the saved-input offload of learner.checkpoint_offload: "
                              "set one of them to false")

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.config.deepspeed_files import compile_refusal, shipped_names
 from streamgrpo.config.deepspeed_files import resolve as resolve_deepspeed
-from streamgrpo.config.deepspeed_files import shipped_names
 
 DEFAULT_DEEPSPEED = {
     "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 200_000_000,
@@ -70,6 +70,18 @@ def reference_config(ds: dict[str, Any]) -> dict[str, Any] | None:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
             "bf16": dict(ds.get("bf16", {})), "fp16": dict(ds.get("fp16", {})),
             "zero_optimization": {"stage": 3, **keep}}
+
+
+def refuse_compile_under_zero3(cfg: Config) -> None:
+    """``learner.compile`` with a DeepSpeed config whose stage the config check could not read (a JSON path):
+    one line under ZeRO-3 (:func:`streamgrpo.config.deepspeed_files.compile_refusal`), before the model loads."""
+    lc = cfg.learner
+    if not (lc.compile and lc.backend == "deepspeed"):
+        return
+    zero = deepspeed_config(cfg).get("zero_optimization") or {}
+    refusal = compile_refusal(int(zero.get("stage", 0)), lc.deepspeed_config)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def offloads_optimizer(ds: dict[str, Any]) -> bool:

@@ -29,6 +29,9 @@ latter too (:mod:`streamgrpo.learner.master_weights`): no weight is cast in a fo
 
 Compilation. ``learner.compile`` compiles each decoder layer of the policy and the reference in place
 (:mod:`streamgrpo.models.compile`): same modules and names, activation checkpointing and adapters inside.
+Under DeepSpeed ZeRO-0/1/2 too, compiled before ``deepspeed.initialize`` (lazily: the first forward compiles):
+the gradient of each parameter still reaches its accumulation, where DeepSpeed's reduce hook runs; ZeRO-3,
+whose hooks gather the parameters around each layer, is refused.
 
 Vision. Each micro-batch's :class:`~streamgrpo.models.batching.TrainBatch` carries a ``vision_cache``:
 a frozen vision trunk runs once for the reference, the policy and the update guard's probes
@@ -56,6 +59,7 @@ from streamgrpo.learner.deepspeed_setup import (
     import_deepspeed,
     offloads_optimizer,
     reference_config,
+    refuse_compile_under_zero3,
 )
 from streamgrpo.learner.distributed import DistInfo, barrier, share
 from streamgrpo.learner.flops import LearnerWork
@@ -205,6 +209,7 @@ class Learner:
             raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
                               f"learner runs on {torch.device(device).type}: set it to false")
         refuse_selective_around_compiled_layers(lc)
+        refuse_compile_under_zero3(cfg)  # a DeepSpeed JSON path's stage, known now (config time: shipped names)
         self.master_weights = lc.master_weights
         if lc.master_weights and (not lc.bf16 or self.deepspeed or cfg.model.lora is not None):
             raise ConfigError("learner.master_weights (bf16 parameters, float32 master weights in the optimizer) is for "

@@ -139,3 +139,18 @@ def test_tiny_size_on_a_gpu_reports_peak_memory_and_mfu(tmp_path):
     assert all(r["status"] == "ok" and r["peak_gib"] > 0 for r in rows)
     if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
         assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed", "deepspeed_offload"])
+def test_full_compiled_is_a_combination_of_every_backend(backend):
+    """``full_compiled``: ``learner.compile`` with the torch backend and under DeepSpeed ZeRO-2 (optimizer offload
+    too), measured against the backend's ``full`` (gpu_session.sh deepspeed3b)."""
+    from benchmarks.gpu_learner import BACKENDS, build_parser, combo_sets
+    from streamgrpo.config import build_config
+
+    a = build_parser().parse_args([])
+    a.model_dir = "/models/qwen"
+    compiled = build_config({}, combo_sets(a, backend, "full_compiled", cuda=True)).learner
+    full = build_config({}, combo_sets(a, backend, "full", cuda=True)).learner
+    assert compiled.compile and not full.compile and compiled.backend == BACKENDS[backend][0]
+    assert compiled.model_copy(update={"compile": False}) == full  # the one lever

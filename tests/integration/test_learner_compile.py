@@ -151,10 +151,11 @@ def test_inductor_compiled_layers_match_eager_within_float_rounding(groups_by_ar
         torch.testing.assert_close(g_c[n], g, rtol=1e-3, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("sets", [("learner.backend=deepspeed",),
+@pytest.mark.parametrize("sets", [("learner.backend=deepspeed", "learner.deepspeed_config=zero3"),
                                   ("learner.gradient_checkpointing=true", "learner.checkpoint_offload=true")],
-                         ids=["deepspeed", "offload"])
+                         ids=["deepspeed_zero3", "offload"])
 def test_compile_where_it_is_not_supported_is_refused_at_config_load_in_one_line(tiny_model_dir, tmp_path, sets):
+    """ZeRO-3 here; compiled ZeRO-2 ranks against eager ones: test_learner_compile_ranks.py."""
     with pytest.raises(ConfigError, match="learner.compile") as e:
         _cfg(tiny_model_dir, tmp_path, "learner.compile=true", *sets)
     assert "\n" not in str(e.value) and "{" not in str(e.value)

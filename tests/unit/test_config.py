@@ -126,8 +126,9 @@ def test_a_mapping_given_to_a_scalar_key_still_names_the_key():
         build_config({"learner": {"save_steps": {"a": 1}}}, source="x.yaml")
     assert "learner.save_steps" in str(err.value) and "valid integer" in str(err.value), str(err.value)
     with pytest.raises(ConfigError) as err:
-        build_config({"learner": {"compile": True, "backend": "deepspeed"}}, source="x.yaml")
-    assert str(err.value).startswith("x.yaml: learner.compile is for learner.backend: torch"), str(err.value)
+        build_config({"learner": {"compile": True, "backend": "deepspeed", "deepspeed_config": "zero3"}},
+                     source="x.yaml")
+    assert str(err.value).startswith("x.yaml: learner.compile with DeepSpeed ZeRO-3"), str(err.value)
 
 
 def test_compile_refuses_lora_dropout_in_recomputed_layers_in_one_line():
