@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -142,8 +143,11 @@ class Checkpointing:
             return
         self._inflight = None
         if verdict == FAILED:
-            error = write.error  # None here while this rank's own part is still being written
+            write.join()  # this rank's part ends first: past the gather below, no rank writes into step-N.tmp
+            error = write.error
             line = first_failure(gather_json(self.dist, "" if error is None else (str(error) or type(error).__name__)))
+            if self.dist.is_main:  # only rank 0 removes the folder the ranks share, once none writes into it
+                shutil.rmtree(Path(self.root) / f"step-{write.step:06d}.tmp", ignore_errors=True)
             if error is not None and not isinstance(error, CheckpointWriteError):
                 raise error  # not a write failure (a bug): its own traceback here, the one line elsewhere
             raise CheckpointWriteError(line)

@@ -692,7 +692,8 @@ class Learner:
         if self.engine is not None:
             from streamgrpo.learner.checkpoint_ranks import write_rank
 
-            return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=self.dist.is_main)
+            # no rank removes the folder the ranks share here: rank 0 does once every rank's part has ended
+            return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=False)
         return self._guarded_write(ckpt_root, snap.step, lambda: write_checkpoint(
             ckpt_root, snap.step, model=self.module, processor=self.processor, weights=snap.model,
             optimizer=snap.optimizer, scheduler=snap.scheduler, rng=snap.rng, state=snap.meta,
@@ -719,7 +720,7 @@ class Learner:
             error = write_failure(exc, ckpt_root, step)
             if error is None:
                 raise
-            if clean:  # several ranks write into one folder: rank 0 removes it
+            if clean:  # not a DeepSpeed rank's background part: Checkpointing's rank 0 removes that folder
                 shutil.rmtree(Path(ckpt_root) / f"step-{step:06d}.tmp", ignore_errors=True)
             raise error from None
 

@@ -142,6 +142,7 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_not
     assert text.count(line) >= 2, text[-6000:]  # both ranks stop with the same line
     assert "No space left on device" in text and "nothing was committed" in text
     assert not (run / "checkpoints" / "step-000002").exists()
+    assert not (run / "checkpoints" / "step-000002.tmp").exists()  # rank 0 removed it, once both parts had ended
     trained = [g for name in ("learner.jsonl", "learner-rank1.jsonl") for r in _jsonl(run / "audit" / name)
                if r["event"] == "trained" and r["step"] <= 2 for g in r["group_ids"]]
     assert len(trained) == 8
