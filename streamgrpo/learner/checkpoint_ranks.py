@@ -99,16 +99,23 @@ def capture(learner, root: str | Path, meta: dict[str, Any], model_card: str | N
     tmp = Path(root) / f"step-{step:06d}.tmp"
     parts_agree(dist, root, step, part(lambda: staging_dir(root, step)) if dist.is_main else None)
     host = learner.__dict__.setdefault("_host_buffers", HostBuffers())
-    gathered = learner.policy_tensors() if learner.zero_stage >= 3 else None  # ZeRO-3: collective, CPU copies
-    weights: dict[str, torch.Tensor] | None = gathered
-    failed = None
-    if dist.is_main and gathered is None:
-        try:
-            weights = host.copy(learner.saved_weights(), prefix="model/")
-        except Exception as exc:  # noqa: BLE001 - every rank must still reach save_checkpoint's collectives
-            failed = exc
+    failed: list[Exception] = []  # rank 0's copy of the weights; every rank must still reach the collectives
+
+    def into_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not failed:
+            try:
+                return host.copy(tensors, prefix="model/")
+            except Exception as exc:  # noqa: BLE001 - told to every rank by parts_agree
+                failed.append(exc)
+        return {}
+
+    weights: dict[str, torch.Tensor] | None = None
+    if learner.zero_stage >= 3:  # a collective: rank 0 copies each gathered bucket into the reused buffers
+        weights = learner.policy_tensors(copy=into_host)
+    elif dist.is_main:
+        weights = into_host(learner.saved_weights())
     engine = learner.engine.checkpoint_engine
-    engine.capturing(host, failed)
+    engine.capturing(host, failed[0] if failed else None)
     try:
         learner.engine.save_checkpoint(str(tmp / "deepspeed"), tag=LATEST, save_latest=False,
                                        exclude_frozen_parameters=True)

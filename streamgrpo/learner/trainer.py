@@ -595,12 +595,14 @@ class Learner:
                 return name
         return None
 
-    def policy_tensors(self) -> dict[str, torch.Tensor] | None:
+    def policy_tensors(self, copy=None) -> dict[str, torch.Tensor] | None:
         """CPU copies of the trained parameters as the learner holds them (fp32; LoRA: the adapters only),
         for checkpoints and tests; generators get :meth:`publish`'s export instead.
 
         Under ZeRO-3 the partitions are gathered (a collective: every rank must call this);
-        only rank 0 gets the tensors, the other ranks get None.
+        only rank 0 gets the tensors, the other ranks get None. ``copy`` (ZeRO-3): what rank 0 does with each
+        gathered bucket of ``{name: tensor}`` (an asynchronous checkpoint's reused host buffers) instead of
+        cloning it to the CPU; it must not raise (every rank has the same gathers to do).
         """
         named = self._named_for_generators()
         if self.zero_stage < 3:
@@ -611,7 +613,9 @@ class Learner:
         out: dict[str, torch.Tensor] = {}
         for bucket in _buckets(named, budget=1 << 28):  # gather about 256M elements at a time
             with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-                if self.dist.is_main:
+                if self.dist.is_main and copy is not None:
+                    out.update(copy({n: p.detach() for n, p in bucket}))
+                elif self.dist.is_main:
                     for n, p in bucket:
                         out[n] = p.detach().to("cpu").clone()
         return out if self.dist.is_main else None
