@@ -1,7 +1,8 @@
 """Asynchronous checkpoints of DeepSpeed ranks (one or many): each rank copies its part, writes it in the background.
 
 At the checkpoint's step boundary every rank (:func:`capture`, the stall): rank 0 creates ``step-N.tmp`` and
-copies the model's weights (ZeRO-3: gathers them, a collective) and the learner state; every rank runs
+copies the model's weights into its reused host buffers (ZeRO-3: gathers them bucket by bucket, a collective,
+copying each bucket as it comes) and the learner state; every rank runs
 DeepSpeed's own ``save_checkpoint`` with :class:`~streamgrpo.learner.checkpoint.SafeTensorsCheckpointEngine`
 capturing, so each state tree this rank would write (its module states, its ZeRO optimizer shard) is copied
 into this rank's host buffers (pinned and reused when on a GPU:
