@@ -262,6 +262,22 @@ class CheckpointWriteError(CheckpointError):
     ``step-N.tmp`` is removed and nothing is committed, so its groups are trained again after --resume."""
 
 
+def write_failure(exc: BaseException, ckpt_root: str | Path, step: int) -> CheckpointWriteError | None:
+    """The one-line :class:`CheckpointWriteError` of ``exc`` when it is a failed write (an ``OSError``: disk full,
+    file too large, permissions; safetensors reports an I/O error as its own type), None for anything else (a bug:
+    raised with its own traceback)."""
+    from safetensors import SafetensorError
+
+    if not isinstance(exc, (OSError, SafetensorError)):
+        return None
+    why = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return CheckpointWriteError(
+        f"cannot write checkpoint step-{step:06d} in {ckpt_root}: {why}{where}; "
+        "nothing was committed: the groups since the last checkpoint stay in Redis and are trained again "
+        "after --resume (free space there, or lower learner.save_total_limit)")
+
+
 class CheckpointUnusable(CheckpointError):
     """The checkpoint to resume from cannot be used (does not load, holds non-finite weights, or is older
     than what Redis already committed): one line that says what to do."""
@@ -440,24 +456,66 @@ class SafeTensorsCheckpointEngine:
         self._commit_info = None
         self.captured: list[tuple[str, dict[str, torch.Tensor], Any]] | None = None
         self._buffers: Any = None
+        self._deferring = False
+        self.failed: BaseException | None = None
+        """The first error of this rank's part since :meth:`capturing` / :meth:`writing` (kept, not raised: the
+        ranks agree on it once DeepSpeed's ``save_checkpoint``, and its collectives, are over on every rank)."""
 
-    def capturing(self, buffers: Any) -> None:
+    @classmethod
+    def install(cls, engine: Any) -> SafeTensorsCheckpointEngine:
+        """Make one of these ``engine``'s checkpoint engine. DeepSpeed's copy of its recovery scripts (rank 0, plain
+        file I/O inside ``save_checkpoint``, between its barriers) goes through :meth:`kept` too."""
+        ours = cls()
+        engine.checkpoint_engine = ours
+        copy = getattr(engine, "_copy_recovery_script", None)
+        if callable(copy):
+            engine._copy_recovery_script = lambda save_path: ours.kept(copy, save_path)
+        return ours
+
+    def capturing(self, buffers: Any, failed: BaseException | None = None) -> None:
         """Capture (do not write) the trees of the next saves into ``buffers`` (a
-        :class:`~streamgrpo.learner.checkpoint_async.HostBuffers`), until :meth:`captures` returns them."""
-        self.captured, self._buffers = [], buffers
+        :class:`~streamgrpo.learner.checkpoint_async.HostBuffers`), until :meth:`captures` returns them; an error
+        is kept in :attr:`failed` (``failed``: this rank's part failed already: capture nothing more)."""
+        self.captured, self._buffers, self._deferring, self.failed = [], buffers, True, failed
 
     def captures(self) -> list[tuple[str, dict[str, torch.Tensor], Any]]:
-        """What was captured since :meth:`capturing`; saves write again from now on."""
-        out, self.captured, self._buffers = self.captured or [], None, None
+        """What was captured since :meth:`capturing`; saves write (and raise) again from now on."""
+        out, self.captured, self._buffers, self._deferring = self.captured or [], None, None, False
         return out
+
+    def writing(self) -> None:
+        """Write the next saves, keeping the first error in :attr:`failed` instead of raising it (the ranks'
+        synchronous checkpoint), until :meth:`written`; after an error this rank writes nothing more."""
+        self._deferring, self.failed = True, None
+
+    def written(self) -> BaseException | None:
+        """End :meth:`writing`: the first error of this rank's writes since, None when they all succeeded."""
+        self._deferring = False
+        return self.failed
+
+    def kept(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; while capturing or writing, an error is kept in :attr:`failed` (and nothing more runs
+        after one) instead of raised."""
+        if not self._deferring:
+            return fn(*args)
+        if self.failed is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - kept for the ranks' agreement (see failed)
+            self.failed = exc
+            return None
 
     def create(self, info: Any) -> None:
         self._commit_info = info
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
+        self.kept(lambda: os.makedirs(path, exist_ok=exist_ok))
 
     def save(self, state_dict: Any, path: str) -> None:
+        self.kept(self._save, state_dict, path)
+
+    def _save(self, state_dict: Any, path: str) -> None:
         if self.captured is None:
             save_tree(state_dict, path)
             return

@@ -17,6 +17,12 @@ checkpoint holding their training is durable on disk:
   on any rank stops every rank at that boundary with the same one-line
   :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing of it was committed.
 
+A part that fails on one DeepSpeed rank *during* the checkpoint (rank 0 cannot create ``step-N.tmp``, a rank's
+copy or synchronous write fails) stops every rank the same way, synchronous or asynchronous, at that step:
+the ranks agree on each part (:func:`~streamgrpo.learner.checkpoint_ranks.parts_agree`) instead of waiting in
+a barrier for a rank that has given up. Every failed checkpoint counts ``streamgrpo_errors_total{kind="checkpoint"}``
+on every rank.
+
 At most one write is in flight: a checkpoint due while the previous one is still being written
 waits for it first (and commits it).
 
@@ -27,11 +33,14 @@ commit has not happened. Under Redis memory pressure :meth:`Checkpointing.commit
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from streamgrpo import metrics as M
 from streamgrpo.learner.checkpoint import CheckpointWriteError
 from streamgrpo.learner.checkpoint_async import FAILED, WRITING, BackgroundWrite, agree, first_failure
 from streamgrpo.learner.distributed import DistInfo, broadcast_json, gather_json, share
@@ -69,7 +78,8 @@ class Checkpointing:
         if wait or not self.asynchronous:
             state.committing = [tuple(e) for part in gather_json(self.dist, self.uncommitted) for e in part]
             try:
-                self.learner.save(self.root, model_card=card)
+                with counted_failure():
+                    self.learner.save(self.root, model_card=card)
             finally:
                 state.committing = []
             self.queue.commit(self.uncommitted, step=state.step)  # the checkpoint is durable: so is their training
@@ -78,7 +88,8 @@ class Checkpointing:
             entries, step = list(self.uncommitted), state.step
             state.committing = [tuple(e) for part in gather_json(self.dist, entries) for e in part]
             try:
-                snap = self.learner.snapshot(self.root, model_card=card)
+                with counted_failure():
+                    snap = self.learner.snapshot(self.root, model_card=card)
             finally:
                 state.committing = []
             self.uncommitted.clear()
@@ -120,6 +131,10 @@ class Checkpointing:
             self._settle(wait=True)
 
     def _settle(self, *, wait: bool) -> None:
+        with counted_failure():
+            self._settle_write(wait=wait)
+
+    def _settle_write(self, *, wait: bool) -> None:
         write, entries = self._inflight
         if wait:
             write.join()
@@ -128,8 +143,11 @@ class Checkpointing:
             return
         self._inflight = None
         if verdict == FAILED:
-            error = write.error  # None here while this rank's own part is still being written
+            write.join()  # this rank's part ends first: past the gather below, no rank writes into step-N.tmp
+            error = write.error
             line = first_failure(gather_json(self.dist, "" if error is None else (str(error) or type(error).__name__)))
+            if self.dist.is_main:  # only rank 0 removes the folder the ranks share, once none writes into it
+                shutil.rmtree(Path(self.root) / f"step-{write.step:06d}.tmp", ignore_errors=True)
             if error is not None and not isinstance(error, CheckpointWriteError):
                 raise error  # not a write failure (a bug): its own traceback here, the one line elsewhere
             raise CheckpointWriteError(line)
@@ -148,3 +166,13 @@ class Checkpointing:
         except BaseException:  # Redis refused (stop during an outage): the next checkpoint records and commits them
             self.uncommitted[:0] = entries
             raise
+
+
+@contextlib.contextmanager
+def counted_failure() -> Iterator[None]:
+    """Count a failed checkpoint (``streamgrpo_errors_total{kind="checkpoint"}``) raised inside, then raise it."""
+    try:
+        yield
+    except CheckpointWriteError:
+        M.ERRORS.labels(kind="checkpoint").inc()
+        raise

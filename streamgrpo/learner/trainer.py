@@ -61,7 +61,7 @@ from streamgrpo.learner.deepspeed_setup import (
     reference_config,
     refuse_compile_under_zero3,
 )
-from streamgrpo.learner.distributed import DistInfo, barrier, share
+from streamgrpo.learner.distributed import DistInfo, share
 from streamgrpo.learner.flops import LearnerWork
 from streamgrpo.learner.master_weights import MasterAdamW, trained_tensors
 from streamgrpo.learner.memory import preflight
@@ -277,7 +277,7 @@ class Learner:
                 config=ds, dist_init_required=True)
             from streamgrpo.learner.checkpoint import SafeTensorsCheckpointEngine
 
-            self.engine.checkpoint_engine = SafeTensorsCheckpointEngine()
+            SafeTensorsCheckpointEngine.install(self.engine)
             self.forward = self.engine
             ref_ds = reference_config(ds)
             if self.ref is not None and ref_ds is not None:  # ZeRO-3: the reference is partitioned too
@@ -600,12 +600,14 @@ class Learner:
                 return name
         return None
 
-    def policy_tensors(self) -> dict[str, torch.Tensor] | None:
+    def policy_tensors(self, copy=None) -> dict[str, torch.Tensor] | None:
         """CPU copies of the trained parameters as the learner holds them (fp32; LoRA: the adapters only),
         for checkpoints and tests; generators get :meth:`publish`'s export instead.
 
         Under ZeRO-3 the partitions are gathered (a collective: every rank must call this);
-        only rank 0 gets the tensors, the other ranks get None.
+        only rank 0 gets the tensors, the other ranks get None. ``copy`` (ZeRO-3): what rank 0 does with each
+        gathered bucket of ``{name: tensor}`` (an asynchronous checkpoint's reused host buffers) instead of
+        cloning it to the CPU; it must not raise (every rank has the same gathers to do).
         """
         named = self._named_for_generators()
         if self.zero_stage < 3:
@@ -616,7 +618,9 @@ class Learner:
         out: dict[str, torch.Tensor] = {}
         for bucket in _buckets(named, budget=1 << 28):  # gather about 256M elements at a time
             with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-                if self.dist.is_main:
+                if self.dist.is_main and copy is not None:
+                    out.update(copy({n: p.detach() for n, p in bucket}))
+                elif self.dist.is_main:
                     for n, p in bucket:
                         out[n] = p.detach().to("cpu").clone()
         return out if self.dist.is_main else None
@@ -638,8 +642,24 @@ class Learner:
     def save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
         """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout).
         A write that fails (disk full...) removes ``step-N.tmp`` and raises a one-line
-        :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed."""
-        return self._guarded_write(ckpt_root, self.state.step, lambda: self._save(ckpt_root, model_card=model_card))
+        :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed. DeepSpeed ranks: every
+        rank raises the same line when any rank's part fails (:func:`~streamgrpo.learner.checkpoint_ranks.save_ranks`)."""
+        if self.engine is not None:
+            from streamgrpo.learner.checkpoint_ranks import save_ranks
+
+            return save_ranks(self, ckpt_root, self._checkpoint_meta(), model_card)
+        from streamgrpo.learner.checkpoint import save_checkpoint
+
+        return self._guarded_write(ckpt_root, self.state.step, lambda: save_checkpoint(
+            ckpt_root, self.state.step, model=self.module, processor=self.processor, optimizer=self.optimizer,
+            scheduler=self.scheduler, state=self._checkpoint_meta(), model_card=model_card,
+            total_limit=self.cfg.learner.save_total_limit))
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` says of the learner (besides the step, the optimizer, the RNG)."""
+        return {"learner": self.state.to_json(), "backend": self.cfg.learner.backend,
+                "world_size": self.dist.world_size, "zero_stage": self.zero_stage,
+                "param_names": self._trainable_names()}
 
     def snapshot(self, ckpt_root: str | Path | None = None, *, model_card: str | None = None):
         """Checkpoint ``state.step`` (under ``ckpt_root``) as host copies, the stall of an asynchronous checkpoint;
@@ -649,9 +669,7 @@ class Learner:
         from streamgrpo.learner.checkpoint import _optimizer_to_flat, rng_state
         from streamgrpo.learner.checkpoint_async import HostBuffers, Snapshot, host_optimizer
 
-        meta = {"learner": self.state.to_json(), "backend": self.cfg.learner.backend,
-                "world_size": self.dist.world_size, "zero_stage": self.zero_stage,
-                "param_names": self._trainable_names()}
+        meta = self._checkpoint_meta()
         if self.engine is not None:
             from streamgrpo.learner.checkpoint_ranks import capture
 
@@ -683,7 +701,8 @@ class Learner:
         if self.engine is not None:
             from streamgrpo.learner.checkpoint_ranks import write_rank
 
-            return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=self.dist.is_main)
+            # no rank removes the folder the ranks share here: rank 0 does once every rank's part has ended
+            return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=False)
         return self._guarded_write(ckpt_root, snap.step, lambda: write_checkpoint(
             ckpt_root, snap.step, model=self.module, processor=self.processor, weights=snap.model,
             optimizer=snap.optimizer, scheduler=snap.scheduler, rng=snap.rng, state=snap.meta,
@@ -702,61 +721,17 @@ class Learner:
     def _guarded_write(ckpt_root: str | Path, step: int, write, *, clean: bool = True) -> Path:
         import shutil
 
-        from safetensors import SafetensorError
-
-        from streamgrpo.learner.checkpoint import CheckpointWriteError
+        from streamgrpo.learner.checkpoint import write_failure
 
         try:
             return write()
-        except (OSError, SafetensorError) as exc:  # safetensors reports an I/O error as its own type
-            if clean:  # several ranks write into one folder: rank 0 removes it
+        except Exception as exc:
+            error = write_failure(exc, ckpt_root, step)
+            if error is None:
+                raise
+            if clean:  # not a DeepSpeed rank's background part: Checkpointing's rank 0 removes that folder
                 shutil.rmtree(Path(ckpt_root) / f"step-{step:06d}.tmp", ignore_errors=True)
-            why = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
-            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            raise CheckpointWriteError(
-                f"cannot write checkpoint step-{step:06d} in {ckpt_root}: {why}{where}; "
-                "nothing was committed: the groups since the last checkpoint stay in Redis and are trained again "
-                "after --resume (free space there, or lower learner.save_total_limit)") from None
-
-    def _save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
-        from streamgrpo.learner.checkpoint import (
-            commit_checkpoint,
-            save_checkpoint,
-            save_rank_rng,
-            staging_dir,
-            write_trainer_state,
-        )
-
-        root, step, lc = Path(ckpt_root), self.state.step, self.cfg.learner
-        meta = {"learner": self.state.to_json(), "backend": lc.backend, "world_size": self.dist.world_size,
-                "zero_stage": self.zero_stage, "param_names": self._trainable_names()}
-        if self.engine is None:
-            return save_checkpoint(root, step, model=self.module, processor=self.processor, optimizer=self.optimizer,
-                                   scheduler=self.scheduler, state=meta, model_card=model_card,
-                                   total_limit=lc.save_total_limit)
-        if self.dist.is_main:
-            staging_dir(root, step)
-        barrier(self.dist)
-        tmp = root / f"step-{step:06d}.tmp"
-        gathered = self.policy_tensors() if self.zero_stage >= 3 else None  # ZeRO-3: collective gather
-        if self.dist.is_main:
-            if gathered is not None:
-                self.module.save_pretrained(tmp, state_dict=gathered, safe_serialization=True)
-            else:
-                self.module.save_pretrained(tmp, safe_serialization=True)
-            self.processor.save_pretrained(tmp)
-            if model_card:
-                (tmp / "README.md").write_text(model_card)
-            meta["step"] = step
-            write_trainer_state(tmp, meta)
-        save_rank_rng(tmp, self.dist.rank)
-        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", exclude_frozen_parameters=True)
-        barrier(self.dist)
-        final = root / f"step-{step:06d}"
-        if self.dist.is_main:
-            final = commit_checkpoint(root, step, lc.save_total_limit)
-        barrier(self.dist)
-        return final
+            raise error from None
 
     def load(self, ckpt: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank).

@@ -1,9 +1,10 @@
 """One DeepSpeed rank on the CPU (run directly with RANK=0 WORLD_SIZE=1 ...): checkpoint step 3 synchronously, then
 as an asynchronous snapshot written by a background thread and renamed (test_async_checkpoint_ranks.py compares
-the two). Arguments: model dir, output dir, deepspeed config, then ``lora`` or ``full``."""
+the two), then snapshot again (``reuse.json``: how many of the weights' host copies the second snapshot reused). Arguments: model dir, output dir, deepspeed config, then ``lora`` or ``full``."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +28,9 @@ def main() -> int:
     snap = learner.snapshot(out / "async")
     BackgroundWrite(3, lambda: learner.write_snapshot(out / "async", snap)).result()
     learner.finalise_write(out / "async", 3)
+    again = learner.snapshot(out / "again")  # the next checkpoint copies into the same host buffers
+    same = [again.weights[n].data_ptr() == t.data_ptr() for n, t in snap.weights.items()]
+    (out / "reuse.json").write_text(json.dumps({"weights": len(same), "reused": sum(same)}))
     return 0
 
 

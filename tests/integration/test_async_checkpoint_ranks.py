@@ -142,6 +142,7 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_not
     assert text.count(line) >= 2, text[-6000:]  # both ranks stop with the same line
     assert "No space left on device" in text and "nothing was committed" in text
     assert not (run / "checkpoints" / "step-000002").exists()
+    assert not (run / "checkpoints" / "step-000002.tmp").exists()  # rank 0 removed it, once both parts had ended
     trained = [g for name in ("learner.jsonl", "learner-rank1.jsonl") for r in _jsonl(run / "audit" / name)
                if r["event"] == "trained" and r["step"] <= 2 for g in r["group_ids"]]
     assert len(trained) == 8
@@ -151,7 +152,8 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_not
 
 def test_a_zero3_lora_snapshot_writes_what_a_synchronous_checkpoint_writes(tiny_model_dir, tmp_path):
     """LoRA under ZeRO-3 (the adapters gathered, the frozen base left out), one rank: the asynchronous checkpoint's
-    files (model, DeepSpeed's module and optimizer trees, RNG, learner state) are the synchronous one's."""
+    files (model, DeepSpeed's module and optimizer trees, RNG, learner state) are the synchronous one's, and the
+    next snapshot copies the gathered weights into the same host buffers (not fresh CPU copies)."""
     import os
 
     import torch
@@ -166,6 +168,8 @@ def test_a_zero3_lora_snapshot_writes_what_a_synchronous_checkpoint_writes(tiny_
                           str(tmp_path), str(DEPLOY / "zero3.json"), "lora"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    reuse = json.loads((tmp_path / "reuse.json").read_text())  # ZeRO-3's gathered weights: the reused host buffers
+    assert reuse["weights"] > 0 and reuse["reused"] == reuse["weights"], reuse
     sync, written = tmp_path / "sync" / "step-000003", tmp_path / "async" / "step-000003"
     names = sorted(str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file())
     assert names == sorted(str(p.relative_to(written)) for p in written.rglob("*") if p.is_file())
