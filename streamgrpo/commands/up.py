@@ -498,7 +498,10 @@ class _Watch:
             if alive == 0 and gens:
                 print("\nall generators have exited; stopping the learner", flush=True)
                 return 0
-            time.sleep(status_every_s)
+            try:  # the next status, or the learner's exit at once (its last step ends the run)
+                learner.proc.wait(timeout=status_every_s)
+            except subprocess.TimeoutExpired:
+                pass
 
     def await_final_eval(self, children: list[Child], timeout_s: float = FINAL_EVAL_WAIT_S) -> None:
         """After the learner's last step: wait (at most ``timeout_s``) for the evaluator's result at the

@@ -84,3 +84,29 @@ def test_python_m_streamgrpo_freezes_the_garbage_collector_at_exit():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "frozen at exit: True" in out.stdout, out.stdout[-500:]
+
+
+def test_up_notices_the_learners_exit_at_once_not_at_its_next_status(tmp_path):
+    """`up` shows its status every ``status_every_s`` and waits on the learner in between: the run ends
+    when the learner does, not up to a status interval later."""
+    import threading
+
+    from streamgrpo.commands.up import Child, _Watch
+    from streamgrpo.config import load_config
+
+    gen_argv, gen_out = _start(tmp_path, "generator-0")
+    learner = Child("learner", [sys.executable, "-c", "import time, sys; time.sleep(1); sys.exit(7)"],
+                    tmp_path / "learner.log", {})
+    gen = Child("generator-0", gen_argv, tmp_path / "generator-0.log", {})
+    watch = _Watch(load_config("demo"), {}, tmp_path / "metrics.jsonl")
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(watch.until_done([learner, gen], status_every_s=600.0)),
+                         daemon=True)
+    try:
+        t.start()
+        t.join(120.0)  # a sleep between statuses would end 600 s after the start
+        assert not t.is_alive() and codes == [7], "up waited out its status interval after the learner exited"
+    finally:
+        gen.stop(grace_s=30.0)
+        learner.stop()
+        watch.close()
