@@ -222,7 +222,9 @@ class MetricsServer:
         self._httpd.daemon_threads = True
         self.host = host
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+        # serve_forever looks at its stop flag every poll interval: close() waits that long (0.5 s by default)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="metrics-http", daemon=True)
         self._thread.start()
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 

@@ -3,6 +3,7 @@ the metrics endpoint and the queue URL. No training logic lives here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -236,19 +237,28 @@ def free_port(host: str = "127.0.0.1", *, tries: int = 50) -> int:
 
 def stop_process(proc, grace_s: float) -> int | None:
     """SIGTERM ``proc`` (a ``subprocess.Popen``) by PID, SIGKILL after ``grace_s``; returns its exit code."""
+    return stop_processes([proc], grace_s)[0]
+
+
+def stop_processes(procs, grace_s: float) -> list[int | None]:
+    """SIGTERM every one of ``procs`` (``subprocess.Popen``) by PID at once, then wait for them all: each
+    that is still running ``grace_s`` after the signals gets SIGKILL. They stop side by side, so the
+    wait is the slowest one's, not the sum. Their exit codes, in order."""
     import subprocess
 
-    if proc.poll() is None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("pid %d did not stop in %.0fs: killing it", proc.pid, grace_s)
             proc.kill()
             proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-    return proc.returncode
+    return [proc.returncode for proc in procs]
 
 
 TARGET_ACCURACY = 0.9

@@ -35,7 +35,7 @@ from streamgrpo.runtime import (
     free_port,
     group_accuracies,
     read_new_lines,
-    stop_process,
+    stop_processes,
     target_reached,
     write_json,
 )
@@ -46,6 +46,10 @@ AGREEMENT_REFUSED_EXIT = 1  # launch.agreement_check found the generators and th
 
 FINAL_EVAL_WAIT_S = 300.0
 """How long `up` waits, after the learner's last step, for the evaluator's result at that version."""
+
+
+CHILD_GRACE_S = 20.0
+"""How long a child may take to stop after SIGTERM before `up` kills it."""
 
 
 class Child:
@@ -60,11 +64,21 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
+    def stop(self, grace_s: float = CHILD_GRACE_S) -> int | None:
         """SIGTERM (finish the current unit of work), then SIGKILL after ``grace_s``; by PID only."""
-        code = stop_process(self.proc, grace_s)
-        self._fh.close()
-        return code
+        return stop_children([self], grace_s)[0]
+
+
+def stop_children(children: list[Child], grace_s: float = CHILD_GRACE_S) -> list[int | None]:
+    """SIGTERM by PID, SIGKILL after ``grace_s``: the generators (and the evaluator) first, side by side, so
+    `up` waits for the slowest of them rather than for each in turn; then the learner (``children[0]``),
+    which finishes its step and checkpoints. Stopped while the learner still reads, a generator blocked
+    on a full queue gets its room at once (it would wait out its grace with the learner gone)."""
+    learner, others = children[:1], children[1:]
+    codes = stop_processes([c.proc for c in others], grace_s) + stop_processes([c.proc for c in learner], grace_s)
+    for c in children:
+        c._fh.close()
+    return codes[len(others):] + codes[:len(others)]
 
 
 def summarise(rows: list[dict[str, Any]], started: float, finished: float) -> dict[str, Any]:
@@ -181,8 +195,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     finally:
         for sig in previous:  # the stopping below is not interrupted (Child.stop escalates to SIGKILL itself)
             signal.signal(sig, signal.SIG_IGN)
-        for c in reversed(children):  # generators first, the learner last (it checkpoints)
-            c.stop()
+        stop_children(children)
         watch.close()
         if redis is not None:
             redis.stop()
@@ -485,7 +498,10 @@ class _Watch:
             if alive == 0 and gens:
                 print("\nall generators have exited; stopping the learner", flush=True)
                 return 0
-            time.sleep(status_every_s)
+            try:  # the next status, or the learner's exit at once (its last step ends the run)
+                learner.proc.wait(timeout=status_every_s)
+            except subprocess.TimeoutExpired:
+                pass
 
     def await_final_eval(self, children: list[Child], timeout_s: float = FINAL_EVAL_WAIT_S) -> None:
         """After the learner's last step: wait (at most ``timeout_s``) for the evaluator's result at the

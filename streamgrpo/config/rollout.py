@@ -66,6 +66,8 @@ class RolloutConfig(Section):
     """Shuffle the shard each epoch (seeded by the top-level seed, the generator id and the epoch)."""
     sync: bool = False
     """On-policy mode: produce a group for version v only once weights v are applied (for comparisons)."""
+    stop_grace_s: float = Field(10.0, ge=0.0, le=3600.0)
+    """After a stop request (SIGTERM), how long a generator blocked on a full queue waits for room to deliver its last batch before giving it up (logged); the learner makes the room, so where no learner reads any more (a test's run that ended) 0-1 s ends the generator at once."""
     inflight_updates: bool = False
     """vLLM only: apply a new weight version between two decoding steps of a batch (the engine pauses with its requests kept, reloads, resumes; PipelineRL-style), not only between batches; every token is stamped with the version it was sampled under. Off by default until measured; the HF engine always applies between batches."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

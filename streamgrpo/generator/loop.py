@@ -113,7 +113,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             if not chunk:
                 log.info("%s: data exhausted after %d groups", name, produced)
                 break
-            sent, gave_up = send_groups(queue, sampler.groups(chunk), stop, name, audit, tick=watch.check)
+            sent, gave_up = send_groups(queue, sampler.groups(chunk), stop, name, audit, tick=watch.check,
+                                        grace_s=cfg.rollout.stop_grace_s)
             produced += sent
             if gave_up:
                 break

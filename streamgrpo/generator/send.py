@@ -14,12 +14,14 @@ from streamgrpo.runtime import StopFlag
 log = logging.getLogger("streamgrpo.generator")
 
 
-def send_groups(queue, groups: list, stop: StopFlag, name: str, audit, tick=None) -> tuple[int, bool]:
-    """Put a batch's groups in one round trip (see :func:`put_groups`), count and audit them; returns
-    ``(groups sent, gave up)``. If the wire contract refuses a group, the batch goes group by group
-    so that only that one is skipped; one a stop gave up on ends the batch."""
+def send_groups(queue, groups: list, stop: StopFlag, name: str, audit, tick=None,
+                grace_s: float = 10.0) -> tuple[int, bool]:
+    """Put a batch's groups in one round trip (see :func:`put_groups`; ``grace_s``: its wait for room after
+    a stop request, ``rollout.stop_grace_s``), count and audit them; returns ``(groups sent, gave up)``. If
+    the wire contract refuses a group, the batch goes group by group so that only that one is skipped;
+    one a stop gave up on ends the batch."""
     t_put = time.perf_counter()
-    sent = put_groups(queue, groups, stop, name, tick=tick) if groups else True
+    sent = put_groups(queue, groups, stop, name, grace_s, tick=tick) if groups else True
     if sent is False:
         return 0, True
     if sent is True:
@@ -27,7 +29,7 @@ def send_groups(queue, groups: list, stop: StopFlag, name: str, audit, tick=None
     done = 0
     for group in groups:
         t_put = time.perf_counter()
-        sent = put_groups(queue, [group], stop, name, tick=tick)
+        sent = put_groups(queue, [group], stop, name, grace_s, tick=tick)
         if sent is False:
             return done, True
         if sent is None:

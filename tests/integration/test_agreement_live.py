@@ -20,7 +20,7 @@ SHIFT = 0.5  # the generator reports log p - 0.5 for every token: k3 = e^0.5 - 1
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.generator.rollouts import sample_groups
+    from conftest import sampled_groups as sample_groups  # sampled once per session
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 4, num_generations=4, max_tokens=6)
 

@@ -19,7 +19,7 @@ DRIVER = str(Path(__file__).with_name("oom_driver.py"))
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.generator.rollouts import sample_groups
+    from conftest import sampled_groups as sample_groups  # sampled once per session
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
 

@@ -39,7 +39,8 @@ def _config(assets, run_dir: Path, **sets) -> Path:
 
     overrides = [f"data.train_path={assets['data']}", f"model.name_or_path={assets['model']}", f"run_dir={run_dir}",
                  "demo.tiny_model=false", "demo.make_data=false", "metrics.log_every=1", "eval.enabled=false",
-                 "launch.agreement_check=false"]  # checked by the two tests that turn it on (seconds each)
+                 "launch.agreement_check=false",  # checked by the two tests that turn it on (seconds each)
+                 "rollout.stop_grace_s=0"]  # a generator stopped after the learner's end gives its batch up at once
     overrides += [f"{k}={v}" for k, v in sets.items()]
     cfg = load_config("demo", overrides)
     run_dir.mkdir(parents=True, exist_ok=True)

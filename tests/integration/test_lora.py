@@ -13,8 +13,10 @@ import torch
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, demo_data_dir, tmp_path_factory):
     """A LoRA learner (beta > 0) after two steps on real groups, with the weights before/after."""
+    from conftest import sampled_groups as sample_groups  # sampled once per session
+
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept, sample_groups
+    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.trainer import Learner
 
     groups = sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 4, num_generations=4, max_tokens=6)

@@ -78,7 +78,8 @@ def test_two_generators_and_their_relay_on_one_host_each_serve_metrics(tiny_mode
                                "rollout.max_completion_length=4", f"metrics.port={base}",
                                f"metrics.host={shipped.metrics.host}", "weights.relay=true",
                                f"weights.shm_dir={shm}", f"weights.pub_port={free_port()}",
-                               f"weights.snapshot_port={free_port()}", "weights.max_wait_s=0"])
+                               f"weights.snapshot_port={free_port()}", "weights.max_wait_s=0",
+                               "rollout.stop_grace_s=0"])  # no learner makes room in the queue they fill
     assert cfg.weights.relay_metrics_port == 0  # the default: never the generators' port
     config = tmp_path / "job.yaml"
     config.write_text(cfg.to_yaml())

