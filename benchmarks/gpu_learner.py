@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks.common import emit, figure, machine_info, write_result
@@ -204,6 +205,7 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     except Exception as exc:  # noqa: BLE001 - one combination failing (a compiler error, say) is its row's answer
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
         row.update(status="error", error=f"{type(exc).__name__}: {' | '.join(lines[:2])[:400]}")
+        traceback.print_exc()  # the whole story on stderr (the log); the row keeps its first lines
     finally:
         del learner
         gc.collect()

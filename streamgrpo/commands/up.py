@@ -75,9 +75,11 @@ def stop_children(children: list[Child], grace_s: float = CHILD_GRACE_S) -> list
     which finishes its step and checkpoints. Stopped while the learner still reads, a generator blocked
     on a full queue gets its room at once (it would wait out its grace with the learner gone)."""
     learner, others = children[:1], children[1:]
-    codes = stop_processes([c.proc for c in others], grace_s) + stop_processes([c.proc for c in learner], grace_s)
-    for c in children:
-        c._fh.close()
+    try:
+        codes = stop_processes([c.proc for c in others], grace_s) + stop_processes([c.proc for c in learner], grace_s)
+    finally:
+        for c in children:
+            c._fh.close()
     return codes[len(others):] + codes[:len(others)]
 
 
@@ -195,7 +197,8 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     finally:
         for sig in previous:  # the stopping below is not interrupted (Child.stop escalates to SIGKILL itself)
             signal.signal(sig, signal.SIG_IGN)
-        stop_children(children)
+        # a generator may wait rollout.stop_grace_s for room to deliver its last batch: not cut short by SIGKILL
+        stop_children(children, max(CHILD_GRACE_S, cfg.rollout.stop_grace_s + 10.0))
         watch.close()
         if redis is not None:
             redis.stop()

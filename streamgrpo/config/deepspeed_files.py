@@ -69,6 +69,8 @@ def shipped_zero_stage(value: str | None) -> int | None:
     built-in config's, or a shipped file's (by its short name); None for a path (read at learner start)."""
     if not value:
         return BUILT_IN_STAGE
+    if Path(value).expanduser().is_file():  # a file of that name here wins over a shipped one (resolve())
+        return None
     shipped = _shipped(value)
     if shipped is None:
         return None

@@ -77,7 +77,9 @@ class Config(BaseModel):
             raise ValueError("learner.compile does not compile the saved-input offload of learner.checkpoint_offload: "
                              "set one of them to false")
         lora = self.model.lora
-        if lc.compile and lc.gradient_checkpointing and lora is not None and lora.dropout > 0:
+        # inductor's code for a GPU (a CPU learner compiled it, torch 2.14; aot_eager generates no code)
+        on_gpu = lc.compile_backend == "inductor" and lc.device != "cpu"
+        if lc.compile and on_gpu and lc.gradient_checkpointing and lora is not None and lora.dropout > 0:
             raise ValueError(f"learner.compile with model.lora.dropout {lora.dropout} in recomputed layers: inductor "
                              "cannot replay the dropout in the recompute (BackendCompilerFailed on CUDA, torch 2.11): "
                              "set model.lora.dropout to 0, or learner.compile to false")

@@ -142,6 +142,9 @@ def test_compile_refuses_lora_dropout_in_recomputed_layers_in_one_line():
     assert build_config({}, [*sets, "model.lora.dropout=0"]).learner.compile
     assert build_config({}, [*sets, "learner.gradient_checkpointing=false"]).model.lora.dropout == 0.05
     assert build_config({}, ["model.lora={r: 8, alpha: 16}"]).model.lora.dropout == 0.05  # eager keeps its dropout
+    # a CPU learner's inductor and aot_eager (no generated code) compiled it: not refused
+    assert build_config({}, [*sets, "learner.device=cpu"]).model.lora.dropout == 0.05
+    assert build_config({}, [*sets, "learner.compile_backend=aot_eager"]).model.lora.dropout == 0.05
 
 
 def test_shared_prompt_refuses_flash_attention_in_one_line():
@@ -392,3 +395,16 @@ def test_config_show_masks_an_ssl_password_in_the_queue_url():
     cfg = build_config({"queue": {"url": "rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_password=hunter2"}})
     shown = cfg.to_yaml(redact=True)
     assert "hunter2" not in shown and "ssl_password=***" in shown and "ssl_ca_certs=/ca.pem" in shown
+
+
+def test_a_local_file_named_like_a_shipped_deepspeed_config_is_read_at_learner_start(tmp_path, monkeypatch):
+    """``resolve()`` prefers a file of that name in the working directory over the shipped one, so the config
+    check must not judge compile by the shipped file's stage (a stage-2 ``./zero3.json`` is not ZeRO-3)."""
+    from streamgrpo.config.deepspeed_files import shipped_zero_stage
+
+    assert (shipped_zero_stage(None), shipped_zero_stage("zero2"), shipped_zero_stage("zero3")) == (2, 2, 3)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "zero3.json").write_text('{"zero_optimization": {"stage": 2}}')
+    assert shipped_zero_stage("zero3.json") is None  # its stage is read when the learner starts
+    assert build_config({}, ["learner.backend=deepspeed", "learner.deepspeed_config=zero3.json",
+                             "learner.compile=true"]).learner.compile

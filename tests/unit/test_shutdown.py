@@ -110,3 +110,40 @@ def test_up_notices_the_learners_exit_at_once_not_at_its_next_status(tmp_path):
         gen.stop(grace_s=30.0)
         learner.stop()
         watch.close()
+
+
+def test_a_process_still_there_after_sigkill_does_not_stop_the_others_from_being_stopped(caplog):
+    """A child that is still tearing down 10 s after SIGKILL (a GPU context, say): the wait gives up with a
+    warning and the next process is stopped all the same (pure logic: stand-ins for Popen)."""
+    from streamgrpo.runtime import stop_processes
+
+    class Stuck:
+        pid, returncode = 4242, None
+
+        def __init__(self):
+            self.signals, self.killed = [], False
+
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self, timeout=None):
+            raise subprocess.TimeoutExpired("stuck", timeout)
+
+    class Polite(Stuck):
+        pid = 4343
+
+        def wait(self, timeout=None):
+            self.returncode = 0
+            return 0
+
+    stuck, polite = Stuck(), Polite()
+    with caplog.at_level("WARNING"):
+        codes = stop_processes([stuck, polite], grace_s=0.0)
+    assert codes == [None, 0] and stuck.killed and not polite.killed and polite.signals
+    assert "still running 10s after SIGKILL" in caplog.text
