@@ -84,6 +84,13 @@ def parts_agree(dist: DistInfo, root: str | Path, step: int, error: BaseExceptio
     a failure that is no write error, a bug, is raised with its own traceback on its rank)."""
     if not share(dist, [0.0 if error is None else 1.0])[:, 0].any():
         return
+    fail_together(dist, root, step, error)
+
+
+def fail_together(dist: DistInfo, root: str | Path, step: int, error: BaseException | None) -> None:
+    """Every rank, once they know checkpoint ``step`` failed on some rank and none writes into ``step-N.tmp`` any
+    more: rank 0 removes it and every rank raises the first failing rank's one line (``error``: this rank's, None
+    where its part succeeded; one that is no write failure, a bug, is raised with its own traceback here)."""
     mine = None if error is None else (write_failure(error, root, step) or error)
     lines = gather_json(dist, "" if mine is None else (str(mine) or type(mine).__name__))
     if dist.is_main:

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from streamgrpo import metrics as M
 from streamgrpo.learner.checkpoint import CheckpointWriteError
-from streamgrpo.learner.checkpoint_async import FAILED, WRITING, BackgroundWrite, agree, first_failure
+from streamgrpo.learner.checkpoint_async import FAILED, WRITING, BackgroundWrite, agree
+from streamgrpo.learner.checkpoint_ranks import fail_together
 from streamgrpo.learner.distributed import DistInfo, broadcast_json, gather_json, share
 from streamgrpo.learner.trainer import Learner
 
@@ -143,14 +143,8 @@ class Checkpointing:
             return
         self._inflight = None
         if verdict == FAILED:
-            write.join()  # this rank's part ends first: past the gather below, no rank writes into step-N.tmp
-            error = write.error
-            line = first_failure(gather_json(self.dist, "" if error is None else (str(error) or type(error).__name__)))
-            if self.dist.is_main:  # only rank 0 removes the folder the ranks share, once none writes into it
-                shutil.rmtree(Path(self.root) / f"step-{write.step:06d}.tmp", ignore_errors=True)
-            if error is not None and not isinstance(error, CheckpointWriteError):
-                raise error  # not a write failure (a bug): its own traceback here, the one line elsewhere
-            raise CheckpointWriteError(line)
+            write.join()  # this rank's part ends first: past fail_together's gather, no rank writes into step-N.tmp
+            fail_together(self.dist, self.root, write.step, write.error)
         error = None
         try:
             self.learner.finalise_write(self.root, write.step)  # rank 0: rename step-N.tmp (DeepSpeed)
