@@ -192,8 +192,7 @@ def write_rank(learner, snap: RankSnapshot) -> Path:
         written.append(Path(path))
     if snap.weights is not None:  # rank 0: DeepSpeed's ``latest``, as a synchronous checkpoint has it
         (tmp / "deepspeed" / "latest").write_text(LATEST)
-    if snap.weights is not None:
-        fsync_written_tree(tmp)  # rank 0: what it wrote (save_pretrained's names), and the folders
+        fsync_written_tree(tmp)  # what it wrote (save_pretrained's names), and the folders
     else:
         for path in written:
             fsync_path(path)
