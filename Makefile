@@ -40,6 +40,8 @@ system-deps:
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v slurmctld >/dev/null 2>&1 || missing="$$missing slurmctld slurmd slurm-client munge"; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && \
@@ -50,6 +52,7 @@ system-deps:
 	  else \
 	    echo "missing:$$missing. Install with:"; \
 	    echo "  sudo apt-get install -y redis-server && sudo apt-get install -y --no-install-recommends prometheus docker-compose"; \
+	    echo "  (the local Slurm of tests/integration/test_slurm_cluster.py: slurmctld slurmd slurm-client munge)"; \
 	  fi; \
 	fi
 

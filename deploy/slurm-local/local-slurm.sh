@@ -6,6 +6,7 @@
 #   deploy/slurm-local/local-slurm.sh up [--hosts 3] [--gpus 2] [--cpus 8] [--mem-mib 16000] [--share DIR]...
 #   deploy/slurm-local/local-slurm.sh exec HOST COMMAND...   # run COMMAND on host HOST (0 is the head)
 #   deploy/slurm-local/local-slurm.sh down
+#   deploy/slurm-local/local-slurm.sh check                  # exit 3 with the reason where this machine cannot
 #
 # Each host is a network + mount + UTS namespace: its own address on a bridge (10.213.7.10+i in a
 # namespace of its own; nothing reaches the machine's networks), its own hostname (<name>-<i>), its own
@@ -24,6 +25,7 @@ NAME=${STREAMGRPO_SLURM_NAME:-sgslurm}
 STATE=${STREAMGRPO_SLURM_STATE:-/var/tmp/$NAME}
 SUBNET=10.213.7
 die() { echo "local-slurm: $*" >&2; exit 2; }
+cannot() { echo "local-slurm: $*" >&2; exit 3; }  # this machine cannot (exit 3: tests skip with this line)
 
 host_pid() {  # the PID of host $1's slurmd: its namespaces are the host's
   local f="$STATE/run/slurmd-$1.pid"
@@ -32,14 +34,14 @@ host_pid() {  # the PID of host $1's slurmd: its namespaces are the host's
 }
 
 check() {
-  [[ $(id -u) = 0 ]] || die "needs root (network and mount namespaces)"
+  [[ $(id -u) = 0 ]] || cannot "needs root (network and mount namespaces)"
   local t
   for t in ip unshare nsenter slurmctld slurmd sbatch munged; do
-    command -v "$t" >/dev/null || die "$t not found: apt-get install --no-install-recommends iproute2 util-linux slurmd slurmctld slurm-client munge"
+    command -v "$t" >/dev/null || cannot "$t not found: apt-get install --no-install-recommends iproute2 util-linux slurmd slurmctld slurm-client munge"
   done
-  ip netns add "$NAME-probe" 2>/dev/null || die "this machine cannot make network namespaces (ip netns add failed)"
+  ip netns add "$NAME-probe" 2>/dev/null || cannot "this machine cannot make network namespaces (ip netns add failed)"
   ip netns del "$NAME-probe"
-  unshare --mount --uts true 2>/dev/null || die "this machine cannot make mount/UTS namespaces (unshare failed)"
+  unshare --mount --uts true 2>/dev/null || cannot "this machine cannot make mount/UTS namespaces (unshare failed)"
 }
 
 # Enter host $1's namespaces fresh (at `up`): network, then a private mount + UTS namespace with its
@@ -204,6 +206,7 @@ down() {
 case ${1:-} in
   up) shift; up "$@" ;;
   down) down ;;
+  check) check; echo "local-slurm: this machine can run a local Slurm" ;;
   exec) [[ $# -ge 3 ]] || die "usage: $0 exec HOST COMMAND..."; shift; run_on "$@" ;;
   *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
