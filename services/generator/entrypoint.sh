@@ -2,7 +2,8 @@
 # Generator container entrypoint: runs `streamgrpo "$@"` and nothing else.
 #
 # `generator` without --id gets `--id K` appended, K (0-based) from
-#   GENERATOR_ID               when set (k8s passes the StatefulSet pod index this way), else
+#   GENERATOR_ID               when set (the k8s generator pods do not use this entrypoint: they run
+#                              streamgrpo.commands.k8s_generator, shard = pod ordinal), else
 #   the compose replica number: compose names replica N of a service `<project>-<service>-N`
 #   (`<project>_<service>_N` for docker-compose v1) and Docker's DNS answers the reverse lookup of
 #   the container's own address with that name; K = N - 1.

@@ -2,8 +2,8 @@
 
 docker-compose.yml (PyYAML + Debian's docker-compose 1.29 `config`), the service entrypoints and
 healthcheck (run for real with bash against a real /healthz), Prometheus config and alert rules
-(`promtool check` and `promtool test rules`), the Grafana dashboard and provisioning, the k8s
-manifests (cross-referenced), and the DeepSpeed configs (real `deepspeed.initialize` on CPU).
+(`promtool check` and `promtool test rules`), the Grafana dashboard and provisioning, and the DeepSpeed
+configs (real `deepspeed.initialize` on CPU). The k8s manifests: tests/unit/test_k8s.py.
 Every PromQL metric name must be one that streamgrpo/metrics.py exports.
 """
 
@@ -29,7 +29,6 @@ ENV_EXAMPLE = ROOT / ".env.example"
 PROM_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "streamgrpo.json"
-K8S_DIR = ROOT / "deploy" / "k8s"
 DS_DIR = ROOT / "streamgrpo" / "configs" / "deepspeed"
 SERVICES = ROOT / "services"
 
@@ -179,15 +178,6 @@ def exported_names() -> set[str]:
         if not family.name.startswith("streamgrpo_"):
             names |= {s.name for s in family.samples}
     return names
-
-
-def k8s_docs() -> list[tuple[str, dict]]:
-    out = []
-    for f in sorted(K8S_DIR.glob("*.yaml")):
-        for doc in yaml.safe_load_all(f.read_text()):
-            if doc:
-                out.append((f.name, doc))
-    return out
 
 
 def promtool() -> str:
@@ -547,160 +537,6 @@ def test_grafana_provisioning_matches_compose_mounts():
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == provider["options"]["path"] + "/" + DASHBOARD.name
-
-
-# ======================================================================================== k8s
-def _pod_specs(docs):
-    for fname, d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
-            yield fname, d, d["spec"]["template"]["spec"]
-
-
-def _expand_k8s_vars(arg: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
-
-
-def test_k8s_manifests_cross_reference():  # noqa: C901 - one walk over every reference between the manifests
-    docs = k8s_docs()
-    assert docs
-    by_kind: dict[str, dict[str, dict]] = {}
-    for fname, d in docs:
-        assert d.get("apiVersion") and d.get("kind") and d["metadata"].get("name"), fname
-        if d["kind"] != "Namespace":
-            assert d["metadata"]["namespace"] == "streamgrpo", (fname, d["metadata"]["name"])
-        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
-    secrets, configmaps = by_kind.get("Secret", {}), by_kind.get("ConfigMap", {})
-    pvcs, services = by_kind.get("PersistentVolumeClaim", {}), by_kind.get("Service", {})
-    workloads = [(f, d, spec) for f, d, spec in _pod_specs(docs)]
-    assert {d["metadata"]["name"] for _, d, _ in workloads} >= {"streamgrpo-redis", "streamgrpo-learner",
-                                                                "streamgrpo-generator", "streamgrpo-prometheus"}
-    # pods as they will run: template labels, plus the pod-name label of StatefulSet pod 0
-    pods = []
-    for _, d, spec in workloads:
-        labels = dict(d["spec"]["template"]["metadata"]["labels"])
-        sel = d["spec"]["selector"]["matchLabels"]
-        assert all(labels.get(k) == v for k, v in sel.items()), f"{d['metadata']['name']}: selector misses its pods"
-        if d["kind"] == "StatefulSet":
-            assert d["spec"]["serviceName"] in services, d["metadata"]["name"]
-            labels["statefulset.kubernetes.io/pod-name"] = d["metadata"]["name"] + "-0"
-        ports = {p["name"] for c in spec["containers"] for p in c.get("ports", [])}
-        pods.append((labels, ports))
-    for _, d, spec in workloads:
-        name = d["metadata"]["name"]
-        for c in spec["containers"] + spec.get("initContainers", []):
-            for e in c.get("env", []):
-                ref = (e.get("valueFrom") or {})
-                if "secretKeyRef" in ref:
-                    s = ref["secretKeyRef"]
-                    assert s["name"] in secrets, f"{name}: Secret {s['name']} missing"
-                    assert s["key"] in secrets[s["name"]].get("stringData", {}) | secrets[s["name"]].get("data", {})
-                if "configMapKeyRef" in ref:
-                    assert ref["configMapKeyRef"]["name"] in configmaps, name
-            for ef in c.get("envFrom", []):
-                if "secretRef" in ef:
-                    assert ef["secretRef"]["name"] in secrets, name
-                if "configMapRef" in ef:
-                    assert ef["configMapRef"]["name"] in configmaps, name
-            vols = {v["name"] for v in spec.get("volumes", [])}
-            for m in c.get("volumeMounts", []):
-                assert m["name"] in vols, f"{name}: volumeMount {m['name']} has no volume"
-            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                port = ((c.get(probe) or {}).get("httpGet") or {}).get("port")
-                if isinstance(port, str):
-                    assert port in {p["name"] for p in c.get("ports", [])}, f"{name}: {probe} port {port}"
-        for v in spec.get("volumes", []):
-            if "secret" in v:
-                assert v["secret"]["secretName"] in secrets, name
-            if "configMap" in v:
-                assert v["configMap"]["name"] in configmaps, name
-            if "persistentVolumeClaim" in v:
-                assert v["persistentVolumeClaim"]["claimName"] in pvcs, name
-        if spec.get("serviceAccountName"):
-            assert spec["serviceAccountName"] in by_kind.get("ServiceAccount", {}), name
-    for sname, svc in services.items():
-        sel = svc["spec"]["selector"]
-        matching = [ports for labels, ports in pods if all(labels.get(k) == v for k, v in sel.items())]
-        assert matching, f"Service {sname} selects no pod"
-        for p in svc["spec"]["ports"]:
-            if isinstance(p.get("targetPort"), str):
-                assert all(p["targetPort"] in ports for ports in matching), f"Service {sname}: port {p['targetPort']}"
-    for rb in by_kind.get("RoleBinding", {}).values():
-        assert rb["roleRef"]["name"] in by_kind.get("Role", {})
-        for s in rb["subjects"]:
-            assert s["name"] in by_kind.get("ServiceAccount", {})
-
-
-def test_k8s_commands_and_config(tmp_path, monkeypatch):
-    from streamgrpo.config import load_config
-
-    docs = k8s_docs()
-    services = {d["metadata"]["name"] for _, d in docs if d["kind"] == "Service"}
-    configmaps = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "ConfigMap"}
-    path = tmp_path / "config.yaml"  # as the pods see it: a file with ${REDIS_PASSWORD} from the Secret
-    path.write_text(configmaps["streamgrpo-config"]["data"]["config.yaml"])
-    monkeypatch.setenv("REDIS_PASSWORD", "0123abcd")
-    cfg = load_config(path)
-    host = re.match(r"rediss?://(?::[^@]*@)?([^:/]+)", cfg.queue.url).group(1)
-    assert host in services and cfg.queue.url.startswith("redis://:0123abcd@")
-    assert cfg.weights.connect_host in services and cfg.weights.bind_host == "0.0.0.0"
-    assert cfg.learner.deepspeed_config in {p.stem for p in DS_DIR.glob("*.json")}  # shipped in the package
-    ran = set()
-    for _, d, spec in _pod_specs(docs):
-        for c in spec["containers"]:
-            if not c["image"].startswith("streamgrpo-"):
-                continue
-            env = {e["name"]: e.get("value", "0") for e in c.get("env", [])}
-            argv = [_expand_k8s_vars(a, env) for a in c.get("command", []) + c.get("args", [])]
-            args = assert_parses(streamgrpo_argv(argv), f"k8s {d['metadata']['name']}")
-            ran.add(args.command)
-            pod_cfg = load_config(path, args.overrides)  # Prometheus scrapes the `metrics` port from another pod
-            assert pod_cfg.metrics.host == "0.0.0.0", d["metadata"]["name"]
-            assert {"name": "metrics", "containerPort": pod_cfg.metrics.port} in c["ports"], d["metadata"]["name"]
-            mounts = {m["mountPath"] for m in c["volumeMounts"]}
-            assert str(Path(args.config).parent) in mounts, "the config comes from the ConfigMap mount"
-            if args.command == "generator":
-                assert d["spec"]["replicas"] == cfg.rollout.num_generators
-            if args.command == "learner":
-                assert argv[0] == "torchrun"
-                assert env["MASTER_ADDR"].split(".")[1] in services
-                assert int(env["NNODES"]) == d["spec"]["replicas"]
-                assert int(env["NPROC_PER_NODE"]) == c["resources"]["limits"]["nvidia.com/gpu"]
-    assert ran == {"learner", "generator"}
-
-
-@pytest.mark.prometheus
-def test_k8s_prometheus_config(tmp_path):
-    tool = promtool()
-    cm = next(d for _, d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "streamgrpo-prometheus")
-    assert cm["data"]["rules.yml"] == (PROM_DIR / "rules.yml").read_text(), \
-        "30-prometheus.yaml must carry a verbatim copy of deploy/prometheus/rules.yml"
-    for key in ("prometheus.yml", "rules.yml"):
-        (tmp_path / key).write_text(cm["data"][key])
-    out = subprocess.run([tool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True)
-    doc = yaml.safe_load(cm["data"]["prometheus.yml"])
-    if out.returncode != 0 and "field kubernetes_sd_configs not found" in out.stdout + out.stderr:
-        # Debian's prometheus is built without Kubernetes discovery (the prom/prometheus image has it):
-        # check everything else with the discovery block swapped for a static target.
-        stripped = json.loads(json.dumps(doc))
-        for job in stripped["scrape_configs"]:
-            if job.pop("kubernetes_sd_configs", None) is not None:
-                job["static_configs"] = [{"targets": ["10.0.0.1:9100"]}]
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(stripped))
-        out = subprocess.run([tool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 rule files found" in out.stdout + out.stderr
-    sd = doc["scrape_configs"][0]["kubernetes_sd_configs"][0]
-    assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["streamgrpo"]
-    job = doc["scrape_configs"][0]
-    keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
-    pod_labels = [d["spec"]["template"]["metadata"]["labels"] for _, d, _ in _pod_specs(k8s_docs())]
-    components = {lab["app.kubernetes.io/component"] for lab in pod_labels
-                  if re.fullmatch(keep[0]["regex"], lab.get("app.kubernetes.io/component", ""))}
-    assert components == {"learner", "generator"}
-    assert any(r.get("target_label") == "job" for r in job["relabel_configs"])
-    selector = job["kubernetes_sd_configs"][0]["selectors"][0]["label"]
-    key, value = selector.split("=")
-    assert all(lab.get(key) == value for lab in pod_labels)
 
 
 # ================================================================================== deepspeed
