@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from streamgrpo.commands.slurm import plan_job, render
+from streamgrpo.config import load_config
+from streamgrpo.runtime import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -227,17 +236,6 @@ def test_prometheus_scrapes_the_rendered_targets_under_the_rules_jobs(tmp_path):
     """A real Prometheus on the rendered prometheus.yml and targets.json (the script's writer, one node here):
     a target's `job` label replaces the scrape config's job_name, so up{job="learner"} is the learner's target
     (process and node labels kept), which StreamgrpoLearnerDown watches, and the shipped rules load healthy."""
-    import re
-    import shutil
-    import urllib.parse
-    import urllib.request
-
-    from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
-    from streamgrpo.commands.slurm import plan_job, render
-    from streamgrpo.config import load_config
-    from streamgrpo.runtime import free_port
-
     prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
     if not os.access(prometheus, os.X_OK):
         pytest.skip("prometheus not installed (apt-get install prometheus)")
@@ -272,7 +270,7 @@ def test_prometheus_scrapes_the_rendered_targets_under_the_rules_jobs(tmp_path):
         while time.monotonic() < deadline:
             try:
                 learner = query('up{job="learner"} == 1')
-                if learner:
+                if learner and len(query("up")) == len(job.ports):  # every target scraped once
                     break
             except OSError:
                 pass

@@ -4,6 +4,7 @@ the script runs under stand-ins in tests/integration/test_slurm.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
+import streamgrpo.metrics as streamgrpo_metrics
 from streamgrpo.commands.slurm import plan_job, render
 from streamgrpo.config import ConfigError, load_config
 
@@ -138,10 +141,7 @@ def _selected_jobs() -> set[str]:
 
 
 def _metric_label_names() -> set[str]:
-    import streamgrpo.metrics as m
-    from prometheus_client.metrics import MetricWrapperBase
-
-    return {n for v in vars(m).values() if isinstance(v, MetricWrapperBase) for n in v._labelnames}
+    return {n for v in vars(streamgrpo_metrics).values() if isinstance(v, MetricWrapperBase) for n in v._labelnames}
 
 
 def test_the_targets_carry_the_jobs_the_rules_and_the_dashboard_select(tmp_path):
@@ -197,7 +197,7 @@ def test_the_learner_step_finds_its_network_interface(tmp_path):
         pytest.skip(f"no route to {remote} here")
     dev = re.search(r" dev (\S+)", route.stdout).group(1)
     show = ["sh", "-c", 'echo "$NCCL_SOCKET_IFNAME|$GLOO_SOCKET_IFNAME"']
-    base = {k: v for k, v in __import__("os").environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    base = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
 
     def run(nodes: str, **extra) -> str:
         out = subprocess.run(["bash", str(env_sh), *show], env={**base, "LEARNER_NODES": nodes, **extra},
