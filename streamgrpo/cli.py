@@ -171,7 +171,7 @@ def cmd_slurm(args) -> int:
     return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                      generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks, out=args.out,
                      job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
-                     overrides=tuple(args.overrides))
+                     overrides=tuple(args.overrides), generators=args.generators, grace_s=args.grace_s)
 
 
 def cmd_learner(args) -> int:
@@ -378,13 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value (the plan uses it, and every process of the job gets it)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each node (default 8)")
+    p.add_argument("--generators", type=int, default=None,
+                   help="generators in the job, one GPU each (default rollout.num_generators: size it as "
+                        "docs/cluster.md says, seconds per group x groups the learner trains per second)")
     p.add_argument("--generators-per-node", type=int, default=None,
-                   help="at most this many generators (one GPU each) per node (default: every GPU left)")
+                   help="at most this many generators per node (default: every GPU left); they fill the nodes in "
+                        "order, so fewer relays serve them")
     p.add_argument("--learner-ranks", type=int, default=None,
                    help="learner ranks, one GPU each, from the first node on (default launch.learner_ranks)")
     p.add_argument("--out", default=None, help="write the script here (default: print it)")
     p.add_argument("--job-name", default="streamgrpo", help="#SBATCH --job-name")
     p.add_argument("--time", default="24:00:00", help="#SBATCH --time")
+    p.add_argument("--grace-s", type=int, default=300,
+                   help="seconds between Slurm's SIGTERM (#SBATCH --signal=B:TERM@N) and the time limit: the learner "
+                        "checkpoints, the rest stops, the job is requeued (default 300)")
     p.add_argument("--partition", default=None, help="#SBATCH --partition")
     p.add_argument("--python", default="python", help="the Python with streamgrpo on every node (default: python)")
     p.set_defaults(func=cmd_slurm)

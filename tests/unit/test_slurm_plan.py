@@ -3,11 +3,19 @@ the script runs under stand-ins in tests/integration/test_slurm.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
+import streamgrpo.metrics as streamgrpo_metrics
 from streamgrpo.commands.slurm import plan_job, render
 from streamgrpo.config import ConfigError, load_config
 
@@ -17,7 +25,7 @@ def _cfg(*sets: str):
 
 
 def test_sixteen_ranks_on_two_nodes_and_generators_on_the_rest():
-    job = plan_job(_cfg(), 4, gpus_per_node=8, learner_ranks=16)
+    job = plan_job(_cfg(), 4, gpus_per_node=8, learner_ranks=16, generators=16)
     assert (job.learner_nodes, job.ranks_per_node) == (2, 8)
     assert [g.node for g in job.generators] == [2] * 8 + [3] * 8 and job.relay_nodes == (2, 3)
     assert [g.id for g in job.generators] == list(range(16))
@@ -30,7 +38,7 @@ def test_sixteen_ranks_on_two_nodes_and_generators_on_the_rest():
 
 def test_one_node_shares_its_gpus_and_the_evaluator_takes_the_last():
     job = plan_job(_cfg("eval.enabled=true", "data.eval_path=x.jsonl"), 1, gpus_per_node=8, learner_ranks=4,
-                   generators_per_node=2)
+                   generators_per_node=2, generators=2)
     assert job.learner_nodes == 1 and job.evaluator_node == 0
     assert [g.node for g in job.generators] == [0, 0] and job.relay_nodes == (0,)
     assert job.ports["evaluator"] == (0, 9100 + 4 + 2)
@@ -39,7 +47,7 @@ def test_one_node_shares_its_gpus_and_the_evaluator_takes_the_last():
 @pytest.mark.parametrize("nodes, gpus, ranks, eval_on, message", [
     (2, 8, 12, False, "use a multiple of --gpus-per-node"),
     (1, 8, 16, False, "need 2 nodes of 8 GPUs; --nodes is 1"),
-    (2, 8, 16, False, "no GPU left for a generator"),
+    (2, 8, 16, False, r"4 generators \(rollout.num_generators\) need 4 GPUs; 0 are left"),
     (1, 1, 1, True, "no GPU left for the evaluator"),
     (0, 8, 1, False, "each at least 1"),
 ])
@@ -90,7 +98,7 @@ def test_the_scrape_targets_are_a_file_prometheus_reads(tmp_path):
     subprocess.run([sys.executable, "-", str(targets), "gpu-a", "gpu-b"], input=writer, text=True, check=True)
     listed = {t["labels"]["process"]: t["targets"] for t in json.loads(targets.read_text())}
     assert listed["learner-1"] == ["gpu-a:9101"] and listed["generator-0"] == ["gpu-a:9102"]
-    assert listed["evaluator"] == ["gpu-b:9107"] and listed["relay-1"] == ["gpu-b:9109"]  # after 5 generators
+    assert listed["evaluator"] == ["gpu-b:9106"] and listed["relay-1"] == ["gpu-b:9108"]  # after 4 generators
     assert set(listed) == set(job.ports)
     tool = shutil.which("promtool")
     if tool is None:
@@ -103,3 +111,162 @@ def test_the_scrape_targets_are_a_file_prometheus_reads(tmp_path):
     broken.write_text('[{"targets": "gpu-a:9100"}]')
     conf.write_text(f"scrape_configs:\n  - job_name: streamgrpo\n    file_sd_configs:\n      - files: ['{broken}']\n")
     assert subprocess.run([tool, "check", "config", str(conf)], capture_output=True).returncode != 0
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _heredoc(text: str, marker: str) -> str:
+    """The body of the script's heredoc whose opening line contains ``marker``."""
+    return re.search(re.escape(marker) + r"[^\n]*<<'EOF'\n(.*?)EOF\n", text, re.S).group(1)
+
+
+def _targets(text: str, tmp_path: Path, *hosts: str) -> list[dict]:
+    writer = re.search(r"\"\$PYTHON\" - [^\n]*<<'EOF'\n(.*?)\nEOF\n", text, re.S).group(1)
+    out = tmp_path / "targets.json"
+    subprocess.run([sys.executable, "-", str(out), *hosts], input=writer, text=True, check=True)
+    return json.loads(out.read_text())
+
+
+def _selected_jobs() -> set[str]:
+    """Every `job` that deploy/prometheus/rules.yml and the Grafana dashboard select (job="x", job=~"a|b")."""
+    exprs = [r["expr"] for g in yaml.safe_load((ROOT / "deploy/prometheus/rules.yml").read_text())["groups"]
+             for r in g["rules"]]
+    exprs += re.findall(r'"expr":\s*"((?:[^"\\]|\\.)*)"', (ROOT / "deploy/grafana/dashboards/streamgrpo.json").read_text())
+    jobs = set()
+    for e in exprs:
+        for value in re.findall(r'job\s*=~?\s*\\?"([^"\\]+)', e):
+            jobs.update(value.split("|"))
+    return jobs
+
+
+def _metric_label_names() -> set[str]:
+    return {n for v in vars(streamgrpo_metrics).values() if isinstance(v, MetricWrapperBase) for n in v._labelnames}
+
+
+def test_the_targets_carry_the_jobs_the_rules_and_the_dashboard_select(tmp_path):
+    """targets.json labels each process with the `job` the alert rules and the dashboard select (learner,
+    generator; the evaluator and relays their own), plus process and node, none of them one of streamgrpo's own
+    metric labels; the rendered prometheus.yml reads it and the shipped rules (promtool checks both)."""
+    cfg = _cfg("eval.enabled=true", "data.eval_path=x.jsonl")
+    job = plan_job(cfg, 2, gpus_per_node=4, learner_ranks=2)
+    text = render(job, cfg, tmp_path / "my.yaml")
+    targets = _targets(text, tmp_path, "gpu-a", "gpu-b")
+    jobs = {t["labels"]["process"]: t["labels"]["job"] for t in targets}
+    assert jobs["learner-1"] == "learner" and jobs["generator-3"] == "generator"
+    assert jobs["evaluator"] == "evaluator" and jobs["relay-0"] == "relay"
+    selected = _selected_jobs()
+    assert {"learner", "generator"} <= selected, selected  # the parse found the selectors
+    assert selected <= set(jobs.values()), f"rules/dashboard select jobs no target has: {selected - set(jobs.values())}"
+    own = _metric_label_names()
+    assert {"role", "fn", "event", "reason", "side", "stat", "kind"} <= own
+    for t in targets:
+        assert not set(t["labels"]) & own, f"{t['labels']} would rename streamgrpo's own labels to exported_*"
+        assert t["labels"]["node"] == t["targets"][0].split(":")[0]
+
+    conf = tmp_path / "prometheus.yml"
+    conf.write_text(_heredoc(text, '"$RUN_DIR/prometheus/prometheus.yml"'))
+    doc = yaml.safe_load(conf.read_text())
+    assert doc["scrape_configs"][0]["file_sd_configs"] == [{"files": ["targets.json"]}]
+    assert doc["rule_files"] == ["rules/*.yml"]
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    (tmp_path / "rules").mkdir()
+    shutil.copy(ROOT / "deploy/prometheus/rules.yml", tmp_path / "rules" / "rules.yml")
+    out = subprocess.run([tool, "check", "config", str(conf)], capture_output=True, text=True)
+    assert out.returncode == 0 and "SUCCESS: 1 rule files found" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_the_learner_step_finds_its_network_interface(tmp_path):
+    """No `ib0` assumed: the learner's step (learner-env.sh) sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to
+    the interface that routes to the other learner nodes, keeps what the user set, and leaves them to NCCL's
+    own choice when no other learner node is reachable."""
+    cfg = _cfg()
+    text = render(plan_job(cfg, 4, gpus_per_node=8, learner_ranks=16, generators=8), cfg, tmp_path / "my.yaml")
+    assert "ib0" not in text and "NCCL_IB_HCA=" not in text
+    assert 'export LEARNER_NODES="${NODES[0]} ${NODES[1]}"' in text
+    assert 'bash "$RUN_DIR/slurm/learner-env.sh" "$PYTHON" -m torch.distributed.run' in text
+    env_sh = tmp_path / "learner-env.sh"
+    env_sh.write_text(_heredoc(text, '"$RUN_DIR/slurm/learner-env.sh"'))
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` (iproute2) here")
+    remote = "192.0.2.1"  # TEST-NET-1: routed like any other host's address (through the default route)
+    route = subprocess.run(["ip", "-o", "route", "get", remote], capture_output=True, text=True)
+    if route.returncode != 0:
+        pytest.skip(f"no route to {remote} here")
+    dev = re.search(r" dev (\S+)", route.stdout).group(1)
+    show = ["sh", "-c", 'echo "$NCCL_SOCKET_IFNAME|$GLOO_SOCKET_IFNAME"']
+    base = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+
+    def run(nodes: str, **extra) -> str:
+        out = subprocess.run(["bash", str(env_sh), *show], env={**base, "LEARNER_NODES": nodes, **extra},
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run(f"localhost {remote}") == f"{dev}|{dev}"  # this node's own name routes through lo: the next one
+    assert run("localhost") == "|"  # one learner node: NCCL's and gloo's own choice
+    assert run(remote, NCCL_SOCKET_IFNAME="eth7") == f"eth7|{dev}"  # what the user set stays
+
+
+def test_time_limit_signal_requeue_and_memory_per_step(tmp_path):
+    """SIGTERM --grace-s before the time limit to the batch shell, requeue, the output appended across requeues,
+    every node whole (--mem=0) and each GPU step its share of the memory (none takes all the job's); the
+    behaviour under SIGTERM runs in tests/integration/test_slurm.py."""
+    cfg = _cfg("eval.enabled=true", "data.eval_path=x.jsonl")
+    job = plan_job(cfg, 3, gpus_per_node=8, learner_ranks=8, generators=4)
+    text = render(job, cfg, tmp_path / "my.yaml", grace_s=600)
+    for line in ("#SBATCH --signal=B:TERM@600", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --mem=0", "trap on_term TERM", 'scontrol requeue "$SLURM_JOB_ID"',
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"):
+        assert line in text, line
+    assert "#SBATCH --signal=B:TERM@300" in render(job, cfg, tmp_path / "my.yaml")  # the default grace
+    srun = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert all(re.search(r" --mem=\S", line) for line in srun), [x for x in srun if "--mem=" not in x]
+    assert sum("--mem=$MEM_PER_GPU " in line for line in srun) == 5  # the evaluator and 4 generators
+    assert sum("--overlap --gpus=0 --mem=0 " in line for line in srun) == 1 + 1  # Redis, the relay of node 1
+    assert "--mem=$(( MEM_PER_GPU * 8 ))" in text
+    assert f"[\"step\"] < {cfg.learner.max_steps})" in text  # requeued only short of learner.max_steps
+
+
+def test_the_generators_follow_the_config_not_every_spare_gpu(tmp_path):
+    """By default rollout.num_generators generators (docs/cluster.md's sizing), not one per spare GPU (28 for 4
+    learner ranks on 4 nodes); --generators sets the number; the header and the summary say how many and why."""
+    cfg = load_config("qwen2_5_vl_7b_1node", ["eval.enabled=false"])
+    job = plan_job(cfg, 4, gpus_per_node=8, learner_ranks=4)
+    assert len(job.generators) == cfg.rollout.num_generators == 4 and job.relay_nodes == (0,)
+    text = render(job, cfg, tmp_path / "my.yaml")
+    assert "# Generators: 4 (rollout.num_generators in the config; docs/cluster.md" in text
+    assert "rollout.num_generators=4" in text and "24 GPU(s) idle" in text
+    job = plan_job(cfg, 4, gpus_per_node=8, learner_ranks=4, generators=28)
+    assert len(job.generators) == 28 and job.relay_nodes == (0, 1, 2, 3)
+    assert "# Generators: 28 (--generators;" in render(job, cfg, tmp_path / "my.yaml")
+    with pytest.raises(ConfigError, match=r"29 generators \(--generators\) need 29 GPUs; 28 are left"):
+        plan_job(cfg, 4, gpus_per_node=8, learner_ranks=4, generators=29)
+
+
+def test_the_evaluator_off_the_learners_node_takes_tcp(tmp_path):
+    """A recipe's weights.transport=shm reaches only the learner's node: the evaluator elsewhere gets
+    --set weights.transport=tcp (the factory would fall back to TCP as well); on the learner's node it keeps shm."""
+    cfg = load_config("qwen2_5_vl_7b_1node", ["eval.enabled=true", "data.eval_path=x.jsonl"])
+    assert cfg.weights.transport == "shm"
+    text = render(plan_job(cfg, 2, gpus_per_node=8, learner_ranks=4), cfg, tmp_path / "my.yaml")
+    evaluator, = [line for line in text.splitlines() if " evaluator " in line and line.startswith("srun ")]
+    assert '--nodelist="${NODES[1]}"' in evaluator and "--set weights.transport=tcp" in evaluator
+    text = render(plan_job(cfg, 1, gpus_per_node=8, learner_ranks=4, generators=3), cfg, tmp_path / "my.yaml")
+    evaluator, = [line for line in text.splitlines() if " evaluator " in line and line.startswith("srun ")]
+    assert "weights.transport" not in evaluator
+
+
+def test_the_monitoring_doc_says_what_the_script_sets(tmp_path):
+    """docs/monitoring.md on ports under Slurm: the script gives each process its own metrics.port (no
+    --local-index), as the rendered generator steps show."""
+    cfg = _cfg()
+    text = render(plan_job(cfg, 2, gpus_per_node=8, learner_ranks=8, generators=2), cfg, tmp_path / "my.yaml")
+    gens = [line for line in text.splitlines() if " generator " in line and line.startswith("srun ")]
+    assert gens and all("--set metrics.port=" in g and "--local-index" not in g for g in gens)
+    doc = (ROOT / "docs/monitoring.md").read_text()
+    slurm = [p for p in doc.split("\n\n") if "slurm" in p.lower()]
+    assert slurm and not any("--local-index" in p and "Slurm template passes" in p for p in slurm)
+    assert any("metrics.port" in p and "streamgrpo slurm" in p for p in slurm), slurm
