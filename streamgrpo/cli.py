@@ -169,7 +169,8 @@ def cmd_slurm(args) -> int:
     from streamgrpo.commands.slurm import run_slurm
 
     return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks, out=args.out,
+                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks,
+                     learner_nodes=args.learner_nodes, out=args.out,
                      job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
                      overrides=tuple(args.overrides), generators=args.generators, grace_s=args.grace_s)
 
@@ -386,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "order, so fewer relays serve them")
     p.add_argument("--learner-ranks", type=int, default=None,
                    help="learner ranks, one GPU each, from the first node on (default launch.learner_ranks)")
+    p.add_argument("--learner-nodes", type=int, default=None,
+                   help="spread the learner's ranks evenly over this many nodes (default: fill each node's GPUs); "
+                        "the GPUs left beside them take generators")
     p.add_argument("--out", default=None, help="write the script here (default: print it)")
     p.add_argument("--job-name", default="streamgrpo", help="#SBATCH --job-name")
     p.add_argument("--time", default="24:00:00", help="#SBATCH --time")

@@ -91,18 +91,25 @@ def metrics_ports(base: int, job: SlurmJob) -> dict[str, tuple[int, int]]:
 
 
 def plan_job(cfg: Config, nodes: int, *, gpus_per_node: int = 8, generators_per_node: int | None = None,
-             learner_ranks: int | None = None, generators: int | None = None) -> SlurmJob:
+             learner_ranks: int | None = None, generators: int | None = None,
+             learner_nodes: int | None = None) -> SlurmJob:
     """Place the learner, the evaluator, ``generators`` generators (default ``rollout.num_generators``) and
-    the relays on ``nodes`` nodes of ``gpus_per_node`` GPUs; a placement that cannot work is a ConfigError
-    (one line)."""
+    the relays on ``nodes`` nodes of ``gpus_per_node`` GPUs; the learner's ranks fill its nodes in order, or
+    spread evenly over ``learner_nodes`` (the GPUs left beside them go to generators). A placement that
+    cannot work is a ConfigError (one line)."""
     ranks = learner_ranks if learner_ranks is not None else cfg.launch.learner_ranks
     if nodes < 1 or gpus_per_node < 1 or ranks < 1:
         raise ConfigError(f"--nodes {nodes}, --gpus-per-node {gpus_per_node}, learner ranks {ranks}: each at least 1")
-    if ranks > gpus_per_node and ranks % gpus_per_node:
-        raise ConfigError(f"{ranks} learner ranks on nodes of {gpus_per_node} GPUs: torchrun runs the same number "
-                          "of ranks on each node; use a multiple of --gpus-per-node (or fewer than one node's GPUs)")
-    learner_nodes = -(-ranks // gpus_per_node)
-    per_node = min(ranks, gpus_per_node)
+    if learner_nodes is None:
+        if ranks > gpus_per_node and ranks % gpus_per_node:
+            raise ConfigError(f"{ranks} learner ranks on nodes of {gpus_per_node} GPUs: torchrun runs the same "
+                              "number of ranks on each node; use a multiple of --gpus-per-node (or fewer than one "
+                              "node's GPUs)")
+        learner_nodes = -(-ranks // gpus_per_node)
+    elif learner_nodes < 1 or ranks % learner_nodes or ranks // learner_nodes > gpus_per_node:
+        raise ConfigError(f"--learner-nodes {learner_nodes}: torchrun runs the same number of ranks on each node, "
+                          f"at most --gpus-per-node ({gpus_per_node}); {ranks} learner ranks do not split so")
+    per_node = ranks // learner_nodes
     if learner_nodes > nodes:
         raise ConfigError(f"{ranks} learner ranks need {learner_nodes} nodes of {gpus_per_node} GPUs; --nodes is "
                           f"{nodes}")
@@ -239,10 +246,23 @@ RDZV_PORT=${RDZV_PORT:-29500}
 # nodes (a step without --mem would take all the job's memory and the next ones would wait for it)
 CPUS_PER_GPU=${CPUS_PER_GPU:-$(( ${SLURM_CPUS_ON_NODE:-@@gpus_per_node@@} / @@gpus_per_node@@ ))}
 (( CPUS_PER_GPU >= 1 )) || CPUS_PER_GPU=1
-MEM_PER_GPU=${MEM_PER_GPU:-$(( ${SLURM_MEM_PER_NODE:-0} * (100 - @@reserve@@) / 100 / @@gpus_per_node@@ ))}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if (( ${#NODES[@]} < @@nodes@@ )); then echo "this script places @@nodes@@ nodes; the job has ${#NODES[@]}" >&2; exit 2; fi
 HEAD=${NODES[0]}
+# a node's memory: --mem=0 leaves SLURM_MEM_PER_NODE unset (Slurm 22.05), so ask Slurm for the first node's
+MEM_PER_NODE=${SLURM_MEM_PER_NODE:-$(scontrol show node "$HEAD" -o | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')}
+MEM_PER_GPU=${MEM_PER_GPU:-$(( ${MEM_PER_NODE:-0} * (100 - @@reserve@@) / 100 / @@gpus_per_node@@ ))}
+# the steps' memory without a GPU (Redis, a relay): a share of what is left to them
+MEM_CPU_STEP=${MEM_CPU_STEP:-$(( ${MEM_PER_NODE:-0} * @@reserve@@ / 100 / 2 ))}
+(( MEM_PER_GPU >= 1 && MEM_CPU_STEP >= 1 )) || { echo "no memory size from Slurm for $HEAD: set MEM_PER_GPU and MEM_CPU_STEP (MB)" >&2; exit 2; }
+# signal job steps by name (srun --job-name=sg-...): srun turns a SIGTERM of its own into a SIGKILL of its step,
+# scancel --signal delivers the signal itself
+step_signal() {
+  local sig=$1 id name pat; shift
+  while read -r id name; do
+    for pat in "$@"; do if [[ $name == $pat ]]; then scancel --quiet --signal="$sig" "$id" 2>/dev/null || true; fi; done
+  done < <(squeue --steps --noheader --jobs="$SLURM_JOB_ID" --format='%i %j' 2>/dev/null)
+}
 mkdir -p "$RUN_DIR/redis" "$RUN_DIR/prometheus" "$RUN_DIR/ports" "$RUN_DIR/slurm"
 echo "job ${SLURM_JOB_ID:-?} on ${NODES[*]}: ${SLURM_RESTART_COUNT:-0} requeue(s) before this one"
 
@@ -260,7 +280,8 @@ REDIS_PASSWORD=${REDIS_PASSWORD:-$("$PYTHON" -c 'import secrets; print(secrets.t
   "appendonly yes" "appendfsync always" "save \"\"" "protected-mode no" "logfile $RUN_DIR/redis/redis.log" \
   > "$RUN_DIR/redis/redis.conf")
 export STREAMGRPO_REDIS_URL="redis://:$REDIS_PASSWORD@$HEAD:$REDIS_PORT/0"
-srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=0 "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
+srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=$MEM_CPU_STEP --job-name=sg-redis \
+  "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
 REDIS=$!
 "$PYTHON" -c 'import os, sys, time, redis
 r = redis.Redis.from_url(os.environ["STREAMGRPO_REDIS_URL"])
@@ -314,15 +335,17 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
     for key, value in values.items():
         text = text.replace(f"@@{key}@@", value)
     role = '"$PYTHON" -m streamgrpo {} --config "$CONFIG" "${{SETS[@]}}" {}'
-    cpu_step = "srun --nodes=1 --ntasks=1 --nodelist={} --overlap --gpus=0 --mem=0"
-    gpu_step = ("srun --nodes=1 --ntasks=1 --nodelist={} --gpus-per-task=1 --exact --cpus-per-task=$CPUS_PER_GPU "
-                "--mem=$MEM_PER_GPU")
+    # --gres=gpu:1, not --gpus-per-task=1: inside an allocation made with --gpus-per-node, Slurm 22.05 gives a
+    # step asking --gpus-per-task every GPU of its node, and the next step on that node waits for them
+    cpu_step = "srun --nodes=1 --ntasks=1 --nodelist={} --overlap --gpus=0 --mem=$MEM_CPU_STEP --job-name={}"
+    gpu_step = ("srun --nodes=1 --ntasks=1 --nodelist={} --gres=gpu:1 --exact --cpus-per-task=$CPUS_PER_GPU "
+                "--mem=$MEM_PER_GPU --job-name={}")
     lines = ["", "# 3. a weight relay on each node with generators (no GPU): the learner sends each version once per node;",
              "#    the generators start once each relay serves (its ports file) or has left (another one serves its host)",
              'rm -f "$RUN_DIR"/ports/relay-*.json', "RELAYS=()"]
     for n in job.relay_nodes:
         relay = f"--idle-exit-s 3600 --set weights.relay=true {_role_sets(f'relay-{n}', job)}"  # generators load first
-        lines += [f"{cpu_step.format(_node(n))} {role.format('relay', relay)} &",
+        lines += [f"{cpu_step.format(_node(n), f'sg-relay-{n}')} {role.format('relay', relay)} &",
                   "RELAYS+=($!)"]
     lines += ["for _ in $(seq 120); do",
               '  left=0; for pid in "${RELAYS[@]}"; do kill -0 "$pid" 2>/dev/null || left=$(( left + 1 )); done',
@@ -337,27 +360,29 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
               "#    to the other learner nodes (RUN_DIR/slurm/learner-env.sh); --resume continues a run (a fresh one "
               "when there is none)",
               f'export LEARNER_NODES="{" ".join(f"${{NODES[{n}]}}" for n in range(job.learner_nodes))}"',
-              f'srun --nodes={job.learner_nodes} --ntasks-per-node=1 --nodelist="{learners}" --gpus-per-node={per} '
-              f"--exact --cpus-per-task=$(( CPUS_PER_GPU * {per} )) --mem=$(( MEM_PER_GPU * {per} )) \\",
+              f'srun --nodes={job.learner_nodes} --ntasks={job.learner_nodes} --ntasks-per-node=1 '
+              f'--nodelist="{learners}" --gres=gpu:{per} --exact --cpus-per-task=$(( CPUS_PER_GPU * {per} )) '
+              f"--mem=$(( MEM_PER_GPU * {per} )) --job-name=sg-learner \\",
               f'  bash "$RUN_DIR/slurm/learner-env.sh" "$PYTHON" {launcher}-m streamgrpo learner --config "$CONFIG" '
               f'--resume "${{SETS[@]}}" {_role_sets("learner-0", job)} &',
               "LEARNER=$!",
               "STOPPING=0",
               'on_term() { STOPPING=1; echo "SIGTERM: stopping the learner (it writes its checkpoint), then the rest"; '
-              'kill -TERM "$LEARNER" 2>/dev/null || true; }',
+              "step_signal TERM sg-learner; }",
               "trap on_term TERM", "STEPS=(\"${RELAYS[@]}\")"]
     if job.evaluator_node is not None:
         # weights over TCP off the learner's node: the config's ipc/shm sockets and files are that node's
         tcp = " --set weights.transport=tcp" if job.evaluator_node != 0 else ""
         lines += ["", "# 5. the evaluator: one GPU, held-out accuracy at the learner's versions"
                   + (" (weights over TCP: it is not on the learner's node)" if tcp else ""),
-                  f"{gpu_step.format(_node(job.evaluator_node))} "
+                  f"{gpu_step.format(_node(job.evaluator_node), 'sg-evaluator')} "
                   f"{role.format('evaluator', (_role_sets('evaluator', job) + tcp).strip())} &",
                   "STEPS+=($!)"]
     lines += ["", f"# 6. the generators: {len(gens)}, one GPU each (Slurm binds it), versions from their node's relay"]
     for g in gens:
         extra = f"--id {g.id} --set weights.relay=true {_role_sets(f'generator-{g.id}', job)}"
-        lines += [f"{gpu_step.format(_node(g.node))} {role.format('generator', extra)} &", "STEPS+=($!)"]
+        lines += [f"{gpu_step.format(_node(g.node), f'sg-generator-{g.id}')} {role.format('generator', extra)} &",
+                  "STEPS+=($!)"]
     lines += ["",
               "# 7. the end: the learner stops at learner.max_steps, or after SIGTERM (the trap above); then the",
               "#    generators, the evaluator and the relays stop (SIGTERM, SIGKILL after STOP_GRACE_S), Redis last",
@@ -368,14 +393,14 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
               "done",
               'echo "learner finished (exit $rc); stopping the generators, the relays and Redis"',
               "trap '' TERM",
-              'kill -TERM "${STEPS[@]}" 2>/dev/null || true',
+              "step_signal TERM 'sg-generator-*' sg-evaluator 'sg-relay-*'",
               f"STOP_GRACE_S=${{STOP_GRACE_S:-{max(30, int(cfg.rollout.stop_grace_s) + 30)}}}",
               "for _ in $(seq $(( STOP_GRACE_S * 2 ))); do",
               '  alive=0; for pid in "${STEPS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
               "  (( alive )) || break; sleep 0.5",
               "done",
-              'kill -KILL "${STEPS[@]}" 2>/dev/null || true',
-              'kill -TERM "$REDIS" 2>/dev/null || true',
+              "step_signal KILL 'sg-generator-*' sg-evaluator 'sg-relay-*'",
+              "step_signal TERM sg-redis",
               "wait || true",
               'if (( STOPPING )); then',
               f"  if \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))[\"step\"] < {max_steps})' "
@@ -383,7 +408,7 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
               f'    echo "learner.max_steps ({max_steps}) reached: not requeued"',
               "  else",
               '    echo "requeueing job $SLURM_JOB_ID: the next allocation resumes from the checkpoint"',
-              '    scontrol requeue "$SLURM_JOB_ID"',
+              '    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue refused: the job ends here"',
               "  fi",
               "fi",
               'exit "$rc"', ""]
@@ -414,7 +439,7 @@ def summary(job: SlurmJob) -> str:
 def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, generators_per_node: int | None,
               learner_ranks: int | None, out: str | None, job_name: str, time: str, partition: str | None,
               python: str, overrides: tuple[str, ...] = (), generators: int | None = None,
-              grace_s: int = DEFAULT_GRACE_S) -> int:
+              grace_s: int = DEFAULT_GRACE_S, learner_nodes: int | None = None) -> int:
     """The command: plan, render, print (or write ``out``) and say where each process goes (stderr)."""
     import sys
 
@@ -424,7 +449,7 @@ def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, 
     if grace_s < 1:
         raise ConfigError(f"--grace-s {grace_s}: at least 1 (seconds between Slurm's SIGTERM and the time limit)")
     job = plan_job(cfg, nodes, gpus_per_node=gpus_per_node, generators_per_node=generators_per_node,
-                   learner_ranks=learner_ranks, generators=generators)
+                   learner_ranks=learner_ranks, generators=generators, learner_nodes=learner_nodes)
     text = render(job, cfg, config_path, python=python, job_name=job_name, time=time, partition=partition,
                   overrides=tuple(overrides), grace_s=grace_s)
     if out:
