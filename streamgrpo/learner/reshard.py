@@ -94,8 +94,9 @@ def reshard_refusal(ckpt: Path, meta: dict[str, Any], *, zero_stage: int, world_
     shards = zero_shards(ds_dir)
     if not shards:
         what = "no ZeRO optimizer shards (ZeRO-0)" if saved_stage == 0 else "no ZeRO optimizer shards"
-        return (f"{ckpt} holds {what}: it resumes only on {saved_ws} rank(s) (torchrun --nproc-per-node ... "
-                f"streamgrpo learner --resume); or start from its weights with {fresh} (a fresh optimizer)")
+        return (f"{ckpt} holds {what}: it resumes only on {saved_ws} rank(s) (torchrun --nproc-per-node "
+                f"{saved_ws} -m streamgrpo learner --config <config> --resume); or start from its weights with "
+                f"{fresh} (a fresh optimizer)")
     if sorted(shards) != list(range(saved_ws)):
         return (f"{ckpt}: {len(shards)} ZeRO optimizer shard(s) on disk (ranks {sorted(shards)}) but it was written "
                 f"by {saved_ws} rank(s): it is incomplete; resume from an earlier checkpoint, or start from its "

@@ -812,6 +812,8 @@ class Learner:
 
         weights = read_model_tensors(ckpt)
         self._load_weights(weights)
+        if meta.get("backend", "torch") == "deepspeed":
+            weights = {}  # loaded; the fp32 masters come from the shards (a 7B model's copy freed first)
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in named}  # ZeRO-3: the whole shape, not the partition
         target = self.engine.optimizer if self.engine is not None else self.optimizer

@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import torch
 
 from streamgrpo.learner.checkpoint import save_tree
-from streamgrpo.learner.reshard import ZERO3_MODEL_STATES, consolidate_zero3, merge_zero12_shard, reshard_refusal
+from streamgrpo.learner.reshard import (
+    ZERO3_MODEL_STATES,
+    consolidate_zero3,
+    merge_zero12_shard,
+    reshard_refusal,
+)
 
 
 def _shards(full: dict[str, torch.Tensor], ranks: int) -> list[dict]:
