@@ -435,6 +435,49 @@ def load_tree(path: str | Path, map_location: Any = None) -> Any:
     return unpack_tree(tensors, json.loads(meta["streamgrpo_tree"]), where=str(path))
 
 
+class LazyTensor:
+    """A tensor of a :func:`save_tree` file, read on demand: a range of its flattened elements (the per-parameter
+    consolidation of :mod:`streamgrpo.learner.reshard` reads each parameter's fragments of a ZeRO-3 shard this way,
+    never a whole shard)."""
+
+    def __init__(self, fh: Any, key: str):
+        self._fh, self.key = fh, key
+        self._slice = fh.get_slice(key)
+        self.shape = tuple(self._slice.get_shape())
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    def read(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Elements ``start .. start+count`` of a 1-D tensor (all of it by default); a 0-d tensor whole."""
+        if not self.shape:
+            return self._fh.get_tensor(self.key)
+        count = self.numel() - start if count is None else count
+        return self._slice[start:start + count]
+
+
+class _LazyTensors(dict):
+    def __init__(self, fh: Any):
+        super().__init__()
+        self._fh = fh
+
+    def __missing__(self, key: str) -> LazyTensor:
+        return self.setdefault(key, LazyTensor(self._fh, key))
+
+
+def open_tree(path: str | Path, stack: Any) -> Any:
+    """A :func:`save_tree` file's tree with :class:`LazyTensor` in place of its tensors; the file stays open (memory
+    mapped) until ``stack`` (a :class:`contextlib.ExitStack`) closes."""
+    try:
+        fh = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        meta = fh.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - a torch.save file, a truncated file ...
+        raise CheckpointError(f"{path}: not a streamgrpo safetensors state file ({exc})") from None
+    if "streamgrpo_tree" not in meta:
+        raise CheckpointError(f"{path}: safetensors file without a streamgrpo_tree skeleton")
+    return unpack_tree(_LazyTensors(fh), json.loads(meta["streamgrpo_tree"]), where=str(path))
+
+
 class SafeTensorsCheckpointEngine:
     """DeepSpeed checkpoint engine that writes :func:`save_tree` files instead of ``torch.save`` pickles.
 

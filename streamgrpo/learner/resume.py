@@ -79,7 +79,7 @@ def start_from_weights(src: Path, learner: Learner, dist: DistInfo) -> None:
     """Step 0 from the weights in ``src`` (every rank): the optimizer and lr schedule stay as built (fresh)."""
     try:
         learner.load_weights_only(src)
-    except Exception as exc:  # noqa: BLE001 - a model that does not match, ZeRO-3 ...: one line
+    except Exception as exc:  # noqa: BLE001 - a model that does not match ...: one line
         why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     else:
         why = None
@@ -101,7 +101,7 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
     why = refused = None
     try:
         learner.load(found)
-    except CheckpointUnusable as exc:  # it cannot be resumed here (other ranks, ZeRO-3...): its own line says why
+    except CheckpointUnusable as exc:  # it cannot be resumed here (shards missing...): its own line says why
         refused = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure to read it back: say which and what to do
         why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"

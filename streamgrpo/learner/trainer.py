@@ -737,8 +737,9 @@ class Learner:
         """Restore weights, optimizer, schedule, RNG and :attr:`state` from a checkpoint (every rank).
 
         A checkpoint of the same backend, ZeRO stage and number of ranks loads as it was written (DeepSpeed's
-        own ``load_checkpoint``); any other goes through the per-parameter consolidation of
-        :mod:`streamgrpo.learner.reshard`, or is refused in one line before DeepSpeed reads anything."""
+        own ``load_checkpoint``); any other (ZeRO-3 on either side too) goes through the per-parameter
+        consolidation of :mod:`streamgrpo.learner.reshard`, or is refused in one line before DeepSpeed reads
+        anything."""
         from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_trainer_state
         from streamgrpo.models.files import read_model_tensors
 
@@ -772,8 +773,9 @@ class Learner:
         return meta
 
     def load_weights_only(self, ckpt: str | Path) -> None:
-        """The weights of checkpoint ``ckpt`` (any backend and number of ranks; LoRA: its adapters), nothing else:
-        optimizer, schedule and :attr:`state` stay fresh (``learner.from_weights``)."""
+        """The weights of checkpoint ``ckpt`` (any backend, ZeRO stage and number of ranks; LoRA: its adapters),
+        nothing else: optimizer, schedule and :attr:`state` stay fresh (``learner.from_weights``). Every rank calls
+        it (under ZeRO-3 the partitions are gathered and rewritten, a collective)."""
         from streamgrpo.models.files import read_model_tensors
 
         self._load_weights(read_model_tensors(Path(ckpt)))
@@ -792,32 +794,45 @@ class Learner:
         return [order[id(p)] for p in params]
 
     def _load_resharded(self, ckpt: Path, meta: dict[str, Any]) -> None:
-        """Weights, then the optimizer state consolidated per parameter (any backend, ZeRO-1/2, any number of
+        """Weights, then the optimizer state consolidated per parameter (any backend, ZeRO-1/2/3, any number of
         ranks), the lr schedule and this rank's RNG: see :mod:`streamgrpo.learner.reshard`."""
         from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_tree, set_rng_state
         from streamgrpo.learner.optim import param_groups
         from streamgrpo.learner.reshard import (
+            FRESH,
+            ZERO3_MODEL_STATES,
             apply_to_torch,
+            apply_to_zero3,
             apply_to_zero12,
             consolidate_torch,
+            consolidate_zero3,
             consolidate_zero12,
         )
         from streamgrpo.models.files import read_model_tensors
 
         weights = read_model_tensors(ckpt)
         self._load_weights(weights)
+        if meta.get("backend", "torch") == "deepspeed":
+            weights = {}  # loaded; the fp32 masters come from the shards (a 7B model's copy freed first)
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in named}  # ZeRO-3: the whole shape, not the partition
         target = self.engine.optimizer if self.engine is not None else self.optimizer
         zero12 = hasattr(target, "single_partition_of_fp32_groups")
-        if not zero12 and not isinstance(target, torch.optim.Optimizer):
+        zero3 = self.zero_stage >= 3 and hasattr(target, "fp32_partitioned_groups_flat")
+        if not (zero12 or zero3) and not isinstance(target, torch.optim.Optimizer):
             raise CheckpointUnusable(f"{ckpt} was written by {meta.get('world_size', 1)} rank(s): resuming it on "
-                                     f"{self.dist.world_size} needs ZeRO-1/2 or the torch backend here (this is "
-                                     f"{type(target).__name__}); or start from its weights with --from-weights")
+                                     f"{self.dist.world_size} needs ZeRO-1/2/3 or the torch backend here (this is "
+                                     f"{type(target).__name__}); or start from its weights with "
+                                     f"{FRESH.format(ckpt=ckpt)}")
         mine = [n for n, p in named if not zero12 or getattr(p, "_hp_mapping", None) is not None]
         ds_state = ckpt / "deepspeed" / "state"
         if meta.get("backend", "torch") == "deepspeed":
-            states = consolidate_zero12(ds_state, {n: p.shape for n, p in named}, wanted=mine)
-            sched = load_tree(ds_state / "mp_rank_00_model_states.pt").get("lr_scheduler")
+            if int(meta.get("zero_stage", -1)) >= 3 or (ds_state / ZERO3_MODEL_STATES).is_file():
+                states = consolidate_zero3(ds_state, shapes, wanted=mine)
+                sched = load_tree(ds_state / ZERO3_MODEL_STATES).get("lr_scheduler")
+            else:
+                states = consolidate_zero12(ds_state, shapes, wanted=mine)
+                sched = load_tree(ds_state / "mp_rank_00_model_states.pt").get("lr_scheduler")
         else:
             from streamgrpo.models.files import to_model_names
 
@@ -826,10 +841,15 @@ class Learner:
             order = [name_of[id(p)] for g in param_groups(named, self.cfg.learner) for p in g["params"]]
             states = consolidate_torch(ckpt, meta, order, full, wanted=mine)
             sched = meta.get("scheduler")
-        if zero12:
-            apply_to_zero12(target, named, states)
-        else:
-            apply_to_torch(target, named, states)
+        try:
+            if zero3:
+                apply_to_zero3(target, named, states)
+            elif zero12:
+                apply_to_zero12(target, named, states)
+            else:
+                apply_to_torch(target, named, states)
+        finally:
+            states.close()
         if self.engine is not None:
             self.engine.global_steps = states.step
         if sched:
@@ -845,7 +865,8 @@ class Learner:
 
     def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.zero_stage >= 3:
-            raise RuntimeError("a ZeRO-3 learner loads weights only from its own checkpoints (or model.name_or_path)")
+            self._load_weights_zero3(tensors)
+            return
         if self.is_lora:
             from peft import set_peft_model_state_dict
 
@@ -859,3 +880,49 @@ class Learner:
         missing, unexpected = self.module.load_state_dict(to_model_names(tensors, self.module.state_dict()), strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+    def _load_weights_zero3(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Whole tensors (every rank read them) into the ZeRO-3 partitions, bucket by bucket: the bucket's parameters
+        gathered (``deepspeed.zero.GatheredParameters``), rank 0 writes them, DeepSpeed partitions them again on
+        leaving; then the fp32 master partitions are copied from them (the reshard path then sets them from the
+        checkpoint's own fp32 masters). A mismatch is raised on every rank alike, before any collective."""
+        from streamgrpo.models.files import to_model_names
+
+        if self.is_lora:  # peft's file names the adapters without the adapter's name: peft maps them itself
+            from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            unknown = sorted(set(tensors) - set(get_peft_model_state_dict(self.module)))
+            if unknown:
+                raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {unknown[:5]})")
+
+            def write(_bucket) -> None:
+                set_peft_model_state_dict(self.module, tensors)
+            buckets = [named]  # the adapters: small
+        else:
+            named = list(self.module.named_parameters())
+            buffers = dict(self.module.named_buffers())
+            full = to_model_names(tensors, {n for n, _ in named} | set(buffers))
+            have = {n for n, _ in named}
+            missing = sorted(n for n in have - set(full) if "lm_head" not in n)
+            unexpected = sorted(set(full) - have - set(buffers))
+            if missing or unexpected:
+                raise RuntimeError(f"checkpoint does not match the model (missing {missing[:5]}, "
+                                   f"unexpected {unexpected[:5]})")
+            with torch.no_grad():
+                for n, b in buffers.items():  # not partitioned: every rank copies its own
+                    if n in full:
+                        b.copy_(full[n].to(b.dtype))
+
+            def write(bucket) -> None:
+                for n, p in bucket:
+                    if n in full:
+                        p.data.copy_(full[n].to(p.dtype).view(p.shape))
+            buckets = _buckets(named, budget=1 << 28)  # gather about 256M elements at a time
+        deepspeed = import_deepspeed()
+        for bucket in buckets:
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=0), torch.no_grad():
+                if self.dist.is_main:
+                    write(bucket)
+        if self.engine is not None:
+            self.engine.optimizer.refresh_fp32_params()  # the fp32 masters from the weights just loaded

@@ -1,6 +1,6 @@
 """A checkpoint written by N learner ranks resumes on M (issue 54 item 3), exactly once.
 
-Real parts: redis-server, real ScoredGroups of the tiny Qwen2.5-VL, DeepSpeed ZeRO-2 ranks on the CPU
+Real parts: redis-server, real ScoredGroups of the tiny Qwen2.5-VL, DeepSpeed ZeRO-2 and ZeRO-3 ranks on the CPU
 (gloo) under ``python -m torch.distributed.run``, the ``streamgrpo learner`` CLI, ``kill -9``.
 
 1 rank -> 2 ranks -> 1 rank: the optimizer state is consolidated per parameter from the writer's
@@ -8,6 +8,10 @@ layout and re-partitioned for the reader's (``streamgrpo.learner.reshard``); the
 the audit over every rank's log finds nothing lost and nothing trained twice. The 2 -> 1 move
 follows a ``kill -9`` of both ranks between checkpoints: the groups the dead rank 1 held are
 claimed by the lone rank and trained once.
+
+ZeRO-3 (the 7B recipe's ``zero3``, issue 61) makes the same 1 -> 2 -> 1 moves, its partitions read per parameter
+from the writer's shards; then ``--fresh --from-weights`` (the way out the remaining refusals name) starts a
+ZeRO-3 learner from the last checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ def _one_rank(cfg: Path, cwd: Path, *flags: str) -> str:
     return out.stderr
 
 
-def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str) -> Path:
+def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str, zero: str = "zero2.json") -> Path:
     path = _config(tmp_path, model_dir, url, ns, "learner.backend=deepspeed",
-                   f"learner.deepspeed_config={DEPLOY / 'zero2.json'}", f"learner.max_steps={steps}",
+                   f"learner.deepspeed_config={DEPLOY / zero}", f"learner.max_steps={steps}",
                    "learner.save_steps=2", "learner.warmup_steps=6", "learner.micro_batch_tokens=250",
                    "queue.claim_idle_s=2")
     return path.rename(tmp_path / name)
@@ -166,3 +170,57 @@ def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, re
         assert str(bad) in str(exc)
     else:
         raise AssertionError("a folder without weights was accepted")
+
+
+def test_zero3_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(groups, tiny_model_dir, redis_server,
+                                                                           redis_ns, tmp_path):
+    """The 7B recipe's ZeRO-3 on another rank count (issue 61): refused before, a ZeRO-3 learner now resumes a
+    ZeRO-3 checkpoint of any number of ranks with its Adam moments, lr schedule, step and queue position."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.learner.reshard import consolidate_zero3
+
+    url, run = redis_server.url, tmp_path / "run"
+
+    def cfg(steps: int, name: str, ns: str = redis_ns) -> Path:
+        return _cfg(tmp_path, tiny_model_dir, url, ns, steps, name, zero="zero3.json")
+
+    _put(url, redis_ns, groups[:8])
+    assert "consolidated" not in _one_rank(cfg(2, "a.yaml"), tmp_path)  # 1 rank: steps 1-2
+    _put(url, redis_ns, groups[8:16])
+    _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg(4, "b.yaml")), "--resume", cwd=tmp_path)  # 2: 3-4
+    assert "written by 1 rank(s) (deepspeed ZeRO-3), resumed on 2 (ZeRO-3)" in (tmp_path / "torchrun.log").read_text()
+    ckpt = run / "checkpoints" / "step-000004"
+    meta = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (meta["world_size"], meta["zero_stage"]) == (2, 3)
+
+    # the two ranks' partitions, put together per parameter, are the model rank 0 gathered (an independent path)
+    model = dict(AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).named_parameters())
+    states = consolidate_zero3(ckpt / "deepspeed" / "state", {n: t.shape for n, t in model.items()})
+    try:
+        assert states.step == 4 and set(states.tensors) <= set(model) and len(states.tensors) > 10
+        for name in states.tensors:
+            st = states.tensors[name]
+            assert torch.equal(st["fp32"], model[name].detach()), name
+            assert st["exp_avg_sq"].abs().sum() > 0, name  # Adam's moments came along through 1 -> 2, not zeros
+    finally:
+        states.close()
+
+    _put(url, redis_ns, groups[16:24])
+    last = _one_rank(cfg(6, "c.yaml"), tmp_path, "--resume")  # 1 rank: steps 5-6
+    assert "written by 2 rank(s) (deepspeed ZeRO-3), resumed on 1 (ZeRO-3)" in last
+    rows = _jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["ranks"] for r in rows] == [1, 1, 2, 2, 1, 1]
+    peak = rows[-1]["lr"]  # the rate after each step: one warm-up of 6 steps across both moves
+    assert [r["lr"] for r in rows] == pytest.approx([peak * min(k + 1, 6) / 6 for k in range(1, 7)], rel=1e-6)
+    assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [2, 4]
+    audit, held, depth = _audit(run, url, redis_ns)
+    assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 24, 6, 0, 0)
+
+    # what a refusal names as the way out: a ZeRO-3 learner starts from a checkpoint's weights (fresh optimizer)
+    _put(url, f"{redis_ns}-w", groups[:4])
+    err = _one_rank(cfg(1, "d.yaml", f"{redis_ns}-w"), tmp_path, "--fresh", "--from-weights",
+                    str(run / "checkpoints" / "step-000006"))
+    assert "started from the weights of" in err and "step-000006" in err
+    assert [r["step"] for r in _jsonl(run / "metrics.jsonl")] == [1]
