@@ -150,7 +150,7 @@ def test_the_rendered_job_runs_on_a_real_slurm_requeues_and_resumes(cluster, tin
            "WANDB_MODE": "disabled"}
     render = subprocess.run([sys.executable, "-m", "streamgrpo", "slurm", "--config", str(config), "--nodes", "3",
                              "--gpus-per-node", "2", "--learner-ranks", "2", "--learner-nodes", "2",
-                             "--generators-per-node", "1", "--time", "02:00:00", "--python", sys.executable,
+                             "--generators", "3", "--generators-per-node", "1", "--time", "02:00:00", "--python", sys.executable,
                              "--out", str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert render.returncode == 0, render.stderr
     assert "2 learner rank(s) on 2 node(s), 3 generator(s) on 3 node(s), the evaluator" in render.stderr
