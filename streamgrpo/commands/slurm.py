@@ -27,6 +27,7 @@ then the rest, and requeues the job (``--requeue``) unless ``learner.max_steps``
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,10 +277,12 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-@@grace@
 #    job in a 0600 config file.
 REDIS_SERVER=$("$PYTHON" -c 'from streamgrpo.transport.queue.server import find_redis_server; print(find_redis_server())')
 REDIS_PASSWORD=${REDIS_PASSWORD:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')}
-(umask 077; printf '%s\n' "port $REDIS_PORT" "bind 0.0.0.0" "requirepass $REDIS_PASSWORD" "dir $RUN_DIR/redis" \
-  "appendonly yes" "appendfsync always" "save \"\"" "protected-mode no" "logfile $RUN_DIR/redis/redis.log" \
-  > "$RUN_DIR/redis/redis.conf")
-export STREAMGRPO_REDIS_URL="redis://:$REDIS_PASSWORD@$HEAD:$REDIS_PORT/0"
+# (each value quoted for redis.conf and for the URL: a run directory with a space, a quote or a newline in it)
+(umask 077; "$PYTHON" -c 'import sys; from streamgrpo.transport.queue.server import job_conf
+sys.stdout.write(job_conf(*sys.argv[1:]))' "$REDIS_PORT" "$REDIS_PASSWORD" "$RUN_DIR/redis" > "$RUN_DIR/redis/redis.conf")
+STREAMGRPO_REDIS_URL=$("$PYTHON" -c 'import sys, urllib.parse as u
+print(f"redis://:{u.quote(sys.argv[1], safe=str())}@{sys.argv[2]}:{int(sys.argv[3])}/0")' "$REDIS_PASSWORD" "$HEAD" "$REDIS_PORT")
+export STREAMGRPO_REDIS_URL
 srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=$MEM_CPU_STEP --job-name=sg-redis \
   "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
 REDIS=$!
@@ -436,6 +439,27 @@ def summary(job: SlurmJob) -> str:
             + (f"; {idle} GPU(s) idle" if idle else ""))
 
 
+_SBATCH_VALUES = {"job_name": (re.compile(r"[A-Za-z0-9._+-]{1,128}"), "letters, digits and . _ + -"),
+                  "time": (re.compile(r"[0-9]+(-[0-9]+)?(:[0-9]+){0,2}|UNLIMITED|unlimited|infinite"),
+                           "Slurm's time format, e.g. 24:00:00 or 2-00:00:00"),
+                  "partition": (re.compile(r"[A-Za-z0-9._,-]{1,128}"), "letters, digits and . _ , -")}
+
+
+def check_script_values(**values: str | None) -> None:
+    """Refuse, in one line, a value that would not stay on its line of the script: an #SBATCH value outside
+    Slurm's own syntax, or a path (config, python, run_dir) with a control character such as a newline (paths
+    are otherwise shell-quoted, spaces, quotes and ``$(...)`` included)."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in _SBATCH_VALUES:
+            pattern, what = _SBATCH_VALUES[key]
+            if not pattern.fullmatch(value):
+                raise ConfigError(f"--{key.replace('_', '-')} {value!r}: {what}")
+        elif any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ConfigError(f"{key} {value!r}: a control character (a newline?) in a path the script names")
+
+
 def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, generators_per_node: int | None,
               learner_ranks: int | None, out: str | None, job_name: str, time: str, partition: str | None,
               python: str, overrides: tuple[str, ...] = (), generators: int | None = None,
@@ -448,6 +472,8 @@ def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, 
                           "a file (`streamgrpo config show --config NAME > my.yaml` writes a shipped one out)")
     if grace_s < 1:
         raise ConfigError(f"--grace-s {grace_s}: at least 1 (seconds between Slurm's SIGTERM and the time limit)")
+    check_script_values(config=str(Path(config_path).absolute()), python=python, job_name=job_name, time=time,
+                        partition=partition, run_dir=str(cfg.run_dir))
     job = plan_job(cfg, nodes, gpus_per_node=gpus_per_node, generators_per_node=generators_per_node,
                    learner_ranks=learner_ranks, generators=generators, learner_nodes=learner_nodes)
     text = render(job, cfg, config_path, python=python, job_name=job_name, time=time, partition=partition,

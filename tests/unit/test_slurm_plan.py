@@ -65,11 +65,16 @@ def test_the_script_names_each_step_with_its_flags(tmp_path):
     srun = [line for line in text.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1 + 2 + 1 + 1 + 4  # redis, relays, learner, evaluator, generators
     assert sum("--overlap --gpus=0" in line for line in srun) == 3
-    assert sum("--gpus-per-task=1 --exact" in line for line in srun) == 5
-    assert any("--gpus-per-node=8 --exact" in line for line in srun)
+    assert sum("--gres=gpu:1 --exact" in line for line in srun) == 5  # not --gpus-per-task: see render()
+    assert not any("--gpus-per-task" in line or "--gpus-per-node" in line for line in srun)
+    learner, = [line for line in srun if "sg-learner" in line]
+    assert "--nodes=1 --ntasks=1 --ntasks-per-node=1" in learner and "--gres=gpu:8 --exact" in learner
+    names = [re.search(r"--job-name=(\S+)", line).group(1) for line in srun]
+    assert names == ["sg-redis", "sg-relay-1", "sg-relay-2", "sg-learner", "sg-evaluator"] + \
+        [f"sg-generator-{k}" for k in range(4)]
     assert "--nproc-per-node=8" in text and "--set learner.backend=deepspeed" in text
     assert "--set loss.beta=0.01" in text and "--set queue.url=null" in text  # the config's own Redis is replaced
-    assert "find_redis_server" in text and "redis-cli" not in text and "appendfsync always" in text
+    assert "find_redis_server" in text and "redis-cli" not in text and "job_conf" in text  # appendfsync always
     assert "#SBATCH --nodes=3" in text and "prometheus/targets.json" in text
     relays = [line for line in srun if " relay " in line]
     assert len(relays) == 2 and all("--set weights.relay_metrics_port=" in line for line in relays)
@@ -225,7 +230,11 @@ def test_time_limit_signal_requeue_and_memory_per_step(tmp_path):
     srun = [line for line in text.splitlines() if line.startswith("srun ")]
     assert all(re.search(r" --mem=\S", line) for line in srun), [x for x in srun if "--mem=" not in x]
     assert sum("--mem=$MEM_PER_GPU " in line for line in srun) == 5  # the evaluator and 4 generators
-    assert sum("--overlap --gpus=0 --mem=0 " in line for line in srun) == 1 + 1  # Redis, the relay of node 1
+    assert sum("--overlap --gpus=0 --mem=$MEM_CPU_STEP " in line for line in srun) == 1 + 1  # Redis, a relay
+    assert "RealMemory" in text  # --mem=0 leaves SLURM_MEM_PER_NODE unset on Slurm 22.05
+    # steps are stopped by name with scancel --signal (srun answers its own SIGTERM with SIGKILL of the step)
+    assert "step_signal TERM sg-learner" in text and "step_signal TERM 'sg-generator-*' sg-evaluator" in text
+    assert not re.search(r"kill -(TERM|KILL) \"\$(LEARNER|\{STEPS)", text)
     assert "--mem=$(( MEM_PER_GPU * 8 ))" in text
     assert f"[\"step\"] < {cfg.learner.max_steps})" in text  # requeued only short of learner.max_steps
 
@@ -270,3 +279,64 @@ def test_the_monitoring_doc_says_what_the_script_sets(tmp_path):
     slurm = [p for p in doc.split("\n\n") if "slurm" in p.lower()]
     assert slurm and not any("--local-index" in p and "Slurm template passes" in p for p in slurm)
     assert any("metrics.port" in p and "streamgrpo slurm" in p for p in slurm), slurm
+
+
+def test_learner_nodes_spread_the_ranks_and_leave_gpus_beside_them():
+    cfg = _cfg("eval.enabled=true", "data.eval_path=x.jsonl")
+    job = plan_job(cfg, 3, gpus_per_node=2, learner_ranks=2, learner_nodes=2, generators=3, generators_per_node=1)
+    assert (job.learner_nodes, job.ranks_per_node) == (2, 1)
+    assert [g.node for g in job.generators] == [0, 1, 2] and job.evaluator_node == 2
+    assert job.ports["learner-1"] == (1, 9100)
+    text = render(job, cfg, "my.yaml")
+    assert "--nnodes=2 --nproc-per-node=1" in text and '--nodelist="${NODES[0]},${NODES[1]}"' in text
+    with pytest.raises(ConfigError, match="--learner-nodes 2: torchrun runs the same number of ranks"):
+        plan_job(cfg, 3, gpus_per_node=2, learner_ranks=3, learner_nodes=2, generators=1)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--job-name", "a\n#SBATCH --wrap=x", "--job-name"), ("--time", "24:00:00\nrm -rf /", "--time"),
+    ("--partition", "gpu p", "--partition")])
+def test_values_that_would_leave_their_line_are_refused(tmp_path, flag, value, message):
+    cfg = _cfg()
+    config = tmp_path / "my.yaml"
+    config.write_text(cfg.to_yaml())
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "slurm", "--config", str(config), "--nodes", "2",
+                          "--generators", "1", flag, value], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    odd = tmp_path / "a\nb.yaml"
+    odd.write_text(cfg.to_yaml())
+    out = subprocess.run([sys.executable, "-m", "streamgrpo", "slurm", "--config", str(odd), "--nodes", "2",
+                          "--generators", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "a control character" in out.stderr, out.stderr
+
+
+def test_the_jobs_redis_conf_takes_any_run_directory(tmp_path, redis_factory):
+    """A run directory with a space, quotes and a newline: redis-server starts on the job's redis.conf, keeps
+    its AOF there, and no line of it is a directive of the path's (issue 62, item 5)."""
+    from streamgrpo.transport.queue.server import find_redis_server, free_port, job_conf
+
+    odd = tmp_path / 'run dir "x"\nappendonly no' / "redis"
+    odd.mkdir(parents=True)
+    port = free_port()
+    conf = job_conf(port, 'pw "q"\nx', odd)
+    assert len(conf.splitlines()) == 9 and {"appendonly yes", "appendfsync always"} <= set(conf.splitlines())
+    (odd / "redis.conf").write_text(conf)
+    proc = subprocess.Popen([find_redis_server(), str(odd / "redis.conf")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=port, password='pw "q"\nx')
+        for _ in range(100):
+            try:
+                r.set("k", "v")
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, proc.stderr.read()
+                import time
+
+                time.sleep(0.1)
+        assert r.config_get("dir")["dir"] == str(odd) and r.config_get("appendonly")["appendonly"] == "yes"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

