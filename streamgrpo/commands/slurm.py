@@ -295,7 +295,7 @@ for _ in range(120):
         time.sleep(0.5)
 sys.exit("redis-server did not answer in 60 s: see redis/redis.log in the run directory")'
 
-SETS=(--set "run_dir=$RUN_DIR" @@queue_reset@@--set weights.bind_host=0.0.0.0 --set "weights.connect_host=$HEAD"
+SETS=(--set "run_dir=$RUN_DIR" @@queue_reset@@--set weights.bind_host=0.0.0.0 --set "weights.connect_host=$HEAD"@@weight_ports@@
       --set metrics.host=0.0.0.0 --set rollout.num_generators=@@num_generators@@@@backend@@@@overrides@@)
 
 # 2. Prometheus: the scrape targets (file_sd_configs) by node, labelled job=learner|generator|evaluator|relay as
@@ -333,6 +333,11 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
         "overrides": "".join(f"\n      --set {_q(o)}" for o in overrides),
         "ports_json": repr(json.dumps({k: list(v) for k, v in job.ports.items()})),
         "prometheus_yml": PROMETHEUS_YML, "learner_env": LEARNER_ENV,
+        # a port 0 in the config (a free one, as the demo's) is known only on the learner's host: the relays and
+        # the evaluator on other nodes connect to fixed ones (nodes are the job's: --exclusive)
+        "weight_ports": "".join(f"\n      --set weights.{k}=${{{env}:-{default}}}" for k, env, default in
+                                (("pub_port", "WEIGHTS_PUB_PORT", 5555), ("snapshot_port", "WEIGHTS_SNAPSHOT_PORT", 5556))
+                                if not getattr(cfg.weights, k)),
     }
     text = _HEADER
     for key, value in values.items():

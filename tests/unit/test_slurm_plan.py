@@ -340,3 +340,14 @@ def test_the_jobs_redis_conf_takes_any_run_directory(tmp_path, redis_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_free_weight_port_in_the_config_becomes_a_fixed_one_other_nodes_reach():
+    """The demo config's weights.pub_port 0 (a free port) is known only on the learner's host: the relays and
+    the evaluator on other nodes connected to port 0 and never received a version (seen on the local Slurm)."""
+    cfg = load_config("demo", ["eval.enabled=false"])
+    text = render(plan_job(cfg, 2, gpus_per_node=2, generators=2), cfg, "my.yaml")
+    assert "--set weights.pub_port=${WEIGHTS_PUB_PORT:-5555}" in text
+    assert "--set weights.snapshot_port=${WEIGHTS_SNAPSHOT_PORT:-5556}" in text
+    fixed = _cfg()  # the recipe's own ports stand
+    assert "WEIGHTS_PUB_PORT" not in render(plan_job(fixed, 2, gpus_per_node=8, generators=2), fixed, "my.yaml")
