@@ -118,6 +118,8 @@ class StaleVerdict:
     baseline_log_ratio: float | None
     off: bool
     firing: bool
+    warning: str | None = None
+    """The warning line when this bucket starts firing with this step (None otherwise)."""
 
 
 @dataclass
@@ -178,7 +180,8 @@ class DriftGuard:
             v = self._judge(b, s.kl, s.log_ratio)
             verdicts.append(v)
             if v.off and v.firing and self.strikes[b] == self.confirm:
-                lines.append(self._line(v, s.tokens))
+                v.warning = self._line(v, s.tokens)
+                lines.append(v.warning)
         return verdicts, lines
 
     def _judge(self, b: int, kl: float, lr: float) -> StaleVerdict:
