@@ -308,8 +308,11 @@ class StepRecord:
 
     def staleness_buckets(self) -> list[BucketSums]:
         """The step's :class:`BucketSums` per bucket, for the live guard."""
-        return [BucketSums(self.staleness_tokens.get(b, 0), self.staleness_kl.get(b, 0.0) * self.staleness_tokens.get(b, 0),
-                           self.staleness_log_ratio.get(b, 0.0) * self.staleness_tokens.get(b, 0)) for b in BUCKETS]
+        out = []
+        for b in BUCKETS:
+            n = self.staleness_tokens.get(b, 0)
+            out.append(BucketSums(n, self.staleness_kl.get(b, 0.0) * n, self.staleness_log_ratio.get(b, 0.0) * n))
+        return out
 
     @classmethod
     def build(cls, state: LearnerState, merged: StepSummary, out: StepOutput, step_s: float, wait_s: float,

@@ -69,11 +69,11 @@ from streamgrpo.learner.memory import preflight
 from streamgrpo.learner.micro_batches import (
     cut_to,
     fresh_token_mask,
-    token_staleness,
     group_tokens,
     sampling_temperature,
     split_groups,
     split_micro_batches,
+    token_staleness,
 )
 from streamgrpo.learner.oom import out_of_memory
 from streamgrpo.learner.optim import fused_adamw, make_optimizer
