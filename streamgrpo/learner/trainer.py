@@ -936,11 +936,11 @@ class Learner:
 def staleness_sums(log_ratio: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor) -> list[BucketSums]:
     """Per staleness bucket (:data:`~streamgrpo.learner.agreement_guard.BUCKETS`) of the ``mask``ed tokens: their
     count, k3 KL(behaviour || learner) and log-ratio (learner - behaviour log-prob, clamped to +-50) summed."""
-    d = log_ratio.clamp(-50.0, 50.0)
-    k3 = torch.expm1(d) - d
-    b = staleness.clamp(0, len(BUCKETS) - 1)
-    out = []
-    for i in range(len(BUCKETS)):
-        sel = mask & (b == i)
-        out.append(BucketSums(int(sel.sum()), float(k3[sel].sum()), float(d[sel].sum())))
-    return out
+    d = log_ratio[mask].double().clamp(-50.0, 50.0)
+    b = staleness[mask].clamp(0, len(BUCKETS) - 1)
+    sums = torch.zeros((3, len(BUCKETS)), dtype=torch.float64, device=d.device)
+    sums[0].index_add_(0, b, torch.ones_like(d))
+    sums[1].index_add_(0, b, torch.expm1(d) - d)
+    sums[2].index_add_(0, b, d)
+    n, kl, lr = sums.tolist()  # one host sync per micro-batch
+    return [BucketSums(int(n[i]), kl[i], lr[i]) for i in range(len(BUCKETS))]
