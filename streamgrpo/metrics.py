@@ -100,6 +100,29 @@ AGREEMENT_KL = Gauge(
 AGREEMENT_KL.set(float("nan"))  # no staleness-0 token seen yet: never a false 0
 AGREEMENT_MAX_KL = Gauge("streamgrpo_learner_agreement_max_kl",
                          "learner.agreement_max_kl: the agreement KL past which the roles are said to disagree")
+AGREEMENT_STALE_KL = Gauge(
+    "streamgrpo_learner_agreement_stale_kl",
+    "KL(behaviour || learner) (k3) of the last step's tokens of each staleness bucket (0, 1, 2, 3+): steady per "
+    "bucket while the generators compute the learner's policy (the live guard compares it with its history)",
+    ["staleness"],
+)
+AGREEMENT_LOG_RATIO = Gauge(
+    "streamgrpo_learner_agreement_log_ratio",
+    "Mean log-ratio (learner minus behaviour log-prob) of the last step's tokens of each staleness bucket: about "
+    "minus the KL under agreement; generators whose log-probs are off by d move it by -d",
+    ["staleness"],
+)
+AGREEMENT_DRIFT = Gauge(
+    "streamgrpo_learner_agreement_drift",
+    "1 while a staleness bucket's KL or log-ratio is off its own history (the live agreement guard warned), else 0",
+    ["staleness"],
+)
+AGREEMENT_WARNINGS = Counter(
+    "streamgrpo_learner_agreement_warnings",
+    "Warnings of the live agreement guard: staleness=0 the exact check (learner.agreement_max_kl), 1/2/3+ a "
+    "bucket off its own history",
+    ["staleness"],
+)
 STEP_SECONDS = Gauge("streamgrpo_step_seconds", "Wall seconds of the last learner step (train part)")
 LEARNER_TOKENS_PER_SECOND = Gauge(
     "streamgrpo_learner_tokens_per_second", "Prompt + completion tokens per second of the last learner step (train part)"

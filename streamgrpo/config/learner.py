@@ -46,6 +46,12 @@ class LearnerConfig(Section):
     """KL(behaviour || learner) on tokens sampled with the learner's current weights (staleness 0) past which the generator and the learner are said to compute different policies: `up`'s check before training refuses above it, and the learner's live guard warns and sets streamgrpo_learner_agreement_kl above it over agreement_window steps. bf16 engines measure 0.0004-0.01; see docs/training.md."""
     agreement_window: int = Field(20, ge=1, le=100000)
     """Steps of staleness-0 tokens the live agreement guard averages over before it judges."""
+    agreement_history: int = Field(20, ge=5, le=100000)
+    """Steps of history per staleness bucket (1, 2, 3+) the live guard compares each step's stale tokens with: tokens sampled a few versions ago differ from the learner by a KL that is not 0 but steady, so a jump against the bucket's own median (agreement_kl_factor, agreement_max_shift) is a mismatch that appeared mid-run; see docs/training.md."""
+    agreement_kl_factor: float = Field(3.0, gt=1.0, le=1e6)
+    """The live guard's stale buckets: a step's KL past this x the bucket's median over agreement_history steps + agreement_max_kl, two steps in a row, warns and sets streamgrpo_learner_agreement_drift."""
+    agreement_max_shift: float = Field(0.25, gt=0.0, le=100.0)
+    """The live guard's stale buckets: a step's mean log-ratio (learner minus behaviour log-prob) further than this (nats, or 6 robust sigmas of the bucket's history if more) from the bucket's median, two steps in a row, warns and sets streamgrpo_learner_agreement_drift. A generator that reports every log-prob shifted by d moves it by d."""
     max_update_kl: Optional[float] = Field(None, gt=0.0, le=100.0)
     """Bound on how far one optimizer step may move the policy: after each step the learner measures the change on the step's own completions (mean per-token KL, old to new) and halves the step until it is at most this (a backtracking line search; up to max_update_halvings times, then the step is undone). Adam moves every weight by about the learning rate whatever the gradient norm, so max_grad_norm does not bound a step. Costs one forward pass per try; torch backend only; null = off."""
     max_update_halvings: int = Field(4, ge=0, le=30)

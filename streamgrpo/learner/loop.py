@@ -53,7 +53,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
-from streamgrpo.learner.agreement_guard import AgreementGuard
+from streamgrpo.learner.agreement_guard import BUCKETS, AgreementGuard, DriftGuard
 from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.crash_loop import CrashLoopBreaker
 from streamgrpo.learner.distributed import (
@@ -167,7 +167,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl") if main else None
     audit = _open_audit(audit_path, state, found, again=again)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
-    agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
+    # generators = learner, watched live: staleness-0 tokens exactly, older ones against their own history
+    agreement = (AgreementGuard.from_config(cfg.learner), DriftGuard.from_config(cfg.learner)) if main else None
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
                 media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
@@ -333,7 +334,7 @@ def _trained_record(state: LearnerState, ids: list[str], learner: Learner, every
 
 def _report_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: dict[str, Any],
                  batch: list[Accepted], out: StepOutput, main: bool, metrics_log: JsonlWriter | None, tracker,
-                 agreement: AgreementGuard | None) -> None:
+                 agreement: tuple[AgreementGuard, DriftGuard] | None) -> None:
     """A trained step's numbers: Prometheus on every rank, and on rank 0 the metrics file, wandb, the log
     and the live agreement guard."""
     export_prometheus(rec, batch, out, main)
@@ -343,14 +344,28 @@ def _report_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics
         _watch_agreement(agreement, rec)
 
 
-def _watch_agreement(agreement: AgreementGuard, rec: StepRecord) -> None:
-    """Rank 0: the step's staleness-0 tokens into the guard; its window's KL to Prometheus; one warning
-    line when the generators stop computing the learner's policy."""
-    line = agreement.observe((rec.kl_fresh or 0.0) * rec.fresh_tokens, rec.fresh_tokens)
-    kl = agreement.mean()
-    M.AGREEMENT_KL.set(math.nan if kl is None else kl)
-    M.AGREEMENT_MAX_KL.set(agreement.max_kl)
+def _watch_agreement(agreement: tuple[AgreementGuard, DriftGuard], rec: StepRecord) -> None:
+    """Rank 0: the step's staleness-0 tokens into the exact guard, its older tokens into the per-bucket drift
+    guard; their numbers to Prometheus; one warning line when the generators stop computing the learner's policy."""
+    exact, drift = agreement
+    lines = []
+    line = exact.observe((rec.kl_fresh or 0.0) * rec.fresh_tokens, rec.fresh_tokens)
     if line is not None:
+        M.AGREEMENT_WARNINGS.labels(staleness="0").inc()
+        lines.append(line)
+    kl = exact.mean()
+    M.AGREEMENT_KL.set(math.nan if kl is None else kl)
+    M.AGREEMENT_MAX_KL.set(exact.max_kl)
+    for b in BUCKETS:
+        if b in rec.staleness_kl:
+            M.AGREEMENT_STALE_KL.labels(staleness=b).set(rec.staleness_kl[b])
+            M.AGREEMENT_LOG_RATIO.labels(staleness=b).set(rec.staleness_log_ratio[b])
+    verdicts, drifted = drift.observe(rec.staleness_buckets())
+    for v in verdicts:
+        M.AGREEMENT_DRIFT.labels(staleness=v.bucket).set(1.0 if v.firing else 0.0)
+        if v.warning is not None:
+            M.AGREEMENT_WARNINGS.labels(staleness=v.bucket).inc()
+    for line in lines + drifted:
         log.warning("%s", line)
 
 

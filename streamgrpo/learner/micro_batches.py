@@ -122,6 +122,25 @@ def split_micro_batches(batch: list[Accepted], max_tokens: int | None,
     return parts
 
 
+def token_staleness(part: list[Accepted], length: int):
+    """(rows, ``length``) int64: each completion token's staleness (the learner's version minus the version it
+    was sampled with; without per-token versions, the group's staleness), rows in group order as
+    ``build_batch`` lays them out (padding 0: mask it). The live agreement guard buckets tokens by it
+    (:mod:`streamgrpo.learner.agreement_guard`)."""
+    import numpy as np
+    import torch
+
+    rows = []
+    for a in part:
+        current = a.staleness + int(a.group.policy_version)
+        for c in a.group.completions:
+            n = len(c.token_ids)
+            row = np.zeros(length, dtype=np.int64)
+            row[:n] = a.staleness if c.versions is None else current - np.asarray(c.versions[:n], dtype=np.int64)
+            rows.append(row)
+    return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, length), dtype=torch.int64)
+
+
 def fresh_token_mask(part: list[Accepted], length: int):
     """(rows, ``length``) bool: the completion tokens sampled with the learner's current weights (each
     token's own policy version equals the learner's; without per-token versions, every token of a

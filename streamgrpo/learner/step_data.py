@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamgrpo.learner.agreement_guard import BUCKETS, BucketSums, add_buckets
 from streamgrpo.learner.flops import mfu as utilisation
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class StepOutput:
     current weights): the generator = learner agreement the live guard watches."""
     fresh_tokens: int = 0
     """The staleness-0 completion tokens of ``fresh_kl_sum``."""
+    staleness_sums: list[BucketSums] = field(default_factory=list)
+    """This rank's completion tokens by staleness bucket (0, 1, 2, 3+): count, KL and log-ratio sums (the live
+    guard's stale buckets, :class:`~streamgrpo.learner.agreement_guard.DriftGuard`)."""
 
     @property
     def tokens(self) -> int:
@@ -156,6 +160,8 @@ class StepSummary:
     """Summed over ranks; None when any rank's device peak is unknown."""
     fresh_kl_sum: float = 0.0
     fresh_tokens: int = 0
+    staleness_sums: list[list] = field(default_factory=list)
+    """[tokens, KL sum, log-ratio sum] per staleness bucket (0, 1, 2, 3+)."""
 
     @classmethod
     def of_rank(cls, batch: list[Accepted], out: StepOutput, drops: dict[str, int]) -> StepSummary:
@@ -180,6 +186,7 @@ class StepSummary:
             seq_logprob_sum=float(out.seq_logprob_sum), rows=int(out.rows), drops=dict(drops),
             seq_tokens=int(out.seq_tokens), flops=float(out.flops), peak_flops=out.peak_flops,
             fresh_kl_sum=float(out.fresh_kl_sum), fresh_tokens=int(out.fresh_tokens),
+            staleness_sums=[b.to_list() for b in out.staleness_sums],
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -225,6 +232,8 @@ class StepSummary:
                 acc[1] += n
         out.drops = dict(drops)
         out.stats = LossStats.merge([p.stats for p in parts])
+        out.staleness_sums = [b.to_list() for b in add_buckets(
+            [[BucketSums.from_list(x) for x in p.staleness_sums] for p in parts])]
         return out
 
 
@@ -288,6 +297,22 @@ class StepRecord:
     the generator = learner agreement (bf16 engines 0.0004-0.01); None when the step had none."""
     fresh_tokens: int = 0
     """Completion tokens of the step sampled with the learner's current weights (all ranks)."""
+    staleness_tokens: dict[str, int] = field(default_factory=dict)
+    """Completion tokens by staleness bucket ("0", "1", "2", "3+"), all ranks."""
+    staleness_kl: dict[str, float] = field(default_factory=dict)
+    """KL(behaviour || learner) (k3) by staleness bucket (buckets with tokens): steady per bucket while the
+    generators compute the learner's policy; the live guard compares each with its own history."""
+    staleness_log_ratio: dict[str, float] = field(default_factory=dict)
+    """Mean log-ratio (learner minus behaviour log-prob) by staleness bucket: about minus the KL under
+    agreement; a generator whose log-probs are off by d moves it by -d."""
+
+    def staleness_buckets(self) -> list[BucketSums]:
+        """The step's :class:`BucketSums` per bucket, for the live guard."""
+        out = []
+        for b in BUCKETS:
+            n = self.staleness_tokens.get(b, 0)
+            out.append(BucketSums(n, self.staleness_kl.get(b, 0.0) * n, self.staleness_log_ratio.get(b, 0.0) * n))
+        return out
 
     @classmethod
     def build(cls, state: LearnerState, merged: StepSummary, out: StepOutput, step_s: float, wait_s: float,
@@ -321,10 +346,18 @@ class StepRecord:
             update_scale=1.0 if out.update is None else out.update.scale,
             kl_fresh=merged.fresh_kl_sum / merged.fresh_tokens if merged.fresh_tokens else None,
             fresh_tokens=merged.fresh_tokens,
+            **_by_staleness([BucketSums.from_list(x) for x in merged.staleness_sums]),
         )
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _by_staleness(sums: list[BucketSums]) -> dict[str, dict]:
+    """StepRecord's ``staleness_*`` fields from the merged bucket sums (buckets without tokens left out)."""
+    have = [(b, s) for b, s in zip(BUCKETS, sums) if s.tokens]
+    return {"staleness_tokens": {b: s.tokens for b, s in have}, "staleness_kl": {b: s.kl for b, s in have},
+            "staleness_log_ratio": {b: s.log_ratio for b, s in have}}
 
 
 def _token_staleness_sum(batch: list[Accepted]) -> float:

@@ -54,6 +54,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.advantages import AdvantageError
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.learner.agreement_guard import BUCKETS, BucketSums, add_buckets
 from streamgrpo.learner.deepspeed_setup import (
     deepspeed_config,
     import_deepspeed,
@@ -72,6 +73,7 @@ from streamgrpo.learner.micro_batches import (
     sampling_temperature,
     split_groups,
     split_micro_batches,
+    token_staleness,
 )
 from streamgrpo.learner.oom import out_of_memory
 from streamgrpo.learner.optim import fused_adamw, make_optimizer
@@ -390,6 +392,7 @@ class Learner:
         guard = cfg.learner.max_update_kl is not None and not dry_run
         loss_total, finite, seq_lp, rows = 0.0, True, 0.0, 0
         fresh_kl, fresh_tokens = 0.0, 0  # KL(behaviour || learner) on staleness-0 tokens: the live guard
+        by_staleness: list[list[BucketSums]] = []  # the same by token staleness bucket (0, 1, 2, 3+)
         self._zero_grad()
         for k, part in enumerate(micro):
             temperature = sampling_temperature(part[0], cfg.rollout.temperature)  # one per micro-batch
@@ -430,6 +433,8 @@ class Learner:
                 d = (logprobs.float() - behaviour)[fresh].clamp(-50.0, 50.0)
                 fresh_kl += float((torch.expm1(d) - d).sum())
                 fresh_tokens += int(fresh.sum())
+                by_staleness.append(staleness_sums(logprobs.float() - behaviour, mask,
+                                                   token_staleness(part, mask.shape[1]).to(mask.device)))
             stats.append(LossStats.from_loss(m))
             if guard:
                 probes.append((tb, logprobs.detach(), temperature))
@@ -448,7 +453,7 @@ class Learner:
         return StepOutput(update=update, loss=loss_total, grad_norm=grad_norm, tokens_global=global_tokens,
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
                           seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), fresh_kl_sum=fresh_kl,
-                          fresh_tokens=fresh_tokens, **self.work.of_groups(batch))
+                          fresh_tokens=fresh_tokens, staleness_sums=add_buckets(by_staleness), **self.work.of_groups(batch))
 
     def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
         """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on
@@ -926,3 +931,16 @@ class Learner:
                     write(bucket)
         if self.engine is not None:
             self.engine.optimizer.refresh_fp32_params()  # the fp32 masters from the weights just loaded
+
+
+def staleness_sums(log_ratio: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor) -> list[BucketSums]:
+    """Per staleness bucket (:data:`~streamgrpo.learner.agreement_guard.BUCKETS`) of the ``mask``ed tokens: their
+    count, k3 KL(behaviour || learner) and log-ratio (learner - behaviour log-prob, clamped to +-50) summed."""
+    d = log_ratio[mask].double().clamp(-50.0, 50.0)
+    b = staleness[mask].clamp(0, len(BUCKETS) - 1)
+    sums = torch.zeros((3, len(BUCKETS)), dtype=torch.float64, device=d.device)
+    sums[0].index_add_(0, b, torch.ones_like(d))
+    sums[1].index_add_(0, b, torch.expm1(d) - d)
+    sums[2].index_add_(0, b, d)
+    n, kl, lr = sums.tolist()  # one host sync per micro-batch
+    return [BucketSums(int(n[i]), kl[i], lr[i]) for i in range(len(BUCKETS))]

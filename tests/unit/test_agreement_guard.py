@@ -9,7 +9,7 @@ import numpy as np
 
 from streamgrpo.config import build_config
 from streamgrpo.learner.agreement_guard import AgreementGuard
-from streamgrpo.learner.micro_batches import fresh_token_mask
+from streamgrpo.learner.micro_batches import fresh_token_mask, token_staleness
 
 
 def test_the_guard_warns_once_past_the_threshold_over_its_window_and_rearms():
@@ -41,3 +41,25 @@ def test_fresh_tokens_are_those_sampled_with_the_learners_current_version():
     assert m.shape == (4, 5)
     assert m.tolist() == [[False] * 5, [False, True, True, False, False], [True, True, False, False, False],
                           [False] * 5]
+
+
+def test_token_staleness_counts_from_each_tokens_own_version():
+    # the same part: per-token versions where the message has them, else the group's staleness
+    part = [_accepted(2, 5, [[5, 5, 5], [5, 7, 7]], [3, 3]), _accepted(0, 7, [None], [2]), _accepted(1, 6, [None], [4])]
+    s = token_staleness(part, 5).numpy()
+    assert s.tolist() == [[2, 2, 2, 0, 0], [2, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]]
+    assert ((s == 0) & (np.arange(5) < np.array([[3], [3], [2], [4]]))).tolist() == fresh_token_mask(part, 5).numpy().tolist()
+
+
+def test_staleness_sums_bucket_the_masked_tokens():
+    import torch
+
+    from streamgrpo.learner.trainer import staleness_sums
+
+    d = torch.tensor([[0.0, 1.0, -1.0, 9.0], [0.5, 0.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    stale = torch.tensor([[0, 1, 1, 1], [5, 3, 0, 0]])
+    b = staleness_sums(d, mask, stale)
+    assert [x.tokens for x in b] == [1, 2, 0, 2]  # the masked 9.0 counts nowhere; 5 and 3 share "3+"
+    assert math.isclose(b[1].log_ratio_sum, 0.0) and math.isclose(b[1].kl_sum, (math.e - 2) + (math.exp(-1) - 1 + 1), rel_tol=1e-6)
+    assert math.isclose(b[3].log_ratio, 0.5) and math.isclose(b[3].kl, math.exp(0.5) - 1.5, rel_tol=1e-6)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from streamgrpo.learner.agreement_guard import BucketSums
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import LossStats, Probe, StepOutput, StepRecord, StepSummary
 from streamgrpo.wire import Completion, ScoredGroup
@@ -20,7 +21,7 @@ RECORD_KEYS = [
     "kl_behaviour", "is_masked_frac", "adv_mean", "adv_std", "policy_seq_log_prob", "zero_variance_groups",
     "staleness_mean", "staleness_max", "token_staleness_mean", "groups_trained", "groups_dropped", "tokens", "completion_len_mean", "lr",
     "ranks", "micro_batches", "seconds", "wait_seconds", "seq_tokens", "tokens_per_second", "model_flops", "mfu",
-    "update_kl", "update_scale", "kl_fresh", "fresh_tokens",
+    "update_kl", "update_scale", "kl_fresh", "fresh_tokens", "staleness_tokens", "staleness_kl", "staleness_log_ratio",
 ]
 
 
@@ -53,8 +54,12 @@ def test_token_staleness_counts_each_token_from_its_own_version():
 def test_two_ranks_merge_into_one_metrics_line():
     batches = [[_group("g0", [1.0, 0.0], [5, 4], 1), _group("g1", [1.0, 1.0], [3, 5], 0)],
                [_group("g2", [0.5, 0.25], [6, 6], 2, accuracy=False), _group("g3", [0.0, 1.0], [5, 6], 3)]]
-    outs = [_out(17, [1.0, -1.0, 0.0, 0.0], work={"fresh_kl_sum": 0.08, "fresh_tokens": 8}),  # g1: staleness 0
-            _out(23, [0.5, -0.5, 1.5, -1.5], kl=0.03, entropy=None, ratio_max=2.5, ratio_min=0.9, ratio_sq_mean=1.2)]
+    outs = [_out(17, [1.0, -1.0, 0.0, 0.0], work={"fresh_kl_sum": 0.08, "fresh_tokens": 8,  # g1: staleness 0
+                                                  "staleness_sums": [BucketSums(8, 0.08, -0.08), BucketSums(9, 0.9, -0.8),
+                                                                     BucketSums(), BucketSums()]}),
+            _out(23, [0.5, -0.5, 1.5, -1.5], kl=0.03, entropy=None, ratio_max=2.5, ratio_min=0.9, ratio_sq_mean=1.2,
+                 work={"staleness_sums": [BucketSums(), BucketSums(1, 0.1, 0.0), BucketSums(5, 0.5, -0.25),
+                                          BucketSums(6, 0.6, 3.0)]})]
     drops = [Counter(stale=2), Counter(mismatch=1, stale=1)]
     parts = [json.loads(json.dumps(StepSummary.of_rank(b, o, d).to_json())) for b, o, d in zip(batches, outs, drops)]
     merged = StepSummary.merge(parts)
@@ -68,6 +73,10 @@ def test_two_ranks_merge_into_one_metrics_line():
     assert list(line) == RECORD_KEYS
     assert (line["update_kl"], line["update_scale"]) == (None, 1.0)  # learner.max_update_kl off
     assert (line["kl_fresh"], line["fresh_tokens"]) == (pytest.approx(0.01), 8)  # only rank 0 had staleness-0 tokens
+    assert line["staleness_tokens"] == {"0": 8, "1": 10, "2": 5, "3+": 6}  # by staleness bucket, both ranks
+    assert line["staleness_kl"] == pytest.approx({"0": 0.01, "1": 0.1, "2": 0.1, "3+": 0.1})
+    assert line["staleness_log_ratio"] == pytest.approx({"0": -0.01, "1": -0.08, "2": -0.05, "3+": 0.5})
+    assert [b.tokens for b in StepRecord(**line).staleness_buckets()] == [8, 10, 5, 6]
     assert line["kl"] == pytest.approx((0.01 * 17 + 0.03 * 23) / 40)
     assert line["entropy"] == pytest.approx(2.0 * 17 / 40)  # as before: a rank without it adds nothing
     assert (line["ratio_max"], line["ratio_min"]) == (2.5, 0.7)
