@@ -74,15 +74,16 @@ return acked
 # committed: the cursor of the checkpoint whose groups are committed, never one ahead of them.
 COMMIT_LUA = OOM_PASS + """
 local acked = 0
-local step = tonumber(ARGV[5])
-local prev = tonumber(redis.call('GET', KEYS[5]) or '-1')
-if step >= 0 and prev < step then
-  redis.call('SET', KEYS[5], ARGV[5])
-end
-local n = tonumber(ARGV[6])
-if step >= 0 and step >= prev then
-  for i = 7, 6 + 2 * n, 2 do
-    redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
+local step, n = tonumber(ARGV[5]), tonumber(ARGV[6])
+if step >= 0 then
+  local prev = tonumber(redis.call('GET', KEYS[5]) or '-1')
+  if prev < step then
+    redis.call('SET', KEYS[5], ARGV[5])
+  end
+  if step >= prev then
+    for i = 7, 6 + 2 * n, 2 do
+      redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
+    end
   end
 end
 for i = 7 + 2 * n, #ARGV, 2 do
