@@ -161,6 +161,10 @@ EVAL_SKIPPED = Counter("streamgrpo_eval_versions_skipped", "Evaluator: weight ve
 WEIGHTS_MISSING = Gauge(
     "streamgrpo_weights_missing", "1 while this generator has never received weights from the learner (it samples with its initial ones)"
 )
+DATA_EPOCHS = Gauge(
+    "streamgrpo_data_epochs", "Generator: passes over its data shard so far, epoch + the fraction of the current one "
+    "taken (a restarted generator goes on from the learner's committed data cursor)"
+)
 
 # Gauges of the whole learner step, set by rank 0 from the step's merged numbers. With several
 # ranks, every rank serves /metrics (rank r on metrics.port + its local rank) and Prometheus sums

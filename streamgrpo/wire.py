@@ -57,8 +57,9 @@ SCHEMAS = (2, 3)  # versions this build reads (a schema-2 message is a schema-3 
 MAGIC = b"SGRP"
 DEFAULT_MAX_BYTES = 256 << 20  # queue.max_message_mib default
 _MAX_VERSION = 2**31 - 1  # versions travel as int32
-__all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "MediaRef", "ScoredGroup", "Visual", "WireError",
-           "decode", "encode", "encode_parts", "inline", "normalized", "validate"]
+_MAX_INDEX = 2**63 - 1  # a data source's numbers travel as msgpack ints (int64 at most)
+__all__ = ["DEFAULT_MAX_BYTES", "MAGIC", "SCHEMA_VERSION", "Completion", "MediaRef", "ScoredGroup", "Source", "Visual",
+           "WireError", "decode", "encode", "encode_parts", "inline", "normalized", "validate"]
 
 
 @dataclass
@@ -105,6 +106,29 @@ class Completion:
     every token at the group's ``policy_version``; a decoded message always has it."""
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a group's prompt came from: shard ``shard`` of ``num_shards`` (generator K of N), at ``position``
+    of that shard's order in pass ``epoch`` (:func:`streamgrpo.data.dataset.iter_positions`). Optional on
+    the wire: the learner keeps the furthest one it consumed per shard, the data cursor a restarted
+    generator continues from (docs/data.md)."""
+
+    num_shards: int
+    shard: int
+    epoch: int
+    position: int
+
+    @property
+    def key(self) -> str:
+        """``"N/K"``: the shard it counts for (a cursor of another shard count is another key)."""
+        return f"{self.num_shards}/{self.shard}"
+
+    @property
+    def at(self) -> tuple[int, int]:
+        """``(epoch, position)``: ordered as the shard is read."""
+        return self.epoch, self.position
+
+
 @dataclass
 class ScoredGroup:
     prompt_id: str
@@ -120,6 +144,7 @@ class ScoredGroup:
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
+    source: Source | None = None  # where the prompt came from (optional: external producers need not say)
 
     @property
     def nbytes(self) -> int:
@@ -343,6 +368,19 @@ def validate(group: ScoredGroup) -> None:
         _check_completion(c, f"completions[{i}]", group.policy_version, arrays=not checked)
     if not (isinstance(group.meta, dict) and all(isinstance(k, str) for k in group.meta)):
         _fail("meta", "expected a mapping with string keys")
+    if group.source is not None:
+        _check_source(group.source)
+
+
+def _check_source(src: Any) -> None:
+    if not isinstance(src, Source):
+        _fail("source", f"expected a Source, got {_tname(src)}")
+    for name in ("num_shards", "shard", "epoch", "position"):
+        x = getattr(src, name)
+        if not (_is_int(x) and 0 <= x <= _MAX_INDEX):
+            _fail(f"source.{name}", f"expected an integer in [0, 2**63 - 1], got {x!r}")
+    if src.num_shards < 1 or src.shard >= src.num_shards:
+        _fail("source.shard", f"shard {src.shard} of {src.num_shards} is not a shard (0 <= shard < num_shards)")
 
 
 def inline(group: ScoredGroup) -> ScoredGroup:
@@ -399,7 +437,15 @@ def normalized(group: ScoredGroup) -> ScoredGroup:
         model_id=group.model_id, prompt_ids=_coerce(group.prompt_ids, "prompt_ids", "int32"), visuals=visuals,
         answer=group.answer, completions=completions, prompt_text=group.prompt_text, meta=group.meta,
         group_id=group.group_id, created_at=_scalar(group.created_at), schema=group.schema,
+        source=_normalized_source(group.source),
     )
+
+
+def _normalized_source(src: Any) -> Any:
+    """numpy integers unboxed (a bad source is left for :func:`validate` to name)."""
+    if not isinstance(src, Source):
+        return src
+    return Source(*(_scalar(getattr(src, n)) for n in ("num_shards", "shard", "epoch", "position")))
 
 
 def encode(group: ScoredGroup, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
@@ -443,6 +489,9 @@ def encode_parts(group: ScoredGroup, *, max_bytes: int = DEFAULT_MAX_BYTES) -> l
         ],
         "meta": g.meta,
     }
+    if g.source is not None:  # optional: a message without it is as before (and an older learner ignores it)
+        header["source"] = {"num_shards": g.source.num_shards, "shard": g.source.shard, "epoch": g.source.epoch,
+                            "position": g.source.position}
     try:
         head = msgpack.packb(header, default=default, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -506,7 +555,7 @@ def _decode(data: Any, max_bytes: int) -> ScoredGroup:
         model_id=h["model_id"], prompt_ids=_arr(h["prompt_ids"], body, "prompt_ids"), visuals=visuals,
         answer=h["answer"], completions=completions, prompt_text=h["prompt_text"],
         meta=_resolve_tree(h["meta"], body, "meta"), group_id=h["group_id"], created_at=h["created_at"],
-        schema=schema,
+        schema=schema, source=_source(h["source"]) if "source" in h else None,
     )
     validate(group)
     expands = sum(v.pixel_bytes for v in visuals if v.frames is None)
@@ -562,6 +611,11 @@ def _visual(v: Any, body: memoryview, p: str) -> Visual:
         kind=_get(v, "kind", p), frames=frames, fps=_get(v, "fps", p),
         frame_indices=_arr(_get(v, "frame_indices", p), body, f"{p}.frame_indices"), ref=ref,
     )
+
+
+def _source(s: Any) -> Source:
+    """The optional ``source`` map of the header (its values checked by :func:`validate`)."""
+    return Source(*(_get(s, k, "source") for k in ("num_shards", "shard", "epoch", "position")))
 
 
 def _completion(c: Any, body: memoryview, p: str) -> Completion:

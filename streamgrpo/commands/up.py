@@ -5,7 +5,8 @@ or the CPU) and prints the plan; starts an embedded Redis when no ``queue.url`` 
 (under ``python -m torch.distributed.run`` for several ranks), N generators and with ``eval.enabled``
 the evaluator as child processes (each with its own devices, /metrics port and log file in the run
 directory), shows one live status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops
-every child by PID and waits for it. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner),
+every child by PID and waits for it. With ``--resume`` the generators go on where the learner's committed data
+cursor says each shard got (:mod:`streamgrpo.data.cursor`); a new run starts them at the beginning. Writes ``config.yaml``, ``metrics.jsonl`` (by the learner),
 ``eval.jsonl`` (by the evaluator), ``summary.json``, ``reward.png`` and ``eval.png`` into the run
 directory.
 """
@@ -172,6 +173,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     rd = _prepare_run_dir(cfg)
     env = _child_env(cfg)
     redis = _start_embedded_redis(cfg, rd, env)
+    _new_run_data_cursor(cfg)
     config_path = _write_child_config(cfg, rd, env)
     refusal = _agreement_check(cfg, rd, config_path, env, plan)
     if refusal is not None:
@@ -353,6 +355,19 @@ def _start_embedded_redis(cfg: Config, rd: Path, env: dict[str, str]):
     env["STREAMGRPO_REDIS_URL"] = url
     print(f"embedded Redis at {url} (AOF in {rd / 'redis'})", flush=True)
     return redis
+
+
+def _new_run_data_cursor(cfg: Config) -> None:
+    """A new run on a ``queue.url`` Redis (an embedded one is new with the run): the data cursor an earlier
+    run in this namespace committed is cleared before any generator starts, so none of them continues the
+    earlier run's shards (the learner clears it too at step 0, but maybe after a generator has read it).
+    ``--resume`` keeps it: the generators continue where the learner's checkpoints say."""
+    if cfg.learner.resume or not cfg.queue.url:
+        return
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    with RedisQueue.from_config(cfg.queue, consumer="up") as queue:
+        queue.reset_committed_step()
 
 
 def _write_child_config(cfg: Config, rd: Path, env: dict[str, str]) -> Path:

@@ -3,7 +3,12 @@
 Generator K of N reads shard K: the records at positions K, K+N, K+2N, ... of the file order, so
 shards are disjoint and together cover the data set. Each epoch the shard is shuffled with a
 generator seeded by (seed, shard, epoch). A record whose media fail to load is logged once,
-counted in ``streamgrpo_errors_total{kind="data"}`` and not tried again in later epochs.
+counted in ``streamgrpo_errors_total{kind="data"}`` and not tried again in later epochs (of this process).
+
+Where a sample comes from is ``(epoch, position)``: its place in the shard's order of that epoch. A
+generator sends it with each group (:class:`~streamgrpo.wire.Source`); the learner commits the furthest
+one it consumed per shard with its checkpoints (the data cursor), and a restarted generator starts
+after it (:func:`iter_positions` with ``start``), so a requeued run does not read the head of its shard again.
 """
 
 from __future__ import annotations
@@ -37,7 +42,13 @@ def epoch_order(n: int, seed: int, shard: int, epoch: int, shuffle: bool = True)
     return [int(i) for i in rng.permutation(n)]
 
 
-def iter_samples(
+def iter_samples(records: Sequence[Record], cfg: DataConfig, **kw) -> Iterator[tuple[Record, list[Visual]]]:
+    """Yield ``(record, visuals)`` for a shard: :func:`iter_positions` without the positions."""
+    for _epoch, _position, record, visuals in iter_positions(records, cfg, **kw):
+        yield record, visuals
+
+
+def iter_positions(
     records: Sequence[Record],
     cfg: DataConfig,
     *,
@@ -48,11 +59,14 @@ def iter_samples(
     factor: int,
     temporal_patch: int = 2,
     shuffle: bool = True,
-    start_epoch: int = 0,
-) -> Iterator[tuple[Record, list[Visual]]]:
-    """Yield ``(record, visuals)`` for this shard, ``epochs`` passes (``None``: forever).
+    start: tuple[int, int] = (0, 0),
+) -> Iterator[tuple[int, int, Record, list[Visual]]]:
+    """Yield ``(epoch, position, record, visuals)`` for this shard, ``epochs`` passes (``None``: forever);
+    ``position`` counts the shard's records in that epoch's order.
 
-    A fractional ``epochs`` stops part-way through the last pass. Records whose media fail are
+    ``start``: the ``(epoch, position)`` to begin at (a data cursor, :func:`~streamgrpo.data.cursor.next_position` of the last one
+    consumed): exactly the tail of what a fresh iteration yields from there, ``epochs`` counted from the
+    beginning. A fractional ``epochs`` stops part-way through the last pass. Records whose media fail are
     skipped (one warning each, counted); an epoch in which every record fails raises
     :class:`DataError` instead of spinning.
     """
@@ -63,15 +77,18 @@ def iter_samples(
         raise DataError(None, None, f"shard {shard} of {num_shards} is empty ({len(records)} records)")
     budget = None if epochs is None else math.ceil(epochs * len(mine) - 1e-9)  # positions, bad ones included
     bad: set[str] = set()
-    consumed = 0
-    epoch = start_epoch
+    epoch, first = start
+    if first >= len(mine):  # the shard shrank since the cursor was taken
+        epoch, first = epoch + 1, 0
+    consumed = epoch * len(mine) + first
     while budget is None or consumed < budget:
         good_this_epoch = 0
-        for i in epoch_order(len(mine), seed, shard, epoch, shuffle):
+        order = epoch_order(len(mine), seed, shard, epoch, shuffle)
+        for position in range(first, len(mine)):
             if budget is not None and consumed >= budget:
                 return
             consumed += 1
-            record = mine[i]
+            record = mine[order[position]]
             if record.id in bad:
                 continue
             try:
@@ -82,8 +99,8 @@ def iter_samples(
                 log.warning("skipping %s", exc)
                 continue
             good_this_epoch += 1
-            yield record, visuals
+            yield epoch, position, record, visuals
         if good_this_epoch == 0 and len(bad) == len(mine):
             raise DataError(None, None, f"no usable record in shard {shard} of {num_shards} "
                             f"(all {len(mine)} failed; see the warnings above)")
-        epoch += 1
+        epoch, first = epoch + 1, 0

@@ -4,7 +4,9 @@ One top-down loop. Per batch of prompts: apply the newest verified weights (a sa
 G completions per prompt, score them, and push one ScoredGroup per prompt into the Redis stream
 (blocking under backpressure). A batch that runs the engine out of memory is sampled again in halves,
 and the smaller batch is kept (:mod:`streamgrpo.generator.oom`); a generator where one prompt alone
-does not fit stops with one line naming the settings to lower. Generator K reads shard K of ``rollout.num_generators``. SIGTERM
+does not fit stops with one line naming the settings to lower. Generator K reads shard K of ``rollout.num_generators``,
+from where the learner's committed data cursor says the shard got (:mod:`streamgrpo.data.cursor`; the
+beginning in a new run), and each group says where its prompt came from (``ScoredGroup.source``). SIGTERM
 finishes the current batch and exits 0.
 
 A generator that gets no weights from the learner says so
@@ -22,13 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
+from streamgrpo import metrics
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.data.cursor import start_for
 from streamgrpo.engines.base import Engine
 from streamgrpo.generator.applier import WeightApplier
 from streamgrpo.generator.sampling import Sampler
 from streamgrpo.generator.send import send_groups
 from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
 from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
+from streamgrpo.wire import Source
 
 log = logging.getLogger("streamgrpo.generator")
 
@@ -39,7 +44,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     versions at safe points (the staleness benchmark's lagging one, ``recipes/demo/lag.py``)."""
     import torch
 
-    from streamgrpo.data.dataset import iter_samples
+    from streamgrpo.data.dataset import iter_positions
     from streamgrpo.engines.base import SamplingParams
     from streamgrpo.models.loading import load_processor, resolve_device
     from streamgrpo.models.lora import make_weight_applier
@@ -86,14 +91,19 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             log.warning("%s: rollout.inflight_updates needs rollout.engine=vllm; the HF engine applies weights "
                         "between batches", name)
     apply_newest.snapshot(min(10.0, cfg.weights.max_wait_s or 10.0))  # a (re)started generator catches up first
-    log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name,
-             (len(records) + cfg.rollout.num_generators - 1 - generator_id) // cfg.rollout.num_generators,
-             generator_id, cfg.rollout.num_generators, engine.version,
-             "" if apply_newest.snapped else " (the initial weights: none from the learner yet)")
+    num_shards = cfg.rollout.num_generators
+    shard_size = (len(records) + num_shards - 1 - generator_id) // num_shards
+    log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name, shard_size, generator_id, num_shards,
+             engine.version, "" if apply_newest.snapped else " (the initial weights: none from the learner yet)")
+    # where this shard goes on: after the furthest record the learner consumed and committed (read once its
+    # snapshot wait is over, so a learner that started too has reset it for a new run or restored it)
+    start = start_for(queue.committed_cursors(), num_shards, generator_id, shard_size)
+    (log.warning if start.warning else log.info)("%s: %s", name, start.line)
     vp = processor.video_processor
-    samples = iter_samples(records, cfg.data, shard=generator_id, num_shards=cfg.rollout.num_generators,
-                           seed=cfg.seed, epochs=cfg.rollout.num_epochs, factor=vp.patch_size * vp.merge_size,
-                           temporal_patch=vp.temporal_patch_size)
+    samples = iter_positions(records, cfg.data, shard=generator_id, num_shards=num_shards, seed=cfg.seed,
+                             epochs=cfg.rollout.num_epochs, factor=vp.patch_size * vp.merge_size,
+                             temporal_patch=vp.temporal_patch_size, start=(start.epoch, start.position))
+    metrics.DATA_EPOCHS.set(start.epoch + start.position / max(1, shard_size))
 
     # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
     produced = code = 0
@@ -113,7 +123,11 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             if not chunk:
                 log.info("%s: data exhausted after %d groups", name, produced)
                 break
-            sent, gave_up = send_groups(queue, sampler.groups(chunk), stop, name, audit, tick=watch.check,
+            groups = with_sources(sampler.groups([(record, visuals) for _, _, record, visuals in chunk]), chunk,
+                                  num_shards, generator_id)
+            epoch, position = chunk[-1][:2]
+            metrics.DATA_EPOCHS.set(epoch + (position + 1) / shard_size)
+            sent, gave_up = send_groups(queue, groups, stop, name, audit, tick=watch.check,
                                         grace_s=cfg.rollout.stop_grace_s)
             produced += sent
             if gave_up:
@@ -130,6 +144,16 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.close()
         server.close()
     return code
+
+
+def with_sources(groups: list, chunk: list, num_shards: int, shard: int) -> list:
+    """Each group of ``chunk`` (``(epoch, position, record, visuals)``, one group per prompt, in order) told
+    where its prompt came from: the learner's data cursor moves by it."""
+    if len(groups) != len(chunk):
+        raise RuntimeError(f"{len(groups)} groups for {len(chunk)} prompts")
+    for group, (epoch, position, _record, _visuals) in zip(groups, chunk):
+        group.source = Source(num_shards, shard, int(epoch), int(position))
+    return groups
 
 
 def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> Engine:

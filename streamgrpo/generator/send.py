@@ -45,7 +45,9 @@ def _produced(groups: list, audit, put_s: float) -> int:
         M.TOKENS.labels(role="generator").inc(sum(len(c.token_ids) for c in group.completions))
         audit.write({"event": "produced", "group_id": group.group_id, "version": group.policy_version,
                      "reward": float(np.mean([c.reward for c in group.completions])), "t": time.time(),
-                     "put_s": round(put_s, 4)})
+                     "put_s": round(put_s, 4),
+                     **({"source": [group.source.num_shards, group.source.shard, group.source.epoch,
+                                    group.source.position]} if group.source is not None else {})})
     return len(groups)
 
 

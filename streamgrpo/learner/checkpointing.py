@@ -1,8 +1,9 @@
 """Checkpoint, then commit: the order that makes training exactly once, synchronous or asynchronous.
 
 :class:`Checkpointing` holds the ``(stream id, group id)`` entries this rank trained since the last
-checkpoint and commits them in Redis (``queue.commit``: marked trained, acked, deleted) only once a
-checkpoint holding their training is durable on disk:
+checkpoint and commits them in Redis (``queue.commit``: marked trained, acked, deleted), with the data
+cursor that checkpoint holds (``state.data_cursor`` when it was taken), only once a checkpoint holding
+their training is durable on disk:
 
 * synchronous (:meth:`Checkpointing.save` with ``wait=True``, the final checkpoint, or
   ``learner.async_checkpoint: false``): write (every rank), fsync, rename, then commit right away;
@@ -58,7 +59,7 @@ class Checkpointing:
         self.asynchronous = asynchronous
         self.model_card = model_card
         self.uncommitted: list[tuple[str, str]] = []
-        self._inflight: tuple[BackgroundWrite, list[tuple[str, str]]] | None = None
+        self._inflight: tuple[BackgroundWrite, list[tuple[str, str]], dict] | None = None  # write, entries, cursor
         self.last_stall_s = 0.0
         """Seconds the last :meth:`save` kept training waiting (the copy, or the whole synchronous write)."""
         self.saved_step = learner.state.step
@@ -82,10 +83,11 @@ class Checkpointing:
                     self.learner.save(self.root, model_card=card)
             finally:
                 state.committing = []
-            self.queue.commit(self.uncommitted, step=state.step)  # the checkpoint is durable: so is their training
+            # the checkpoint is durable: so is their training, and the data cursor it holds
+            self.queue.commit(self.uncommitted, step=state.step, cursor=state.data_cursor)
             self.uncommitted.clear()
         else:
-            entries, step = list(self.uncommitted), state.step
+            entries, step, cursor = list(self.uncommitted), state.step, dict(state.data_cursor)
             state.committing = [tuple(e) for part in gather_json(self.dist, entries) for e in part]
             try:
                 with counted_failure():
@@ -93,7 +95,8 @@ class Checkpointing:
             finally:
                 state.committing = []
             self.uncommitted.clear()
-            self._inflight = (BackgroundWrite(step, lambda: self.learner.write_snapshot(self.root, snap)), entries)
+            self._inflight = (BackgroundWrite(step, lambda: self.learner.write_snapshot(self.root, snap)), entries,
+                              cursor)
         self.saved_step = state.step
         self.last_stall_s = time.perf_counter() - t0
 
@@ -135,7 +138,7 @@ class Checkpointing:
             self._settle_write(wait=wait)
 
     def _settle_write(self, *, wait: bool) -> None:
-        write, entries = self._inflight
+        write, entries, cursor = self._inflight
         if wait:
             write.join()
         verdict = agree([int(s) for s in share(self.dist, [write.status])[:, 0]])  # every rank: the same verdict
@@ -156,7 +159,7 @@ class Checkpointing:
         if refused:  # the others commit only once rank 0 has renamed
             raise CheckpointWriteError(refused)
         try:
-            self.queue.commit(entries, step=write.step)
+            self.queue.commit(entries, step=write.step, cursor=cursor)
         except BaseException:  # Redis refused (stop during an outage): the next checkpoint records and commits them
             self.uncommitted[:0] = entries
             raise

@@ -15,6 +15,7 @@ from collections import Counter
 
 from streamgrpo import metrics as M
 from streamgrpo.config import LossConfig
+from streamgrpo.data.cursor import advance
 from streamgrpo.learner.checks import reprocess, token_problem
 from streamgrpo.learner.distributed import DistInfo, share
 from streamgrpo.learner.state import Accepted, LearnerState
@@ -46,6 +47,7 @@ class Gate:
         # MediaWatch: stop only when no reference resolves for a while and the media root is gone here
         self.media_watch = media_watch if media_watch is not None or media is None else MediaWatch(media.data)
         self.drops: Counter = Counter()  # this rank's drops since the last step
+        self.dropped_at: dict = {}  # their sources: the data cursor counts them consumed (streamgrpo.data.cursor)
         self._stale: list[int] = []  # policy versions of stale groups not logged yet
         self._stale_logged = 0.0
         self._mismatches, self._mismatch_logged = 0, -1e9
@@ -67,14 +69,14 @@ class Gate:
         staleness = state.version - int(g.policy_version)
         if abs(staleness) > self.loss.max_staleness:
             # ahead of the learner: made by weights of a run that was rolled back (resumed) past them
-            self.drop(d.stream_id, g.group_id, "stale" if staleness > 0 else "rolled_back")
+            self.drop(d.stream_id, g.group_id, "stale" if staleness > 0 else "rolled_back", source=g.source)
             self._note_stale(int(g.policy_version))
             return None
         if state.trained_recently(g.group_id):  # in this learner's checkpoint although Redis forgot it
-            self.drop(d.stream_id, g.group_id, "duplicate")
+            self.drop(d.stream_id, g.group_id, "duplicate", source=g.source)
             return None
         if self.loss.drop_zero_variance and is_zero_variance([c.reward for c in g.completions]):
-            self.drop(d.stream_id, g.group_id, "zero_variance")  # no gradient: take another group instead
+            self.drop(d.stream_id, g.group_id, "zero_variance", source=g.source)  # no gradient: take another group instead
             return None
         problem = token_problem(g, self.vocab_size)
         if problem:
@@ -87,7 +89,7 @@ class Gate:
         inputs, problem = reprocess(self.processor, g)
         if problem is not None:
             self._note_mismatch(g, d.stream_id, problem.reason)
-            self.drop(d.stream_id, g.group_id, "mismatch", why=problem.reason)
+            self.drop(d.stream_id, g.group_id, "mismatch", why=problem.reason, source=g.source)
             return None
         return Accepted(d.stream_id, g, inputs, staleness)
 
@@ -112,16 +114,24 @@ class Gate:
             self.media_watch.failed(failure)
         return None
 
-    def drop(self, stream_id: str, group_id: str, reason: str, why: str | None = None) -> None:
+    def drop(self, stream_id: str, group_id: str, reason: str, why: str | None = None, source=None) -> None:
         M.GROUPS_DROPPED.labels(reason=reason).inc()
         self.drops[reason] += 1
+        self._consumed(source)
         self.audit.write({"event": "dropped", "reason": reason, "group_id": group_id, **({"why": why} if why else {})})
         self.queue.ack([stream_id])
 
     def dead_letter(self, stream_id: str, group, reason: str, label: str) -> None:
         self.drops[label] += 1
+        self._consumed(getattr(group, "source", None))
         self.audit.write({"event": "dropped", "reason": label, "group_id": group.group_id, "why": reason})
         self.queue.dead_letter(stream_id, group, reason, label=label)
+
+    def _consumed(self, source) -> None:
+        """A dropped group's place in its shard (a :class:`~streamgrpo.wire.Source`; None: not sent) moves
+        this rank's data cursor: it is consumed, as a trained one is."""
+        if source is not None:
+            self.dropped_at = advance(self.dropped_at, {source.key: source.at})
 
     def _note_mismatch(self, g, stream_id: str, why: str) -> None:
         """One warning per mismatched group, at most one per 10 s (the others counted in the next one)."""

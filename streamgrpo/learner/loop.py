@@ -24,7 +24,8 @@ ranks with no coordinator. One top-down loop per optimizer step:
    gauges and logs to wandb;
 5. every ``learner.save_steps`` steps and at the end/SIGTERM: a checkpoint (every rank takes part),
    then each rank *commits* the groups it trained since the last one (marked trained, acked and
-   deleted in Redis, atomically).
+   deleted in Redis, atomically), with the checkpoint's data cursor: per generator shard, the furthest
+   record trained or dropped (:mod:`streamgrpo.data.cursor`), where a restarted generator continues.
 
 Exactly once. A group's effect becomes durable with the checkpoint that holds it, and only then is
 it committed in Redis: until then its entry stays pending and held. After a crash the learner
@@ -53,6 +54,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
+from streamgrpo.data.cursor import advance
 from streamgrpo.learner.agreement_guard import BUCKETS, AgreementGuard, DriftGuard
 from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.crash_loop import CrashLoopBreaker
@@ -221,14 +223,17 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
             # 3. bump the version (every rank alike); this rank's groups wait for the next checkpoint
-            merged = StepSummary.merge(gather_json(dist, StepSummary.of_rank(batch, out, gate.drops).to_json()))
+            merged = StepSummary.merge(gather_json(dist, StepSummary.of_rank(batch, out, gate.drops,
+                                                                             gate.dropped_at).to_json()))
             gate.drops.clear()
+            gate.dropped_at = {}
             state.step += 1
             state.version += 1
             state.groups_trained += merged.groups
             state.tokens_trained += merged.stats.tokens
             state.dropped.update(merged.drops)
             state.remember(merged.group_ids)
+            state.data_cursor = advance(state.data_cursor, merged.consumed_at)  # committed with the next checkpoint
             ids = [a.group.group_id for a in batch]
             ckpts.trained([(a.stream_id, a.group.group_id) for a in batch])
             audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))

@@ -68,7 +68,7 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         queue.record_failure([a.group.group_id for a in batch], error)
         raise raised
     for a in batch:
-        gate.drop(a.stream_id, a.group.group_id, "nan_loss")
+        gate.drop(a.stream_id, a.group.group_id, "nan_loss", source=a.group.source)
     return None, []
 
 

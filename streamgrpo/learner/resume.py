@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from streamgrpo.config import ConfigError, LearnerConfig
+from streamgrpo.data.cursor import advance
 from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.distributed import DistInfo, barrier, broadcast_json, gather_json, share
 from streamgrpo.learner.gate import Gate
@@ -131,8 +132,9 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
         rewound += rewind_jsonl(run_dir / "metrics.jsonl", learner.state.step)
         for gone in _audits_of_absent_ranks(audit_path.parent, dist.world_size):  # resumed on fewer ranks
             rewound += rewind_jsonl(gone, learner.state.step)
-        if learner.state.committing:  # roll the checkpoint's commit forward (it may not have happened)
-            queue.commit(learner.state.committing, step=learner.state.step)
+        if learner.state.committing or learner.state.data_cursor:  # roll the checkpoint's commit forward (it may
+            # not have happened), and its data cursor with it (Redis may have lost it; a later one is kept)
+            queue.commit(learner.state.committing, step=learner.state.step, cursor=learner.state.data_cursor)
     if rewound:
         log.info("dropped %d log line(s) written after step %d (their training is re-done)", rewound,
                  learner.state.step)
@@ -155,8 +157,9 @@ def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step
     commit it, then checkpoint and commit what was trained since the last checkpoint."""
     from streamgrpo.transport.queue.redis_stream import QueueError
 
-    for late in gather_json(dist, dict(gate.drops)):  # drops since the last step, of every rank
-        state.dropped.update(late)
+    for late in gather_json(dist, {"drops": dict(gate.drops), "at": gate.dropped_at}):  # since the last step, all ranks
+        state.dropped.update(late["drops"])
+        state.data_cursor = advance(state.data_cursor, late["at"])
     try:
         ckpts.finish()
         if state.step > saved_step:

@@ -27,6 +27,7 @@ class LearnerState:
     tokens_trained: int = 0
     recent_group_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_GROUP_IDS))
     committing: list = field(default_factory=list)
+    data_cursor: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     _recent: set = field(default_factory=set, init=False, repr=False)
 
@@ -47,14 +48,16 @@ class LearnerState:
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "groups_trained": self.groups_trained,
                 "dropped": dict(self.dropped), "tokens_trained": self.tokens_trained,
-                "recent_group_ids": list(self.recent_group_ids), "committing": [list(e) for e in self.committing]}
+                "recent_group_ids": list(self.recent_group_ids), "committing": [list(e) for e in self.committing],
+                "data_cursor": {k: list(v) for k, v in sorted(self.data_cursor.items())}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LearnerState:
         return cls(step=d["step"], version=d["version"], groups_trained=d.get("groups_trained", 0),
                    dropped=Counter(d.get("dropped", {})), tokens_trained=d.get("tokens_trained", 0),
                    recent_group_ids=deque(d.get("recent_group_ids", []), maxlen=RECENT_GROUP_IDS),
-                   committing=[tuple(e) for e in d.get("committing", [])])
+                   committing=[tuple(e) for e in d.get("committing", [])],
+                   data_cursor={k: (int(v[0]), int(v[1])) for k, v in d.get("data_cursor", {}).items()})
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamgrpo.data.cursor import advance, furthest
 from streamgrpo.learner.agreement_guard import BUCKETS, BucketSums, add_buckets
 from streamgrpo.learner.flops import mfu as utilisation
 
@@ -162,10 +163,14 @@ class StepSummary:
     fresh_tokens: int = 0
     staleness_sums: list[list] = field(default_factory=list)
     """[tokens, KL sum, log-ratio sum] per staleness bucket (0, 1, 2, 3+)."""
+    consumed_at: dict[str, list[int]] = field(default_factory=dict)
+    """Per generator shard ``"N/K"``, the furthest ``[epoch, position]`` trained or dropped (the data cursor's move)."""
 
     @classmethod
-    def of_rank(cls, batch: list[Accepted], out: StepOutput, drops: dict[str, int]) -> StepSummary:
-        """This rank's numbers: its groups ``batch`` and what :meth:`train_step` returned for them."""
+    def of_rank(cls, batch: list[Accepted], out: StepOutput, drops: dict[str, int],
+                dropped_at: dict | None = None) -> StepSummary:
+        """This rank's numbers: its groups ``batch`` and what :meth:`train_step` returned for them; ``dropped_at``:
+        the sources of the groups it dropped since the last step (:attr:`Gate.dropped_at`)."""
         completions = [c for a in batch for c in a.group.completions]
         per_fn: dict[str, list] = {}
         for c in completions:
@@ -187,6 +192,7 @@ class StepSummary:
             seq_tokens=int(out.seq_tokens), flops=float(out.flops), peak_flops=out.peak_flops,
             fresh_kl_sum=float(out.fresh_kl_sum), fresh_tokens=int(out.fresh_tokens),
             staleness_sums=[b.to_list() for b in out.staleness_sums],
+            consumed_at={k: list(v) for k, v in advance(dropped_at or {}, furthest(a.group.source for a in batch)).items()},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -206,8 +212,10 @@ class StepSummary:
         peaks = [p.peak_flops for p in parts]
         out.peak_flops = None if any(x is None for x in peaks) else float(sum(peaks))
         drops: Counter = Counter()
+        consumed: dict = {}
         for p in parts:
             drops.update(p.drops)
+            consumed = advance(consumed, p.consumed_at)
             out.groups += p.groups
             out.completions += p.completions
             out.reward_sum += p.reward_sum
@@ -231,6 +239,7 @@ class StepSummary:
                 acc[0] += s
                 acc[1] += n
         out.drops = dict(drops)
+        out.consumed_at = {k: list(v) for k, v in consumed.items()}
         out.stats = LossStats.merge([p.stats for p in parts])
         out.staleness_sums = [b.to_list() for b in add_buckets(
             [[BucketSums.from_list(x) for x in p.staleness_sums] for p in parts])]

@@ -69,6 +69,8 @@ def test_up_with_two_learner_ranks_trains_each_group_once_and_resumes(tiny_model
         assert first.steps_in_order
 
         out = _up(run, [*sets, "learner.max_steps=12"], "--resume")
+        for k in range(2):  # each generator went on from the data cursor the learner committed, not record 0
+            assert f"generator-{k}: shard {k}/2: resuming at epoch" in (run / "logs" / f"generator-{k}.log").read_text()
         rows = _jsonl(run / "metrics.jsonl")
         assert [r["step"] for r in rows][-4:] == [9, 10, 11, 12] and rows[-1]["groups_trained"] == 12 * 4
         assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [8]

@@ -39,9 +39,11 @@ class FakeLearner:
 class FakeQueue:
     def __init__(self):
         self.commits: list[tuple[list, int]] = []
+        self.cursors: list[dict] = []  # the data cursor of each commit
 
-    def commit(self, entries, step=None):
+    def commit(self, entries, step=None, cursor=None):
         self.commits.append((list(entries), step))
+        self.cursors.append(dict(cursor or {}))
         return len(entries)
 
 
@@ -64,6 +66,23 @@ def test_a_background_write_is_held_until_its_commit_and_commit_now_commits_it()
     c.commit_now()  # no step since the checkpoint: wait for the write and commit it, no second checkpoint
     assert queue.commits == [([("1-0", "g1")], 1)] and learner.sync_saves == [] and learner.written == [1]
     assert not c.holding and not c.in_flight
+
+
+def test_a_background_write_commits_the_data_cursor_of_its_checkpoint_not_a_later_one():
+    """The cursor goes with the groups the checkpoint holds: steps trained while it is written move the
+    learner's cursor, and a commit of that one would run ahead of what the checkpoint holds."""
+    release = threading.Event()
+    c, learner, queue = _ckpts(release)
+    learner.state.step, learner.state.data_cursor = 1, {"2/0": (0, 5), "2/1": (0, 3)}
+    c.trained([("1-0", "g1")])
+    c.save()
+    learner.state.step, learner.state.data_cursor = 2, {"2/0": (0, 9), "2/1": (1, 0)}  # trained meanwhile
+    c.trained([("2-0", "g2")])
+    release.set()
+    c.finish()
+    assert queue.commits == [([("1-0", "g1")], 1)] and queue.cursors == [{"2/0": (0, 5), "2/1": (0, 3)}]
+    c.save(wait=True)
+    assert queue.commits[-1] == ([("2-0", "g2")], 2) and queue.cursors[-1] == {"2/0": (0, 9), "2/1": (1, 0)}
 
 
 def test_commit_now_after_more_steps_checkpoints_synchronously_and_commits_everything():
@@ -91,11 +110,11 @@ def test_a_commit_refused_after_a_background_write_leaves_its_entries_to_the_nex
     c.save()
     real, calls = queue.commit, []
 
-    def refuse_once(entries, step=None):
+    def refuse_once(entries, step=None, cursor=None):
         calls.append(step)
         if len(calls) == 1:
             raise QueueStopped("stop requested while redis was unavailable")
-        return real(entries, step)
+        return real(entries, step, cursor)
 
     queue.commit = refuse_once
     try:

@@ -2,7 +2,7 @@
 
 :class:`~streamgrpo.transport.queue.redis_stream.RedisQueue` implements it (see there for the guarantees).
 Producers ``put``; a learner takes deliveries (``get``), commits the ones whose training a
-checkpoint holds (``commit``), releases (``ack``) or dead-letters (``dead_letter``) the rest, and
+checkpoint holds, with that checkpoint's data cursor (``commit``; generators read it back: ``committed_cursors``), releases (``ack``) or dead-letters (``dead_letter``) the rest, and
 counts training failures per group (``record_failure``).
 """
 
@@ -51,13 +51,19 @@ class GroupQueue(abc.ABC):
     @abc.abstractmethod
     def ack(self, stream_ids: list[str]) -> int: ...
     @abc.abstractmethod
-    def commit(self, entries: list[tuple[str, str]]) -> int: ...
+    def commit(self, entries: list[tuple[str, str]], step: int | None = None,
+               cursor: dict[str, tuple[int, int]] | None = None) -> int: ...
     @abc.abstractmethod
     def dead_letter(self, stream_id: str, group: ScoredGroup, reason: str, label: str = "invalid") -> None: ...
     @abc.abstractmethod
     def record_failure(self, group_ids: list[str], error: str) -> list[int]: ...
     @abc.abstractmethod
     def depth(self) -> int: ...
+
+    def committed_cursors(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """The data cursor committed with the learner's checkpoints: ``(num_shards, shard)`` -> ``(epoch,
+        position, step)`` (a queue that keeps none: empty, and generators start at the beginning)."""
+        return {}
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -10,6 +10,10 @@ Keys (``ns`` = ``queue.namespace``):
   committed: the claim that makes a second entry with the same group id a duplicate.
 * ``<ns>:trained`` -- group ids whose training is committed (in a checkpoint), with the time.
 * ``<ns>:failures`` -- group id -> how many training attempts failed (and ``<gid>:err``, the last error).
+* ``<ns>:committed_step`` -- the highest checkpoint step whose groups are committed.
+* ``<ns>:cursor`` -- the data cursor: ``"<num_shards>/<shard>"`` -> ``"<epoch> <position> <step>"``, the furthest
+  record of each generator shard the learner consumed (trained or dropped), committed with the groups of
+  checkpoint ``<step>`` (:meth:`RedisQueue.committed_cursors`; a restarted generator continues after it).
 
 Delivery is at least once; training is exactly once with the learner (docs/design.md): an accepted
 entry is *held*, stays pending while it trains, and is committed (:meth:`RedisQueue.commit`: marked
@@ -131,6 +135,7 @@ class RedisQueue(GroupQueue):
         self.held = f"{namespace}:held"
         self.failures = f"{namespace}:failures"
         self.committed_step_key = f"{namespace}:committed_step"
+        self.cursor_key = f"{namespace}:cursor"
         self.max_failures = int(max_failures)
         # one XREADGROUP BLOCK at most this long: a stop request ends a wait for groups within it
         self._block_s = max(0.05, min(0.5, socket_timeout_s / 4))
@@ -640,7 +645,8 @@ class RedisQueue(GroupQueue):
             entries = [(sid, self._inflight.pop(sid, ("", 0.0))[0]) for sid in stream_ids]
         return self._release(entries)
 
-    def commit(self, entries: list[tuple[str, str]], step: int | None = None) -> int:
+    def commit(self, entries: list[tuple[str, str]], step: int | None = None,
+               cursor: dict[str, tuple[int, int]] | None = None) -> int:
         """The training of these ``(stream id, group id)`` entries is durable (in a checkpoint): mark
         the groups trained, acknowledge and delete the entries, drop their holds -- atomically.
 
@@ -648,19 +654,25 @@ class RedisQueue(GroupQueue):
         commit its checkpoint records). The trained set is a sorted set ``<ns>:trained`` (member =
         group id, score = time), trimmed to ``dedupe_ttl_s`` and expiring when idle that long: one
         entry (~100 B) per group. ``step``: the checkpoint that holds their training; the highest one
-        committed is kept (:meth:`committed_step`). Returns how many entries were still pending.
+        committed is kept (:meth:`committed_step`). ``cursor`` (with ``step``): that checkpoint's data cursor,
+        ``"<num_shards>/<shard>"`` -> ``(epoch, position)``, written in the same step unless a later checkpoint's
+        is already committed (:meth:`committed_cursors`). Returns how many entries were still pending.
         """
         entries = [(to_str(s), g) for s, g in entries if g]
         if not entries and step is None:
             return 0
+        fields: list[Any] = []
+        if step is not None:
+            for key, (epoch, position) in sorted((cursor or {}).items()):
+                fields += [key, f"{int(epoch)} {int(position)} {int(step)}"]
         acked, now = 0, time.time()
         for i in range(0, max(1, len(entries)), 1000):
             args: list[Any] = [CONSUMER_GROUP, now, now - self.dedupe_ttl_s, max(1, int(self.dedupe_ttl_s)),
-                               -1 if step is None else int(step)]
+                               -1 if step is None else int(step), len(fields) // 2, *fields]
             for sid, gid in entries[i:i + 1000]:
                 args += [sid, gid]
             acked += int(self.wait_for_memory("commit", "commit", self._commit_script,
-                                     keys=[*self._keys(), self.committed_step_key], args=args))
+                                     keys=[*self._keys(), self.committed_step_key, self.cursor_key], args=args))
         with self._lock:
             for sid, _ in entries:
                 self._inflight.pop(sid, None)
@@ -687,8 +699,24 @@ class RedisQueue(GroupQueue):
         return None if raw is None else int(raw)
 
     def reset_committed_step(self) -> None:
-        """A learner starting at step 0 (a new run in this namespace) forgets the previous run's."""
-        self._call("DEL", self._r.delete, self.committed_step_key)
+        """A learner starting at step 0 (a new run in this namespace) forgets the previous run's committed
+        step and data cursor (its generators start their shards from the beginning)."""
+        self._call("DEL", self._r.delete, self.committed_step_key, self.cursor_key)
+
+    def committed_cursors(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """The committed data cursor: ``(num_shards, shard)`` -> ``(epoch, position, step)``, the furthest record
+        of that shard the learner consumed, committed with the groups of checkpoint ``step`` (empty: none since
+        the last reset). A field that does not parse is left out."""
+        raw = self._call("HGETALL", self._r.hgetall, self.cursor_key) or {}
+        out: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for key, value in raw.items():
+            try:
+                n, k = (int(x) for x in to_str(key).split("/"))
+                epoch, position, step = (int(x) for x in to_str(value).split())
+            except ValueError:
+                continue
+            out[(n, k)] = (epoch, position, step)
+        return out
 
     def is_trained(self, group_ids: list[str]) -> list[bool]:
         """Whether each group id was committed as trained within ``dedupe_ttl_s``."""

@@ -67,15 +67,26 @@ return acked
 
 # COMMIT: the entries' training is durable (in a checkpoint): remember the group ids as trained,
 # acknowledge and delete the entries, drop their holds and failure counts -- one atomic step.
-# ARGV: consumer group, now, horizon, ttl seconds, the checkpoint's step (-1: none), then (sid, gid)
-# pairs. KEYS[5] keeps the highest step committed: a resume from an older checkpoint would lose what
-# the newer one committed, and the learner refuses it.
+# ARGV: consumer group, now, horizon, ttl seconds, the checkpoint's step (-1: none), n, then n field/value
+# pairs of the data cursor, then (sid, gid) pairs. KEYS[5] keeps the highest step committed: a resume from an
+# older checkpoint would lose what the newer one committed, and the learner refuses it. KEYS[6], the data
+# cursor (field "<num_shards>/<shard>" -> "<epoch> <position> <step>"), is written with a step at least the one
+# committed: the cursor of the checkpoint whose groups are committed, never one ahead of them.
 COMMIT_LUA = OOM_PASS + """
 local acked = 0
-if tonumber(ARGV[5]) >= 0 and tonumber(redis.call('GET', KEYS[5]) or '-1') < tonumber(ARGV[5]) then
-  redis.call('SET', KEYS[5], ARGV[5])
+local step, n = tonumber(ARGV[5]), tonumber(ARGV[6])
+if step >= 0 then
+  local prev = tonumber(redis.call('GET', KEYS[5]) or '-1')
+  if prev < step then
+    redis.call('SET', KEYS[5], ARGV[5])
+  end
+  if step >= prev then
+    for i = 7, 6 + 2 * n, 2 do
+      redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
+    end
+  end
 end
-for i = 6, #ARGV, 2 do
+for i = 7 + 2 * n, #ARGV, 2 do
   local sid, gid = ARGV[i], ARGV[i + 1]
   acked = acked + redis.call('XACK', KEYS[1], ARGV[1], sid)
   redis.call('XDEL', KEYS[1], sid)
