@@ -401,7 +401,7 @@ def test_alert_rules_are_the_five_of_the_issue_weights_missing_media_and_agreeme
     assert names == {"StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
                      "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights",
                      "StreamgrpoMediaDeadLetters", "StreamgrpoGeneratorLearnerMismatch",
-                     "StreamgrpoHugeGroupDeadLetters", "StreamgrpoRedisFull"}
+                     "StreamgrpoHugeGroupDeadLetters", "StreamgrpoRedisFull", "StreamgrpoLearnerAgreementDrift"}
     for g in rules_doc()["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"], r["alert"]
