@@ -416,7 +416,7 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
               f'    echo "learner.max_steps ({max_steps}) reached: not requeued"',
               "  else",
               '    echo "requeueing job $SLURM_JOB_ID: the next allocation resumes from the checkpoint"',
-              '    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue refused: the job ends here"',
+              '    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue refused (an operator requeue under way, or the job cannot be requeued)"',
               "  fi",
               "fi",
               'exit "$rc"', ""]

@@ -26,7 +26,7 @@ import numpy as np
 
 from streamgrpo import metrics
 from streamgrpo.config import Config, ConfigError
-from streamgrpo.data.cursor import start_for
+from streamgrpo.data.cursor import Start, start_for
 from streamgrpo.engines.base import Engine
 from streamgrpo.generator.applier import WeightApplier
 from streamgrpo.generator.sampling import Sampler
@@ -95,15 +95,17 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     shard_size = (len(records) + num_shards - 1 - generator_id) // num_shards
     log.info("%s: %d records in shard %d/%d, starting at policy v%d%s", name, shard_size, generator_id, num_shards,
              engine.version, "" if apply_newest.snapped else " (the initial weights: none from the learner yet)")
-    # where this shard goes on: after the furthest record the learner consumed and committed (read once its
-    # snapshot wait is over, so a learner that started too has reset it for a new run or restored it)
-    start = start_for(queue.committed_cursors(), num_shards, generator_id, shard_size)
-    (log.warning if start.warning else log.info)("%s: %s", name, start.line)
     vp = processor.video_processor
-    samples = iter_positions(records, cfg.data, shard=generator_id, num_shards=num_shards, seed=cfg.seed,
-                             epochs=cfg.rollout.num_epochs, factor=vp.patch_size * vp.merge_size,
-                             temporal_patch=vp.temporal_patch_size, start=(start.epoch, start.position))
-    metrics.DATA_EPOCHS.set(start.epoch + start.position / max(1, shard_size))
+    shard = ShardSamples(lambda begin: iter_positions(
+        records, cfg.data, shard=generator_id, num_shards=num_shards, seed=cfg.seed, epochs=cfg.rollout.num_epochs,
+        factor=vp.patch_size * vp.merge_size, temporal_patch=vp.temporal_patch_size, start=begin),
+        num_shards, generator_id, shard_size, name)
+    # where this shard goes on: after the furthest record the learner consumed and committed (read once its
+    # snapshot wait is over, so a learner that started too has reset it for a new run or restored it); with no
+    # weights yet the learner may still be starting (a requeued job's learner resumes after its generators read
+    # the cursor), so it is read again once the first version arrives
+    shard.start(queue.committed_cursors())
+    recheck_cursor = not apply_newest.snapped
 
     # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
     produced = code = 0
@@ -112,6 +114,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             if relay is not None:
                 relay.check()  # a relay that died is replaced
             apply_newest()
+            if recheck_cursor and engine.version > 0:
+                recheck_cursor = shard.move_ahead(queue.committed_cursors())
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = sampler.batch.size  # rollout.prompts_per_batch, halved after running out of memory
             if cfg.rollout.sync:
@@ -119,7 +123,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 if batch_size == 0:  # this version's share is produced: wait for the next one
                     apply_newest(block_s=1.0)
                     continue
-            chunk = list(itertools.islice(samples, batch_size))
+            chunk = shard.take(batch_size)
             if not chunk:
                 log.info("%s: data exhausted after %d groups", name, produced)
                 break
@@ -144,6 +148,40 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
         audit.close()
         server.close()
     return code
+
+
+class ShardSamples:
+    """This generator's shard of the data from a data cursor (``make((epoch, position))`` iterates it from
+    there), moved to a later committed cursor when the learner committed one after the generator started."""
+
+    def __init__(self, make, num_shards: int, shard: int, shard_size: int, name: str):
+        self.make, self.num_shards, self.shard, self.shard_size, self.name = make, num_shards, shard, shard_size, name
+        self.at = (0, 0)
+        self._it = iter(())
+
+    def _go(self, start: Start) -> None:
+        self.at = (start.epoch, start.position)
+        self._it = self.make(self.at)
+        metrics.DATA_EPOCHS.set(start.epoch + start.position / max(1, self.shard_size))
+
+    def start(self, committed) -> None:
+        start = start_for(committed, self.num_shards, self.shard, self.shard_size)
+        (log.warning if start.warning else log.info)("%s: %s", self.name, start.line)
+        self._go(start)
+
+    def move_ahead(self, committed) -> bool:
+        """Go to the committed cursor if it is past where this shard is; False (read no more)."""
+        later = start_for(committed, self.num_shards, self.shard, self.shard_size)
+        if (later.epoch, later.position) > self.at:
+            log.info("%s: the learner committed a later data cursor: %s", self.name, later.line)
+            self._go(later)
+        return False
+
+    def take(self, n: int) -> list:
+        chunk = list(itertools.islice(self._it, n))
+        if chunk:
+            self.at = (chunk[-1][0], chunk[-1][1] + 1)
+        return chunk
 
 
 def with_sources(groups: list, chunk: list, num_shards: int, shard: int) -> list:
