@@ -168,7 +168,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     audit = _open_audit(audit_path, state, found, again=again)
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     agreement = AgreementGuard.from_config(cfg.learner) if main else None  # generators = learner, watched live
-    media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
+    media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers,
+                          max_source_pixels=cfg.learner.max_source_pixels)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
                 media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
