@@ -179,7 +179,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     want = cfg.learner.groups_per_step // dist.world_size
     breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
-    breaker.on_start()  # the groups of a step the last learner died in
+    breaker.on_start()  # the groups of a step (or a read-ahead decode) the last learner died in
+    media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted
     screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
     source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:

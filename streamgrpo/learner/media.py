@@ -143,6 +143,7 @@ class MediaResolver:
                  max_source_pixels: int = 7680 * 4320):
         self.data = data
         self.max_source_pixels = int(max_source_pixels)  # learner.max_source_pixels
+        self.breaker = None  # a CrashLoopBreaker: decodes are marked, so a death in one is counted for its group
         self.cache = FrameCache(cache_mib << 20)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="media")
         self._pending: dict[str, Future] = {}
@@ -177,7 +178,14 @@ class MediaResolver:
             fut.cancel()
 
     def resolve(self, group: ScoredGroup) -> ScoredGroup:
-        """``group`` with every referenced visual's frames decoded and digest-checked (any thread)."""
+        """``group`` with every referenced visual's frames decoded and digest-checked (any thread); with a
+        crash-loop ``breaker`` set, marked as being read meanwhile (a death here counts for it)."""
+        if self.breaker is not None:
+            with self.breaker.reading(group.group_id):
+                return self._resolve(group)
+        return self._resolve(group)
+
+    def _resolve(self, group: ScoredGroup) -> ScoredGroup:
         return replace(group, visuals=[self._frames(v, f"visuals[{i}]") for i, v in enumerate(group.visuals)])
 
     def _frames(self, v: Visual, where: str) -> Visual:
