@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import redis
@@ -49,9 +50,12 @@ CHILD = textwrap.dedent('''
 def _kill_while_decoding(url: str, ns: str, gid: str) -> None:
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     p = subprocess.Popen([sys.executable, "-c", CHILD, url, ns, gid], stdout=subprocess.PIPE, text=True, env=env)
+    guard = threading.Timer(60.0, p.kill)  # never marked as decoding: fail instead of waiting forever
+    guard.start()
     try:
-        assert p.stdout.readline().strip() == "decoding"
+        assert p.stdout.readline().strip() == "decoding", "the child never reached the decode"
     finally:
+        guard.cancel()
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=60)
 
