@@ -174,7 +174,7 @@ def test_a_fifo_or_a_folder_is_refused_in_one_line_without_blocking(root):
     resolver = _resolver(root)
     for name, kind, what in (("pipe.avi", "video", "a FIFO"), ("dir.png", "image", "a folder")):
         out: dict = {}
-        t = threading.Thread(target=lambda: out.setdefault("r", _try(resolver, kind, name)), daemon=True)
+        t = threading.Thread(target=lambda o=out, k=kind, n=name: o.setdefault("r", _try(resolver, k, n)), daemon=True)
         t.start()
         t.join(JOIN_S)
         if t.is_alive():
