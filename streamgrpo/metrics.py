@@ -54,7 +54,7 @@ GROUPS = Counter("streamgrpo_groups", "Groups by event (produced, consumed, trai
 GROUPS_DROPPED = Counter(
     "streamgrpo_groups_dropped",
     "Groups dropped, by reason (stale, rolled_back, mismatch, duplicate, malformed, invalid, poison, nan_loss, "
-    "media_missing, media_outside, media_mismatch)",
+    "media_missing, media_outside, media_mismatch, size_mismatch)",
     ["reason"],
 )
 TOKENS = Counter("streamgrpo_tokens", "Completion tokens generated (generator) or trained (learner)", ["role"])

@@ -89,7 +89,8 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
 
     processor = load_processor(cfg.model.name_or_path)
     vocab = vocab_size(cfg.model.name_or_path)
-    media = MediaResolver(cfg.data, cache_mib=cfg.learner.media_cache_mib)
+    media = MediaResolver(cfg.data, cache_mib=cfg.learner.media_cache_mib,
+                          max_source_pixels=cfg.learner.max_source_pixels)
     max_bytes = int(cfg.queue.max_message_mib * (1 << 20))
     limits = GroupLimits.from_config(cfg)
     queue = None

@@ -15,7 +15,9 @@ from __future__ import annotations
 import bisect
 import os
 import re
+import stat
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +50,90 @@ def file_key(path: str) -> tuple[str, int, int]:
     """(path, mtime_ns, size): a changed file never hits a stale cache entry."""
     st = os.stat(path)
     return (path, st.st_mtime_ns, st.st_size)
+
+
+class NotAFile(OSError):
+    """The path names a FIFO, a device, a socket or a folder: never opened for reading (it could block)."""
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``path`` opened once for reading without blocking (``O_NONBLOCK``: a FIFO swapped in never waits for a
+    writer; ``O_NOFOLLOW``: a last component swapped for a symlink is refused), and its ``fstat``: the
+    descriptor and what it holds. Raises :class:`NotAFile` (closing it) unless it is a regular file, or
+    OSError (missing, unreadable, a symlink). Decode from :func:`fd_path`, so a swap of the path between
+    this check and the decode cannot change what is read."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            what = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                    or stat.S_ISBLK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise NotAFile(f"{path} is {what}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the file behind the descriptor ``fd`` (its inode, whatever its name holds now)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+@dataclass(frozen=True)
+class SourceSize:
+    """A medium's size from its header alone (nothing decoded): frames (0: the header does not say)."""
+
+    frames: int
+    height: int
+    width: int
+
+
+def source_size(kind: str, path: str) -> SourceSize:
+    """The native size of an image (PIL's header, before ``load``) or of a video's first stream (the
+    container's and codec's header via PyAV, before any frame is decoded). Raises DecodeError."""
+    if kind == "image":
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the caller judges the size
+                with Image.open(path) as im:
+                    w, h = im.size
+        except Image.DecompressionBombError as exc:  # over twice PIL's own limit: its size is not given
+            raise DecodeError(f"PIL refuses its header: {exc}", kind="too_large") from None
+        except Exception as exc:
+            raise DecodeError(f"cannot read the image: {exc}", kind="bad_image") from None
+        return SourceSize(1, h, w)
+    import av
+
+    try:
+        with av.open(path) as c:
+            if not c.streams.video:
+                raise DecodeError("file has no video stream")
+            s = c.streams.video[0]
+            ctx = s.codec_context
+            height, width = int(getattr(ctx, "height", 0) or 0), int(getattr(ctx, "width", 0) or 0)
+            return SourceSize(int(s.frames or 0), height, width)
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"PyAV cannot read the header: {exc}") from None
+
+
+def size_problem(src: SourceSize, indices: list[int], height: int, width: int, max_pixels: int) -> str | None:
+    """Why a medium whose header says ``src`` may not be decoded for what a message declares (``indices``
+    resized to ``height`` x ``width``): no frame size, or more than ``max_pixels`` native pixels per frame
+    (the decode's memory grows with them, whatever the message declares); else None (pure)."""
+    declared = f"declared {len(indices)} frame(s) of {height}x{width}"
+    if src.height <= 0 or src.width <= 0:
+        return f"its header gives no frame size ({declared})"
+    if src.height * src.width > max_pixels:
+        return (f"its frames are {src.height}x{src.width} ({src.height * src.width:,} pixels, over the "
+                f"{max_pixels:,} a source frame may hold; {declared})")
+    return None
 
 
 # ------------------------------------------------------------------------------- readers

@@ -72,8 +72,9 @@ __all__ = [
     "smart_resize",
 ]
 
-_FALLBACK_FPS = 24.0
-DECODE_CHUNK = 32  # frames decoded at their native size at once (a 4K clip: ~0.8 GB), then resized  # a video whose container has no frame rate (as transformers assumes)
+_FALLBACK_FPS = 24.0  # a video whose container has no frame rate (as transformers assumes)
+DECODE_CHUNK = 32  # frames decoded at their native size at once (a 4K clip: ~0.8 GB), then resized
+DECODE_BYTES = 512 << 20  # ...fewer when their RGB frames would hold more (an 8K frame: 100 MB)
 
 
 def sampling_params(record: Record, cfg: DataConfig) -> dict[str, Any]:
@@ -228,20 +229,30 @@ def decode_resized(kind: str, path: str, indices: list[int], height: int, width:
     """The frames ``indices`` of a video (an image: its one frame) decoded and resized to ``height`` x
     ``width``: what a generator feeds its model, and what the learner decodes again for a reference.
     ``readers`` keeps open videos by path (closed by the caller). Frames are decoded :data:`DECODE_CHUNK`
-    at a time, so the memory a call needs is bounded by its output, whatever the source's resolution.
+    at a time (fewer for large frames: :func:`decode_chunk`), so the memory a call needs is bounded by its
+    output and :data:`DECODE_BYTES`, whatever the source's resolution.
     Raises DecodeError or OSError."""
     if kind == "image":
         return resize_frames(read_image(path)[None], height, width)
     readers = {} if readers is None else readers
     if path not in readers:
         readers[path] = open_video(path, backend)
-    if len(indices) <= DECODE_CHUNK:
+    info = readers[path].info
+    chunk = decode_chunk(info.height, info.width)
+    if len(indices) <= chunk:
         return resize_frames(readers[path].read(indices), height, width)
-    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # at most DECODE_CHUNK frames at full size
-    for i in range(0, len(indices), DECODE_CHUNK):
-        part = indices[i:i + DECODE_CHUNK]
+    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # at most `chunk` frames at full size
+    for i in range(0, len(indices), chunk):
+        part = indices[i:i + chunk]
         out[i:i + len(part)] = resize_frames(readers[path].read(part), height, width)
     return out
+
+
+def decode_chunk(height: int, width: int) -> int:
+    """Frames decoded at their native ``height`` x ``width`` at once: :data:`DECODE_CHUNK`, fewer when they
+    would hold more than :data:`DECODE_BYTES` (at least one)."""
+    per_frame = max(1, int(height) * int(width) * 3)
+    return max(1, min(DECODE_CHUNK, DECODE_BYTES // per_frame))
 
 
 def _read_frames(record: Record, cfg: DataConfig, item: tuple[str, str], idx: list[int], plan: MediaPlan,

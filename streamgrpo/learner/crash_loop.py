@@ -3,8 +3,10 @@
 A group that kills the learner (a kill -9 by an out-of-memory killer, a step that raises) stays
 pending, so a restarted learner reads it again and dies again: the run stands still. So each rank
 writes the group ids of the step it is about to train to ``<ns>:stepping:<consumer>`` and deletes the
-key once the step returns. A learner that starts and finds that key died inside that step: it adds one
-to each of those groups' count in the hash ``<ns>:crash_starts``. Then
+key once the step returns; the groups whose visuals are being decoded outside a step (read-ahead, in
+the media threads) are in the set ``<ns>:reading:<consumer>`` meanwhile. A learner that starts and finds
+either died inside that step or decode: it adds one to each of those groups' count in the hash
+``<ns>:crash_starts``. Then
 
 * a group whose count reached ``learner.crash_loop_starts`` is dead-lettered ``crash_loop`` when next
   read (one line; ``groups_dropped{reason=crash_loop}``);
@@ -37,6 +39,7 @@ class CrashLoopBreaker:
         self.starts = int(starts)
         self.marker = f"{queue.namespace}:stepping:{queue.consumer}"
         self.counts_key = f"{queue.namespace}:crash_starts"
+        self.reading_key = f"{queue.namespace}:reading:{queue.consumer}"  # groups being decoded (read-ahead)
         self.counts: dict[str, int] = {}  # group id -> starts that found it in a dead step (this rank's)
         self._warned = False
 
@@ -45,10 +48,11 @@ class CrashLoopBreaker:
         try:
             raw = self.client.get(self.marker)
             died_in = [str(g) for g in json.loads(raw)] if raw else []
+            died_in += sorted(g for g in map(_text, self.client.smembers(self.reading_key)) if g not in died_in)
             p = self.client.pipeline(transaction=True)
             for gid in died_in:
                 p.hincrby(self.counts_key, gid, 1)
-            p.delete(self.marker)
+            p.delete(self.marker, self.reading_key)
             p.expire(self.counts_key, COUNTS_TTL_S)  # counts of groups dropped for other reasons do not pile up
             p.hgetall(self.counts_key)
             counts = p.execute()[-1]
@@ -86,6 +90,22 @@ class CrashLoopBreaker:
         self.begin_step(batch)
         yield
         self.end_step(batch)
+
+    @contextlib.contextmanager
+    def reading(self, group_id: str):
+        """Around the work of reading one group outside a step (its visuals decoded in read-ahead, any
+        thread): a learner that dies in it counts that start for the group, as for a step."""
+        try:
+            self.client.sadd(self.reading_key, group_id)
+        except redis.RedisError as exc:
+            self._warn(exc)
+        try:
+            yield
+        finally:  # returned or raised: the learner is alive
+            try:
+                self.client.srem(self.reading_key, group_id)
+            except redis.RedisError as exc:
+                self._warn(exc)
 
     def begin_step(self, batch: list) -> None:
         """Before training ``batch``: what a learner that starts after a death here will count."""

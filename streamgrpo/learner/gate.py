@@ -32,7 +32,7 @@ class Gate:
     (:class:`~streamgrpo.learner.media.MediaResolver`) before the prompt is re-processed.
 
     Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
-    dead-lettered (invalid, poison, media_missing, media_outside, media_mismatch),
+    dead-lettered (invalid, poison, media_missing, media_outside, media_mismatch, size_mismatch),
     counted in ``groups_dropped{reason}`` and in :attr:`drops` (merged into the step's numbers), and
     written to the audit log. Stale drops are also logged in bursts (one line per 10 s at most).
     """

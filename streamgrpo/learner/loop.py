@@ -171,7 +171,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     tracker = Tracker.from_config(cfg, run_dir, enabled=main)
     # generators = learner, watched live: staleness-0 tokens exactly, older ones against their own history
     agreement = (AgreementGuard.from_config(cfg.learner), DriftGuard.from_config(cfg.learner)) if main else None
-    media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers)
+    media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers,
+                          max_source_pixels=cfg.learner.max_source_pixels)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
                 media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
@@ -181,7 +182,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     want = cfg.learner.groups_per_step // dist.world_size
     breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
-    breaker.on_start()  # the groups of a step the last learner died in
+    breaker.on_start()  # the groups of a step (or a read-ahead decode) the last learner died in
+    media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted
     screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
     source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:

@@ -28,7 +28,15 @@ from typing import Any
 
 from streamgrpo import metrics as M
 from streamgrpo.config import DataConfig
-from streamgrpo.data.decode import DecodeError, FrameCache, file_key
+from streamgrpo.data.decode import (
+    DecodeError,
+    FrameCache,
+    NotAFile,
+    fd_path,
+    open_regular,
+    size_problem,
+    source_size,
+)
 from streamgrpo.data.records import default_media_root, ref_file
 from streamgrpo.data.video import decode_resized
 from streamgrpo.wire import ScoredGroup, Visual
@@ -123,10 +131,19 @@ class MediaWatch:
 
 
 class MediaResolver:
-    """Decodes groups' referenced visuals in ``workers`` threads, through a ``cache_mib`` MiB cache."""
+    """Decodes groups' referenced visuals in ``workers`` threads, through a ``cache_mib`` MiB cache.
 
-    def __init__(self, data: DataConfig, cache_mib: int = 1024, workers: int = 1):
+    Each file is opened once (:func:`~streamgrpo.data.decode.open_regular`: without blocking, a FIFO or a
+    device refused as ``media_missing``), and decoded from that descriptor, so nothing swapped in after the
+    check is read; its header is read before any frame is decoded, and a native size over
+    ``max_source_pixels`` is ``size_mismatch`` (the decode's memory follows the native size, the message
+    declares only the resized one)."""
+
+    def __init__(self, data: DataConfig, cache_mib: int = 1024, workers: int = 1,
+                 max_source_pixels: int = 7680 * 4320):
         self.data = data
+        self.max_source_pixels = int(max_source_pixels)  # learner.max_source_pixels
+        self.breaker = None  # a CrashLoopBreaker: decodes are marked, so a death in one is counted for its group
         self.cache = FrameCache(cache_mib << 20)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="media")
         self._pending: dict[str, Future] = {}
@@ -161,7 +178,14 @@ class MediaResolver:
             fut.cancel()
 
     def resolve(self, group: ScoredGroup) -> ScoredGroup:
-        """``group`` with every referenced visual's frames decoded and digest-checked (any thread)."""
+        """``group`` with every referenced visual's frames decoded and digest-checked (any thread); with a
+        crash-loop ``breaker`` set, marked as being read meanwhile (a death here counts for it)."""
+        if self.breaker is not None:
+            with self.breaker.reading(group.group_id):
+                return self._resolve(group)
+        return self._resolve(group)
+
+    def _resolve(self, group: ScoredGroup) -> ScoredGroup:
         return replace(group, visuals=[self._frames(v, f"visuals[{i}]") for i, v in enumerate(group.visuals)])
 
     def _frames(self, v: Visual, where: str) -> Visual:
@@ -172,19 +196,30 @@ class MediaResolver:
             path = ref_file(ref.path, self.data)
         except ValueError as exc:  # outside the media root, a symlink out of it included
             raise MediaError("media_outside", f"{where}: media file {exc}") from None
-        if not os.path.isfile(path):
-            what = "is not a regular file" if os.path.exists(path) else "not found"
-            raise MediaError("media_missing", f"{where}: media file {path} {what} on the learner "
-                                              f"(reference {ref.path!r}; data.media_root {default_media_root(self.data)})")
-        indices = [int(i) for i in v.frame_indices] if v.kind == "video" else [0]
+        try:  # opened once, never blocking (a FIFO), checked on the descriptor, decoded from it
+            fd, st = open_regular(path)
+        except NotAFile as exc:
+            raise MediaError("media_missing", f"{where}: media file {exc}: refused (reference {ref.path!r})") from None
+        except FileNotFoundError:
+            raise MediaError("media_missing", f"{where}: media file {path} not found on the learner "
+                                              f"(reference {ref.path!r}; data.media_root {default_media_root(self.data)})") from None
+        except OSError as exc:  # unreadable, or its last component swapped for a symlink (O_NOFOLLOW)
+            raise MediaError("media_missing", f"{where}: media file {path}: {exc.strerror or exc}") from None
         try:
-            key = (*file_key(path), v.kind, ref.decoder, tuple(indices), ref.height, ref.width)
-        except OSError as exc:
-            raise MediaError("media_missing", f"{where}: media file {path}: {exc}") from None
+            return self._frames_from(v, path, fd, st, where)
+        finally:
+            os.close(fd)
+
+    def _frames_from(self, v: Visual, path: str, fd: int, st: os.stat_result, where: str) -> Visual:
+        ref = v.ref
+        indices = [int(i) for i in v.frame_indices] if v.kind == "video" else [0]
+        key = (path, st.st_mtime_ns, st.st_size, v.kind, ref.decoder, tuple(indices), ref.height, ref.width)
         frames = self.cache.get(key)
         M.MEDIA_CACHE.labels(result="miss" if frames is None else "hit").inc()
         if frames is None:
-            frames = self._decode(v, path, indices, where)
+            source = fd_path(fd)  # the file opened above, whatever the path names now
+            self._check_size(v, path, source, st, indices, where)
+            frames = self._decode(v, path, source, indices, where)
             self.cache.put(key, frames)
         if not digest_matches(frames, ref.digest):
             log.debug("%s: %s decodes to %s here, the message says %s", where, path,
@@ -195,16 +230,32 @@ class MediaResolver:
                                                "re-decoding)")
         return replace(v, frames=frames)
 
-    def _decode(self, v: Visual, path: str, indices: list[int], where: str) -> Any:
+    def _check_size(self, v: Visual, path: str, source: str, st: os.stat_result, indices: list[int],
+                    where: str) -> None:
+        """The file's own header (nothing decoded) against what the message declares and
+        ``learner.max_source_pixels``: a file that lies about its size is ``size_mismatch``."""
+        ref = v.ref
+        try:
+            size = source_size(v.kind, source)
+        except DecodeError as exc:
+            label = "size_mismatch" if exc.kind == "too_large" else "media_mismatch"
+            raise MediaError(label, f"{where}: media file {path} ({st.st_size:,} bytes) not decoded: "
+                                    f"{str(exc).replace(source, path)}") from None
+        why = size_problem(size, indices, ref.height, ref.width, self.max_source_pixels)
+        if why is not None:
+            raise MediaError("size_mismatch", f"{where}: media file {path} ({st.st_size:,} bytes) not decoded: {why} "
+                                              "(learner.max_source_pixels)")
+
+    def _decode(self, v: Visual, path: str, source: str, indices: list[int], where: str) -> Any:
         ref = v.ref
         readers: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            return decode_resized(v.kind, path, indices, ref.height, ref.width, ref.decoder, readers)
+            return decode_resized(v.kind, source, indices, ref.height, ref.width, ref.decoder, readers)
         except Exception as exc:  # noqa: BLE001 - DecodeError, OSError, or a decoder's own: never the learner's crash
             why = str(exc) if isinstance(exc, (DecodeError, OSError)) else f"{type(exc).__name__}: {exc}"
             raise MediaError("media_mismatch", f"{where}: media file {path} cannot be decoded here as the generator "
-                                               f"did ({why})") from None
+                                               f"did ({why.replace(source, path)})") from None
         finally:
             for reader in readers.values():
                 reader.close()
