@@ -76,7 +76,7 @@ def generator_frontier(model_dir: str, pixels: int, capacity: float) -> Frontier
 
 def _cell(f: Frontier, tokens_per_frame: float) -> tuple[str, str]:
     if not f.frames:
-        return "0", f"{f.limit} ({sum(f.parts.values()) / GiB:.1f} GiB at 2 frames)"
+        return "none", f"the static parts alone ({sum(f.parts.values()) / GiB:.1f} GiB planned at 2 frames)"
     frames = f"{f.frames}" + ("+" if f.capped else "")
     share = f.parts[f.limit] / GiB
     return f"{frames} ({f.frames * tokens_per_frame:,.0f} video tokens)", f"{f.limit} ({share:.1f} GiB)"

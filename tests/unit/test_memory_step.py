@@ -29,6 +29,9 @@ case                                                  static GiB  plan GiB   mea
 7B LoRA r=64, dropout 0                               17.9        28.3       27.9 (plan +2%)
 7B LoRA r=64, dropout 0, compile                      17.9        28.3       29.4 (plan -4%)
 ====================================================  ==========  =========  ==================
+
+Since 2026-11-28 (issue 63) the plan also counts the vision encoder's pass and the decoder's attention mask:
+0.1-0.3 GiB more at these shapes (the parametrized plans below), every row still within 10% of its peak.
 """
 
 from __future__ import annotations
