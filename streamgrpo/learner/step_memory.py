@@ -30,6 +30,25 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
   twice for logsumexp's work, not the whole micro-batch's logits.
 * **reference forward** (``loss.beta > 0``): the reference's no-grad forward over the micro-batch
   holds one layer's ``T x (4 H + 2 I) x 2`` (its logits are the same chunks).
+* **vision encoder** (:func:`vision_bytes`): the micro-batch's videos (each group's once; ``N`` patches,
+  ``merge^2`` = 4 to a video token) go through the frozen trunk without gradients before the decoder runs:
+  the patchified pixels as the processor gives them (float32) and their copy in the tower's dtype
+  (``N x patch values x (4 + 2)``, 1,176 values a Qwen2.5-VL patch), the trunk's kept block output(s)
+  (``N x Hv x 2``, Qwen3-VL's deepstack blocks too) and the merged features (``N / 4 x H x 2``) stay
+  through the step; one block's no-grad working set ``N x (6 Hv + 3 Iv) x 2`` (the block's input, norm,
+  q/k/v with q and k rotated in float32, attention output; or the MLP's gate, up, product) comes
+  before the decoder's phase, so only what it exceeds the decoder's transient parts (the working set,
+  the logits, the reference's forward) is added.
+* **attention mask** (:func:`mask_bytes`): with sdpa or eager attention (not flash-attention) the decoder
+  takes a 4D mask, ``sequences x L^2`` per micro-batch: the rows' padding mask (transformers builds it
+  when the rows are padded, ``L = P + C``), or the shared prompt's block mask (one packed row a group,
+  ``L = P + G x C``). The boolean mask is kept through the forward (1 byte an element); inside each
+  attention call sdpa turns it into an additive one in the activations' dtype (2) and pads that to 16
+  keys for its memory-efficient kernel (2 more): :data:`MASK_BYTES` = 1 + 4. Eager attention instead
+  keeps an additive mask (2) and materializes the call's scores (``heads x L^2``, bf16 and their float32
+  softmax). The call's copies live while the layer's MLP tensors do not, so they count only by what they
+  exceed the working set's MLP share (``T x 4 I x 2``). This is the one part that grows with the square of
+  the frames: 0.04 GiB at 16 frames of 448², the largest part of a shared-prompt plan at a thousand.
 
 ``T`` is ``learner.micro_batch_tokens`` when set, else the step's share of one rank:
 ``groups_per_step / W x G x (P + C)``, or ``groups_per_step / W x (P + G x C)`` with
@@ -39,9 +58,14 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
 separated: a plan over the device refuses, a plan a little above the peak is fine).
 
 A generator (:func:`generator_memory`): the HF engine's KV cache (``L x 2 x kv_heads x head_dim x
-dtype x S x (P + C)`` for ``S = rollout.prompts_per_batch x G`` sequences), its prefill's one layer
-(``S x P x (4 H + 2 I) x dtype``) and the sampling logits (``S x V x 4 x 2``); vLLM takes its
-``gpu_memory_utilization`` share (counted by the placement plan).
+dtype x S x (P + C)`` for ``S = rollout.prompts_per_batch x G`` sequences: ``generate(num_return_sequences=G)``
+keeps G copies of each prompt's cache, nothing shared), its prefill's one layer (``S x P x (4 H + 2 I) x
+dtype``) and the sampling logits (``S x V x 4 x 2``; transformers keeps the last position's only); the
+video features, encoded once per prompt and expanded to the S sequences for the prefill (``(S + prompts) x
+P_v x H x dtype``); the vision encoder's pass over each prompt's patches (pixels, and one block's working set
+beyond the prefill's); and with several prompts a batch (left-padded) the prefill's attention mask
+``S x P^2 x`` :data:`MASK_BYTES` (one prompt's G copies are not padded: sdpa runs causal, no mask). vLLM
+takes its ``gpu_memory_utilization`` share (counted by the placement plan).
 
 Calibrated against CUDA peaks on one H100 80 GB (2026-11-26; tests/unit/test_memory_step.py and
 docs/gpu.md have the table): 3B full torch 58.8 GiB measured, 3B shared prompt 56.2, 7B LoRA r=64 30.5,
@@ -70,6 +94,12 @@ _WORK = (8, 4)  # one recomputed layer's forward + backward working set, per tok
 _KEPT = (10, 4)  # a layer that keeps its activations (no recompute), per token, x (H, I)
 _LORA = (6, 1)  # LoRA dropout's copies of the adapted linears' inputs (q, k, v, o, gate, up: H; down: I)
 _NOGRAD = (4, 2)  # one layer of a forward without gradients (the reference, a generator's prefill)
+_VISION_WORK = (6, 3)  # one vision block's no-grad working set, per patch, x (Hv, Iv)
+PIXEL_BYTES = 4 + 2
+"""A patch value on the device: the processor's float32 and the tower's bf16 copy."""
+MASK_BYTES = 5
+"""A 4D attention mask element under sdpa: the kept boolean (1), and inside the call sdpa's additive copy (2)
+and its copy padded to 16 keys (2)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,12 @@ class Workload:
     """``loss.beta > 0``: the reference's forward over the micro-batch."""
     lora_dropout: bool = False
     chunk_tokens: int = CHUNK_TOKENS
+    vision_patches: float = 0.0
+    """Vision patches the micro-batch encodes (each group's video once)."""
+    mask_elements: float = 0.0
+    """Elements of the decoder's 4D attention mask (``sequences x L^2``; 0 with flash-attention)."""
+    eager_attention: bool = False
+    """``attn_implementation: eager``: each layer's scores are materialized too."""
 
 
 def prompt_tokens(cfg: Any, shape: ModelShape) -> int:
@@ -98,8 +134,23 @@ def prompt_tokens(cfg: Any, shape: ModelShape) -> int:
     return int(pixels // shape.pixels_per_video_token) + PROMPT_TEXT_TOKENS
 
 
-def workload(cfg: Any, shape: ModelShape, world_size: int = 1) -> Workload:
-    """The :class:`Workload` of a config's micro-batch on one of ``world_size`` learner ranks."""
+def decoder_attention(cfg: Any, flash_attn: bool | None = None) -> str:
+    """The kernel the learner's decoder will run (``model.attn_implementation`` resolved as the learner
+    resolves it, on a CUDA device): ``flash_attn`` says whether the flash-attn package is there (None:
+    whether it imports here)."""
+    import importlib.util
+
+    from streamgrpo.models.attention import choose
+
+    if flash_attn is None:
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+    return choose(cfg.model.attn_implementation, cuda=True, flash_attn=flash_attn,
+                  custom_mask=bool(cfg.learner.shared_prompt)).kernel
+
+
+def workload(cfg: Any, shape: ModelShape, world_size: int = 1, *, flash_attn: bool | None = None) -> Workload:
+    """The :class:`Workload` of a config's micro-batch on one of ``world_size`` learner ranks
+    (``flash_attn``: see :func:`decoder_attention`)."""
     lc, g, c = cfg.learner, cfg.rollout.num_generations, cfg.rollout.max_completion_length
     p = prompt_tokens(cfg, shape)
     groups = lc.groups_per_step / max(1, world_size)
@@ -108,11 +159,17 @@ def workload(cfg: Any, shape: ModelShape, world_size: int = 1) -> Workload:
     if lc.micro_batch_tokens is not None:
         tokens = min(tokens, max(lc.micro_batch_tokens, per_group if lc.shared_prompt else p + c))
     lora = cfg.model.lora
+    videos = max(1, math.ceil(tokens / per_group - 1e-9))  # a micro-batch with any row of a group encodes its video
+    patches = videos * (p - PROMPT_TEXT_TOKENS) * shape.patches_per_token if shape.vision_hidden else 0.0
+    kernel = decoder_attention(cfg, flash_attn)
+    length = p + g * c if lc.shared_prompt else p + c  # one sequence of the forward
+    mask = 0.0 if kernel == "flash_attention_2" else tokens / length * length * length
     return Workload(tokens=tokens, completion_tokens=tokens * g * c / per_group,
                     gradient_checkpointing=lc.gradient_checkpointing, checkpoint_every=lc.checkpoint_every,
                     checkpoint_offload=lc.checkpoint_offload, checkpoint_matmuls=lc.checkpoint_matmuls,
                     reference_forward=cfg.loss.beta > 0,
-                    lora_dropout=bool(lora is not None and lora.dropout > 0))
+                    lora_dropout=bool(lora is not None and lora.dropout > 0),
+                    vision_patches=float(patches), mask_elements=float(mask), eager_attention=kernel == "eager")
 
 
 def _per_token(shape: ModelShape, factors: tuple[int, int]) -> float:
@@ -167,26 +224,70 @@ def step_memory(counts: ParamCounts, shape: ModelShape, place: Placement,
     rows = min(work.chunk_tokens, work.completion_tokens)
     device = {"optimizer temporaries": opt_dev, "activations": act_dev, "logits": rows * shape.vocab * 4 * 2,
               "reference forward": work.tokens * _per_token(shape, _NOGRAD) if work.reference_forward else 0.0}
+    decoder_transient = (work.tokens * _per_token(shape, _WORK) + device["logits"] + device["reference forward"])
+    device["vision encoder"] = vision_bytes(shape, work.vision_patches, beside=decoder_transient)
+    device["attention mask"] = mask_bytes(shape, work.mask_elements, eager=work.eager_attention,
+                                          beside=work.tokens * 4 * shape.intermediate * ACT_BYTES)
     host = {"optimizer temporaries": opt_host, "activations": act_host}
     return device, host
 
 
+def vision_bytes(shape: ModelShape, patches: float, *, beside: float = 0.0, dtype_bytes: int = ACT_BYTES,
+                 features: float = 1.0, replay: bool = True) -> float:
+    """The vision encoder's bytes for ``patches`` patches (the module docstring has the rule): the pixels,
+    with ``replay`` the frozen trunk's kept block outputs, ``features`` copies of the merged features, and
+    one block's no-grad working set where it exceeds ``beside`` (the transient parts of the phase that
+    follows it)."""
+    if not shape.vision_hidden or patches <= 0:
+        return 0.0
+    pixels = patches * shape.patch_values * PIXEL_BYTES
+    kept = patches * shape.vision_hidden * dtype_bytes * shape.vision_kept if replay else 0.0
+    merged = features * patches / shape.patches_per_token * shape.hidden * dtype_bytes
+    working = patches * (_VISION_WORK[0] * shape.vision_hidden + _VISION_WORK[1] * shape.vision_intermediate) * dtype_bytes
+    return float(pixels + kept + merged + max(0.0, working - beside))
+
+
+def mask_bytes(shape: ModelShape, elements: float, *, eager: bool = False, beside: float = 0.0) -> float:
+    """The decoder's 4D attention mask of ``elements`` (``sequences x L^2``): under sdpa the kept boolean
+    (1 byte each) and the call's copies (:data:`MASK_BYTES` - 1), eager an additive mask (2) and one call's
+    scores, bf16 and their float32 softmax, per head; the call's part only where it exceeds ``beside``
+    (what of the layer's working set is not alive during the call: module docstring)."""
+    if eager:
+        heads = shape.heads or shape.hidden // shape.head_dim
+        kept, call = 2.0, heads * (2 + 4)
+    else:
+        kept, call = 1.0, MASK_BYTES - 1.0
+    return float(elements * kept + max(0.0, elements * call - beside))
+
+
 def generator_memory(shape: ModelShape, *, sequences: int, prompt_tokens: int, completion_tokens: int,
-                     dtype_bytes: int) -> dict[str, float]:
+                     dtype_bytes: int, prompts: int = 1, video_tokens: int = 0) -> dict[str, float]:
     """An HF-engine generator's working memory on top of its weights, by part: the KV cache of
-    ``sequences`` sequences of ``prompt_tokens + completion_tokens``, its prefill's one layer, and the
-    sampling logits."""
+    ``sequences`` sequences of ``prompt_tokens + completion_tokens`` (``prompts`` distinct prompts, each
+    ``sequences / prompts`` times), its prefill's one layer, the sampling logits, the video features
+    (``video_tokens`` a prompt: encoded once a prompt, expanded to every sequence), the vision encoder's
+    pass and, with several (left-padded) prompts, the prefill's attention mask (module docstring)."""
     kv = shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes * sequences * (
         prompt_tokens + completion_tokens)
     prefill = sequences * prompt_tokens * (_NOGRAD[0] * shape.hidden + _NOGRAD[1] * shape.intermediate) * dtype_bytes
-    return {"kv cache": float(kv), "prefill": float(prefill), "logits": float(sequences * shape.vocab * 4 * 2)}
+    features = (sequences + prompts) * video_tokens * shape.hidden * dtype_bytes
+    vision = vision_bytes(shape, prompts * video_tokens * shape.patches_per_token, beside=prefill,
+                          dtype_bytes=dtype_bytes, features=0.0, replay=False)
+    mask = sequences * prompt_tokens * prompt_tokens * MASK_BYTES if prompts > 1 else 0.0
+    return {"kv cache": float(kv), "prefill": float(prefill), "logits": float(sequences * shape.vocab * 4 * 2),
+            "video features": float(features), "vision encoder": float(vision), "attention mask": float(mask)}
 
 
-def generator_step_bytes(cfg: Any, shape: ModelShape) -> float:
+def generator_parts(cfg: Any, shape: ModelShape) -> dict[str, float]:
     """:func:`generator_memory` of a config's HF generator (``rollout.prompts_per_batch x G`` sequences)."""
     r = cfg.rollout
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
-    parts = generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations,
-                             prompt_tokens=prompt_tokens(cfg, shape), completion_tokens=r.max_completion_length,
-                             dtype_bytes=dtype_bytes)
-    return sum(parts.values())
+    p = prompt_tokens(cfg, shape)
+    return generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations, prompt_tokens=p,
+                            completion_tokens=r.max_completion_length, dtype_bytes=dtype_bytes,
+                            prompts=r.prompts_per_batch, video_tokens=p - PROMPT_TEXT_TOKENS)
+
+
+def generator_step_bytes(cfg: Any, shape: ModelShape) -> float:
+    """The sum of :func:`generator_parts`."""
+    return sum(generator_parts(cfg, shape).values())

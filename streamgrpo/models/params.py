@@ -82,6 +82,17 @@ class ModelShape:
     pixels_per_video_token: int = 28 * 28 * 2
     """Pixels of one frame that make one video token: (patch x spatial merge)^2 x temporal patch
     (Qwen2.5-VL: (14 x 2)^2 x 2; Qwen3-VL: (16 x 2)^2 x 2)."""
+    heads: int = 0
+    """The decoder's attention heads (0: ``hidden // head_dim``)."""
+    vision_hidden: int = 0
+    """The vision tower's width (0: no vision tower known; the plan then has no vision part)."""
+    vision_intermediate: int = 0
+    vision_kept: int = 1
+    """Vision blocks whose outputs a frozen trunk's replay keeps (the last; Qwen3-VL's deepstack ones too)."""
+    patch_values: int = 3 * 2 * 14 * 14
+    """Values of one vision patch (channels x temporal patch x patch^2; Qwen2.5-VL 1176, Qwen3-VL 1536)."""
+    patches_per_token: int = 4
+    """Vision patches merged into one decoder token (spatial merge^2)."""
 
 
 def shape_of(config) -> ModelShape:
@@ -91,12 +102,20 @@ def shape_of(config) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     pixels = 28 * 28 * 2
+    extra: dict = {}
     if vision is not None:
-        side = getattr(vision, "patch_size", 14) * getattr(vision, "spatial_merge_size", 2)
-        pixels = side * side * getattr(vision, "temporal_patch_size", 2)
+        patch, merge = getattr(vision, "patch_size", 14), getattr(vision, "spatial_merge_size", 2)
+        temporal = getattr(vision, "temporal_patch_size", 2)
+        side = patch * merge
+        pixels = side * side * temporal
+        extra = dict(vision_hidden=int(getattr(vision, "hidden_size", 0) or 0),
+                     vision_intermediate=int(getattr(vision, "intermediate_size", 0) or 0),
+                     vision_kept=1 + len(getattr(vision, "deepstack_visual_indexes", None) or ()),
+                     patch_values=getattr(vision, "in_channels", 3) * temporal * patch * patch,
+                     patches_per_token=merge * merge)
     return ModelShape(layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=text.intermediate_size,
                       vocab=text.vocab_size, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                      head_dim=head_dim, pixels_per_video_token=pixels)
+                      head_dim=head_dim, pixels_per_video_token=pixels, heads=heads, **extra)
 
 
 def model_shape(cfg) -> ModelShape:
