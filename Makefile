@@ -20,7 +20,13 @@ setup: $(STAMP) system-deps
 
 # The stamp depends on pyproject.toml, constraints.txt (the tested set of releases) and this Makefile:
 # a second `make setup` with nothing changed does no pip work at all.
+# A venv `make setup-gpu` set up (its mark: the GPU set's `pip freeze`) is not changed: deploy/keep-gpu-set.sh
+# says what constraints.txt would replace and stops, unless FORCE=1.
+FORCE ?=
+GPU_SET_MARK := $(VENV)/.streamgrpo-gpu-set
+
 $(STAMP): pyproject.toml constraints.txt Makefile
+	@bash deploy/keep-gpu-set.sh $(GPU_SET_MARK) constraints.txt "$(FORCE)" $(VENV)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -146,16 +152,18 @@ test-vllm: setup-vllm
 # --- the GPU set (constraints-gpu.txt): torch (CUDA), vLLM, DeepSpeed, flash-attn, transformers, peft ----
 # deploy/setup-gpu.sh installs them into $(VENV) in that order (DeepSpeed and flash-attn built against the
 # torch: --no-build-isolation), then this package; the GPU images run the same script.
-# `make setup-gpu DRY_RUN=1` prints the set and the commands. Without CUDA (no nvidia-smi) nothing is
+# `make setup-gpu DRY_RUN=1` prints the set and the commands; SKIP=flash-attn (comma-separated parts) leaves
+# parts out. flash-attn or DeepSpeed failing to build is one line each with its fix: streamgrpo goes in anyway. Without CUDA (no nvidia-smi) nothing is
 # installed: the set is resolved and vLLM/DeepSpeed/flash-attn downloaded into GPU_DOWNLOAD_DIR, and one
 # line says what was skipped.
 DRY_RUN ?=
+SKIP ?=
 GPU_DOWNLOAD_DIR ?= .gpu-downloads
 
 setup-gpu:
 	@if [ -z "$(DRY_RUN)" ] && command -v nvidia-smi >/dev/null 2>&1; then test -x $(PY) || python3 -m venv $(VENV); fi
 	@bash deploy/setup-gpu.sh --python "$$(test -x $(PY) && echo $(PY) || echo python3)" \
-	  --download-dir $(GPU_DOWNLOAD_DIR) $(if $(DRY_RUN),--dry-run)
+	  --download-dir $(GPU_DOWNLOAD_DIR) $(if $(DRY_RUN),--dry-run) $(if $(SKIP),--skip $(SKIP))
 
 bench: setup
 	$(PY) -m benchmarks.run_all

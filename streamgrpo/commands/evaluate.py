@@ -19,6 +19,12 @@ images unchanged). Accuracy is then also given per record ``kind``, ordered and 
 drop (ordered - shuffled): a model that uses frame order loses accuracy on the questions that need
 it (direction), one that reads single frames (colour) does not.
 
+Records that cannot be answered (a media file not found under ``data.media_root``, an unreadable
+video) are skipped and counted: one line says how many and why; when no record could be scored the
+command exits 2 with one line naming the first missing file and the folder it was looked for in.
+``--set data.max_frames=32`` (any ``data.*`` limit) sets what the evaluation reads, recorded in
+``settings.data_limits``.
+
 Outputs in ``--out`` (default ``<model dir>/eval``, or ``./eval`` for a hub id): ``eval.json``,
 ``eval.md`` and the raw completions ``outputs-model.jsonl`` / ``outputs-baseline.jsonl`` (the
 :mod:`streamgrpo.commands.infer` line schema plus ``sample``; with the probe also
@@ -31,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,6 +129,7 @@ def render_markdown(result: dict) -> str:
            f"- **decoding:** {'greedy' if s['temperature'] == 0 else 'temperature ' + str(s['temperature'])}, "
            f"{s['samples']} sample(s) per record, max {s['max_new_tokens']} new tokens, prompt format "
            f"`{s['prompt_format']}`",
+           "- **data limits:** " + ", ".join(f"`data.{k}` {v}" for k, v in (s.get("data_limits") or {}).items()),
            f"- **rewards:** {', '.join(f'`{n}` x{w}' for n, w in s['rewards'].items())}; accuracy = mean of "
            f"`{acc}`" + (f" over {s['samples']} samples (mean@{s['samples']})" if s['samples'] > 1 else ""),
            "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
@@ -136,6 +144,37 @@ def render_markdown(result: dict) -> str:
         md += ["| " + " | ".join(r) + " |" for r in probe[1:]]
     md += ["", "Raw completions: " + ", ".join(f"`{Path(p).name}`" for p in s["outputs"].values()), ""]
     return "\n".join(md)
+
+
+def skip_summary(errors: list[Exception], total: int, media_root: str) -> str:
+    """One line: how many of ``total`` records were skipped and why (count per reason, the first path of
+    each), the media root a missing file was looked for in."""
+    reasons: dict[str, list] = {}
+    for err in errors:
+        reason = getattr(err, "reason", None) or str(err)
+        reasons.setdefault(reason, []).append(getattr(err, "path", None))
+    parts = []
+    for reason, paths in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+        first = next((p for p in paths if p), None)
+        part = f"{len(paths)} {reason}" + (f" (first: {os.path.abspath(first)})" if first else "")
+        parts.append(part)
+    line = f"skipped {len(errors)} of {total} record(s): " + "; ".join(parts)
+    if any(getattr(e, "kind", None) == "missing_file" for e in errors):
+        line += f"; media files are looked for under {media_root} (data.media_root)"
+    return line
+
+
+def nothing_scored(errors: list[Exception], media_root: str) -> str:
+    """The one-line error of an evaluation that scored no record: the first failure, and where media
+    files were looked for when it is a missing one."""
+    missing = [e for e in errors if getattr(e, "kind", None) == "missing_file" and getattr(e, "record_id", None)]
+    first = missing[0] if missing else (errors[0] if errors else None)
+    if first is None:
+        return "no record could be scored"
+    if missing:
+        return (f"no record could be scored ({len(errors)} skipped): {first.reason}: {os.path.abspath(first.path)} (media files are "
+                f"looked for under {media_root}: data.media_root, or --set data.media_root=DIR)")
+    return f"no record could be scored ({len(errors)} skipped), the first: {first}"
 
 
 # ------------------------------------------------------------------------------------------- shell
@@ -253,6 +292,23 @@ def _eval_records(args, cfg: Config) -> tuple[list, list]:
     return records, errors
 
 
+DATA_LIMITS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
+"""The data settings that bound what a model sees (``--set data.max_frames=32``...), in ``eval.json``."""
+
+
+def missing_media(record) -> tuple[str, str] | None:
+    """``(kind, path)`` of the first media file of ``record`` that is not there, else None."""
+    for kind, path in record.media():
+        if not Path(path).is_file():
+            return kind, path
+    return None
+
+
+def _media_root(args, cfg: Config) -> str:
+    """The folder relative media paths of ``--data`` resolve against (as :func:`read_input_records`)."""
+    return str(Path(cfg.data.media_root or Path(os.path.expanduser(str(args.data))).parent).resolve())
+
+
 def run_eval(args) -> int:
     """``streamgrpo eval``: returns the exit code; writes eval.json / eval.md and prints the table."""
     from streamgrpo.commands.infer import checkpoint_of, resolve_config
@@ -267,8 +323,16 @@ def run_eval(args) -> int:
     sampling = _eval_sampling(args, cfg)
 
     records, errors = _eval_records(args, cfg)
-    if not records:
+    media_root = _media_root(args, cfg)
+    if not records and not errors:
         print(f"error: {args.data}: no records to evaluate", file=sys.stderr)
+        return 2
+    if all(missing_media(r) for r in records):  # nothing could be scored: say so before loading a model
+        from streamgrpo.data.records import DataError
+
+        errors = errors + [DataError(r.id, path, f"{kind} file not found", kind="missing_file")
+                           for r in records for kind, path in [missing_media(r)]]
+        print(f"error: {args.data}: {nothing_scored(errors, media_root)}", file=sys.stderr)
         return 2
 
     out_dir = Path(args.out) if args.out else default_out(model)
@@ -278,6 +342,7 @@ def run_eval(args) -> int:
     result: dict[str, Any] = {}
     outputs: dict[str, str] = {}
     skipped_ids: set[str] = set()  # records a model could not be given (media errors)
+    bad_errors: list[Exception] = []  # their errors, one per record
     kinds = {str(r.id): r.kind for r in records} if shuffle or any(r.kind is not None for r in records) else None
 
     def summary(rows: list[dict]) -> dict[str, Any]:
@@ -290,7 +355,11 @@ def run_eval(args) -> int:
         shuffled_path = out_dir / f"outputs-{label}-shuffled.jsonl" if shuffle else None
         name, rows, bad, shuffled = evaluate_model(label, path, adapter, records, cfg, sampling, rewards, out_path,
                                                    args.batch_size, shuffled_path, shuffle_seed)
+        if not rows:  # every record failed (unreadable media...): a table of blanks is no result
+            print(f"error: {args.data}: {nothing_scored(errors + bad, media_root)}", file=sys.stderr)
+            return 2
         skipped_ids |= {str(e.record_id) for e in bad}
+        bad_errors += [e for e in bad if str(e.record_id) not in {str(b.record_id) for b in bad_errors}]
         outputs[label] = str(out_path)
         result[label] = {"name": name, "path": path, "adapter": adapter, "metrics": summary(rows)}
         if shuffled is not None:
@@ -305,10 +374,13 @@ def run_eval(args) -> int:
         "max_new_tokens": sampling.max_tokens, "prompt_format": cfg.data.prompt_format,
         "rewards": rewards.weights, "seed": cfg.seed, "outputs": outputs, "seconds": round(time.time() - started, 2),
     }
+    result["settings"]["data_limits"] = {k: getattr(cfg.data, k) for k in DATA_LIMITS}
     if shuffle:
         result["settings"].update(shuffle_frames=True, shuffle_seed=shuffle_seed)
     (out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     (out_dir / "eval.md").write_text(render_markdown(result))
     print(render_text(result))
+    if errors or bad_errors:
+        print(skip_summary(errors + bad_errors, len(records) + len(errors), media_root), file=sys.stderr)
     print(f"\nwritten: {out_dir / 'eval.json'}, {out_dir / 'eval.md'}", file=sys.stderr)
     return 0

@@ -76,5 +76,5 @@ def write_starter(name: str, out: str | Path, *, force: bool = False) -> Path:
     if dest.exists() and not force:
         raise ConfigError(f"{dest} already exists (--force overwrites it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(starter_text(src.read_text(encoding="utf-8"), Path(str(src)).stem), encoding="utf-8")
+    dest.write_text(starter_text(src.read_text(encoding="utf-8"), name), encoding="utf-8")
     return dest

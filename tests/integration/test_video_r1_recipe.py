@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,94 @@ def test_video_r1_format_prepares_checks_and_trains_three_steps(tiny_model_dir, 
             pred = extract_answer(s["completion"])
             want = TEXT_RULES[rules[kind]](pred.strip(), s["answer"]) if pred and pred.strip() else 0.0
             assert s["rewards"]["accuracy"] == pytest.approx(want), s
+
+
+# --- the recipe README's commands, as written --------------------------------------------------------------
+README = Path(__file__).resolve().parents[2] / "streamgrpo" / "recipes" / "video_r1" / "README.md"
+# What cannot run here, and what stands in: no network (the `hf download` lines: the files are made here), no
+# training (`up` without --plan), no 7B model and no vLLM on the CPU (the tiny model, the HF engine), and short
+# answers (the tiny random model would write 768 tokens).
+SKIP = ("hf download ", "streamgrpo up --config my.yaml\n")
+STAND_INS = {"Qwen/Qwen2.5-VL-7B-Instruct": "{tiny}", "--set eval.engine=vllm": "--set eval.engine=hf --max-new-tokens 4"}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Every command of the README's bash blocks, continuation lines joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for cmd in re.sub(r"\\\n\s*", "", block).splitlines():
+            cmd = cmd.split(" #")[0].strip() if not cmd.lstrip().startswith("#") else ""
+            if cmd:
+                out.append(cmd)
+    return out
+
+
+def _shims(bin_dir: Path) -> dict:
+    """`streamgrpo` and `python` on PATH: this interpreter, this checkout."""
+    bin_dir.mkdir()
+    for name, line in (("streamgrpo", f'exec {sys.executable} -m streamgrpo "$@"'), ("python", f'exec {sys.executable} "$@"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{line}\n")
+        (bin_dir / name).chmod(0o755)
+    root = str(README.parents[3])
+    return {**ENV, "PATH": f"{bin_dir}:{ENV['PATH']}", "PYTHONPATH": root + os.pathsep + ENV.get("PYTHONPATH", "")}
+
+
+def _bash(cmd: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_recipe_readme_commands_run_as_written(tiny_model_dir, tmp_path):
+    import shutil
+
+    work = tmp_path / "work"
+    data = work / "data" / "video_r1"
+    src = _video_r1_file(data)  # where step 1 puts Video-R1-260k.json and its media
+    bench = [r for r in json.loads(src.read_text()) if r["problem_id"] != "missing"]
+    (data / "eval_vsibench.json").write_text(json.dumps(bench))  # a benchmark JSON in Video-R1's format
+    ckpt = work / "runs" / "video_r1_7b" / "checkpoints" / "step-001000"
+    shutil.copytree(tiny_model_dir, ckpt)  # what training would have left
+    env = _shims(tmp_path / "bin")
+
+    commands = readme_commands(README.read_text())
+    assert any(c.startswith("hf download Video-R1/Video-R1-data") for c in commands)  # hub 2.x: `hf`
+    assert not any("huggingface-cli" in c for c in commands)
+    ran = []
+    for cmd in commands:
+        if any((cmd + "\n").startswith(s) for s in SKIP):
+            continue
+        for old, new in STAND_INS.items():
+            cmd = cmd.replace(old, new.format(tiny=tiny_model_dir))
+        out = _bash(cmd, work, env)
+        assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        ran.append((cmd, out))
+    evals = [(c, o) for c, o in ran if c.startswith("streamgrpo eval ")]
+    assert len(evals) == 1 and any(c.startswith("streamgrpo up --config my.yaml --plan") for c, _ in ran)
+    eval_cmd, out = evals[0]
+    result = json.loads((ckpt / "eval" / "eval.json").read_text())
+    s = result["settings"]
+    assert s["records"] == len(bench) and s["skipped"] == 0 and "skipped" not in out.stderr
+    assert result["model"]["metrics"]["records"] == len(bench) == result["baseline"]["metrics"]["records"]
+    # --set data.* is what the evaluation ran at (the config trains at 16 frames of 100352 pixels)
+    assert s["data_limits"]["max_frames"] == 32 and s["data_limits"]["max_pixels"] == 200704
+    assert "`data.max_frames` 32" in (ckpt / "eval" / "eval.md").read_text()
+
+    # the videos gone: the images are scored, one line says what was skipped and why
+    (data / "Video" / "clip.mp4").unlink()
+    out = _bash(eval_cmd, work, env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((ckpt / "eval" / "eval.json").read_text())
+    assert result["model"]["metrics"]["records"] == 5 and result["settings"]["skipped"] == 5
+    line = next(x for x in out.stderr.splitlines() if x.startswith("skipped 5 of 10"))
+    assert f"5 video file not found (first: {data.resolve() / 'Video' / 'clip.mp4'})" in line
+    assert f"looked for under {data.resolve()}" in line
+
+    # the media looked for elsewhere (the README's old layout): no record scored is an error, one line
+    empty = work / "data" / "elsewhere"
+    empty.mkdir()
+    out = _bash(eval_cmd + f" --set data.media_root={empty}", work, env)
+    assert out.returncode == 2
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr
+    first = json.loads((data / "eval_vsibench.jsonl").read_text().splitlines()[0])["path"]
+    assert f"file not found: {empty / first}" in errors[0] or f"file not found: {os.path.normpath(empty / first)}" in errors[0]
+    assert f"looked for under {empty.resolve()}" in errors[0]

