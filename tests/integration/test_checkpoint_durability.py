@@ -165,10 +165,13 @@ def test_a_learner_checkpoints_early_when_redis_nears_maxmemory(groups, tiny_mod
     srv = redis_factory("system")
     q = RedisQueue(srv.url, namespace=redis_ns, consumer="test-producer")
     try:
+        empty, _ = q.memory()
         q.put_many([copy.deepcopy(g) for g in groups[:6]])  # one step of 4, then 2: the learner waits for more
         used, _ = q.memory()
         q.client.config_set("maxmemory-policy", "noeviction")
-        q.client.config_set("maxmemory", str(int(used / 0.85)))  # 85% used: over the watch's 80%
+        # 85% used (over the watch's 80%) plus room for the two groups to come: what the commit frees is not all
+        # the learner's reads took (its connections' buffers stay: its media thread's, the crash-loop marks, one)
+        q.client.config_set("maxmemory", str(int(used / 0.85 + 2 * (used - empty) / 6)))
         run = tmp_path / "run"
         cfg = _cfg(tiny_model_dir, run, srv.url, redis_ns, "learner.save_steps=1000", "learner.max_steps=2")
         def later():  # the second step's groups come once the learner, idling, has checkpointed step 1 early

@@ -316,6 +316,7 @@ def test_every_alert_rule_evaluates_without_error(live_run):
         "StreamgrpoLearnerDown", "StreamgrpoNoGroupsTrained", "StreamgrpoStalenessP90OverBound",
         "StreamgrpoRewardNaN", "StreamgrpoQueueFull", "StreamgrpoGeneratorWithoutWeights", "StreamgrpoMediaDeadLetters",
         "StreamgrpoGeneratorLearnerMismatch", "StreamgrpoHugeGroupDeadLetters", "StreamgrpoRedisFull",
+        "StreamgrpoLearnerAgreementDrift",
     }
     for name, expr in rules:
         r = query(prom_port, expr)

@@ -4,6 +4,7 @@ log rewind a resume does (pure file logic, no model)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -168,6 +169,7 @@ def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_kille
         "    open(sys.argv[1], 'w').write('term')\n"
         "    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, term)\n"
+        "open(sys.argv[1] + '.ready', 'w').close()\n"
         "time.sleep(600)\n")
     parent_py.write_text(
         "import subprocess, sys, time\n"
@@ -178,7 +180,11 @@ def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_kille
     parent = subprocess.Popen([sys.executable, str(parent_py), str(child_py), str(mark)], stdout=subprocess.PIPE,
                               text=True)
     child = int(parent.stdout.readline())
-    time.sleep(1.0)  # the child has installed its handler
+    ready = Path(str(mark) + ".ready")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ready.exists():  # the child has installed its handler (a loaded box:
+        time.sleep(0.05)                                        # 1 s was not always enough)
+    assert ready.exists()
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     deadline = time.monotonic() + 20
