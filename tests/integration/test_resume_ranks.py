@@ -17,6 +17,7 @@ ZeRO-3 learner from the last checkpoint's weights.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,8 @@ def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups,
     _put(url, redis_ns, groups[12:16])
     err = _one_rank(cfg, tmp_path, "--resume", timeout=300)  # one rank: its own step-3 groups and rank 1's
     assert "written by 2 rank(s) (deepspeed ZeRO-2), resumed on 1 (ZeRO-2)" in err
-    assert "claimed 2 uncommitted group(s) of learner-1, a learner rank this start does not have" in err, err[-3000:]
+    assert re.search(r"claimed [1-9]\d* uncommitted group\(s\) of learner-1, a learner rank this start does not "
+                     r"have", err), err[-3000:]  # its step-3 groups, and any it read ahead for step 4
     audit, held, depth = _audit(run, url, redis_ns)
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 16, 4, 0, 0)
 

@@ -504,9 +504,8 @@ class RedisQueue(GroupQueue):
 
     def pending_consumers(self) -> dict[str, int]:
         """The consumers that hold pending entries (delivered, not acked): name -> how many."""
-        raw = self._with_group("XPENDING", self._r.execute_command, "XPENDING", self.stream, CONSUMER_GROUP)
-        rows = raw[3] if isinstance(raw, (list, tuple)) and len(raw) > 3 and raw[3] else []
-        return {to_str(name): int(count) for name, count in rows}
+        info = self._with_group("XPENDING", self._r.xpending, self.stream, CONSUMER_GROUP)
+        return {to_str(c["name"]): int(c["pending"]) for c in (info or {}).get("consumers") or []}
 
     def adopt(self, consumer: str) -> int:
         """Take over every pending entry of ``consumer``, a consumer known to be gone (a learner rank the
@@ -516,13 +515,12 @@ class RedisQueue(GroupQueue):
             return 0
         taken = 0
         while True:
-            rows = self._with_group("XPENDING", self._r.execute_command, "XPENDING", self.stream, CONSUMER_GROUP,
-                                    "-", "+", 1000, consumer)
-            ids = [to_str(row[0]) for row in rows or []]
+            rows = self._with_group("XPENDING", self._r.xpending_range, self.stream, CONSUMER_GROUP, "-", "+", 1000,
+                                    consumer)
+            ids = [to_str(row["message_id"]) for row in rows or []]
             if not ids:
                 break
-            got = self._call("XCLAIM", self._r.execute_command, "XCLAIM", self.stream, CONSUMER_GROUP, self.consumer,
-                             0, *ids, "JUSTID")
+            got = self._call("XCLAIM", self._r.xclaim, self.stream, CONSUMER_GROUP, self.consumer, 0, ids, justid=True)
             if not got:  # all deleted meanwhile (Redis 7 drops those from the PEL itself)
                 break
             taken += len(got)
