@@ -13,7 +13,11 @@ either died inside that step or decode: it adds one to each of those groups' cou
 * a group with a count trains in a step of its own, the most counted first (:meth:`CrashLoopBreaker.isolate`),
   so the next death is counted only for the group that causes it, never for the others of its first step
   (the cost: after a death, up to a step's groups train one per step);
-* a step that returns clears its groups' counts: the starts counted are consecutive.
+* a step that returns clears its groups' counts: the starts counted are consecutive;
+* with several ranks, a step that raises a collective's failure (another rank died, the link between the ranks
+  broke: :func:`~streamgrpo.learner.distributed.is_peer_failure`) clears this rank's mark: the death that follows
+  (the rank stops, torchrun restarts them all) is the peer's, never counted for this rank's groups. Only the rank
+  whose own process died in the step (killed, out of memory) counts it.
 
 Best effort: when Redis refuses these small writes the learner says so once and trains on.
 """
@@ -26,6 +30,8 @@ import logging
 
 import redis
 
+from streamgrpo.learner.distributed import is_peer_failure
+
 log = logging.getLogger("streamgrpo.learner")
 
 COUNTS_TTL_S = 7 * 86400
@@ -34,25 +40,28 @@ COUNTS_TTL_S = 7 * 86400
 class CrashLoopBreaker:
     """Counts, per group, the learner starts that found it in the step the last one died in."""
 
-    def __init__(self, queue, starts: int):
+    def __init__(self, queue, starts: int, ranks: int = 1):
         self.client = queue.client
         self.starts = int(starts)
+        self.ranks = int(ranks)
+        self.namespace = queue.namespace
         self.marker = f"{queue.namespace}:stepping:{queue.consumer}"
         self.counts_key = f"{queue.namespace}:crash_starts"
         self.reading_key = f"{queue.namespace}:reading:{queue.consumer}"  # groups being decoded (read-ahead)
         self.counts: dict[str, int] = {}  # group id -> starts that found it in a dead step (this rank's)
         self._warned = False
 
-    def on_start(self) -> list[str]:
-        """Count this start for the groups of the step the previous learner died in; returns their ids."""
+    def on_start(self, adopted: list[str] = ()) -> list[str]:
+        """Count this start for the groups of the step the previous learner died in (and those of the ``adopted``
+        consumers, ranks this start does not have, whose groups this rank took over); returns their ids."""
+        markers = [self.marker, *(f"{self.namespace}:stepping:{c}" for c in adopted)]
         try:
-            raw = self.client.get(self.marker)
-            died_in = [str(g) for g in json.loads(raw)] if raw else []
+            died_in = [str(g) for raw in self.client.mget(markers) if raw for g in json.loads(raw)]
             died_in += sorted(g for g in map(_text, self.client.smembers(self.reading_key)) if g not in died_in)
             p = self.client.pipeline(transaction=True)
             for gid in died_in:
                 p.hincrby(self.counts_key, gid, 1)
-            p.delete(self.marker, self.reading_key)
+            p.delete(*markers, self.reading_key)
             p.expire(self.counts_key, COUNTS_TTL_S)  # counts of groups dropped for other reasons do not pile up
             p.hgetall(self.counts_key)
             counts = p.execute()[-1]
@@ -86,9 +95,15 @@ class CrashLoopBreaker:
 
     @contextlib.contextmanager
     def stepping(self, batch: list):
-        """Around the step that trains ``batch``: marked before, cleared when it returns (not when it raises)."""
+        """Around the step that trains ``batch``: marked before, cleared when it returns (not when it raises,
+        unless a peer's failure raised: :meth:`peer_failed`)."""
         self.begin_step(batch)
-        yield
+        try:
+            yield
+        except Exception as exc:
+            if self.ranks > 1 and is_peer_failure(exc):
+                self.peer_failed()
+            raise
         self.end_step(batch)
 
     @contextlib.contextmanager
@@ -106,6 +121,13 @@ class CrashLoopBreaker:
                 self.client.srem(self.reading_key, group_id)
             except redis.RedisError as exc:
                 self._warn(exc)
+
+    def peer_failed(self) -> None:
+        """This rank's step failed because another rank did: this rank's end is not its groups' doing."""
+        try:
+            self.client.delete(self.marker)
+        except redis.RedisError as exc:
+            self._warn(exc)
 
     def begin_step(self, batch: list) -> None:
         """Before training ``batch``: what a learner that starts after a death here will count."""

@@ -22,6 +22,7 @@ import datetime
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -206,6 +207,26 @@ def shutdown(info: DistInfo) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What a collective raises when another rank is gone (killed, crashed, stopped by torchrun) or the transport between
+# the ranks broke: gloo's "Connection closed by peer" / "Connection reset by peer", NCCL's remote errors and aborted
+# communicators, the TCP store's refused connections, a collective timed out waiting for a rank that never came.
+_PEER_FAILURE = re.compile(
+    r"gloo|nccl|connection (closed|reset|refused)|broken pipe|closed by peer|remote process exited|"
+    r"communicator was aborted|watchdog|timed out|process group|processgroup|tcpstore|socket timeout",
+    re.IGNORECASE)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by a training step on a rank of several) is a collective's failure: another rank's
+    death or the transport between ranks, not the groups this rank trains. torch's distributed errors by type; gloo
+    and NCCL errors that torch raises as plain RuntimeErrors by their message."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and bool(_PEER_FAILURE.search(str(exc)))
 
 
 def _json_default(obj: Any) -> Any:

@@ -69,6 +69,7 @@ from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check
 from streamgrpo.learner.poison import guarded_step
 from streamgrpo.learner.resume import (
     _audits_of_absent_ranks,
+    adopt_absent_ranks,
     final_checkpoint,
     resume_from,
     start_from_weights,
@@ -181,8 +182,9 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     want = cfg.learner.groups_per_step // dist.world_size
-    breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts)
-    breaker.on_start()  # the groups of a step (or a read-ahead decode) the last learner died in
+    breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts, ranks=dist.world_size)
+    gone = adopt_absent_ranks(queue, dist)  # the groups of ranks this start lacks: now, before they go stale
+    breaker.on_start(gone)  # the groups of a step (or a read-ahead decode) the last learner, or those ranks, died in
     media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted
     screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
     source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from streamgrpo import metrics as M
-from streamgrpo.learner.distributed import DistInfo
+from streamgrpo.learner.distributed import DistInfo, is_peer_failure
 from streamgrpo.learner.gate import Gate
 from streamgrpo.learner.oom import LearnerOutOfMemory, StepOutOfMemory, shrink_after
 from streamgrpo.learner.state import Accepted
@@ -27,7 +27,9 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
     ``out`` is None when nothing was applied; ``carry`` are groups to train in the next step. On an
     exception or a non-finite loss a one-rank torch learner probes each group alone (forward +
     backward, nothing applied): the groups that fail alone are dead-lettered (``poison``) and the
-    rest carried over. When no single group explains the failure (or with several ranks, where one
+    rest carried over. A collective's failure on a rank of several (another rank died, the link between ranks
+    broke: :func:`~streamgrpo.learner.distributed.is_peer_failure`) is re-raised and never counted against the
+    groups. When no single group explains the failure (or with several ranks, where one
     rank cannot probe alone), an exception is counted per group in Redis and re-raised (a restarted
     learner dead-letters a group at ``queue.max_failures``), and a non-finite loss drops the step's
     groups as ``nan_loss``.
@@ -45,6 +47,11 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         return out, []
     M.ERRORS.labels(kind="train").inc()
     where = ", ".join(f"{a.group.group_id} (entry {a.stream_id})" for a in batch)
+    if raised is not None and dist.world_size > 1 and is_peer_failure(raised):
+        M.ERRORS.labels(kind="peer").inc()
+        log.error("training step failed because another rank or the link between ranks failed (%s): not counted "
+                  "against this rank's groups %s; they are trained again after the restart", error, where)
+        raise raised
     log.error("training step failed (%s) on groups %s", error, where)
     bad: list[tuple[Accepted, str]] = []
     if dist.world_size == 1 and not learner.deepspeed:

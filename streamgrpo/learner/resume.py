@@ -152,6 +152,31 @@ def _audits_of_absent_ranks(audit_dir: Path, world_size: int) -> list[Path]:
     return sorted(found)
 
 
+def absent_rank_consumers(consumers, rank: int, world_size: int) -> list[str]:
+    """Of the queue's consumers (names), the learner ranks this start does not have (``learner-<k>``, ``k >=
+    world_size``: a run on more ranks, or killed with some): their pending groups are no one's now, so this
+    rank takes those with ``k % world_size == rank`` at once instead of after ``queue.claim_idle_s``."""
+    out = []
+    for name in consumers:
+        k = name.removeprefix("learner-")
+        if name.startswith("learner-") and k.isdigit() and int(k) >= world_size and int(k) % world_size == rank:
+            out.append(name)
+    return sorted(out, key=lambda n: int(n.removeprefix("learner-")))
+
+
+def adopt_absent_ranks(queue, dist: DistInfo) -> list[str]:
+    """Claim now every pending group of the learner ranks this start does not have (their death is known: this
+    learner started without them); returns the consumers adopted."""
+    adopted = []
+    for name in absent_rank_consumers(queue.pending_consumers(), dist.rank, dist.world_size):
+        n = queue.adopt(name)
+        if n:
+            adopted.append(name)
+            log.warning("claimed %d uncommitted group(s) of %s, a learner rank this start does not have: trained "
+                        "again now, not after queue.claim_idle_s", n, name)
+    return adopted
+
+
 def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step: int, ckpts: Checkpointing) -> None:
     """On a clean stop (every rank here): merge the drops since the last step, wait for a background write and
     commit it, then checkpoint and commit what was trained since the last checkpoint."""

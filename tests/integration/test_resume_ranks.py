@@ -17,6 +17,7 @@ ZeRO-3 learner from the last checkpoint's weights.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,18 +43,18 @@ def groups(tiny_model_dir, demo_data_dir):
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 24, num_generations=4, max_tokens=6)
 
 
-def _one_rank(cfg: Path, cwd: Path, *flags: str) -> str:
+def _one_rank(cfg: Path, cwd: Path, *flags: str, timeout: int = 480) -> str:
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(cfg), *flags], env=ENV,
-                         cwd=cwd, capture_output=True, text=True, timeout=480)
+                         cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     return out.stderr
 
 
-def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str, zero: str = "zero2.json") -> Path:
+def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str, zero: str = "zero2.json", *sets: str) -> Path:
     path = _config(tmp_path, model_dir, url, ns, "learner.backend=deepspeed",
                    f"learner.deepspeed_config={DEPLOY / zero}", f"learner.max_steps={steps}",
                    "learner.save_steps=2", "learner.warmup_steps=6", "learner.micro_batch_tokens=250",
-                   "queue.claim_idle_s=2")
+                   "queue.claim_idle_s=2", *sets)
     return path.rename(tmp_path / name)
 
 
@@ -108,15 +109,19 @@ def test_zero2_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(group
 
 def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups, tiny_model_dir, redis_server,
                                                                         redis_ns, tmp_path):
+    """Rank 1's uncommitted groups are claimed as the lone rank starts (issue 62 item 6), not after
+    queue.claim_idle_s (here 10 minutes: before, the resumed learner waited that long for them, and with the
+    default 120 s they were past loss.max_staleness by then and dropped)."""
     url, run = redis_server.url, tmp_path / "run"
-    cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "two.yaml")
+    cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "two.yaml", "zero2.json", "queue.claim_idle_s=600")
     _put(url, redis_ns, groups[:12])  # step 4 waits for groups: the kill lands before it
     kill_two_ranks_after_step(cfg, tmp_path, run, 3)
     assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
     _put(url, redis_ns, groups[12:16])
-    err = _one_rank(cfg, tmp_path, "--resume")  # one rank: its own step-3 groups and rank 1's (claimed)
+    err = _one_rank(cfg, tmp_path, "--resume", timeout=300)  # one rank: its own step-3 groups and rank 1's
     assert "written by 2 rank(s) (deepspeed ZeRO-2), resumed on 1 (ZeRO-2)" in err
-    assert "claimed" in err
+    assert re.search(r"claimed [1-9]\d* uncommitted group\(s\) of learner-1, a learner rank this start does not "
+                     r"have", err), err[-3000:]  # its step-3 groups, and any it read ahead for step 4
     audit, held, depth = _audit(run, url, redis_ns)
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 16, 4, 0, 0)
 
@@ -224,3 +229,51 @@ def test_zero3_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(group
                     str(run / "checkpoints" / "step-000006"))
     assert "started from the weights of" in err and "step-000006" in err
     assert [r["step"] for r in _jsonl(run / "metrics.jsonl")] == [1]
+
+
+def test_a_rank_killed_in_its_step_charges_only_its_own_group_never_the_peers(groups, tiny_model_dir, redis_server,
+                                                                            redis_ns, tmp_path):
+    """Issue 62 item 3: rank 1 dies (kill -9, as the out-of-memory killer kills a rank over a poison group) in the
+    step it marked; rank 0's step fails on the collective. With queue.max_failures 1 and learner.crash_loop_starts
+    1 the resumed learner dead-letters rank 1's group alone: rank 0's, the innocent neighbour, trains (before, the
+    peer's death was counted as its failure, and its mark as a crash start: dead-lettered too)."""
+    import os
+    import signal
+    import time
+
+    import redis
+
+    from streamgrpo.runtime import free_port
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    url, run = redis_server.url, tmp_path / "run"
+    cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 2, "peer.yaml", "zero2.json", "learner.groups_per_step=2",
+               "queue.max_failures=1", "learner.crash_loop_starts=1")
+    _put(url, redis_ns, groups[:5])
+    r = redis.Redis.from_url(url)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (marked := r.get(f"{redis_ns}:stepping:learner-1")):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
+            time.sleep(0.02)
+        os.kill(json.loads((run / "ports" / "learner-rank1.json").read_text())["pid"], signal.SIGKILL)
+        assert first.wait(timeout=120) != 0  # rank 0 stops on its own: its collective failed
+    finally:
+        r.close()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    (killer,) = json.loads(marked)
+    text = (tmp_path / "first.log").read_text()
+    assert "another rank or the link between ranks failed" in text, text[-4000:]
+    _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path)
+    with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:
+        dead = q.dead_letters()
+    assert [(d["group_id"], "consecutive starts" in d["reason"]) for d in dead] == [(killer, True)], dead
+    audit, held, depth = _audit(run, url, redis_ns)
+    assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 4, 2, 0, 0), audit

@@ -33,3 +33,25 @@ def test_a_group_is_dead_lettered_at_crash_loop_starts_and_not_before():
     b = _breaker({"x": 2, "y": 3}, starts=3)
     assert b.verdict("x") is None and b.verdict("new") is None
     assert "in 3 consecutive starts (learner.crash_loop_starts 3)" in b.verdict("y")
+
+
+def test_a_collective_failure_is_a_peers_and_a_groups_own_error_is_not():
+    import torch.distributed as dist
+
+    from streamgrpo.learner.distributed import is_peer_failure
+
+    assert is_peer_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                                        "peer [127.0.0.1]:43521"))
+    assert is_peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
+    assert is_peer_failure(ConnectionResetError("Connection reset by peer"))
+    assert not is_peer_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_peer_failure(ValueError("token id 1000000000 is outside the model's vocabulary"))
+
+
+def test_a_restarted_learner_takes_the_consumers_of_the_ranks_it_lacks_spread_over_its_ranks():
+    from streamgrpo.learner.resume import absent_rank_consumers
+
+    names = ["learner-0", "learner-1", "learner-2", "learner-3", "test-inspect", "learner-x"]
+    assert absent_rank_consumers(names, 0, 1) == ["learner-1", "learner-2", "learner-3"]
+    assert absent_rank_consumers(names, 0, 2) == ["learner-2"] and absent_rank_consumers(names, 1, 2) == ["learner-3"]
+    assert absent_rank_consumers(names, 0, 4) == []

@@ -22,7 +22,9 @@ learner that crashes re-reads its pending entries under the same consumer name a
 again; a group id that is trained or held by another live entry is never accepted twice, however it
 arrives. Entries not trained are released (:meth:`RedisQueue.ack`) or dead-lettered. Backpressure
 and ``streamgrpo_queue_depth`` count the entries no learner holds. The entries of a consumer silent
-for ``claim_idle_s`` are claimed by another (XAUTOCLAIM); a live consumer refreshes its own.
+for ``claim_idle_s`` are claimed by another (XAUTOCLAIM); a live consumer refreshes its own. The entries of
+a consumer known to be gone (a learner rank a restarted learner does not have) are adopted at once
+(:meth:`RedisQueue.adopt`).
 
 What each side counts in :mod:`streamgrpo.metrics`: the queue counts what only it can see --
 ``groups_dropped{reason=malformed|duplicate|invalid|poison}``, ``errors{kind=wire|queue}``, ``queue_depth``,
@@ -499,6 +501,32 @@ class RedisQueue(GroupQueue):
             if out or time.monotonic() >= deadline or self.stop:  # a stop request: none waits out timeout_s
                 break
         return out
+
+    def pending_consumers(self) -> dict[str, int]:
+        """The consumers that hold pending entries (delivered, not acked): name -> how many."""
+        info = self._with_group("XPENDING", self._r.xpending, self.stream, CONSUMER_GROUP)
+        return {to_str(c["name"]): int(c["pending"]) for c in (info or {}).get("consumers") or []}
+
+    def adopt(self, consumer: str) -> int:
+        """Take over every pending entry of ``consumer``, a consumer known to be gone (a learner rank the
+        restarted learner does not have), now: XCLAIM with min-idle 0, not after ``claim_idle_s``. This
+        consumer's next :meth:`get` reads them like its own unacknowledged entries. Returns how many."""
+        if consumer == self.consumer:
+            return 0
+        taken = 0
+        while True:
+            rows = self._with_group("XPENDING", self._r.xpending_range, self.stream, CONSUMER_GROUP, "-", "+", 1000,
+                                    consumer)
+            ids = [to_str(row["message_id"]) for row in rows or []]
+            if not ids:
+                break
+            got = self._call("XCLAIM", self._r.xclaim, self.stream, CONSUMER_GROUP, self.consumer, 0, ids, justid=True)
+            if not got:  # all deleted meanwhile (Redis 7 drops those from the PEL itself)
+                break
+            taken += len(got)
+        if taken:
+            self._own_cursor = "0"  # re-read this consumer's pending entries, the adopted ones among them
+        return taken
 
     def _claim(self, n: int) -> list[Delivery]:
         raw = self._with_group("XAUTOCLAIM", self._r.execute_command, "XAUTOCLAIM", self.stream, CONSUMER_GROUP,
