@@ -12,7 +12,7 @@ A mistake the user can fix ends the command with one line on stderr, ``streamgrp
   prompt alone ran a generator out of memory (the line names the settings to lower).
 * 2: a usage or config mistake, found before any work: a bad key or value (NaN and inf included),
   no Redis configured, a data file (``data.train_path``, ``--data``, ``--input``) that does not
-  exist, a command that is not built yet; argparse's own usage errors exit 2 too.
+  exist; argparse's own usage errors exit 2 too.
 * 130: interrupted (Ctrl-C).
 
 ``learner`` and ``generator`` check their data file and Redis (:func:`_check_before_loading`)
@@ -27,13 +27,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-NOT_BUILT_EXIT = 2
 USAGE_EXIT = 2  # the command line or config is wrong (nothing ran)
 FAILED_EXIT = 1  # the command ran and failed (Redis refused us, unusable data)
-
-
-class NotBuilt(Exception):
-    """A command whose capability does not exist yet: say so and exit 2, never fake output."""
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -638,14 +633,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_at_start(args.command)
         return int(func(args) or 0)
-    except NotBuilt as exc:
-        print(f"streamgrpo {args.command}: not built yet: {exc}", file=sys.stderr)
-        return NOT_BUILT_EXIT
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("streamgrpo."):
-            print(f"streamgrpo {args.command}: not built yet ({exc.name} does not exist)", file=sys.stderr)
-            return NOT_BUILT_EXIT
-        raise
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -575,10 +575,6 @@ class VLLMEngine(Engine):
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_mm_cache()
 
-    def param_sums(self, names: list[str]) -> list[float]:
-        """Sums of vLLM parameters by their vLLM names (CPU build: prepacked layers read 0)."""
-        return self.llm.collective_rpc("streamgrpo_param_sums", args=(list(names),))[0]
-
     def close(self) -> None:
         """Stop vLLM's engine core and workers (also done at interpreter exit)."""
         engine = getattr(self.llm, "llm_engine", None)

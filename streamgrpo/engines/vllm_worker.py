@@ -272,8 +272,3 @@ class StreamGRPOWorkerExtension:
 
         model.get_mrope_input_positions = get_mrope_input_positions
         return True
-
-    def streamgrpo_param_sums(self, names: list[str]) -> list[float]:
-        """Float sums of the given vLLM parameters (tests and audits: did an update land?)."""
-        params = dict(self.model_runner.get_model().named_parameters())
-        return [float(params[n].detach().float().sum()) for n in names]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,7 +59,6 @@ class Checkpointing:
         self.model_card = model_card
         self.uncommitted: list[tuple[str, str]] = []
         self._inflight: tuple[BackgroundWrite, list[tuple[str, str]], dict] | None = None  # write, entries, cursor
-        self.last_stall_s = 0.0
         """Seconds the last :meth:`save` kept training waiting (the copy, or the whole synchronous write)."""
         self.saved_step = learner.state.step
         """The step of the last checkpoint taken (written, or being written in the background)."""
@@ -72,7 +70,6 @@ class Checkpointing:
     def save(self, *, wait: bool = False) -> None:
         """Checkpoint ``state.step`` now (every rank calls it); commit its entries once it is durable: right
         away when ``wait`` or synchronous, else at the first :meth:`poll` after the background write ends."""
-        t0 = time.perf_counter()
         self.finish()  # at most one in flight; its entries are committed first
         state = self.learner.state
         card = self.model_card() if self.dist.is_main else None
@@ -98,7 +95,6 @@ class Checkpointing:
             self._inflight = (BackgroundWrite(step, lambda: self.learner.write_snapshot(self.root, snap)), entries,
                               cursor)
         self.saved_step = state.step
-        self.last_stall_s = time.perf_counter() - t0
 
     @property
     def in_flight(self) -> bool:
