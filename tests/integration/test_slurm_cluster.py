@@ -80,6 +80,8 @@ def cluster(tmp_path_factory):
     check = subprocess.run(["bash", str(LOCAL_SLURM), "check"], env=env, capture_output=True, text=True)
     if check.returncode == 3:
         pytest.skip(check.stderr.strip())
+    if not os.access(PROMETHEUS, os.X_OK):
+        pytest.skip("prometheus not installed (apt-get install --no-install-recommends prometheus; `make setup` as root)")
     assert check.returncode == 0, check.stderr
     shares = {p for p in (_under_tmp(tmp_path_factory.getbasetemp()), _under_tmp(Path(sys.prefix)), _under_tmp(ROOT))
               if p is not None}
