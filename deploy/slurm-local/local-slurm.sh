@@ -153,7 +153,6 @@ up() {
 
   export SLURM_CONF=$STATE/slurm.conf
   host_shell 0 slurmctld -D -i -f "$STATE/slurm.conf" >> "$STATE/log/slurmctld.out" 2>&1 &
-  echo $! > "$STATE/run/slurmctld.pid.launch"
   for (( i = 0; i < hosts; i++ )); do
     host_shell "$i" slurmd -D -f "$STATE/slurm.conf" >> "$STATE/log/slurmd-$NAME-$i.out" 2>&1 &
     echo $! > "$STATE/run/slurmd-$i.pid"

@@ -42,11 +42,6 @@ MEM_RESERVE = 10
 """Percent of a node's memory no GPU step asks for: Redis, the relays and their shared memory use it."""
 
 
-def job_of(name: str) -> str:
-    """The Prometheus ``job`` of a process name: ``learner-3`` -> learner, ``evaluator`` -> evaluator."""
-    return name.split("-")[0]
-
-
 @dataclass(frozen=True)
 class Generator:
     id: int
@@ -146,16 +141,6 @@ def plan_job(cfg: Config, nodes: int, *, gpus_per_node: int = 8, generators_per_
                    generators_why=why)
     base = cfg.metrics.port or DEFAULT_METRICS_PORT
     return SlurmJob(**{**job.__dict__, "ports": metrics_ports(base, job)})
-
-
-def scrape_targets(job: SlurmJob, hosts: list[str]) -> list[dict]:
-    """The ``file_sd_configs`` entries of ``job`` on ``hosts`` (the allocation's node names): one per process,
-    labelled ``job`` (learner, generator, evaluator, relay: the jobs deploy/prometheus/rules.yml and the
-    dashboard select; it replaces the scrape config's ``job_name``), ``process`` and ``node`` (never one of
-    streamgrpo's own metric labels, which Prometheus would rename ``exported_*``)."""
-    return [{"targets": [f"{hosts[node]}:{port}"],
-             "labels": {"job": job_of(name), "process": name, "node": hosts[node]}}
-            for name, (node, port) in job.ports.items()]
 
 
 PROMETHEUS_YML = """\
@@ -285,7 +270,6 @@ print(f"redis://:{u.quote(sys.argv[1], safe=str())}@{sys.argv[2]}:{int(sys.argv[
 export STREAMGRPO_REDIS_URL
 srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=$MEM_CPU_STEP --job-name=sg-redis \
   "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
-REDIS=$!
 "$PYTHON" -c 'import os, sys, time, redis
 r = redis.Redis.from_url(os.environ["STREAMGRPO_REDIS_URL"])
 for _ in range(120):

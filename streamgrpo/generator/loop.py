@@ -129,8 +129,6 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
                 break
             groups = with_sources(sampler.groups([(record, visuals) for _, _, record, visuals in chunk]), chunk,
                                   num_shards, generator_id)
-            epoch, position = chunk[-1][:2]
-            metrics.DATA_EPOCHS.set(epoch + (position + 1) / shard_size)
             sent, gave_up = send_groups(queue, groups, stop, name, audit, tick=watch.check,
                                         grace_s=cfg.rollout.stop_grace_s)
             produced += sent
@@ -162,7 +160,10 @@ class ShardSamples:
     def _go(self, start: Start) -> None:
         self.at = (start.epoch, start.position)
         self._it = self.make(self.at)
-        metrics.DATA_EPOCHS.set(start.epoch + start.position / max(1, self.shard_size))
+        self._passes()
+
+    def _passes(self) -> None:  # streamgrpo_data_epochs: the passes this shard has had, where it is now
+        metrics.DATA_EPOCHS.set(self.at[0] + self.at[1] / max(1, self.shard_size))
 
     def start(self, committed) -> None:
         start = start_for(committed, self.num_shards, self.shard, self.shard_size)
@@ -181,6 +182,7 @@ class ShardSamples:
         chunk = list(itertools.islice(self._it, n))
         if chunk:
             self.at = (chunk[-1][0], chunk[-1][1] + 1)
+            self._passes()
         return chunk
 
 
