@@ -84,9 +84,9 @@ class Proc:
             self.p = subprocess.Popen(self.argv, env=ENV, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
 
-    def kill9(self) -> None:
+    def kill9(self, sig: int = signal.SIGKILL) -> None:
         if self.p is not None and self.p.poll() is None:
-            os.kill(self.p.pid, signal.SIGKILL)
+            os.kill(self.p.pid, sig)
         if self.p is not None:
             self.p.wait()
 
@@ -257,13 +257,15 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
                       timeout_s: float = 420.0) -> None:
     """Issue 50 item 3: one valid but huge group (4 frames of 224 x 224, under ``learner.max_group_pixels``) and
     one over the learner's limits (280 x 280) enter the stream, from a producer that keeps an audit log. The
-    second is dead-lettered ``too_large`` at once. The first is trained, and the learner is killed -9 each time a
-    step holds it (as an out-of-memory killer would) and restarted with --resume, until a start dead-letters it
-    as ``crash_loop`` (after ``learner.crash_loop_starts`` deaths). Each kill is a ``huge-group`` :class:`Kill`;
+    second is dead-lettered ``too_large`` at once. The first is trained, and the learner is crashed (SIGSEGV, as a
+    decoder that segfaults on it would; a kill -9 from outside is not the group's doing and counts nothing) each
+    time a step holds it and restarted with --resume, until a start dead-letters it as ``crash_loop`` (after
+    ``learner.crash_loop_starts`` deaths). Each kill is a ``huge-group`` :class:`Kill`;
     its note says how it ended."""
     import dataclasses
 
     from streamgrpo.generator.rollouts import sample_groups
+    from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     def sample(side: int, seed: int):
@@ -278,7 +280,7 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
         for g in (huge, over):
             fh.write(json.dumps({"event": "produced", "group_id": g.group_id}) + "\n")
     q = RedisQueue(url, namespace=cfg.queue.namespace, consumer="chaos-huge")
-    marker = f"{cfg.queue.namespace}:stepping:learner-0"
+    marks = CrashMarks(q.client, cfg.queue.namespace, "learner-0")
     try:
         q.put_many([huge, over])
         log(f"[{time.monotonic() - t0:6.1f}s] huge groups in: {huge.group_id} (4 x {HUGE_SIDE}^2 pixels), "
@@ -297,12 +299,12 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
             if learner.p.poll() is not None:
                 learner.start()
                 cleared = False
-            mark = (q.client.get(marker) or b"").decode()
+            mark = marks.read([marks.consumer])[0].groups
             cleared |= huge.group_id not in mark  # a killed learner's mark stays until the next start counts it
             if cleared and huge.group_id in mark:
-                learner.kill9()
+                learner.kill9(signal.SIGSEGV)
                 kills.append(Kill(round(time.monotonic() - t0, 1), "huge-group", _last_step(run_dir)))
-                log(f"[{kills[-1].at_s:6.1f}s] kill -9 learner in a step holding the huge group "
+                log(f"[{kills[-1].at_s:6.1f}s] SIGSEGV to the learner in a step holding the huge group "
                     f"(learner at step {kills[-1].step})")
                 learner.start()
                 cleared = False

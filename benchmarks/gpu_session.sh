@@ -33,6 +33,11 @@
 #              deepspeed full against deepspeed full_compiled (inductor; its warm-up step compiles), with the torch
 #              backend's full and full_compiled in the same run (the figures' baseline: torch full). On a CPU:
 #              SIZE=tiny LEVER_ARGS="--set learner.compile_backend=aot_eager" bash benchmarks/gpu_session.sh deepspeed3b
+#   longvideo  Qwen2.5-VL-3B sizes, torch backend, each prompt once (full_shared), G=8, 128-token completions:
+#              one step at 32, 64, 128, 256, 512 frames per video at Video-R1's per-frame budget (308 x 308 ~ 121
+#              patches of 28 x 28 after the 2x2 merge: 128 x 28 x 28 pixels), CUDA peak against the memory plan
+#              (`config memory`'s, the frontier table of docs/performance.md), until a length runs out of memory;
+#              FRAMES / FRAME_SIZE / MODES to change it. On a CPU: SIZE=tiny FRAMES="4 8" bash ... longvideo
 #   offload7b  7B full weights with ZeRO-2 optimizer offload (the plan: ~31 GiB on the GPU, ~114 GiB host)
 #   tests      the unit suite on the GPU (CUDA variants included) and the GPU integration tests
 #   agreement  generator = learner at the 3B shape in bf16 on CUDA (goal: KL <= 0.01 at staleness 0):
@@ -76,6 +81,17 @@ case "$stage" in
   deepspeed3b)
     learner 3b_deepspeed --size "${SIZE:-3b}" --beta 0.04 --steps 3 --warmup 1 --backends torch,deepspeed \
       --modes "${MODES:-full,full_compiled}" ${LEVER_ARGS:-} ;;
+  longvideo)
+    for frames in ${FRAMES:-32 64 128 256 512}; do
+      learner "longvideo_${SIZE:-3b}_$frames" --size "${SIZE:-3b}" --beta 0.04 --steps 1 --warmup 0 --backends torch \
+        --modes "${MODES:-full_shared}" --frames "$frames" --frame-size "${FRAME_SIZE:-308}" --G 8 --completion-len 128
+      grep -qE '"(oom|wont_fit)"' "$OUT/gpu_learner_longvideo_${SIZE:-3b}_$frames.json" 2>/dev/null && break  # longer ones won't fit
+    done
+    "$py" -c "import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p)).get('rows', []):
+        print(p.rsplit('_', 1)[-1][:-5], 'frames:', r.get('mode'), r.get('status', 'ok'), 'peak', r.get('peak_gib'),
+              'GiB, plan', r.get('plan_gib'), 'GiB')" "$OUT"/gpu_learner_longvideo_*.json | sort -n | tee "$OUT/longvideo.txt" ;;
   offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
   tests)
     "$py" -m pytest -q -p no:cacheprovider -n 8 tests/unit 2>&1 | tail -40 | tee "$OUT/unit.log"
@@ -104,5 +120,5 @@ case "$stage" in
 'kl_behaviour', 'is_masked_frac', 'ess', 'ratio_min', 'ratio_max')})) for r in map(json.loads, open(sys.argv[1]))]" \
         "$work/up_$backend/metrics.jsonl" | tee "$OUT/agreement_up_$backend.jsonl"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|matrix3b|recompute3b|learner7b|deepspeed3b|rollout3b|offload7b|tests|agreement" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh smoke|learner3b|matrix3b|recompute3b|learner7b|deepspeed3b|rollout3b|longvideo|offload7b|tests|agreement" >&2; exit 2 ;;
 esac

@@ -95,15 +95,14 @@ def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str
 
 
 def audit_run(run_dir: str | Path, queue) -> RunAudit:
-    """Audit ``run_dir`` against the queue (a :class:`~streamgrpo.transport.queue.redis_stream.RedisQueue`)."""
+    """Audit ``run_dir`` against the queue (a :class:`~streamgrpo.transport.queue.base.GroupQueue`)."""
     run_dir = Path(run_dir)
     produced = [r for p in sorted((run_dir / "audit").glob("*.jsonl")) if not p.name.startswith("learner")
                 for r in read_jsonl(p)]
     learner = read_jsonl(run_dir / "audit" / "learner.jsonl")
     ranks = [read_jsonl(p) for p in sorted((run_dir / "audit").glob("learner-rank*.jsonl"))]
-    r = queue.client
-    dead = {f.get(b"group_id", b"").decode() for _, f in r.xrange(queue.dead, "-", "+")}
-    queued = {f[b"g"].decode() for _, f in r.xrange(queue.stream, "-", "+") if b"g" in f}
+    dead = {str(d.get("group_id", "")) for d in queue.dead_letters(None)}
+    queued = {gid for _, gid, _ in queue.entries() if gid}
     trained_ids = sorted({g for rows in [learner, *ranks] for row in rows if row.get("event") == "trained"
                           for g in row.get("group_ids", [])})
     committed = {g for g, done in zip(trained_ids, queue.is_trained(trained_ids)) if done} if trained_ids else set()

@@ -56,7 +56,8 @@ def _check_before_loading(cfg, role: str, *, data: bool = False, queue: bool = T
     from pathlib import Path
 
     from streamgrpo.runtime import queue_url
-    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
+    from streamgrpo.transport.queue.base import QueueStopped
+    from streamgrpo.transport.queue.factory import open_queue
 
     if data:
         from streamgrpo.data.records import require_data_path
@@ -68,7 +69,7 @@ def _check_before_loading(cfg, role: str, *, data: bool = False, queue: bool = T
         return
     url = queue_url(cfg.queue, Path(cfg.run_dir))
     try:
-        RedisQueue.from_config(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
+        open_queue(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
     except QueueStopped:
         pass
 

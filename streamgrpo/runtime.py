@@ -225,14 +225,22 @@ def free_port(host: str = "127.0.0.1", *, tries: int = 50) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = ephemeral_low()
     candidates = [random.randrange(10_000, low) for _ in range(tries)] if low and low > 11_000 else []
-    for port in [*candidates, 0]:
+    for port in [*candidates, 0, 0, 0]:
+        if port in _HANDED_OUT:  # two servers of one config must never be given the same port
+            continue
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            got = int(sock.getsockname()[1])
+        if got not in _HANDED_OUT:
+            _HANDED_OUT.add(got)
+            return got
     raise OSError(f"no free TCP port on {host}")
+
+
+_HANDED_OUT: set[int] = set()  # ports free_port returned in this process (none is returned twice)
 
 
 def stop_process(proc, grace_s: float) -> int | None:

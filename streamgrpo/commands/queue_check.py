@@ -41,10 +41,8 @@ def file_messages(path: str | Path) -> Iterator[tuple[str, bytes]]:
 
 def stream_messages(queue, count: int) -> Iterator[tuple[str, bytes, str]]:
     """``(where, message bytes, entry group id)`` of the stream's first ``count`` entries (XRANGE)."""
-    for sid, fields in queue.client.xrange(queue.stream, "-", "+", count=count):
-        sid = sid.decode() if isinstance(sid, bytes) else str(sid)
-        gid = fields.get(b"g", b"").decode(errors="replace")
-        yield f"{queue.stream} {sid}", fields.get(b"d", b""), gid
+    for sid, gid, data in queue.entries(count):
+        yield f"{queue.stream} {sid}", data, gid
 
 
 def vocab_size(model_path: str) -> int:
@@ -98,9 +96,9 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
         if file is not None:
             items = ((where, data, "") for where, data in file_messages(file))
         else:
-            from streamgrpo.transport.queue.redis_stream import RedisQueue
+            from streamgrpo.transport.queue.factory import open_queue
 
-            queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, Path(cfg.run_dir)), consumer="queue-check")
+            queue = open_queue(cfg.queue, queue_url(cfg.queue, Path(cfg.run_dir)), consumer="queue-check")
             items = stream_messages(queue, count)
         verdicts: Counter = Counter()
         for where, data, gid in items:

@@ -270,14 +270,10 @@ print(f"redis://:{u.quote(sys.argv[1], safe=str())}@{sys.argv[2]}:{int(sys.argv[
 export STREAMGRPO_REDIS_URL
 srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap --gpus=0 --mem=$MEM_CPU_STEP --job-name=sg-redis \
   "$REDIS_SERVER" "$RUN_DIR/redis/redis.conf" &
-"$PYTHON" -c 'import os, sys, time, redis
-r = redis.Redis.from_url(os.environ["STREAMGRPO_REDIS_URL"])
-for _ in range(120):
-    try:
-        sys.exit(not r.ping())
-    except redis.ConnectionError:
-        time.sleep(0.5)
-sys.exit("redis-server did not answer in 60 s: see redis/redis.log in the run directory")'
+"$PYTHON" -c 'import os, sys
+from streamgrpo.transport.queue.server import wait_until_answering
+late = wait_until_answering(os.environ["STREAMGRPO_REDIS_URL"], 60.0)
+sys.exit(late and late + ": see redis/redis.log in the run directory")'
 
 SETS=(--set "run_dir=$RUN_DIR" @@queue_reset@@--set weights.bind_host=0.0.0.0 --set "weights.connect_host=$HEAD"@@weight_ports@@
       --set metrics.host=0.0.0.0 --set rollout.num_generators=@@num_generators@@@@backend@@@@overrides@@)

@@ -364,9 +364,9 @@ def _new_run_data_cursor(cfg: Config) -> None:
     ``--resume`` keeps it: the generators continue where the learner's checkpoints say."""
     if cfg.learner.resume or not cfg.queue.url:
         return
-    from streamgrpo.transport.queue.redis_stream import RedisQueue
+    from streamgrpo.transport.queue.factory import open_queue
 
-    with RedisQueue.from_config(cfg.queue, consumer="up") as queue:
+    with open_queue(cfg.queue, consumer="up") as queue:
         queue.reset_committed_step()
 
 
@@ -589,10 +589,10 @@ def _interrupt_on_signals() -> dict[int, Any]:
 
 def _try_queue(cfg: Config, env: dict[str, str]):
     try:
-        from streamgrpo.transport.queue.redis_stream import RedisQueue
+        from streamgrpo.transport.queue.factory import open_queue
 
         url = cfg.queue.url or env.get("STREAMGRPO_REDIS_URL")
-        return RedisQueue.from_config(cfg.queue, url, consumer="up-status") if url else None
+        return open_queue(cfg.queue, url, consumer="up-status") if url else None
     except Exception:  # noqa: BLE001 - the status line simply shows no depth
         return None
 

@@ -49,7 +49,8 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     from streamgrpo.models.loading import load_processor, resolve_device
     from streamgrpo.models.lora import make_weight_applier
     from streamgrpo.rewards import RewardSet
-    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
+    from streamgrpo.transport.queue.base import QueueStopped
+    from streamgrpo.transport.queue.factory import open_queue
     from streamgrpo.transport.weights.factory import subscriber_from_config
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
@@ -72,7 +73,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     if tc is not None and tc.reward not in rewards.names:
         raise ConfigError(f"rollout.temporal_contrast.reward: {tc.reward!r} is not one of rewards.functions "
                           f"({', '.join(rewards.names)})")
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=name, stop=stop)
+    queue = open_queue(cfg.queue, queue_url(cfg.queue, run_dir), consumer=name, stop=stop)
     relay = None
     if cfg.weights.relay:  # versions from this host's relay (started here when none runs), not the learner
         from streamgrpo.relay.keeper import RelayKeeper
@@ -119,7 +120,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = sampler.batch.size  # rollout.prompts_per_batch, halved after running out of memory
             if cfg.rollout.sync:
-                batch_size = _claim_sync_slots(queue, cfg, engine.version, batch_size)
+                batch_size = queue.claim_sync_slots(engine.version, batch_size, cfg.learner.groups_per_step)
                 if batch_size == 0:  # this version's share is produced: wait for the next one
                     apply_newest(block_s=1.0)
                     continue
@@ -218,14 +219,3 @@ def _records(cfg: Config) -> list:
     return records
 
 
-def _claim_sync_slots(queue, cfg: Config, version: int, want: int) -> int:
-    """On-policy mode: claim up to ``want`` of the ``groups_per_step`` slots of ``version``.
-
-    All generators share one Redis counter per version, so exactly one step's worth of groups is
-    produced with each version and the learner never sees a stale group.
-    """
-    key = f"{cfg.queue.namespace}:sync:{version}"
-    total = queue.wait_for_memory("sync_claim", "INCRBY", queue.client.incrby, key, want)  # waits at maxmemory
-    queue.client.expire(key, 24 * 3600)
-    already = total - want
-    return max(0, min(want, cfg.learner.groups_per_step - already))

@@ -1,12 +1,13 @@
 """The crash-loop breaker: one message can never stop training.
 
-A group that kills the learner (a kill -9 by an out-of-memory killer, a step that raises) stays
-pending, so a restarted learner reads it again and dies again: the run stands still. So each rank
-writes the group ids of the step it is about to train to ``<ns>:stepping:<consumer>`` and deletes the
-key once the step returns; the groups whose visuals are being decoded outside a step (read-ahead, in
-the media threads) are in the set ``<ns>:reading:<consumer>`` meanwhile. A learner that starts and finds
-either died inside that step or decode: it adds one to each of those groups' count in the hash
-``<ns>:crash_starts``. Then
+A group that kills the learner (a kill -9 by an out-of-memory killer, a decoder's segfault) stays pending, so a
+restarted learner reads it again and dies again: the run stands still. So each rank marks the group ids of the step
+it is about to train (and ``[]`` once the step returns), with a witness of its state; the groups whose visuals are
+decoded outside a step (read-ahead, in the media threads) are marked meanwhile too (the Redis keys:
+:mod:`streamgrpo.transport.queue.crash_marks`). A learner that starts and finds that its predecessor died inside a
+step or decode judges the death (:func:`streamgrpo.learner.death_cause.judge`): its own (it crashed, it ran out of
+memory, or the cause is unknown) adds one to each of those groups' counts; a kill from outside (no out-of-memory
+kill, no crash) counts nothing. Then
 
 * a group whose count reached ``learner.crash_loop_starts`` is dead-lettered ``crash_loop`` when next
   read (one line; ``groups_dropped{reason=crash_loop}``);
@@ -15,9 +16,9 @@ either died inside that step or decode: it adds one to each of those groups' cou
   (the cost: after a death, up to a step's groups train one per step);
 * a step that returns clears its groups' counts: the starts counted are consecutive;
 * with several ranks, a step that raises a collective's failure (another rank died, the link between the ranks
-  broke: :func:`~streamgrpo.learner.distributed.is_peer_failure`) clears this rank's mark: the death that follows
-  (the rank stops, torchrun restarts them all) is the peer's, never counted for this rank's groups. Only the rank
-  whose own process died in the step (killed, out of memory) counts it.
+  broke: :func:`~streamgrpo.learner.distributed.is_peer_failure`) marks this rank's end as a peer's: the death that
+  follows (the rank stops, torchrun restarts them all) is never counted for this rank's groups. Only the rank
+  whose own process died in the step (crashed, out of memory) counts it.
 
 Best effort: when Redis refuses these small writes the learner says so once and trains on.
 """
@@ -25,54 +26,59 @@ Best effort: when Redis refuses these small writes the learner says so once and 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+from pathlib import Path
 
-import redis
-
+from streamgrpo.learner.death_cause import Witness, Witnessing
 from streamgrpo.learner.distributed import is_peer_failure
+from streamgrpo.transport.queue.base import QueueError
 
 log = logging.getLogger("streamgrpo.learner")
 
-COUNTS_TTL_S = 7 * 86400
-
 
 class CrashLoopBreaker:
-    """Counts, per group, the learner starts that found it in the step the last one died in."""
+    """Counts, per group, the learner starts that found it in the step the last one died in (of its own)."""
 
-    def __init__(self, queue, starts: int, ranks: int = 1):
-        self.client = queue.client
+    def __init__(self, marks, starts: int, ranks: int = 1, crash_dir: Path | None = None):
+        self.marks = marks  # a transport.queue.crash_marks.CrashMarks (this rank's)
         self.starts = int(starts)
         self.ranks = int(ranks)
-        self.namespace = queue.namespace
-        self.marker = f"{queue.namespace}:stepping:{queue.consumer}"
-        self.counts_key = f"{queue.namespace}:crash_starts"
-        self.reading_key = f"{queue.namespace}:reading:{queue.consumer}"  # groups being decoded (read-ahead)
+        self.crash_dir = crash_dir  # <run>/crash: each rank's crash record (None: no records)
+        self.witnessing = Witnessing(self._crash_path(marks.consumer))
         self.counts: dict[str, int] = {}  # group id -> starts that found it in a dead step (this rank's)
         self._warned = False
 
+    def _crash_path(self, consumer: str) -> Path | None:
+        return self.crash_dir / f"{consumer}.txt" if self.crash_dir is not None else None
+
     def on_start(self, adopted: list[str] = ()) -> list[str]:
-        """Count this start for the groups of the step the previous learner died in (and those of the ``adopted``
-        consumers, ranks this start does not have, whose groups this rank took over); returns their ids."""
-        markers = [self.marker, *(f"{self.namespace}:stepping:{c}" for c in adopted)]
+        """Judge the deaths of the last learner (and of the ``adopted`` consumers, ranks this start does not have,
+        whose groups this rank took over) in a step or decode; count this start for the groups of those that were
+        their own. Returns the ids counted. Then arms this process's crash record."""
+        consumers = [self.marks.consumer, *adopted]
+        causes: dict[str, str] = {}  # group id -> why its learner's death was its own
         try:
-            died_in = [str(g) for raw in self.client.mget(markers) if raw for g in json.loads(raw)]
-            died_in += sorted(g for g in map(_text, self.client.smembers(self.reading_key)) if g not in died_in)
-            p = self.client.pipeline(transaction=True)
-            for gid in died_in:
-                p.hincrby(self.counts_key, gid, 1)
-            p.delete(*markers, self.reading_key)
-            p.expire(self.counts_key, COUNTS_TTL_S)  # counts of groups dropped for other reasons do not pile up
-            p.hgetall(self.counts_key)
-            counts = p.execute()[-1]
-        except (redis.RedisError, ValueError, TypeError) as exc:
+            for mark in self.marks.read(consumers):
+                held = mark.groups + [g for g in mark.reading if g not in mark.groups]
+                if not held or mark.peer:
+                    continue
+                cause = self.witnessing.judge(Witness.from_json(mark.witness), self._crash_path(mark.consumer))
+                if not cause.own:
+                    log.warning("the last learner (%s) died while training or decoding group(s) %s, %s: not "
+                                "counted against them", mark.consumer, ", ".join(held), cause.why)
+                for g in held if cause.own else ():
+                    causes.setdefault(g, cause.why)
+            self.counts = self.marks.count(list(causes), consumers)
+        except (QueueError, ValueError, TypeError) as exc:
             self._warn(exc)
-            return []
-        self.counts = {_text(k): int(v) for k, v in counts.items()}
+            causes = {}
+        self.witnessing.arm()
+        died_in = list(causes)
         again = [g for g in died_in if self.counts.get(g, 0) < self.starts]  # the others: their dead letter says it
         if again:
-            log.warning("the last learner died while training group(s) %s (%s of %d starts before one is "
-                        "dead-lettered as crash_loop): each trains in a step of its own now", ", ".join(again),
+            log.warning("the last learner died while training or decoding group(s) %s (%s; %s of %d starts before "
+                        "one is dead-lettered as crash_loop): each trains in a step of its own now", ", ".join(again),
+                        "; ".join(dict.fromkeys(causes[g] for g in again)),
                         "/".join(str(self.counts.get(g, 0)) for g in again), self.starts)
         return died_in
 
@@ -110,62 +116,43 @@ class CrashLoopBreaker:
     def reading(self, group_id: str):
         """Around the work of reading one group outside a step (its visuals decoded in read-ahead, any
         thread): a learner that dies in it counts that start for the group, as for a step."""
-        try:
-            self.client.sadd(self.reading_key, group_id)
-        except redis.RedisError as exc:
-            self._warn(exc)
+        self._mark(lambda: self.marks.reading(group_id, True))
         try:
             yield
         finally:  # returned or raised: the learner is alive
-            try:
-                self.client.srem(self.reading_key, group_id)
-            except redis.RedisError as exc:
-                self._warn(exc)
+            self._mark(lambda: self.marks.reading(group_id, False))
 
     def peer_failed(self) -> None:
         """This rank's step failed because another rank did: this rank's end is not its groups' doing."""
-        try:
-            self.client.delete(self.marker)
-        except redis.RedisError as exc:
-            self._warn(exc)
+        self._mark(lambda: self.marks.mark([], self.witnessing.now().to_json(), peer=True))
 
     def begin_step(self, batch: list) -> None:
-        """Before training ``batch``: what a learner that starts after a death here will count."""
-        try:
-            self.client.set(self.marker, json.dumps([a.group.group_id for a in batch]))
-        except redis.RedisError as exc:
-            self._warn(exc)
+        """Before training ``batch``: what a learner that starts after a death here will judge and count."""
+        ids = [a.group.group_id for a in batch]
+        self._mark(lambda: self.marks.mark(ids, self.witnessing.now().to_json()))
 
     def end_step(self, batch: list) -> None:
         """``batch``'s step returned (applied or not): the learner did not die in it."""
         done = [a.group.group_id for a in batch if a.group.group_id in self.counts]
-        try:
-            p = self.client.pipeline(transaction=True)
-            p.delete(self.marker)
-            if done:
-                p.hdel(self.counts_key, *done)
-            p.execute()
-        except redis.RedisError as exc:
-            self._warn(exc)
-            return
-        for gid in done:
-            self.counts.pop(gid, None)
+        if self._mark(lambda: self.marks.mark([], self.witnessing.now().to_json(), done=done)):
+            for gid in done:
+                self.counts.pop(gid, None)
 
     def forget(self, group_id: str) -> None:
         """A dead-lettered group: its count is no longer needed."""
-        if self.counts.pop(group_id, None) is None:
-            return
+        if self.counts.pop(group_id, None) is not None:
+            self._mark(lambda: self.marks.forget(group_id))
+
+    def _mark(self, write) -> bool:
         try:
-            self.client.hdel(self.counts_key, group_id)
-        except redis.RedisError as exc:
+            write()
+            return True
+        except QueueError as exc:
             self._warn(exc)
+            return False
 
     def _warn(self, exc: Exception) -> None:
         if not self._warned:
             self._warned = True
             log.warning("crash-loop breaker off for now: Redis refused its bookkeeping (%s); training goes on",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-
-
-def _text(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)

@@ -96,16 +96,10 @@ log = logging.getLogger("streamgrpo.learner")
 
 def _warn_if_not_durable(queue) -> None:
     """Say once at start-up when the queue's Redis can lose acknowledged groups in a crash."""
-    import redis
-
     from streamgrpo.transport.queue.server import durability_warning
 
-    try:
-        settings = queue.client.config_get("append*")
-    except redis.RedisError:  # CONFIG refused (managed Redis, ACL): nothing to say
-        return
-    text = lambda x: x.decode() if isinstance(x, bytes) else str(x)  # noqa: E731 - the client replies in bytes
-    line = durability_warning({text(k): text(v) for k, v in settings.items()})
+    settings = queue.persistence()
+    line = durability_warning(settings) if settings is not None else None  # None: CONFIG refused
     if line:
         log.warning("%s", line)
 
@@ -137,7 +131,8 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
 def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     from streamgrpo.learner.tracking import Tracker
     from streamgrpo.models.card import model_card
-    from streamgrpo.transport.queue.redis_stream import QueueStopped, RedisQueue
+    from streamgrpo.transport.queue.base import QueueStopped
+    from streamgrpo.transport.queue.factory import open_queue
 
     stop = stop if stop is not None else StopFlag()
     main = dist.is_main
@@ -153,7 +148,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
-    queue = RedisQueue.from_config(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
+    queue = open_queue(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     if main:
         _startup_warnings(cfg, queue)
     audit_path = run_dir / "audit" / ("learner.jsonl" if main else f"learner-rank{dist.rank}.jsonl")
@@ -182,7 +177,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     want = cfg.learner.groups_per_step // dist.world_size
-    breaker = CrashLoopBreaker(queue, cfg.learner.crash_loop_starts, ranks=dist.world_size)
+    breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=dist.world_size,
+                               crash_dir=run_dir / "crash")
     gone = adopt_absent_ranks(queue, dist)  # the groups of ranks this start lacks: now, before they go stale
     breaker.on_start(gone)  # the groups of a step (or a read-ahead decode) the last learner, or those ranks, died in
     media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted

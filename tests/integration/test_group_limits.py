@@ -116,14 +116,15 @@ def test_a_group_over_the_limits_is_dead_lettered_before_it_is_decoded(groups, t
         q.close()
 
 
-def _marker(q, consumer: str = "learner-0") -> str:
-    raw = q.client.get(f"{q.namespace}:stepping:{consumer}")
-    return raw.decode() if raw else ""
+def _marker(q, consumer: str = "learner-0") -> list[str]:
+    """The groups of the step ``consumer`` is in (``[]``: none)."""
+    return q.crash_marks().read([consumer])[0].groups
 
 
-def _start_and_kill_in_step(argv, env, q, gid: str, log: Path, timeout_s: float = 240.0) -> tuple[bool, int | None]:
-    """Start a learner (its output in ``log``); kill -9 it as soon as it trains a step holding ``gid``.
-    Returns ``(killed, exit code)``."""
+def _start_and_kill_in_step(argv, env, q, gid: str, log: Path, sig: int = signal.SIGSEGV,
+                            timeout_s: float = 240.0) -> tuple[bool, int | None]:
+    """Start a learner (its output in ``log``); send it ``sig`` as soon as it trains a step holding ``gid``
+    (SIGSEGV: a decoder that segfaults on the group; SIGKILL: a kill from outside). Returns ``(killed, exit code)``."""
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
@@ -133,7 +134,7 @@ def _start_and_kill_in_step(argv, env, q, gid: str, log: Path, timeout_s: float 
             mark = _marker(q)
             cleared |= gid not in mark
             if cleared and gid in mark:
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(proc.pid, sig)
                 proc.wait(30)
                 return True, None
             time.sleep(0.01)
@@ -147,7 +148,7 @@ def _start_and_kill_in_step(argv, env, q, gid: str, log: Path, timeout_s: float 
 def test_a_group_the_learner_dies_on_is_dead_lettered_after_n_starts_and_training_goes_on(
         groups, huge, tiny_model_dir, redis_server, redis_ns, tmp_path):
     """The issue's crash loop, with N = 2: the huge group (under a raised max_group_pixels, so the learner
-    takes it) is in the step when the learner is killed -9, twice; the third start dead-letters it as
+    takes it) is in the step when the learner is killed -9 from outside (not counted), then crashes (SIGSEGV) twice; the third start dead-letters it as
     crash_loop and trains the rest; every group trained once."""
     from streamgrpo.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
@@ -162,11 +163,13 @@ def test_a_group_the_learner_dies_on_is_dead_lettered_after_n_starts_and_trainin
                              "learner.max_group_pixels=1000000", "learner.crash_loop_starts=2").to_yaml())
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         argv = [sys.executable, "-m", "streamgrpo", "learner", "--config", str(path), "--resume"]
-        for start in (1, 2):  # step 1 trains and commits; step 2 holds the huge group: killed in it
+        # step 1 trains; step 2 holds the huge group: killed -9 from outside in it (not counted), then crashed
+        for start, sig in enumerate((signal.SIGKILL, signal.SIGSEGV, signal.SIGSEGV)):
             log = tmp_path / f"start-{start}.log"
-            killed, rc = _start_and_kill_in_step(argv, env, q, huge.group_id, log)
+            killed, rc = _start_and_kill_in_step(argv, env, q, huge.group_id, log, sig)
             assert killed, f"start {start}: the learner was not in a step with the huge group (rc {rc})"
-        assert _marker(q) == f'["{huge.group_id}"]', log.read_text()[-3000:]  # the second start trained it alone
+        assert "killed from outside" in (tmp_path / "start-1.log").read_text()  # the kill -9 counted nothing
+        assert _marker(q) == [huge.group_id], log.read_text()[-3000:]  # the second start trained it alone
         out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         dead = q.dead_letters()

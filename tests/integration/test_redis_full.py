@@ -249,18 +249,14 @@ def test_resume_against_a_full_redis(groups, tiny_model_dir, redis_factory, redi
 def test_an_on_policy_generators_slot_claim_waits_at_maxmemory(redis_factory, redis_ns):
     """On-policy generators share a Redis counter per version (INCRBY, which Redis refuses at maxmemory once the
     key exists): the claim waits, counted, and goes through once memory is freed."""
-    from streamgrpo.config import load_config
-    from streamgrpo.generator.loop import _claim_sync_slots
-
     srv = redis_factory("system")
     q = RedisQueue(srv.url, namespace=redis_ns, consumer="generator-0", **FAST)
-    cfg = load_config("demo", [f"queue.namespace={redis_ns}", "learner.groups_per_step=4"])
     got: list[int] = []
     try:
-        assert _claim_sync_slots(q, cfg, 1, 2) == 2
+        assert q.claim_sync_slots(1, 2, 4) == 2
         before = _value(metrics.REDIS_FULL_WAITS, op="sync_claim")
         _fill(q)
-        t = threading.Thread(target=lambda: got.append(_claim_sync_slots(q, cfg, 1, 2)))
+        t = threading.Thread(target=lambda: got.append(q.claim_sync_slots(1, 2, 4)))
         t.start()
         deadline = time.monotonic() + 20
         while _value(metrics.REDIS_FULL_WAITS, op="sync_claim") == before and time.monotonic() < deadline:

@@ -3,7 +3,10 @@
 :class:`~streamgrpo.transport.queue.redis_stream.RedisQueue` implements it (see there for the guarantees).
 Producers ``put``; a learner takes deliveries (``get``), commits the ones whose training a
 checkpoint holds, with that checkpoint's data cursor (``commit``; generators read it back: ``committed_cursors``), releases (``ack``) or dead-letters (``dead_letter``) the rest, and
-counts training failures per group (``record_failure``).
+counts training failures per group (``record_failure``); what the learner keeps beside the groups (the committed
+step, the trained ids, the pending entries of absent ranks, the crash-loop marks), the server's state (memory,
+persistence), on-policy generators' slot claims and read-only inspection. Roles get a queue from
+:func:`streamgrpo.transport.queue.factory.open_queue`; every Redis key is in :mod:`.keys`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,35 @@ class GroupQueue(abc.ABC):
         """The data cursor committed with the learner's checkpoints: ``(num_shards, shard)`` -> ``(epoch,
         position, step)`` (a queue that keeps none: empty, and generators start at the beginning)."""
         return {}
+
+    # --- the learner's bookkeeping around the groups
+    @abc.abstractmethod
+    def committed_step(self) -> int | None: ...
+    @abc.abstractmethod
+    def reset_committed_step(self) -> None: ...
+    @abc.abstractmethod
+    def is_trained(self, group_ids: list[str]) -> list[bool]: ...
+    @abc.abstractmethod
+    def pending_consumers(self) -> dict[str, int]: ...
+    @abc.abstractmethod
+    def adopt(self, consumer: str) -> int: ...
+    @abc.abstractmethod
+    def crash_marks(self): ...  # the crash-loop breaker's marks (.crash_marks.CrashMarks)
+
+    # --- the server's state
+    @abc.abstractmethod
+    def memory(self) -> tuple[int, int]: ...
+    @abc.abstractmethod
+    def persistence(self) -> dict[str, str] | None: ...
+
+    # --- on-policy generators, inspection
+    @abc.abstractmethod
+    def claim_sync_slots(self, version: int, want: int, per_step: int) -> int: ...
+    @abc.abstractmethod
+    def entries(self, count: int | None = None) -> list[tuple[str, str, bytes]]: ...
+    @abc.abstractmethod
+    def dead_letters(self, count: int | None = 100) -> list[dict]: ...
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

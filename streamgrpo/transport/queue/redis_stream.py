@@ -1,19 +1,6 @@
 """The replay queue between generators and the learner: ScoredGroups on a Redis stream.
 
-Keys (``ns`` = ``queue.namespace``):
-
-* ``<ns>:groups`` -- the stream. Entry fields: ``g`` (group id, read without decoding) and ``d``
-  (the :mod:`streamgrpo.wire` message). Consumer group ``learner``; one consumer per learner rank.
-* ``<ns>:dead`` -- dead letters: undecodable, invalid or untrainable entries with the reason, the
-  original stream id, the group id and (when small) the raw bytes. Capped at about 10 000 entries.
-* ``<ns>:held`` -- group id -> stream id of every entry a learner has accepted and not yet
-  committed: the claim that makes a second entry with the same group id a duplicate.
-* ``<ns>:trained`` -- group ids whose training is committed (in a checkpoint), with the time.
-* ``<ns>:failures`` -- group id -> how many training attempts failed (and ``<gid>:err``, the last error).
-* ``<ns>:committed_step`` -- the highest checkpoint step whose groups are committed.
-* ``<ns>:cursor`` -- the data cursor: ``"<num_shards>/<shard>"`` -> ``"<epoch> <position> <step>"``, the furthest
-  record of each generator shard the learner consumed (trained or dropped), committed with the groups of
-  checkpoint ``<step>`` (:meth:`RedisQueue.committed_cursors`; a restarted generator continues after it).
+The keys: :mod:`streamgrpo.transport.queue.keys`.
 
 Delivery is at least once; training is exactly once with the learner (docs/design.md): an accepted
 entry is *held*, stays pending while it trains, and is committed (:meth:`RedisQueue.commit`: marked
@@ -51,6 +38,8 @@ from streamgrpo.transport.queue.base import (  # noqa: F401 - QueueFull is part 
     QueueFull,
     QueueStopped,
 )
+from streamgrpo.transport.queue.crash_marks import CrashMarks
+from streamgrpo.transport.queue.keys import Keys
 from streamgrpo.transport.queue.resp import (
     COMMIT_LUA,
     DEAD_LUA,
@@ -131,13 +120,10 @@ class RedisQueue(GroupQueue):
         self.max_outage_s = max_outage_s
         self.backoff_s = backoff_s
         self.stop = stop  # truthy when the process should stop (a StopFlag): ends outage retries early
-        self.stream = f"{namespace}:groups"
-        self.dead = f"{namespace}:dead"
-        self.trained = f"{namespace}:trained"
-        self.held = f"{namespace}:held"
-        self.failures = f"{namespace}:failures"
-        self.committed_step_key = f"{namespace}:committed_step"
-        self.cursor_key = f"{namespace}:cursor"
+        self.keys = Keys(namespace)
+        self.stream, self.dead, self.trained = self.keys.stream, self.keys.dead, self.keys.trained
+        self.held, self.failures = self.keys.held, self.keys.failures
+        self.committed_step_key, self.cursor_key = self.keys.committed_step, self.keys.cursor
         self.max_failures = int(max_failures)
         # one XREADGROUP BLOCK at most this long: a stop request ends a wait for groups within it
         self._block_s = max(0.05, min(0.5, socket_timeout_s / 4))
@@ -758,6 +744,33 @@ class RedisQueue(GroupQueue):
         """Entries accepted by a learner and not yet committed or released (all consumers)."""
         return int(self._call("HLEN", self._r.hlen, self.held))
 
+    def crash_marks(self) -> CrashMarks:
+        """This consumer's crash-loop marks (:mod:`streamgrpo.transport.queue.crash_marks`)."""
+        return CrashMarks(self._r, self.namespace, self.consumer)
+
+    def claim_sync_slots(self, version: int, want: int, per_step: int) -> int:
+        """On-policy mode: claim up to ``want`` of the ``per_step`` group slots of policy ``version``. All
+        generators share one counter per version, so exactly one step's worth of groups is produced with each
+        version and the learner never sees a stale group. Waits while Redis is at maxmemory."""
+        key = self.keys.sync(version)
+        total = int(self.wait_for_memory("sync_claim", "INCRBY", self._r.incrby, key, want))
+        self._call("EXPIRE", self._r.expire, key, 24 * 3600)
+        return max(0, min(want, per_step - (total - want)))
+
+    def persistence(self) -> dict[str, str] | None:
+        """The server's ``append*`` settings (AOF), or None where CONFIG is refused (managed Redis, ACL)."""
+        try:
+            settings = self._r.config_get("append*")
+        except redis.RedisError:
+            return None
+        return {to_str(k): to_str(v) for k, v in settings.items()}
+
+    def entries(self, count: int | None = None) -> list[tuple[str, str, bytes]]:
+        """``(stream id, group id, message bytes)`` of the stream's first ``count`` entries (None: all), read only."""
+        raw = self._call("XRANGE", self._r.xrange, self.stream, "-", "+", count=count)
+        return [(to_str(sid), fields.get(b"g", b"").decode(errors="replace"), fields.get(b"d", b""))
+                for sid, fields in raw]
+
     # ------------------------------------------------------------------------ inspection
     @property
     def client(self) -> redis.Redis:
@@ -769,8 +782,8 @@ class RedisQueue(GroupQueue):
         with self._lock:
             return list(self._inflight)
 
-    def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
-        """The newest dead letters (without raw bytes), newest first."""
+    def dead_letters(self, count: int | None = 100) -> list[dict[str, Any]]:
+        """The newest ``count`` dead letters (None: all; without raw bytes), newest first."""
         raw = self._call("XREVRANGE", self._r.xrevrange, self.dead, count=count)
         return [
             {"id": to_str(sid), **{to_str(k): (to_str(v) if k != b"data" else len(v)) for k, v in fields.items()}}

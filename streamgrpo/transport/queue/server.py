@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
 
+import redis
+
 from streamgrpo.runtime import die_with_parent, free_port, stop_process  # noqa: F401 - free_port: part of this module's API
 
 log = logging.getLogger(__name__)
@@ -223,8 +225,6 @@ class EmbeddedRedis:
         raise RedisServerError("could not find a free port for redis-server")  # pragma: no cover
 
     def _wait_ready(self) -> None:
-        import redis
-
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout_s
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1.0, socket_timeout=2.0)
@@ -284,6 +284,27 @@ class EmbeddedRedis:
 
     def __repr__(self) -> str:
         return f"EmbeddedRedis({self.binary!r}, pid={self.pid}, run_dir={str(self.run_dir)!r})"
+
+
+def wait_until_answering(url: str, timeout_s: float = 60.0) -> str | None:
+    """Wait for the Redis at ``url`` to answer PING (a server just started, e.g. by the Slurm job); None once it
+    does, else one line saying it did not."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                if client.ping():
+                    return None
+            except redis.ConnectionError:
+                pass
+            except redis.RedisError as exc:
+                return f"redis at {url.split('@')[-1]} refused PING: {exc}"
+            if time.monotonic() >= deadline:
+                return f"redis-server did not answer in {timeout_s:g} s"
+            time.sleep(0.5)
+    finally:
+        client.close()
 
 
 def durability_warning(settings: dict[str, str] | None) -> str | None:
