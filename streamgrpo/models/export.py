@@ -253,7 +253,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, adapter: bool 
         raise ExportError(f"{ckpt}: no config.json or adapter_config.json (not a checkpoint or model directory)")
     if adapter and not is_lora:
         raise ExportError(f"{ckpt}: --adapter needs a LoRA checkpoint (adapter_config.json); this one has full weights")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty")
     files = RunFiles.of(ckpt, config)
     trainer_state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else {}
@@ -263,22 +263,27 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, adapter: bool 
     if is_lora and not base_model:
         raise ExportError(f"{ckpt / 'adapter_config.json'}: no base_model_name_or_path; pass --base")
 
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # written here, renamed when complete: no half export at ``out``
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     merged = is_lora and not adapter
     if merged:
-        load_merged(ckpt, base_model).save_pretrained(out, safe_serialization=True)
+        load_merged(ckpt, base_model).save_pretrained(tmp, safe_serialization=True)
     for name in model_files((p.name for p in ckpt.iterdir() if p.is_file()), adapter=is_lora, merged=merged):
-        shutil.copy2(ckpt / name, out / name)
+        shutil.copy2(ckpt / name, tmp / name)
     if is_lora and adapter and base:
-        (out / "adapter_config.json").write_text(json.dumps({**lora, "base_model_name_or_path": base}, indent=2) + "\n")
+        (tmp / "adapter_config.json").write_text(json.dumps({**lora, "base_model_name_or_path": base}, indent=2) + "\n")
     elif is_lora and adapter and not is_hub_id(base_model):
         log.warning("adapter_config.json names a local base model (%s): pass --base ORG/NAME so that users of the "
                     "exported adapter can load it", base_model)
     step = trainer_state.get("step")
     version = (trainer_state.get("learner") or {}).get("version", step)
-    (out / "README.md").write_text(export_card(
+    (tmp / "README.md").write_text(export_card(
         body=_card_body(files, cfg, trainer_state), base_model=base_model, adapter=adapter, lora=lora, step=step,
         eval_md=files.eval_md.read_text() if files.eval_md else None,
         history=eval_history(_jsonl(files.eval_history), version), config_yaml=config_yaml))
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
     log.info("exported %s -> %s", ckpt, out)
     return out
