@@ -316,6 +316,22 @@ def cmd_model_merge(args) -> int:
     return 0
 
 
+def cmd_model_export(args) -> int:
+    from streamgrpo.commands.infer import checkpoint_of
+    from streamgrpo.models.export import export_checkpoint
+
+    out = export_checkpoint(checkpoint_of(args.checkpoint), args.out, adapter=args.adapter, base=args.base,
+                            config=args.config)
+    print(f"exported to {out} (`streamgrpo model push {out} --repo ORG/NAME` uploads it)")
+    return 0
+
+
+def cmd_model_push(args) -> int:
+    from streamgrpo.commands.model_push import run_push
+
+    return run_push(args)
+
+
 def cmd_keys(args) -> int:
     from streamgrpo.transport.weights.keys import generate_keys
 
@@ -546,6 +562,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
     p.set_defaults(func=cmd_model_merge)
+    p = model.add_parser("export", help="a checkpoint in the Hugging Face Hub's layout: safetensors, config, processor, "
+                                        "a model card with the run's config, metrics and evaluation")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, or a run directory (its newest)")
+    p.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    p.add_argument("--adapter", action="store_true", help="LoRA: keep the adapter (peft layout) instead of merging "
+                   "it into the base model")
+    p.add_argument("--base", default=None, help="LoRA: the base model (default: the adapter's base_model_name_or_path);"
+                   " with --adapter, the Hub id written into adapter_config.json")
+    p.add_argument("--config", default=None, help="the run's config file, when its run directory has no config.yaml")
+    p.set_defaults(func=cmd_model_export)
+    p = model.add_parser("push", help="upload an exported model directory to the Hugging Face Hub (huggingface_hub; "
+                                      "token: HF_TOKEN or `hf auth login`)")
+    p.add_argument("folder", metavar="DIR", help="the output of `streamgrpo model export`")
+    p.add_argument("--repo", required=True, help="the Hub repository, ORG/NAME (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--message", default=None, help="the commit message")
+    p.set_defaults(func=cmd_model_push)
 
     cfg = sub.add_parser("config", help="config tools").add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     cfg.required = True
@@ -593,6 +626,9 @@ USER_ERRORS: tuple[tuple[str, tuple[str, ...], int], ...] = (
     ("streamgrpo.engines.vllm_start", ("VLLMStartError",), FAILED_EXIT),
     ("streamgrpo.engines.vllm", ("VLLMNotInstalled",), USAGE_EXIT),
     ("streamgrpo.transport.weights.shm", ("ShmUnavailable",), USAGE_EXIT),
+    ("streamgrpo.models.export", ("ExportError",), USAGE_EXIT),
+    ("streamgrpo.commands.model_push", ("NotAnExport",), USAGE_EXIT),
+    ("streamgrpo.commands.model_push", ("PushError",), FAILED_EXIT),
 )
 
 

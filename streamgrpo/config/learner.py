@@ -107,4 +107,4 @@ class LearnerConfig(Section):
     replica_check_every: int = Field(0, ge=0)
     """Several ranks (ZeRO-0/1/2): every this many steps, compare a checksum of the weights across ranks and stop with an error if they differ (0 = off)."""
     peak_tflops: Optional[float] = Field(None, gt=0.0, le=1e6)
-    """Peak dense TFLOP/s of one learner device at the training precision, for MFU (streamgrpo_learner_mfu, `mfu` in metrics.jsonl); null looks it up by the CUDA device's name (H100, H200, A100); on a CPU or an unlisted GPU MFU is then not reported."""
+    """Peak dense TFLOP/s of one learner device at the training precision, for MFU (streamgrpo_learner_mfu, `mfu` in metrics.jsonl); null looks it up by the GPU's name (H100, H200, A100; AMD MI300X, MI325X, MI250X); on a CPU or an unlisted GPU MFU is then not reported."""

@@ -33,7 +33,7 @@ the model's FLOPs, not the hardware's.
 
 MFU = step FLOPs / (step seconds x the peak FLOP/s of every learner device). The peak comes from
 ``learner.peak_tflops`` when set, else from :data:`PEAK_TFLOPS` by the CUDA device's name and the
-training precision; on a CPU, or an unknown GPU, without ``learner.peak_tflops`` it is unknown and
+training precision (NVIDIA H100/H200/A100, AMD MI300X/MI325X/MI250X); on a CPU, or an unknown GPU, without ``learner.peak_tflops`` it is unknown and
 MFU is reported as absent (``null`` in metrics.jsonl, NaN on the gauge).
 """
 
@@ -369,12 +369,19 @@ PEAK_TFLOPS: tuple[tuple[tuple[str, ...], tuple[float, float, float]], ...] = (
     (("H100", "PCIE"), (756.5, 378.0, 51.2)),
     (("H100",), (989.4, 494.7, 66.9)),  # SXM ("NVIDIA H100 80GB HBM3")
     (("A100",), (312.0, 156.0, 19.5)),
+    # AMD Instinct, as ROCm's torch names them ("AMD Instinct MI300X"): dense matrix peaks from AMD's data
+    # sheets (amd.com/en/products/accelerators/instinct/mi300/mi300x.html, .../mi325x.html,
+    # .../mi200/mi250x.html) and ROCm's "MI300 microarchitecture" page. MI300X and MI325X: BF16 1307.4, TF32
+    # 653.7, FP32 163.4; MI250X: BF16 383.0, no TF32 (tf32 matmuls run as FP32 matrix ops: 95.7), FP32 95.7.
+    (("MI325X",), (1307.4, 653.7, 163.4)),
+    (("MI300X",), (1307.4, 653.7, 163.4)),
+    (("MI250X",), (383.0, 95.7, 95.7)),
 )
 PRECISIONS = ("bf16", "tf32", "fp32")
 
 
 def peak_tflops(device_name: str | None, precision: str = "bf16") -> float | None:
-    """Dense peak TFLOP/s of a CUDA device by its name (``torch.cuda.get_device_name()``); None if unknown."""
+    """Dense peak TFLOP/s of a GPU by its name (``torch.cuda.get_device_name()``, ROCm's torch too); None if unknown."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
     if not device_name:

@@ -140,12 +140,12 @@ def decoder_attention(cfg: Any, flash_attn: bool | None = None) -> str:
     whether it imports here)."""
     import importlib.util
 
-    from streamgrpo.models.attention import choose
+    from streamgrpo.models.attention import choose, is_rocm
 
     if flash_attn is None:
         flash_attn = importlib.util.find_spec("flash_attn") is not None
     return choose(cfg.model.attn_implementation, cuda=True, flash_attn=flash_attn,
-                  custom_mask=bool(cfg.learner.shared_prompt)).kernel
+                  custom_mask=bool(cfg.learner.shared_prompt), rocm=is_rocm()).kernel
 
 
 def workload(cfg: Any, shape: ModelShape, world_size: int = 1, *, flash_attn: bool | None = None) -> Workload:

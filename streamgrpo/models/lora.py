@@ -269,8 +269,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     weights (safetensors), the processor (from the adapter directory when it has one, else from
     the base) and a README model card. Returns ``out``.
     """
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
     adapter, out = Path(adapter), Path(out)
     cfg_file = adapter / "adapter_config.json"
@@ -280,10 +279,9 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     base = base or acfg.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{cfg_file}: no base_model_name_or_path; pass --base")
-    model = AutoModelForImageTextToText.from_pretrained(base, dtype="auto")
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
+    merged = load_merged(adapter, base)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)
     has_processor = any((adapter / f).is_file() for f in ("processor_config.json", "preprocessor_config.json"))
@@ -294,6 +292,16 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
             shutil.copy(adapter / extra, out / f"adapter_{extra}")
     log.info("merged %s into %s -> %s", adapter, base, out)
     return out
+
+
+def load_merged(adapter: str | Path, base: str):
+    """The ``base`` model (in its own dtype) with the LoRA ``adapter`` directory merged in: a plain transformers
+    model, no peft layers left."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype="auto")
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
 
 
 def merged_model_card(adapter: Path, base: str, adapter_cfg: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from streamgrpo.cli import build_parser, main
 
 COMMANDS = [
     ["up"], ["learner"], ["generator"], ["infer"], ["eval"], ["report"], ["data", "check"], ["data", "demo"],
-    ["model", "tiny"], ["model", "merge"], ["config", "show"], ["config", "init"], ["keys"],
+    ["model", "tiny"], ["model", "merge"], ["model", "export"], ["model", "push"], ["config", "show"], ["config", "init"], ["keys"],
 ]
 
 

@@ -199,6 +199,17 @@ def test_shared_prompt_counts_each_prompt_once_by_hand():
     assert flops == step_flops(shape, work, counter.training) < step_flops(shape, rows, counter.training)
 
 
+def test_peak_table_knows_amd_instinct_by_rocm_device_names():
+    assert peak_tflops("AMD Instinct MI300X") == 1307.4
+    assert peak_tflops("AMD Instinct MI300X VF") == 1307.4  # a virtual function (cloud VMs)
+    assert peak_tflops("AMD Instinct MI325X") == 1307.4
+    assert peak_tflops("AMD Instinct MI250X") == 383.0
+    assert peak_tflops("AMD Instinct MI300X", "tf32") == 653.7
+    assert peak_tflops("AMD Instinct MI250X", "fp32") == 95.7
+    assert peak_tflops("AMD Instinct MI300A") is None  # the APU: not listed, MFU not reported
+    assert device_peak_flops(None, "AMD Instinct MI300X", "bf16") == pytest.approx(1307.4e12)
+
+
 def test_peak_table_config_override_and_mfu():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert peak_tflops("NVIDIA H200") == 989.4

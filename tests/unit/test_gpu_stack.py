@@ -219,6 +219,28 @@ def test_attention_choice(asked, cuda, flash, mask, kernel, fallback):
     assert "\n" not in choice.line and choice.line.startswith("model.attn_implementation")
 
 
+@pytest.mark.parametrize("asked, flash, kernel", [
+    ("auto", True, "sdpa"),  # ROCm: auto never picks flash-attn, installed or not
+    ("auto", False, "sdpa"),
+    ("flash_attention_2", True, "flash_attention_2"),  # asked for by name: the user's choice
+    ("flash_attention_2", False, "sdpa"),
+])
+def test_attention_choice_on_rocm(asked, flash, kernel):
+    choice = attention.choose(asked, cuda=True, flash_attn=flash, rocm=True)
+    assert choice.kernel == kernel
+    if asked == "auto":
+        assert choice.line == "model.attn_implementation auto: sdpa (ROCm)" and not choice.fallback
+
+
+def test_rocm_is_read_from_torch_version_hip(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482", raising=False)
+    assert attention.is_rocm()
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert not attention.is_rocm()
+
+
 def test_auto_picks_sdpa_on_a_cpu_and_a_missing_flash_attn_is_one_line(tiny_model_dir, caplog, monkeypatch):
     from streamgrpo.config import load_config
     from streamgrpo.models.loading import load_model
