@@ -337,7 +337,9 @@ def test_infer_engine_vllm_answers_a_batch_in_one_call_as_hf_does(tiny_model_dir
     ref, err_hf = infer("hf")
     t_hf = time.monotonic() - t0
     assert "in 1 hf generate call(s); 1 skipped" in err_hf  # 6 records, --batch-size 8 by default
-    assert [(r["id"], r["completion"], r["answer"], r["completion_tokens"]) for r in got] == \
-        [(r["id"], r["completion"], r["answer"], r["completion_tokens"]) for r in ref]
-    print(f"\ninfer --engine vllm: {len(good)} records in {t_vllm:.1f}s (engine start included), --engine hf {t_hf:.1f}s; "
-          f"greedy completions equal; answers {[r['answer'] for r in got]}")
+    # the same tokens; a completion cut mid-character ends in U+FFFD in HF's decode, vLLM's detokenizer holds it back
+    same = [(r["id"], r["completion"].rstrip("\ufffd"), r["answer"], r["completion_tokens"]) for r in ref]
+    assert [(r["id"], r["completion"].rstrip("\ufffd"), r["answer"], r["completion_tokens"]) for r in got] == same
+    started = re.search(r"started in ([0-9.]+)s", err)
+    print(f"\ninfer --engine vllm: {len(good)} records in {t_vllm:.1f}s (engine start "
+          f"{started.group(1) if started else '?'}s), --engine hf {t_hf:.1f}s; greedy completions equal")
