@@ -462,7 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_completion_length")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="hf (default) or vllm (needs vLLM; rollout.vllm.* settings apply; no --adapter)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="prompts per generate call (default 8; 64 with --engine vllm, which schedules them itself)")
     _add_config_args(p)
     p.set_defaults(func=cmd_infer)
 

@@ -13,6 +13,10 @@ resumable: ids already in the output are skipped, and a line cut short by a kill
 redone. A record that cannot be used (bad JSON, missing or unreadable media) is reported in one line
 naming its id and path, counted in ``streamgrpo_errors_total{kind="data"}`` and skipped.
 
+``--engine vllm`` answers with vLLM (:class:`~streamgrpo.engines.vllm.VLLMEngine`, ``rollout.vllm``
+settings) instead of the HF engine: ``--batch-size`` prompts (default :data:`BATCH_SIZE`) go to it in
+one generate call, which it schedules itself; prompts, frames and answer extraction are the same.
+
 Config resolution and record reading here are shared with :mod:`streamgrpo.commands.evaluate`; model
 loading and the batched generation loop with the evaluator too (:mod:`streamgrpo.evaluator.answering`).
 """
@@ -27,11 +31,22 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from streamgrpo.config import Config, ConfigError, load_config
-from streamgrpo.evaluator.answering import load_policy, report_bad, result_rows, run_batches
+from streamgrpo.evaluator.answering import (
+    ENGINE_OPTION,
+    engine_choice,
+    load_policy,
+    report_bad,
+    result_rows,
+    run_batches,
+)
 
 log = logging.getLogger("streamgrpo.infer")
 
 _NO_TRUTH = "\x00streamgrpo-no-ground-truth\x00"  # stands in for a missing gpt turn while parsing
+BATCH_SIZE = {"hf": 8, "vllm": 64}
+"""Default ``--batch-size`` per engine: prompts per generate call. vLLM batches continuously inside a
+call, so it gets more at once; the prepared requests (decoded frames) of one call are held in memory,
+and a killed run redoes at most one call's records."""
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -252,6 +267,9 @@ def _check_infer_args(args) -> bool:
         raise ConfigError("give --prompt (with --video/--image) for one answer, or --input and --output for a batch")
     if batch and not args.output:
         raise ConfigError("batch mode needs --output (the results JSONL; re-running continues it)")
+    engine = engine_choice(args.engine, args.adapter, ENGINE_OPTION["infer"])
+    if args.batch_size is None:
+        args.batch_size = BATCH_SIZE[engine]
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     return batch
@@ -276,7 +294,8 @@ def _answer_todo(args, model: str, cfg: Config, sampling, todo: list, no_truth: 
     printed); returns the exit code."""
     from streamgrpo.rewards import RewardSet
 
-    policy = load_policy(model, cfg, args.adapter)
+    engine = args.engine
+    policy = load_policy(model, cfg, args.adapter, engine=engine, records=todo, role="infer")
     rewards = RewardSet(cfg) if len(no_truth) < len(todo) else None
     sink = LineSink(args.output) if args.output else None
     bad: list[Exception] = []
@@ -307,8 +326,10 @@ def _answer_todo(args, model: str, cfg: Config, sampling, todo: list, no_truth: 
     finally:
         if sink is not None:
             sink.close()
+        policy.close()
     if batch:
-        print(f"{written} record(s) written to {args.output}; {unread + len(bad)} skipped", file=sys.stderr)
+        print(f"{written} record(s) written to {args.output} in {policy.calls} {engine} generate call(s); "
+              f"{unread + len(bad)} skipped", file=sys.stderr)
     elif bad:
         return 1
     return 0

@@ -89,9 +89,16 @@ from streamgrpo.wire import Visual
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed in this Python environment. "
-                "Install it with `pip install 'streamgrpo[gpu]'` (CUDA machines) or `make setup-vllm` "
-                "(the CPU build, in .venv-vllm), or use rollout.engine=hf.")
+
+def install_hint(setting: str = "rollout.engine") -> str:
+    """What to do without vLLM; ``setting``: the config key or flag (``--engine``) that chose it."""
+    eq = " " if setting.startswith("--") else "="
+    return (f"{setting}{eq}vllm needs vLLM, which is not installed in this Python environment. "
+            "Install it with `pip install 'streamgrpo[gpu]'` (CUDA machines) or `make setup-vllm` "
+            f"(the CPU build, in .venv-vllm), or use {setting}{eq}hf.")
+
+
+INSTALL_HINT = install_hint()
 WORKER_EXTENSION = "streamgrpo.engines.vllm_worker.StreamGRPOWorkerExtension"
 # The processor must not resize or re-sample: the frames are already what the message carries.
 MM_PROCESSOR_KWARGS: dict[str, dict[str, bool]] = {

@@ -22,6 +22,8 @@ class Policy:
     factor: int
     temporal_patch: int
     name: str
+    calls: int = 0
+    """Engine generate calls made by :func:`run_batches` (each one batch of prompts)."""
 
     def close(self) -> None:
         import gc
@@ -36,39 +38,46 @@ class Policy:
             torch.cuda.empty_cache()
 
 
-def engine_choice(engine: str, adapter: str | None) -> str:
-    """``hf`` or ``vllm`` (``eval.engine``; pure): vLLM answers with a plain or merged model only."""
+ENGINE_OPTION = {"eval": "eval.engine", "infer": "--engine"}  # what chooses the engine, per role
+
+
+def engine_choice(engine: str, adapter: str | None, option: str = "eval.engine") -> str:
+    """``hf`` or ``vllm`` (``eval.engine``, or ``infer --engine``: ``option``; pure): vLLM answers with a plain
+    or merged model only."""
+    eq = " " if option.startswith("--") else "="
     if engine not in ("hf", "vllm"):
-        raise ConfigError(f"eval.engine={engine!r}: expected hf or vllm")
+        raise ConfigError(f"{option}{eq}{engine!r}: expected hf or vllm")
     if engine == "vllm" and adapter:
-        raise ConfigError(f"eval.engine=vllm answers with a merged model, not --adapter {adapter!r}: "
-                          "`streamgrpo model merge --adapter DIR --out MERGED` first, or eval.engine=hf")
+        raise ConfigError(f"{option}{eq}vllm answers with a merged model, not --adapter {adapter!r}: "
+                          f"`streamgrpo model merge --adapter DIR --out MERGED` first, or {option}{eq}hf")
     return engine
 
 
-def vllm_policy(model: str, cfg: Config, records: Sequence | None = None) -> Policy:
+def vllm_policy(model: str, cfg: Config, records: Sequence | None = None, role: str = "eval") -> Policy:
     """``model`` behind a :class:`~streamgrpo.engines.vllm.VLLMEngine` (``rollout.vllm`` settings; the
-    multimodal limits from ``records``, else from ``data.train_path``)."""
+    multimodal limits from ``records``, else from ``data.train_path``). ``role`` (eval, infer) names its
+    start-error line and log file, and the setting the install hint names."""
     from streamgrpo.data.prompts import vision_factors
-    from streamgrpo.engines.vllm import VLLMEngine, VLLMNotInstalled
+    from streamgrpo.engines.vllm import VLLMEngine, VLLMNotInstalled, install_hint
     from streamgrpo.models.loading import load_processor
 
     processor = load_processor(model, cfg.model.revision if model == cfg.model.name_or_path else None)
     vcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": model, "lora": None})})
     counts = None if records is None else [(len(r.videos), len(r.images)) for r in records]
     try:
-        engine = VLLMEngine.from_config(vcfg, processor, name="eval", counts=counts)
-    except VLLMNotInstalled as exc:
-        raise ConfigError(f"eval.engine=vllm: {exc}") from None
+        engine = VLLMEngine.from_config(vcfg, processor, name=role, counts=counts)
+    except VLLMNotInstalled as exc:  # its hint names rollout.engine: name what chose vLLM here
+        raise ConfigError(f"{install_hint(ENGINE_OPTION[role])} (import error: {exc.__cause__})") from None
     factor, temporal = vision_factors(processor)
     return Policy(engine, processor, factor, temporal, model)
 
 
 def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: str = "hf",
-                records: Sequence | None = None) -> Policy:
+                records: Sequence | None = None, role: str = "eval") -> Policy:
     """Load ``model`` (checkpoint dir, merged model, base model or hub id), optionally with a LoRA
     ``adapter`` merged in, behind an :class:`~streamgrpo.engines.hf.HFEngine` -- or with
-    ``engine="vllm"`` (``eval.engine``) behind vLLM (:func:`vllm_policy`; ``records``: what it will answer).
+    ``engine="vllm"`` (``eval.engine``, ``infer --engine``: ``role``) behind vLLM (:func:`vllm_policy`;
+    ``records``: what it will answer).
 
     dtype: ``model.dtype`` when the config sets it, else float32 on CPU (bf16 matmuls are slow
     there) and the default bfloat16 on CUDA.
@@ -80,8 +89,8 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: 
     looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1
     if looks_local and not Path(model).expanduser().is_dir():
         raise ConfigError(f"model directory {model!r} not found")
-    if engine_choice(engine, adapter) == "vllm":
-        return vllm_policy(model, cfg, records)
+    if engine_choice(engine, adapter, ENGINE_OPTION[role]) == "vllm":
+        return vllm_policy(model, cfg, records, role)
     device = resolve_device(cfg.rollout.device)
     model_cfg = cfg.model.model_copy(update={"name_or_path": model, "lora": None})
     dtype = model_cfg.dtype if ("dtype" in cfg.model.model_fields_set or device.type != "cpu") else "float32"
@@ -200,6 +209,7 @@ def run_batches(policy: Policy, records: Sequence, data_cfg, sampling, *, batch_
         if not pending:
             return
         outs = policy.engine.generate([req for _, req in pending], sampling)
+        policy.calls += 1
         for (rec, _), group in zip(pending, outs):
             emit(rec, group)
         done += len(pending)
