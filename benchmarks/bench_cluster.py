@@ -408,7 +408,7 @@ def reference_group(size_mb: float, folder: str):
     from benchmarks.bench_media import _records
     from streamgrpo.data.video import decode_resized
     from streamgrpo.wire import MediaRef, Visual
-    from streamgrpo.wire_media import frames_digest
+    from streamgrpo.wire.media import frames_digest
 
     t = max(1, round(size_mb * 1e6 / (448 * 448 * 3)))
     root = Path(folder) / f"{size_mb:g}MB"

@@ -68,7 +68,7 @@ def _group_3b(root: Path):
     """One group at the 3B benchmark shape, its frames decoded from a real mp4 (16 x 448 x 448)."""
     from streamgrpo.data.video import decode_resized
     from streamgrpo.wire import Completion, MediaRef, ScoredGroup, Visual
-    from streamgrpo.wire_media import frames_digest
+    from streamgrpo.wire.media import frames_digest
 
     _records(root, 1, 16, 448)
     frames = decode_resized("video", str(root / "videos" / "c0.mp4"), list(range(16)), 448, 448, "auto")

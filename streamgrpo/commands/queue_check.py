@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from streamgrpo.config import Config
-from streamgrpo.wire_arrays import _ALIGN, _HEAD
+from streamgrpo.wire.arrays import _ALIGN, _HEAD
 
 
 def file_messages(path: str | Path) -> Iterator[tuple[str, bytes]]:

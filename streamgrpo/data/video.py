@@ -60,7 +60,7 @@ from streamgrpo.data.sampling import (
     smart_resize,
 )
 from streamgrpo.wire import MediaRef, Visual
-from streamgrpo.wire_media import frames_digest
+from streamgrpo.wire.media import frames_digest
 
 __all__ = [
     "DataError",

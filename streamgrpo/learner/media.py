@@ -40,7 +40,7 @@ from streamgrpo.data.decode import (
 from streamgrpo.data.records import default_media_root, ref_file
 from streamgrpo.data.video import decode_resized
 from streamgrpo.wire import ScoredGroup, Visual
-from streamgrpo.wire_media import digest_matches, frames_digest
+from streamgrpo.wire.media import digest_matches, frames_digest
 
 log = logging.getLogger("streamgrpo.learner")
 

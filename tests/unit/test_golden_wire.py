@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from streamgrpo.wire import Completion, MediaRef, ScoredGroup, Visual, decode, encode
-from streamgrpo.wire_media import frames_digest
+from streamgrpo.wire.media import frames_digest
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 

@@ -179,7 +179,7 @@ def test_read_ahead_reads_the_next_step_only_once_references_are_seen():
 
 
 def test_frames_digest_is_of_the_bytes_in_c_order():
-    from streamgrpo.wire_media import digest_matches, frames_digest
+    from streamgrpo.wire.media import digest_matches, frames_digest
 
     a = np.arange(2 * 4 * 6 * 3, dtype=np.uint8).reshape(2, 4, 6, 3)
     assert frames_digest(a) == frames_digest(np.asfortranarray(a))  # the same pixels, another memory layout

@@ -18,7 +18,7 @@ from streamgrpo.data.video import decode_resized
 from streamgrpo.learner import media as media_mod
 from streamgrpo.learner.media import MediaError, MediaResolver
 from streamgrpo.wire import MediaRef, ScoredGroup, Visual
-from streamgrpo.wire_media import frames_digest
+from streamgrpo.wire.media import frames_digest
 
 JOIN_S = 60.0  # a regression hangs in the kernel's FIFO open: the test fails after this instead of hanging
 

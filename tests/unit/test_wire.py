@@ -363,7 +363,7 @@ def _by_reference(g: ScoredGroup, algorithm: str = "xxh3_128") -> ScoredGroup:
     from dataclasses import replace
 
     from streamgrpo.wire import MediaRef
-    from streamgrpo.wire_media import frames_digest
+    from streamgrpo.wire.media import frames_digest
 
     return replace(g, visuals=[replace(v, ref=MediaRef(f"clips/{i}.mp4", v.frames.shape[1], v.frames.shape[2],
                                                        frames_digest(v.frames, algorithm), "auto"))
@@ -373,7 +373,7 @@ def _by_reference(g: ScoredGroup, algorithm: str = "xxh3_128") -> ScoredGroup:
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
 def test_reference_visuals_round_trip_without_pixels(algorithm):
     from streamgrpo.wire import inline
-    from streamgrpo.wire_media import digest_matches
+    from streamgrpo.wire.media import digest_matches
 
     g = make_group()
     ref = _by_reference(g, algorithm)

@@ -5,7 +5,7 @@
     u64 header length | JSON header (padded with spaces) | tensor bytes
 
 The JSON header maps each tensor name to ``{"dtype": "BF16", "shape": [...], "data_offsets": [b, e]}``
-(the safetensors format, dtype codes from :mod:`streamgrpo.dtypes`); tensor bytes are ordered by
+(the safetensors format, dtype codes from :mod:`streamgrpo.wire.dtypes`); tensor bytes are ordered by
 element size (largest first) so every tensor is aligned to its element size, and the data starts at
 a multiple of 64 bytes. Tied tensors (the same memory under two names) travel once; the other names
 are listed in ``__metadata__["streamgrpo.aliases"]``. So a received version can be written to disk
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from streamgrpo import dtypes
+from streamgrpo.wire import dtypes
 
 ALIGN = 64  # the data section starts at a multiple of this
 ALIASES_KEY = "streamgrpo.aliases"

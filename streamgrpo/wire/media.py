@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from streamgrpo.wire_arrays import WireError
+from streamgrpo.wire.arrays import WireError
 
 DECODERS = ("auto", "decord", "pyav")  # data.video_backend values; images always decode with PIL
 MAX_PATH_CHARS = 4096

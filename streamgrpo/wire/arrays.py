@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from streamgrpo.dtypes import BY_NAME, NUMPY_NAMES
+from streamgrpo.wire.dtypes import BY_NAME, NUMPY_NAMES
 
 _EXT_ARRAY = 1
 _ALIGN = 8
@@ -20,7 +20,7 @@ _MAX_NDIM = 32
 _PAD = bytes(_ALIGN)
 _HEAD = struct.Struct("<4sIQ")  # magic, header length, body length
 
-# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart); one table: streamgrpo.dtypes
+# dtype name on the wire -> little-endian numpy dtype (bfloat16 is handled apart); one table: streamgrpo.wire.dtypes
 _DTYPES: dict[str, np.dtype] = {name: BY_NAME[name].np for name in NUMPY_NAMES}
 _BF16 = "bfloat16"
 _NAME_OF = {dt: name for name, dt in _DTYPES.items()}  # dtype.name is slow; look dtypes up instead

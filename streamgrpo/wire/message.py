@@ -5,7 +5,7 @@ Frame layout (all integers little-endian)::
     b"SGRP"  u32 header_len  u64 body_len  header (msgpack map)  zero padding to 8  body (raw array bytes)
 
 A visual travels as its frames or, schema 3, as a reference (``Visual.ref``, a
-:class:`~streamgrpo.wire_media.MediaRef`: file, decoder, size and the digest of the pixels; the
+:class:`~streamgrpo.wire.media.MediaRef`: file, decoder, size and the digest of the pixels; the
 learner decodes it again and checks the digest). Schema 2 messages (every visual inline) still decode.
 
 The header holds every scalar, string and list of the group. Each array in it is a msgpack
@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import msgpack
 import numpy as np
 
-from streamgrpo.wire_arrays import (
+from streamgrpo.wire.arrays import (
     _ALIGN,
     _HEAD,
     _NATIVE,
@@ -48,7 +48,7 @@ from streamgrpo.wire_arrays import (
     _resolve,
     _resolve_tree,
 )
-from streamgrpo.wire_media import MAX_FRAMES, MediaRef, check_ref, ref_from_wire, ref_to_wire
+from streamgrpo.wire.media import MAX_FRAMES, MediaRef, check_ref, ref_from_wire, ref_to_wire
 
 LOGPROB_MIN = -1000.0  # below any sampler's reach: the smallest positive float64 is e^-745
 LOGPROB_MAX = 1e-3  # a log-probability is at most 0 (this much rounding above it is allowed)
@@ -67,7 +67,7 @@ class Visual:
     """One video or image exactly as the generator fed it to the model (already resized).
 
     It travels as its pixels (``frames``) or, with ``ref`` set, as a reference the learner decodes
-    again and checks against the digest (:mod:`streamgrpo.wire_media`); a visual with both travels
+    again and checks against the digest (:mod:`streamgrpo.wire.media`); a visual with both travels
     by reference. A decoded reference visual has ``frames`` None until the learner resolves it.
     """
 

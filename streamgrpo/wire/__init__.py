@@ -1,0 +1,28 @@
+"""What travels between the roles: the ScoredGroup message and its codec (:mod:`.message`; the format in prose:
+docs/protocol.md), its arrays as raw bytes (:mod:`.arrays`), visuals by reference (:mod:`.media`), and the one
+dtype table the message and the weight channel share (:mod:`.dtypes`). The message's API is importable from here."""
+
+from streamgrpo.wire.arrays import WireError
+from streamgrpo.wire.media import MediaRef
+from streamgrpo.wire.message import (
+    DEFAULT_MAX_BYTES,
+    LOGPROB_MAX,
+    LOGPROB_MIN,
+    MAGIC,
+    SCHEMA_VERSION,
+    SCHEMAS,
+    Completion,
+    ScoredGroup,
+    Source,
+    Visual,
+    decode,
+    encode,
+    encode_parts,
+    inline,
+    normalized,
+    validate,
+)
+
+__all__ = ["DEFAULT_MAX_BYTES", "LOGPROB_MAX", "LOGPROB_MIN", "MAGIC", "SCHEMAS", "SCHEMA_VERSION", "Completion",
+           "MediaRef", "ScoredGroup", "Source", "Visual", "WireError", "decode", "encode", "encode_parts", "inline",
+           "normalized", "validate"]
