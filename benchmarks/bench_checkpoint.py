@@ -161,7 +161,7 @@ def _relaunch(a, work: Path, model_dir: Path) -> None:
     import subprocess
     import sys
 
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), "-m", "benchmarks.bench_checkpoint", *sys.argv[1:],

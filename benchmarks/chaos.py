@@ -325,7 +325,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
     """Run the soak; returns (the audit, the kills done, what the run looked like)."""
     from streamgrpo.config import load_config
     from streamgrpo.recipes.demo.assets import prepare_assets
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.transport.queue.server import EmbeddedRedis
 

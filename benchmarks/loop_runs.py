@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, child_pythonpath
-from streamgrpo.runtime import (  # noqa: F401 - the benchmarks' vocabulary for run scoring
+from streamgrpo.runtime.accuracy import (  # noqa: F401 - the benchmarks' vocabulary for run scoring
     TARGET_ACCURACY,
     WINDOW_GROUPS,
     group_accuracies,

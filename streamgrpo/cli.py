@@ -55,9 +55,8 @@ def _check_before_loading(cfg, role: str, *, data: bool = False, queue: bool = T
     Redis is left to the queue, which waits for it (``stop=True`` ends this one try at once)."""
     from pathlib import Path
 
-    from streamgrpo.runtime import queue_url
     from streamgrpo.transport.queue.base import QueueStopped
-    from streamgrpo.transport.queue.factory import open_queue
+    from streamgrpo.transport.queue.factory import open_queue, queue_url
 
     if data:
         from streamgrpo.data.records import require_data_path

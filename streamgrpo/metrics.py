@@ -8,9 +8,13 @@ cardinality by construction: ``fn`` (reward function), ``role`` (learner/generat
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +24,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from streamgrpo.config import ConfigError
+from streamgrpo.runtime.jsonl import write_json
 
 log = logging.getLogger(__name__)
 
@@ -262,3 +269,25 @@ class MetricsServer:
 
 def serve(host: str = "127.0.0.1", port: int = 0, health=None) -> MetricsServer:
     return MetricsServer(host, port, health)
+
+
+class MetricsPortTaken(ConfigError):
+    """A fixed metrics port that another process on this host already serves (one line, no traceback)."""
+
+
+def start_metrics(mcfg, run_dir: Path, role: str, health=None, hint: str | None = None):
+    """Serve /metrics and /healthz on ``metrics.host:port`` (a :class:`~streamgrpo.config.MetricsConfig`);
+    record the port in ``<run_dir>/ports/<role>.json``. A fixed port that is taken raises
+    :class:`MetricsPortTaken` saying so in one line (``hint``: how this role gets another)."""
+    try:
+        server = serve(mcfg.host, mcfg.port, health=health)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise MetricsPortTaken(
+            f"{role}: metrics port {mcfg.port} on {mcfg.host} is taken by another process on this host: "
+            f"{hint or 'set metrics.port=0 (a free port)'}; each process's port is written to "
+            f"{run_dir / 'ports'}") from None
+    write_json(run_dir / "ports" / f"{role}.json", {"metrics": server.port, "pid": os.getpid(), "started": time.time()})
+    log.info("%s: metrics on port %d", role, server.port)
+    return server

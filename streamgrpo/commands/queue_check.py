@@ -83,7 +83,7 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
     from streamgrpo.learner.limits import GroupLimits
     from streamgrpo.learner.media import MediaResolver
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import queue_url
+    from streamgrpo.transport.queue.factory import queue_url
 
     processor = load_processor(cfg.model.name_or_path)
     vocab = vocab_size(cfg.model.name_or_path)

@@ -26,20 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config
-from streamgrpo.runtime import (
-    LEARNER_OUTPUTS,
-    TARGET_ACCURACY,
-    WINDOW_GROUPS,
-    RunLock,
-    archive_previous,
-    die_with_parent,
-    free_port,
-    group_accuracies,
-    read_new_lines,
-    stop_processes,
-    target_reached,
-    write_json,
-)
+from streamgrpo.runtime.accuracy import TARGET_ACCURACY, WINDOW_GROUPS, group_accuracies, target_reached
+from streamgrpo.runtime.jsonl import read_new_lines, write_json
+from streamgrpo.runtime.processes import die_with_parent, free_port, stop_processes
+from streamgrpo.runtime.run_dir import LEARNER_OUTPUTS, RunLock, archive_previous
 
 log = logging.getLogger("streamgrpo.up")
 
@@ -574,7 +564,7 @@ def _interrupt_on_signals() -> dict[int, Any]:
     """SIGINT (Ctrl-C), SIGTERM and SIGHUP (a closed terminal) raise KeyboardInterrupt (its message: the
     signal's name) in ``up``, so each stops every child by PID, also when ``up`` was started where
     SIGINT is ignored (a background job of a script). SIGKILL cannot be caught: the children die with
-    ``up`` then through ``PR_SET_PDEATHSIG`` (:func:`~streamgrpo.runtime.die_with_parent`). Returns the
+    ``up`` then through ``PR_SET_PDEATHSIG`` (:func:`~streamgrpo.runtime.processes.die_with_parent`). Returns the
     previous handlers; {} off the main thread."""
     import threading
 

@@ -20,7 +20,9 @@ from typing import Any
 
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, ConfigError
-from streamgrpo.runtime import JsonlWriter, StopFlag, setup_torch_threads, start_metrics
+from streamgrpo.metrics import start_metrics
+from streamgrpo.runtime.jsonl import JsonlWriter
+from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 
 log = logging.getLogger("streamgrpo.evaluator")
 

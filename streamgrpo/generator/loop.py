@@ -32,7 +32,10 @@ from streamgrpo.generator.applier import WeightApplier
 from streamgrpo.generator.sampling import Sampler
 from streamgrpo.generator.send import send_groups
 from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
-from streamgrpo.runtime import JsonlWriter, StopFlag, queue_url, setup_torch_threads, start_metrics
+from streamgrpo.metrics import start_metrics
+from streamgrpo.runtime.jsonl import JsonlWriter
+from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
+from streamgrpo.transport.queue.factory import queue_url
 from streamgrpo.wire import Source
 
 log = logging.getLogger("streamgrpo.generator")

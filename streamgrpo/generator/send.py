@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from streamgrpo import metrics as M
-from streamgrpo.runtime import StopFlag
+from streamgrpo.runtime.processes import StopFlag
 
 log = logging.getLogger("streamgrpo.generator")
 

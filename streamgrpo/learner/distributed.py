@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 
 log = logging.getLogger(__name__)
 

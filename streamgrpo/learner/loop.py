@@ -80,16 +80,11 @@ from streamgrpo.learner.screen import Screen
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
 from streamgrpo.learner.trainer import Learner
-from streamgrpo.runtime import (
-    JsonlWriter,
-    RunLock,
-    StopFlag,
-    queue_url,
-    rewind_jsonl,
-    setup_torch_threads,
-    start_metrics,
-    write_json,
-)
+from streamgrpo.metrics import start_metrics
+from streamgrpo.runtime.jsonl import JsonlWriter, rewind_jsonl, write_json
+from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
+from streamgrpo.runtime.run_dir import RunLock
+from streamgrpo.transport.queue.factory import queue_url
 
 log = logging.getLogger("streamgrpo.learner")
 

@@ -13,7 +13,8 @@ from streamgrpo.learner.distributed import DistInfo, barrier, broadcast_json, ga
 from streamgrpo.learner.gate import Gate
 from streamgrpo.learner.state import LearnerState
 from streamgrpo.learner.trainer import Learner
-from streamgrpo.runtime import LEARNER_OUTPUTS, archive_previous, rewind_jsonl
+from streamgrpo.runtime.jsonl import rewind_jsonl
+from streamgrpo.runtime.run_dir import LEARNER_OUTPUTS, archive_previous
 
 log = logging.getLogger("streamgrpo.learner")
 

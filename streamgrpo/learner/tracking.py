@@ -123,7 +123,7 @@ class WandbTracker(Tracker):
         log.info("wandb: project %s, run %s (%s), files under %s", project, self.run.name, mode, run_dir / "wandb")
 
     def log_step(self, rec: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
-        from streamgrpo.runtime import read_new_lines
+        from streamgrpo.runtime.jsonl import read_new_lines
 
         data: dict[str, Any] = {**seed_scalars(rec), **flat_scalars(rec)}
         evals: list[dict[str, Any]] = []

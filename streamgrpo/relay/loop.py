@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from streamgrpo.config import Config
-from streamgrpo.runtime import StopFlag, start_metrics
+from streamgrpo.metrics import start_metrics
+from streamgrpo.runtime.processes import StopFlag
 
 log = logging.getLogger("streamgrpo.relay")
 

@@ -36,7 +36,7 @@ def main() -> int:
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.files import read_model_tensors, to_model_names
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
     from streamgrpo.wire import decode
 
     cfg = load_config(args.config)

@@ -66,7 +66,7 @@ def test_training_goes_on_during_the_write_and_its_groups_are_committed_after_it
     step 2's groups stay uncommitted and step-000002 does not exist; once written, they are committed."""
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.learner.trainer import Learner
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     url, run = redis_server.url, tmp_path / "run"

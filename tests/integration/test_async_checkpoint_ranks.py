@@ -126,7 +126,7 @@ def test_kill_9_during_a_two_rank_background_write_resumes_from_the_previous_che
 
 def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_nothing(
         groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     url, run = redis_server.url, tmp_path / "run"
@@ -160,7 +160,7 @@ def test_a_zero3_lora_snapshot_writes_what_a_synchronous_checkpoint_writes(tiny_
     from safetensors.torch import load_file
 
     from streamgrpo.learner.checkpoint import load_tree
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}

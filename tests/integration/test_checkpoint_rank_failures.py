@@ -32,7 +32,7 @@ def groups(tiny_model_dir, demo_data_dir):
 def _fails_on_every_rank(cfg: Path, tmp_path: Path, *inject: str) -> str:
     """Two ranks under torchrun with ``inject`` (driver options); they must both stop on their own, well within
     the process group's timeout (an hour), with the same one line. Returns that line."""
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), DRIVER, *inject, "--out", str(tmp_path), "learner", "--config", str(cfg)]

@@ -62,7 +62,7 @@ def test_a_restarted_generator_continues_its_shard_where_the_learners_checkpoint
     from streamgrpo.data.cursor import next_position
     from streamgrpo.data.dataset import shard_records
     from streamgrpo.data.records import load_records
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     run = tmp_path / "run"

@@ -31,7 +31,7 @@ shutdown(info)
 
 
 def _torchrun(tmp_path: Path, nproc: int, requested: str = "auto") -> list[dict]:
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     script = tmp_path / "join.py"
     script.write_text(SCRIPT)

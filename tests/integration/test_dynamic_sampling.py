@@ -33,7 +33,8 @@ def _collect(tiny_model_dir, tmp_path, url, ns, put, want, *sets):
     from streamgrpo.learner.gate import Gate, collect_groups
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import JsonlWriter, StopFlag
+    from streamgrpo.runtime.jsonl import JsonlWriter
+    from streamgrpo.runtime.processes import StopFlag
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = load_config("demo", [f"queue.url={url}", f"queue.namespace={ns}", "learner.get_timeout_s=0.2",

@@ -55,7 +55,7 @@ def test_evaluator_scores_each_version_at_that_version(warm, weight_publisher, t
     from streamgrpo.evaluator.answering import load_policy
     from streamgrpo.evaluator.loop import _records, evaluate_version, run_evaluator
     from streamgrpo.rewards import RewardSet
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     run = tmp_path / "run"
     cfg = _cfg(warm, run, weight_publisher, "eval.shuffle_frames=true")

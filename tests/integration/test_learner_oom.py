@@ -101,7 +101,7 @@ def test_when_one_sequence_does_not_fit_the_learner_stops_in_one_line(groups, ti
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_retry_when_one_runs_out(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
     """DeepSpeed ranks (gloo): only rank 1 runs out; both retry the step together with the same budget."""
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     cfg = _setup(tmp_path, tiny_model_dir, redis_server, redis_ns, groups, "learner.backend=deepspeed",
                  "learner.dist_backend=gloo")

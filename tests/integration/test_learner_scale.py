@@ -72,7 +72,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _torchrun(*args: str, cwd: Path, timeout: int = 480) -> subprocess.CompletedProcess:
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *args]
@@ -168,7 +168,7 @@ def test_zero2_resume_is_exact_against_an_uninterrupted_replay(groups, tiny_mode
 
 def test_one_process_lora_with_wandb_through_run_learner(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
     from streamgrpo.learner.loop import run_learner
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     cfg_path = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.groups_per_step=2",
                        "learner.max_steps=2", "model.lora={r: 4, alpha: 8}", "metrics.sample_every=2",
@@ -246,7 +246,7 @@ def kill_two_ranks_when(args: list[str], tmp_path: Path, run: Path, ready, *,
     import signal
     import time
 
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *args]

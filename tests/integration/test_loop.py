@@ -208,7 +208,7 @@ def _spawn(cfg: Path, role: str, run: Path, *extra: str) -> subprocess.Popen:
 
 
 def _free_port():
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     return free_port()
 

@@ -146,7 +146,7 @@ def test_changed_and_missing_files_are_dead_letters_that_name_the_file(tiny_mode
     from streamgrpo.learner.media import MediaResolver, ReadAhead
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     data = _copy(demo_data_dir, tmp_path / "demo")
@@ -337,7 +337,7 @@ def test_media_behind_a_symlink_out_of_the_root_travel_inline_and_train(tiny_mod
     from streamgrpo.learner.media import MediaResolver, by_reference
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.wire import decode, encode
 

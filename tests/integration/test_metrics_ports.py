@@ -36,7 +36,7 @@ def _base_port() -> int:
     """The 7B video config's metrics.port (9100) when it and the next one are free here, else another
     free pair (a test elsewhere on this machine may hold 9100)."""
     from streamgrpo.config import load_config
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     shipped = load_config("qwen2_5_vl_7b_video").metrics.port
     assert shipped == 9100
@@ -64,7 +64,7 @@ def test_two_generators_and_their_relay_on_one_host_each_serve_metrics(tiny_mode
                                                                       redis_ns, tmp_path):
     from streamgrpo.config import load_config
     from streamgrpo.relay.keeper import lock_path
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     base = _base_port()
     shm = tmp_path / "shm"

@@ -114,7 +114,7 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
     from streamgrpo.learner.gate import Gate
     from streamgrpo.learner.poison import guarded_step
     from streamgrpo.learner.trainer import Learner
-    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = _cfg(tiny_model_dir, tmp_path, redis_server.url, redis_ns)
@@ -186,7 +186,7 @@ def _gate(tiny_model_dir, tmp_path, url, ns, *sets):
     from streamgrpo.learner.gate import Gate
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = _cfg(tiny_model_dir, tmp_path, url, ns, *sets)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 

@@ -411,7 +411,7 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
     StopFlag): then it raises QueueStopped, naming the outage, and the process can exit."""
     import threading
 
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
     from streamgrpo.transport.queue.redis_stream import QueueStopped
 
     srv = redis_factory("system")
@@ -442,7 +442,7 @@ def test_stop_request_ends_outage_retries(redis_factory, redis_ns):
 def test_a_stop_request_ends_a_wait_for_groups_within_one_block(redis_server, redis_ns):
     """A learner waiting on an empty queue (its generators already stopped by `up`) that gets SIGTERM
     stops waiting after the XREADGROUP BLOCK in flight, not after ``learner.get_timeout_s``."""
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     stop = StopFlag(install=False)
     q = RedisQueue(redis_server.url, namespace=redis_ns, stop=stop, **FAST)
@@ -529,7 +529,7 @@ def test_tls_rediss_url(tmp_path, redis_factory, redis_ns):
 
 def test_generator_sends_a_batch_in_one_xadd_trip_and_skips_only_an_invalid_group(redis_server, redis_ns, queues):
     from streamgrpo.generator.send import send_groups
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     class Audit:
         rows: list = []
@@ -560,7 +560,7 @@ def test_a_stopped_generator_waits_its_stop_grace_for_room_then_gives_its_batch_
     learner that still reads makes it: the batch is delivered); where none reads, 0 gives the batch up
     after one try, logged, instead of waiting out the default 10 s."""
     from streamgrpo.generator.send import send_groups
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     class Audit:
         def __init__(self):

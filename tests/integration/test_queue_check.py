@@ -111,7 +111,7 @@ def test_gate_says_why_a_prompt_mismatches_in_one_warning(good, tiny_model_dir, 
     from streamgrpo.learner.media import MediaResolver
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.runtime import JsonlWriter
+    from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.base import Delivery
 
     class Acks:

@@ -243,7 +243,7 @@ def test_a_rank_killed_in_its_step_charges_only_its_own_group_never_the_peers(gr
 
     import redis
 
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
     from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 

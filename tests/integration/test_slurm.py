@@ -22,14 +22,14 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from streamgrpo.commands.slurm import plan_job, render
 from streamgrpo.config import load_config
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 
 pytestmark = pytest.mark.slow
 
 
 def _free_ports(n: int) -> int:
     """The first of ``n`` consecutive free loopback ports."""
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     for _ in range(50):
         base = free_port()

@@ -130,7 +130,7 @@ def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once
     import threading
 
     from streamgrpo.relay.loop import run_relay
-    from streamgrpo.runtime import StopFlag
+    from streamgrpo.runtime.processes import StopFlag
 
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -22,7 +22,7 @@ from conftest import wait_weights_version as _version
 from prometheus_client import REGISTRY
 
 from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 from streamgrpo.transport.weights.base import WeightsState
 from streamgrpo.transport.weights.keys import generate_keys
 from streamgrpo.transport.weights.publisher import WeightPublisher

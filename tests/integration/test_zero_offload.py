@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def offload_run(tiny_model_dir, demo_data_dir, tmp_path_factory):
     from conftest import sampled_groups as sample_groups  # sampled once per session
 
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
     from streamgrpo.wire import encode
 
     tmp = tmp_path_factory.mktemp("zero_offload")

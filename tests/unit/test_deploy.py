@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from streamgrpo.cli import build_parser
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -48,7 +48,7 @@ def test_train_device_follows_the_plan():
 def test_free_port_is_below_the_ephemeral_range_and_bindable(tmp_path):
     import socket
 
-    from streamgrpo.runtime import ephemeral_low, free_port
+    from streamgrpo.runtime.processes import ephemeral_low, free_port
 
     (tmp_path / "range").write_text("32768\t60999\n")
     assert ephemeral_low(str(tmp_path / "range")) == 32768

@@ -108,7 +108,7 @@ def test_a_rank_whose_media_root_is_unusable_stops_every_rank():
     """MediaUnavailable on one rank: every rank stops with it (none is left in a collective)."""
     import multiprocessing as mp
 
-    from streamgrpo.runtime import free_port
+    from streamgrpo.runtime.processes import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -32,7 +32,7 @@ from streamgrpo.commands.k8s_generator import (
     replicas_of,
     supervise,
 )
-from streamgrpo.runtime import free_port
+from streamgrpo.runtime.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "token-of-the-generator-service-account"

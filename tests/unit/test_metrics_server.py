@@ -65,7 +65,7 @@ def test_a_taken_fixed_port_is_one_line_naming_it_and_the_fix(tmp_path):
     import pytest
 
     from streamgrpo.config import ConfigError, MetricsConfig
-    from streamgrpo.runtime import MetricsPortTaken, start_metrics
+    from streamgrpo.metrics import MetricsPortTaken, start_metrics
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

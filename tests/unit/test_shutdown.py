@@ -43,7 +43,7 @@ def _wait_ready(paths: list[Path]) -> None:
 
 
 def test_stop_processes_signals_all_at_once_and_kills_one_that_ignores_sigterm(tmp_path):
-    from streamgrpo.runtime import stop_processes
+    from streamgrpo.runtime.processes import stop_processes
 
     specs = [_start(tmp_path, "a"), _start(tmp_path, "b"), _start(tmp_path, "deaf", polite=False)]
     procs = [subprocess.Popen(argv) for argv, _ in specs]
@@ -115,7 +115,7 @@ def test_up_notices_the_learners_exit_at_once_not_at_its_next_status(tmp_path):
 def test_a_process_still_there_after_sigkill_does_not_stop_the_others_from_being_stopped(caplog):
     """A child that is still tearing down 10 s after SIGKILL (a GPU context, say): the wait gives up with a
     warning and the next process is stopped all the same (pure logic: stand-ins for Popen)."""
-    from streamgrpo.runtime import stop_processes
+    from streamgrpo.runtime.processes import stop_processes
 
     class Stuck:
         pid, returncode = 4242, None

@@ -11,7 +11,7 @@ import pytest
 from streamgrpo.config import ConfigError, load_config
 from streamgrpo.learner.distributed import DistInfo
 from streamgrpo.learner.resume import start_point
-from streamgrpo.runtime import rewind_jsonl
+from streamgrpo.runtime.jsonl import rewind_jsonl
 
 
 def _run_with_checkpoints(tmp_path):
@@ -59,7 +59,7 @@ def test_fresh_moves_the_previous_learner_outputs_aside(tmp_path):
 def test_a_second_up_in_the_same_run_dir_moves_the_whole_previous_run_aside(tmp_path):
     """`make demo` twice: `up`'s list names audit/learner*.jsonl and audit/ both; the folder moves once, whole."""
     from streamgrpo.commands.up import up_outputs
-    from streamgrpo.runtime import archive_previous
+    from streamgrpo.runtime.run_dir import archive_previous
 
     run = _run_with_checkpoints(tmp_path)
     for name in ("summary.json", "reward.png", "redis/appendonlydir/x.aof", "audit/generator-1.jsonl"):
@@ -104,7 +104,7 @@ def test_one_run_directory_has_one_owner_until_it_dies(tmp_path):
     import subprocess
     import sys
 
-    from streamgrpo.runtime import RunDirBusy, RunLock
+    from streamgrpo.runtime.run_dir import RunDirBusy, RunLock
 
     first = RunLock(tmp_path, "up", "`streamgrpo up`")
     with pytest.raises(RunDirBusy) as err:
@@ -113,7 +113,7 @@ def test_one_run_directory_has_one_owner_until_it_dies(tmp_path):
                               "first, or use another run directory")
     RunLock(tmp_path, "learner", "learner").close()  # another owner name is another lock
     first.close()
-    code = ("import sys, time; from streamgrpo.runtime import RunLock; RunLock(sys.argv[1], 'up', 'up'); "
+    code = ("import sys, time; from streamgrpo.runtime.run_dir import RunLock; RunLock(sys.argv[1], 'up', 'up'); "
             "print('locked', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -134,7 +134,7 @@ def test_a_clean_close_removes_the_lock_file_and_a_waiter_on_the_removed_file_lo
     import fcntl
     import os
 
-    from streamgrpo.runtime import RunDirBusy, RunLock, _names
+    from streamgrpo.runtime.run_dir import RunDirBusy, RunLock, _names
 
     lock = RunLock(tmp_path, "learner", "learner")
     path = tmp_path / "learner.lock"
@@ -173,7 +173,7 @@ def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_kille
         "time.sleep(600)\n")
     parent_py.write_text(
         "import subprocess, sys, time\n"
-        "from streamgrpo.runtime import die_with_parent\n"
+        "from streamgrpo.runtime.processes import die_with_parent\n"
         "c = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], preexec_fn=die_with_parent)\n"
         "print(c.pid, flush=True)\n"
         "time.sleep(600)\n")

@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 import redis
 
-from streamgrpo.runtime import die_with_parent, free_port, stop_process  # noqa: F401 - free_port: part of this module's API
+from streamgrpo.runtime.processes import die_with_parent, free_port, stop_process  # noqa: F401 - free_port: part of this module's API
 
 log = logging.getLogger(__name__)
 
