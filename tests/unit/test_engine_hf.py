@@ -204,3 +204,66 @@ def test_checkpoint_generation_config_cannot_reshape_the_distribution(engine):
             _compare(engine, reqs, sampling, got)
     finally:
         cfg.repetition_penalty = before
+
+
+# ------------------------------------------------------------- the prompt prefilled once per group
+def _count_passes(model):
+    """Forward hooks on the real model: vision patches per call of the tower, (rows, columns) of each decoder
+    call over more than one column (a prefill)."""
+    seen = {"vision": [], "prefill": []}
+
+    def vision(_m, args, kwargs, _out):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen["vision"].append(int(x.shape[0]))
+
+    def decoder(_m, args, kwargs, _out):
+        x = kwargs.get("inputs_embeds")
+        if x is not None and x.shape[1] > 1:
+            seen["prefill"].append((int(x.shape[0]), int(x.shape[1])))
+
+    hooks = [model.model.visual.register_forward_hook(vision, with_kwargs=True),
+             model.model.language_model.register_forward_hook(decoder, with_kwargs=True)]
+    return seen, hooks
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=11),
+                                      SamplingParams(n=3, temperature=0, max_tokens=8, seed=0)],
+                         ids=["sampled", "greedy"])
+def test_the_prompt_is_prefilled_once_per_group_with_the_same_tokens(tiny_any_dir, sampling):
+    """The vision tower and the decoder's prompt pass run once per prompt, not G times, and sample the same
+    tokens with the same log-probs as the whole prompt given to generate G times (the previous path)."""
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.models.loading import load_processor
+
+    proc = load_processor(str(tiny_any_dir))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_any_dir).eval()
+    once, per_sample = HFEngine(model, proc), HFEngine(model, proc, prompt_once=False)
+    assert once.cache_kw is not None
+    reqs = [_request(proc, 8, (220, 30, 30), "Colour? (A) red (B) green (C) blue"),
+            _request(proc, 4, (30, 30, 220), "Which colour?")]
+    patches = sum(int(r.inputs["pixel_values_videos"].shape[0]) for r in reqs)
+    width = collate_prompts([r.inputs for r in reqs], 0)["input_ids"].shape[1]
+    rows = 1 if sampling.temperature == 0 else sampling.n
+    runs = {}
+    for name, eng in (("once", once), ("per_sample", per_sample)):
+        seen, hooks = _count_passes(model)
+        try:
+            runs[name] = eng.generate(reqs, sampling)
+        finally:
+            for h in hooks:
+                h.remove()
+        runs[name + "_seen"] = seen
+    assert runs["once_seen"]["vision"] == [patches]
+    assert runs["once_seen"]["prefill"] == [(2, width - 1)]
+    # the previous path: the decoder's prompt pass over G rows a prompt (transformers 5.24's generate encodes the
+    # visuals once before expanding them; older releases ran the tower on the expanded pixels, G times)
+    assert runs["per_sample_seen"]["prefill"] == [(2 * rows, width)]
+    assert runs["per_sample_seen"]["vision"] in ([patches], [patches * rows])
+    for a, b in zip(runs["once"], runs["per_sample"]):
+        assert len(a) == len(b) == sampling.n
+        for x, y in zip(a, b):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+            assert x.finish_reason == y.finish_reason
+    assert any(len(c.token_ids) > 1 for g in runs["once"] for c in g)
