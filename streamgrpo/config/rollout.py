@@ -13,7 +13,9 @@ class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take."""
     max_model_len: Optional[int] = Field(None, ge=128, le=1 << 20)
-    """Context length vLLM reserves; null derives it from the model."""
+    """Context length vLLM reserves; null derives it from the data limits (the longest prompt data.max_frames, max_pixels, total_pixels and the records' questions allow, plus max_completion_length; at most the model's own length: streamgrpo/engines/vllm_settings.py)."""
+    max_num_batched_tokens: Optional[int] = Field(None, ge=128, le=1 << 22)
+    """vLLM's prefill budget per step; null derives it: at least 8192 and one whole video at the data limits, at most max_model_len."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs per generator engine."""
     enable_prefix_caching: bool = True
