@@ -9,7 +9,9 @@ with the last prompt token as its only uncached input. Same tokens and log-probs
 ``generate(num_return_sequences=G)`` over the whole prompt (to float rounding: tests/unit/test_engine_hf.py);
 the G copies of the prompt's KV still exist while decoding (a shared-prefix attention would be needed to
 hold one). Where that cannot be done (a release without a cache keyword, a prompt of one token, one
-ending in a vision token) the prompt goes to ``generate`` whole, G times. The behaviour log-prob of each sampled token is the log-prob
+ending in a vision token) the prompt goes to ``generate`` whole, G times. With ``rollout.vision_cache_mib``
+the prefill takes the vision features of visuals seen before from a byte-bounded cache
+(:mod:`.vision_features`). The behaviour log-prob of each sampled token is the log-prob
 under the distribution the token was actually drawn from: the processed logits (vision tokens
 suppressed, divided by the temperature, top-k/top-p masked). With ``top_p == 1`` and ``top_k == 0``
 that equals ``log_softmax(logits / T)``, which is what the learner recomputes.
@@ -38,8 +40,9 @@ import numpy as np
 import torch
 
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, cut_at_stop
+from streamgrpo.engines.vision_features import VisionFeatureCache
 from streamgrpo.models.batching import vision_token_ids
-from streamgrpo.models.capabilities import takes
+from streamgrpo.models.capabilities import ENCODER_OUTPUTS, capabilities, takes
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +159,12 @@ class HFEngine(Engine):
     """Sampling with ``model.generate``; weights applied in place between calls.
 
     ``prompt_once`` (default on): each prompt prefilled once and its KV cache repeated for the G samples
-    (the module docstring); off, the whole prompt goes to ``generate`` G times (the benchmark's baseline)."""
+    (the module docstring); off, the whole prompt goes to ``generate`` G times (the benchmark's baseline).
+    ``vision_cache_mib`` (``rollout.vision_cache_mib``): vision features kept by visual for the prefill
+    (:mod:`.vision_features`); 0 = off."""
 
-    def __init__(self, model, processor, *, device: torch.device | str = "cpu", prompt_once: bool = True):
+    def __init__(self, model, processor, *, device: torch.device | str = "cpu", prompt_once: bool = True,
+                 vision_cache_mib: int = 0):
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -169,6 +175,13 @@ class HFEngine(Engine):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.prompt_once = prompt_once
         self.cache_kw = cache_keyword(model)
+        self.vision_cache = VisionFeatureCache(vision_cache_mib << 20) if vision_cache_mib > 0 else None
+        if self.vision_cache is not None and capabilities(model, "generator").vision_once != ENCODER_OUTPUTS:
+            log.warning("rollout.vision_cache_mib: %s.forward takes no mm_encoder_outputs on this transformers "
+                        "release: vision features are not kept (the vision tower runs every prompt)",
+                        type(getattr(model, "model", model)).__name__)
+            self.vision_cache = None
+        self._visual_names: set[str] | None = None
 
     @torch.no_grad()
     def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
@@ -202,7 +215,7 @@ class HFEngine(Engine):
         repeat = 1 if greedy else sampling.n
         if self._can_prefill(batch):
             inputs = repeat_rows(batch, repeat)
-            inputs[self.cache_kw] = self._prefill(batch, repeat)
+            inputs[self.cache_kw] = self._prefill(batch, repeat, [r.visuals for r in requests])
             kwargs["num_return_sequences"] = 1
         else:
             inputs = batch
@@ -235,11 +248,17 @@ class HFEngine(Engine):
         return not (self.suppress_ids and bool(torch.isin(ids[:, -1], torch.tensor(self.suppress_ids,
                                                                                    device=ids.device)).any()))
 
-    def _prefill(self, batch: dict[str, torch.Tensor], repeat: int):
-        """One forward over all prompt columns but the last (the vision encoder once per prompt); its KV
-        cache with each prompt's row repeated ``repeat`` times, as are Qwen-VL's stored m-RoPE deltas,
-        which ``generate`` adds to the text positions of the tokens after the cache."""
+    def _prefill(self, batch: dict[str, torch.Tensor], repeat: int, visuals: list | None = None):
+        """One forward over all prompt columns but the last (the vision encoder once per prompt, or not at all
+        for visuals whose features are kept: ``visuals``, each prompt's); its KV cache with each prompt's row
+        repeated ``repeat`` times, as are Qwen-VL's stored m-RoPE deltas, which ``generate`` adds to the text
+        positions of the tokens after the cache."""
         head = {k: v[:, :-1] if k in _PAD_KEYS else v for k, v in batch.items()}
+        if self.vision_cache is not None and visuals is not None:
+            encoded = self.vision_cache.encoder_outputs(self.model.model, batch, visuals)
+            if encoded:
+                head = {k: v for k, v in head.items() if k not in ("pixel_values", "pixel_values_videos")}
+                head["mm_encoder_outputs"] = encoded
         if takes(type(self.model).forward, "logits_to_keep"):
             head["logits_to_keep"] = 1  # no logits wanted: the last column is generate's first step
         out = self.model(**head, use_cache=True)
@@ -256,6 +275,15 @@ class HFEngine(Engine):
                 inner.rope_deltas = deltas.repeat_interleave(repeat, dim=0)
         return cache
 
+    def _vision_changes(self, tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` change a parameter of the vision tower (the kept features' weights)."""
+        if self._visual_names is None:
+            visual = getattr(getattr(self.model, "model", None), "visual", None)
+            ids = {id(p) for p in visual.parameters()} if visual is not None else set()
+            self._visual_names = {n for n, p in self.model.named_parameters() if id(p) in ids}
+        return any(not torch.equal(params[n], t.to(device=params[n].device, dtype=params[n].dtype))
+                   for n, t in tensors.items() if n in self._visual_names)
+
     @torch.no_grad()
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """In-place copy into the existing parameters (no reallocation); all names checked first."""
@@ -266,6 +294,8 @@ class HFEngine(Engine):
                 raise KeyError(f"weight {name!r} is not a parameter of the rollout model")
             if tuple(params[name].shape) != tuple(t.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != model {tuple(params[name].shape)}")
+        if self.vision_cache is not None and self.vision_cache.nbytes and self._vision_changes(tensors, params):
+            self.vision_cache.clear()
         start = time.perf_counter()
         cuda = False
         with torch.no_grad():

@@ -284,9 +284,12 @@ def generator_parts(cfg: Any, shape: ModelShape) -> dict[str, float]:
     r = cfg.rollout
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     p = prompt_tokens(cfg, shape)
-    return generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations, prompt_tokens=p,
-                            completion_tokens=r.max_completion_length, dtype_bytes=dtype_bytes,
-                            prompts=r.prompts_per_batch, video_tokens=p - PROMPT_TEXT_TOKENS)
+    parts = generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations, prompt_tokens=p,
+                             completion_tokens=r.max_completion_length, dtype_bytes=dtype_bytes,
+                             prompts=r.prompts_per_batch, video_tokens=p - PROMPT_TEXT_TOKENS)
+    if getattr(r, "vision_cache_mib", 0):
+        parts["vision cache"] = float(r.vision_cache_mib << 20)  # kept features, at most this (engines/vision_features.py)
+    return parts
 
 
 def generator_step_bytes(cfg: Any, shape: ModelShape) -> float:
