@@ -75,7 +75,7 @@ class RolloutConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the HF engine runs."""
     vision_cache_mib: int = Field(0, ge=0, le=1 << 20)
-    """HF engine: byte budget (device memory, counted in the generator's memory plan) of the vision features kept per visual (keyed by the digest of its frames and its patch grid, LRU): a video that comes back (another epoch, another question on it) skips the vision tower; a weight version that changes the vision tower empties it. 0 = off. Metrics: streamgrpo_vision_cache{result}, streamgrpo_vision_cache_bytes."""
+    """HF engine (generators, the evaluator, `infer`/`eval`): byte budget (device memory, counted in the generator's memory plan) of the vision features kept per visual (keyed by the digest of its frames and its patch grid, LRU): a video that comes back (another epoch, another question on it, the evaluator's held-out set at the next version) skips the vision tower; a weight version that changes the vision tower empties it. 0 = off. Metrics: streamgrpo_vision_cache{result}, streamgrpo_vision_cache_bytes."""
     media: Literal["reference", "inline"] = "reference"
     """How a group's videos and images travel to the learner: `reference` sends the file's path (relative to data.media_root), the frame indices, the size and a digest of the pixels, and the learner decodes the same frames again and checks the digest (messages ~1/1000 the size; needs the learner to read the same media files: one node, or shared storage); `inline` sends the resized pixels themselves (for generators whose media the learner cannot read)."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
