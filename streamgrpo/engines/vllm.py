@@ -364,11 +364,11 @@ def _record_counts(data_cfg) -> tuple[list[tuple[int, int]], list[int]]:
 
 def _model_len(model_cfg) -> int | None:
     """The model's own context length from its config.json; None when it cannot be read here."""
-    from streamgrpo.models.model_config import load_model_config
+    from streamgrpo.models.model_config import ModelConfigUnavailable, load_model_config
 
     try:
         return model_max_len(load_model_config(model_cfg.name_or_path, model_cfg.revision))
-    except Exception as exc:  # noqa: BLE001 - vLLM reads it itself; the derived length is then capped by a default
+    except ModelConfigUnavailable as exc:  # vLLM will say so itself; the derived length is capped by a default
         log.debug("model config of %s not read (%s): max_model_len capped at %d", model_cfg.name_or_path, exc,
                   FALLBACK_MODEL_LEN)
         return None

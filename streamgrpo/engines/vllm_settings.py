@@ -10,8 +10,8 @@ step. Each follows from what a prompt of this config can hold:
   Qwen3-VL) and every image at ``data.max_pixels``, the most videos and images of any record, at most
   ``data.total_pixels / factor^2`` over all; plus :data:`TOKENS_PER_FRAME_GROUP` per frame group (vision
   start/end, Qwen3-VL's timestamps);
-* text: the longest question in characters (a token is at least one character) and
-  :data:`TEMPLATE_TOKENS` for the chat template, system prompt and tags;
+* text: the longest question and ``data.system_prompt`` in characters (a token is at least one
+  character) and :data:`TEMPLATE_TOKENS` for the chat template and the format instruction;
 * ``max_model_len`` = that prompt + ``rollout.max_completion_length``, rounded up to
   :data:`ROUND`, at most the model's own length;
 * ``max_num_batched_tokens``: at least vLLM's usual :data:`MIN_BATCHED_TOKENS` and one whole video (its
@@ -23,6 +23,8 @@ step. Each follows from what a prompt of this config can hold:
   contrast share the prompt's KV).
 
 Settings given in ``rollout.vllm`` win: each derived value is used only where the config leaves it null.
+Records whose ``meta`` raises ``max_frames``, ``max_pixels`` or ``total_pixels`` past the data config need
+``max_model_len`` set (as the learner's group limits do, ``streamgrpo/learner/limits.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class DataShape:
     total_pixels: int
     videos: int  # most videos of any record
     images: int  # most images of any record
-    question_chars: int  # longest question, in characters
+    question_chars: int  # longest question and the system prompt, in characters
     completion_tokens: int  # rollout.max_completion_length
     factor: int = 28  # pixels per visual token side (patch x merge)
     temporal_patch: int = 2
@@ -63,12 +65,12 @@ class DataShape:
 
 def record_shape(counts: Iterable[tuple[int, int]], question_chars: Iterable[int], *, data, rollout,
                  factor: int = 28, temporal_patch: int = 2) -> DataShape:
-    """A :class:`DataShape` from the (videos, images) count and the question length of every record and the
-    ``data``/``rollout`` config sections."""
+    """A :class:`DataShape` from the (videos, images) count and the question length of every record (none
+    given: ``data.max_question_chars``) and the ``data``/``rollout`` config sections."""
     n_vid = n_img = 0
     for v, i in counts:
         n_vid, n_img = max(n_vid, int(v)), max(n_img, int(i))
-    chars = max(question_chars, default=int(data.max_question_chars))
+    chars = max(question_chars, default=int(data.max_question_chars)) + len(data.system_prompt or "")
     return DataShape(max_frames=int(data.max_frames), max_pixels=int(data.max_pixels), total_pixels=int(data.total_pixels),
                      videos=n_vid, images=n_img, question_chars=int(chars),
                      completion_tokens=int(rollout.max_completion_length), factor=int(factor),

@@ -78,6 +78,8 @@ def test_record_shape_takes_the_largest_record_and_falls_back_to_max_question_ch
     s = record_shape([(1, 0), (2, 1), (0, 3)], [10, 250, 40], data=cfg.data, rollout=cfg.rollout, factor=32)
     assert (s.videos, s.images, s.question_chars, s.max_frames, s.completion_tokens, s.factor) == (2, 3, 250, 64, 99, 32)
     assert record_shape([(1, 0)], [], data=cfg.data, rollout=cfg.rollout).question_chars == 5000
+    cfg = build_config({}, ["data.system_prompt=You are a careful video analyst."])
+    assert record_shape([(1, 0)], [10], data=cfg.data, rollout=cfg.rollout).question_chars == 10 + 32
 
 
 def test_model_max_len_reads_the_text_config():
