@@ -84,7 +84,7 @@ TF_LOW_VERSION ?= 5.17.0
 TF_LOW_HUB_VERSION ?= 1.33.0
 TF_LOW_STAMP := $(TF_LOW_DIR)/.streamgrpo-setup
 TF_LOW_TESTS ?= tests/unit/test_transformers_range.py tests/unit/test_logprobs.py tests/unit/test_packing.py \
-	tests/unit/test_vision_attention.py \
+	tests/unit/test_vision_attention.py tests/unit/test_engine_hf.py \
 	tests/unit/test_tiny_model.py tests/integration/test_learner_core.py \
 	tests/integration/test_agreement.py::test_the_generator_and_the_learner_agree_in_fp32
 TF_LOW_PYTEST_ARGS ?=

@@ -12,6 +12,13 @@
   ``log_softmax`` over it, gather). ratio = value / baseline.
 * ``logprob_capture_bytes``: bytes the log-prob capture holds at the end of a call, ours (one step's
   (B, V) row + (B, L) floats) against the stacked scores (B x L x V floats), from the shapes of this run.
+* ``hf_prompt_once_long_video_s``: ``HFEngine.generate`` at a long video (``--long-frames`` frames of
+  ``--size`` pixels, the same prompts, G and token budget), each prompt prefilled once and its KV cache
+  repeated for the G samples (the default); baseline: the same engine with ``prompt_once=False``, the whole
+  prompt given to ``generate`` G times (the previous path). Both sample the same tokens (checked).
+* ``hf_vision_cache_hit_long_video_s``: the same call with ``vision_cache_mib`` and the video's features
+  already kept (a video that returns: another epoch, another question on it); baseline: the prompt-once
+  engine without the cache, which runs the vision tower.
 
 Medians over ``--repeats`` interleaved rounds (the variants alternate, so load drift hits all alike).
 Prints ``name: value (baseline: value, ratio: x)`` lines, writes ``benchmarks/results/bench_engine.json``.
@@ -31,7 +38,7 @@ from pathlib import Path
 from benchmarks.common import emit, figure, machine_info, write_result
 
 
-def _requests(proc, a):
+def _requests(proc, a, frames: int | None = None):
     import numpy as np
 
     from streamgrpo.engines.base import PromptRequest
@@ -39,14 +46,15 @@ def _requests(proc, a):
 
     rng = np.random.default_rng(0)
     out = []
+    frames = frames or a.frames
     for i in range(a.prompts):
-        video = rng.integers(0, 255, (a.frames, a.size, a.size, 3), dtype=np.uint8)
+        video = rng.integers(0, 255, (frames, a.size, a.size, 3), dtype=np.uint8)
         msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": f"What colour? ({i})"}]}]
         text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        meta = {"fps": 2.0, "frames_indices": list(range(a.frames)), "total_num_frames": a.frames}
+        meta = {"fps": 2.0, "frames_indices": list(range(frames)), "total_num_frames": frames}
         inputs = proc(text=[text], videos=[video], return_tensors="pt",
                       videos_kwargs={"do_sample_frames": False, "video_metadata": [meta]})
-        out.append(PromptRequest(text, [Visual("video", video, 2.0, np.arange(a.frames, dtype=np.int32))], inputs))
+        out.append(PromptRequest(text, [Visual("video", video, 2.0, np.arange(frames, dtype=np.int32))], inputs))
     return out
 
 
@@ -121,9 +129,32 @@ def run(a) -> dict:
     rows, steps, vocab = shapes["stacked"]
     got = ours()
     tokens = sum(len(c.token_ids) for g in got for c in g)
+    long = _long_video({"once": engine, "per_sample": HFEngine(model, proc, device=device, prompt_once=False),
+                        "cached": HFEngine(model, proc, device=device, vision_cache_mib=4096)},
+                       _requests(proc, a, a.long_frames), sampling, a.repeats, sync)
     return {"times_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
             "rows": rows, "steps": steps, "vocab": vocab, "completion_tokens": tokens, "prompt_width": int(width),
-            "bytes_ours": 4 * (rows * vocab + rows * steps), "bytes_stacked": 4 * rows * steps * vocab}
+            "bytes_ours": 4 * (rows * vocab + rows * steps), "bytes_stacked": 4 * rows * steps * vocab, "long": long}
+
+
+def _long_video(engines: dict, reqs, sampling, repeats: int, sync) -> dict:
+    """Interleaved rounds of the engines at a long video (prompt once, per sample, prompt once with the video's
+    vision features kept); all sample the same tokens."""
+    tokens = {name: [c.token_ids.tolist() for g in eng.generate(reqs, sampling) for c in g]  # warm-up, the check
+              for name, eng in engines.items()}
+    if any(t != tokens["once"] for t in tokens.values()):
+        raise SystemExit("bench_engine: the engine variants gave different tokens at the long video")
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(repeats):
+        for name, eng in engines.items():
+            sync()
+            t0 = time.perf_counter()
+            eng.generate(reqs, sampling)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    width = max(int(r.inputs["input_ids"].shape[-1]) for r in reqs)
+    return {"times_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()}, "prompt_width": width,
+            "completion_tokens": sum(len(t) for t in tokens["once"])}
 
 
 def main(argv=None) -> int:
@@ -134,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--size", type=int, default=112)
+    ap.add_argument("--long-frames", type=int, default=256, help="frames of the long video (prompt-once figure)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model-size", default="tiny", choices=["tiny", "3b", "7b"],
                     help="tiny (built in a temp dir), or Qwen2.5-VL's real 3B/7B sizes with random weights")
@@ -158,6 +190,13 @@ def main(argv=None) -> int:
         emit(figure("logprob_capture_bytes", r["bytes_ours"], r["bytes_stacked"], unit="B",
                     note=f"(B, V) + (B, L) floats vs B x L x V = {r['rows']} x {r['steps']} x {r['vocab']} "
                          f"(at Qwen's 151936 vocabulary the stacked tensor is {r['rows'] * r['steps'] * 151936 * 4 / 2**20:.0f} MiB)")),
+        emit(figure("hf_prompt_once_long_video_s", r["long"]["median_s"]["once"], r["long"]["median_s"]["per_sample"],
+                    unit="s", note=f"{model_name}, {a.prompts} prompts x G={a.n} at {a.long_frames} frames of {a.size}px "
+                                   f"({r['long']['prompt_width']} prompt tokens), {r['long']['completion_tokens']} sampled; "
+                                   "baseline: the whole prompt given to generate G times (prompt_once=False)")),
+        emit(figure("hf_vision_cache_hit_long_video_s", r["long"]["median_s"]["cached"], r["long"]["median_s"]["once"],
+                    unit="s", note="the same call with the video's vision features kept (rollout.vision_cache_mib); "
+                                   "baseline: prompt once without the cache (the vision tower runs)")),
     ]
     write_result("bench_engine", figures, machine_info(("numpy", "torch", "transformers")), vars(a), r, a.out)
     return 0

@@ -149,6 +149,9 @@ REDIS_FULL_WAITS = Counter(
 REDIS_FULL = Gauge("streamgrpo_redis_full", "1 while this process waits because Redis is at maxmemory")
 MEDIA_CACHE = Counter("streamgrpo_media_cache", "Learner: referenced visuals by decoded-frame cache result (hit, miss)",
                       ["result"])
+VISION_CACHE = Counter("streamgrpo_vision_cache", "HF generator: visuals by vision-feature cache result (hit, miss)",
+                       ["result"])
+VISION_CACHE_BYTES = Gauge("streamgrpo_vision_cache_bytes", "HF generator: bytes of vision features kept (rollout.vision_cache_mib)")
 MEDIA_DECODE_SECONDS = Histogram(
     "streamgrpo_media_decode_seconds", "Learner: seconds to decode and resize one referenced visual (cache misses)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),

@@ -13,7 +13,9 @@ class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take."""
     max_model_len: Optional[int] = Field(None, ge=128, le=1 << 20)
-    """Context length vLLM reserves; null derives it from the model."""
+    """Context length vLLM reserves; null derives it from the data limits (the longest prompt data.max_frames, max_pixels, total_pixels and the records' questions allow, plus max_completion_length; at most the model's own length: streamgrpo/engines/vllm_settings.py)."""
+    max_num_batched_tokens: Optional[int] = Field(None, ge=128, le=1 << 22)
+    """vLLM's prefill budget per step; null derives it: at least 8192 and one whole video at the data limits, at most max_model_len."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs per generator engine."""
     enable_prefix_caching: bool = True
@@ -72,6 +74,8 @@ class RolloutConfig(Section):
     """vLLM only: apply a new weight version between two decoding steps of a batch (the engine pauses with its requests kept, reloads, resumes; PipelineRL-style), not only between batches; every token is stamped with the version it was sampled under. Off by default until measured; the HF engine always applies between batches."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the HF engine runs."""
+    vision_cache_mib: int = Field(0, ge=0, le=1 << 20)
+    """HF engine (generators, the evaluator, `infer`/`eval`): byte budget (device memory, counted in the generator's memory plan) of the vision features kept per visual (keyed by the digest of its frames and its patch grid, LRU): a video that comes back (another epoch, another question on it, the evaluator's held-out set at the next version) skips the vision tower; a weight version that changes the vision tower empties it. 0 = off. Metrics: streamgrpo_vision_cache{result}, streamgrpo_vision_cache_bytes."""
     media: Literal["reference", "inline"] = "reference"
     """How a group's videos and images travel to the learner: `reference` sends the file's path (relative to data.media_root), the frame indices, the size and a digest of the pixels, and the learner decodes the same frames again and checks the digest (messages ~1/1000 the size; needs the learner to read the same media files: one node, or shared storage); `inline` sends the resized pixels themselves (for generators whose media the learner cannot read)."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)

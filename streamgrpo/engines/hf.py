@@ -1,7 +1,17 @@
 """Hugging Face transformers rollout engine (CPU or GPU).
 
-Several prompts (each with its own videos/images) are left-padded into one batch and sampled with
-``generate(num_return_sequences=G)``. The behaviour log-prob of each sampled token is the log-prob
+Several prompts (each with its own videos/images) are left-padded into one batch. Each prompt is
+prefilled once (:meth:`HFEngine._prefill`): one forward over every prompt column but the last, so the
+vision encoder and the prompt's decoder pass run once per group, not G times; its KV cache is then
+repeated to G rows per prompt (``DynamicCache.batch_repeat_interleave``, the rows in generate's own
+prompt-major order, Qwen-VL's stored m-RoPE ``rope_deltas`` alike) and ``generate`` continues from it
+with the last prompt token as its only uncached input. Same tokens and log-probs as
+``generate(num_return_sequences=G)`` over the whole prompt (to float rounding: tests/unit/test_engine_hf.py);
+the G copies of the prompt's KV still exist while decoding (a shared-prefix attention would be needed to
+hold one). Where that cannot be done (a release without a cache keyword, a prompt of one token, one
+ending in a vision token) the prompt goes to ``generate`` whole, G times. With ``rollout.vision_cache_mib``
+the prefill takes the vision features of visuals seen before from a byte-bounded cache
+(:mod:`.vision_features`). The behaviour log-prob of each sampled token is the log-prob
 under the distribution the token was actually drawn from: the processed logits (vision tokens
 suppressed, divided by the temperature, top-k/top-p masked). With ``top_p == 1`` and ``top_k == 0``
 that equals ``log_softmax(logits / T)``, which is what the learner recomputes.
@@ -30,7 +40,9 @@ import numpy as np
 import torch
 
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, cut_at_stop
+from streamgrpo.engines.vision_features import VisionFeatureCache
 from streamgrpo.models.batching import vision_token_ids
+from streamgrpo.models.capabilities import ENCODER_OUTPUTS, capabilities, takes
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +141,30 @@ def collate_prompts(inputs: list[Any], pad_token_id: int) -> dict[str, torch.Ten
     return out
 
 
-class HFEngine(Engine):
-    """Sampling with ``model.generate``; weights applied in place between calls."""
+def cache_keyword(model) -> str | None:
+    """The keyword ``model``'s forward and ``generate`` take a KV cache by (``cache`` from transformers 5.2x,
+    ``past_key_values`` before), None if its forward names neither."""
+    fwd = getattr(type(model), "forward", None)
+    return next((k for k in ("cache", "past_key_values") if takes(fwd, k)), None)
 
-    def __init__(self, model, processor, *, device: torch.device | str = "cpu"):
+
+def repeat_rows(batch: dict[str, torch.Tensor], repeat: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of a collated batch with each row repeated ``repeat`` times in
+    place (prompt-major: generate's own order for ``num_return_sequences``): what ``generate`` needs after a
+    prefill (the visuals and their token types stay with the prefill)."""
+    return {k: batch[k].repeat_interleave(repeat, dim=0) for k in ("input_ids", "attention_mask")}
+
+
+class HFEngine(Engine):
+    """Sampling with ``model.generate``; weights applied in place between calls.
+
+    ``prompt_once`` (default on): each prompt prefilled once and its KV cache repeated for the G samples
+    (the module docstring); off, the whole prompt goes to ``generate`` G times (the benchmark's baseline).
+    ``vision_cache_mib`` (``rollout.vision_cache_mib``): vision features kept by visual for the prefill
+    (:mod:`.vision_features`); 0 = off."""
+
+    def __init__(self, model, processor, *, device: torch.device | str = "cpu", prompt_once: bool = True,
+                 vision_cache_mib: int = 0):
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -141,6 +173,15 @@ class HFEngine(Engine):
         self.suppress_ids = suppressed_token_ids(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.prompt_once = prompt_once
+        self.cache_kw = cache_keyword(model)
+        self.vision_cache = VisionFeatureCache(vision_cache_mib << 20) if vision_cache_mib > 0 else None
+        if self.vision_cache is not None and capabilities(model, "generator").vision_once != ENCODER_OUTPUTS:
+            log.warning("rollout.vision_cache_mib: %s.forward takes no mm_encoder_outputs on this transformers "
+                        "release: vision features are not kept (the vision tower runs every prompt)",
+                        type(getattr(model, "model", model)).__name__)
+            self.vision_cache = None
+        self._visual_names: set[str] | None = None
 
     @torch.no_grad()
     def generate(self, requests: list[PromptRequest], sampling: SamplingParams,
@@ -171,7 +212,14 @@ class HFEngine(Engine):
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         self.model.eval()
-        sequences = self.model.generate(**batch, **kwargs)
+        repeat = 1 if greedy else sampling.n
+        if self._can_prefill(batch):
+            inputs = repeat_rows(batch, repeat)
+            inputs[self.cache_kw] = self._prefill(batch, repeat, [r.visuals for r in requests])
+            kwargs["num_return_sequences"] = 1
+        else:
+            inputs = batch
+        sequences = self.model.generate(**inputs, **kwargs)
         new_tokens = sequences[:, width:]
         logprobs = processors[-1].finish(new_tokens)
         ids_np = new_tokens.cpu().numpy().astype(np.int32)
@@ -191,6 +239,51 @@ class HFEngine(Engine):
             results.append(group)
         return results
 
+    def _can_prefill(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Whether the prompts can be prefilled once here: a cache keyword, two columns or more, and a last
+        column of text tokens (the uncached token ``generate`` starts from must not be a vision placeholder)."""
+        ids = batch["input_ids"]
+        if not self.prompt_once or self.cache_kw is None or ids.shape[1] < 2:
+            return False
+        return not (self.suppress_ids and bool(torch.isin(ids[:, -1], torch.tensor(self.suppress_ids,
+                                                                                   device=ids.device)).any()))
+
+    def _prefill(self, batch: dict[str, torch.Tensor], repeat: int, visuals: list | None = None):
+        """One forward over all prompt columns but the last (the vision encoder once per prompt, or not at all
+        for visuals whose features are kept: ``visuals``, each prompt's); its KV cache with each prompt's row
+        repeated ``repeat`` times, as are Qwen-VL's stored m-RoPE deltas, which ``generate`` adds to the text
+        positions of the tokens after the cache."""
+        head = {k: v[:, :-1] if k in _PAD_KEYS else v for k, v in batch.items()}
+        if self.vision_cache is not None and visuals is not None:
+            encoded = self.vision_cache.encoder_outputs(self.model.model, batch, visuals)
+            if encoded:
+                head = {k: v for k, v in head.items() if k not in ("pixel_values", "pixel_values_videos")}
+                head["mm_encoder_outputs"] = encoded
+        if takes(type(self.model).forward, "logits_to_keep"):
+            head["logits_to_keep"] = 1  # no logits wanted: the last column is generate's first step
+        out = self.model(**head, use_cache=True)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        if cache is None:
+            raise RuntimeError(f"{type(self.model).__name__} returned no KV cache from its prefill")
+        if repeat > 1:
+            cache.batch_repeat_interleave(repeat)
+            inner = getattr(self.model, "model", None)
+            deltas = getattr(inner, "rope_deltas", None)
+            if isinstance(deltas, torch.Tensor) and deltas.shape[0] == batch["input_ids"].shape[0]:
+                inner.rope_deltas = deltas.repeat_interleave(repeat, dim=0)
+        return cache
+
+    def _vision_changes(self, tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` change a parameter of the vision tower (the kept features' weights)."""
+        if self._visual_names is None:
+            visual = getattr(getattr(self.model, "model", None), "visual", None)
+            ids = {id(p) for p in visual.parameters()} if visual is not None else set()
+            self._visual_names = {n for n, p in self.model.named_parameters() if id(p) in ids}
+        return any(not torch.equal(params[n], t.to(device=params[n].device, dtype=params[n].dtype))
+                   for n, t in tensors.items() if n in self._visual_names)
+
     @torch.no_grad()
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """In-place copy into the existing parameters (no reallocation); all names checked first."""
@@ -201,6 +294,8 @@ class HFEngine(Engine):
                 raise KeyError(f"weight {name!r} is not a parameter of the rollout model")
             if tuple(params[name].shape) != tuple(t.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != model {tuple(params[name].shape)}")
+        if self.vision_cache is not None and self.vision_cache.nbytes and self._vision_changes(tensors, params):
+            self.vision_cache.clear()
         start = time.perf_counter()
         cuda = False
         with torch.no_grad():

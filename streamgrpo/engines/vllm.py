@@ -72,16 +72,24 @@ vLLM API used (0.32; names checked against the installed package):
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, TokenVersions
+from streamgrpo.engines.vllm_settings import (  # noqa: F401 - mm_limits: its old home, imported from here
+    FALLBACK_MODEL_LEN,
+    derive,
+    mm_limits,
+    model_max_len,
+    record_shape,
+    settings,
+)
 from streamgrpo.engines.vllm_start import OutputTap, StartSettings, VLLMStartError, start_error_line
 from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
@@ -290,20 +298,10 @@ class _Collected:
 
 
 # --------------------------------------------------------------------------- engine args (pure)
-def mm_limits(counts: Iterable[tuple[int, int]], *, max_frames: int, max_pixels: int,
-              factor: int = 28) -> dict[str, dict[str, int]]:
-    """``limit_mm_per_prompt`` from the (videos, images) count of every record: the largest counts,
-    with the profiling sizes bounded by the data config (``max_frames``, ``max_pixels``)."""
-    n_vid = n_img = 0
-    for v, i in counts:
-        n_vid, n_img = max(n_vid, int(v)), max(n_img, int(i))
-    side = max(factor, int(math.isqrt(int(max_pixels)) // factor * factor))
-    return {"video": {"count": n_vid, "num_frames": int(max_frames), "width": side, "height": side},
-            "image": {"count": n_img, "width": side, "height": side}}
-
-
-def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` from the streamgrpo config."""
+def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | None = None,
+               derived: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` from the streamgrpo config; ``derived``: the settings derived from the
+    data limits (:mod:`.vllm_settings`), used where ``rollout.vllm`` leaves them null."""
     vc = cfg.rollout.vllm
     kw: dict[str, Any] = {
         "model": model_path or cfg.model.name_or_path,
@@ -319,8 +317,10 @@ def llm_kwargs(cfg, *, limits: Mapping[str, Any], seed: int, model_path: str | N
         "generation_config": "vllm",
         "worker_extension_cls": WORKER_EXTENSION,
     }
-    if vc.max_model_len is not None:
-        kw["max_model_len"] = vc.max_model_len
+    chosen = settings(derived or {}, max_model_len=vc.max_model_len, max_num_batched_tokens=vc.max_num_batched_tokens)
+    for key in ("max_model_len", "max_num_batched_tokens"):
+        if chosen.get(key) is not None:
+            kw[key] = chosen[key]
     if cfg.rollout.inflight_updates:  # a step dispatched ahead would sample under the old weights unstamped
         kw["async_scheduling"] = False
     return kw
@@ -359,13 +359,26 @@ def resolve_arch(model_cfg) -> str:
     return detect_arch(model_cfg.name_or_path)
 
 
-def _record_counts(data_cfg) -> list[tuple[int, int]]:
+def _record_counts(data_cfg) -> tuple[list[tuple[int, int]], list[int]]:
+    """(videos, images) and the question's length in characters of every training record."""
     from streamgrpo.data.records import load_records
 
     records = load_records(data_cfg.train_path, data_cfg)
     if data_cfg.kinds:
         records = [r for r in records if r.kind in data_cfg.kinds]
-    return [(len(r.videos), len(r.images)) for r in records]
+    return [(len(r.videos), len(r.images)) for r in records], [len(r.question) for r in records]
+
+
+def _model_len(model_cfg) -> int | None:
+    """The model's own context length from its config.json; None when it cannot be read here."""
+    from streamgrpo.models.model_config import ModelConfigUnavailable, load_model_config
+
+    try:
+        return model_max_len(load_model_config(model_cfg.name_or_path, model_cfg.revision))
+    except ModelConfigUnavailable as exc:  # vLLM will say so itself; the derived length is capped by a default
+        log.debug("model config of %s not read (%s): max_model_len capped at %d", model_cfg.name_or_path, exc,
+                  FALLBACK_MODEL_LEN)
+        return None
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -416,21 +429,25 @@ class VLLMEngine(Engine):
             log.warning("model.fp32_lm_head: vLLM computes the last projection in model.dtype=%s; only the learner "
                         "computes it in float32 (the gap to the learner stays that of its dtype)", cfg.model.dtype)
         vc = cfg.rollout.vllm
-        if vc.limit_mm_per_prompt is not None:
-            limits: dict[str, Any] = dict(vc.limit_mm_per_prompt)
-        else:
-            from streamgrpo.data.prompts import vision_factors
+        from streamgrpo.data.prompts import vision_factors
 
-            factor, _ = vision_factors(processor)
-            limits = mm_limits(_record_counts(cfg.data) if counts is None else counts, max_frames=cfg.data.max_frames,
-                               max_pixels=cfg.data.max_pixels, factor=factor)
+        factor, temporal = vision_factors(processor)
+        counts, chars = _record_counts(cfg.data) if counts is None else (list(counts), [])
+        derived = derive(record_shape(counts, chars, data=cfg.data, rollout=cfg.rollout, factor=factor,
+                                      temporal_patch=temporal), model_max_len=_model_len(cfg.model))
+        limits: dict[str, Any] = dict(vc.limit_mm_per_prompt) if vc.limit_mm_per_prompt is not None \
+            else derived["limit_mm_per_prompt"]
         if vc.cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vc.cpu_kv_cache_gib:g}")
-        kwargs = llm_kwargs(cfg, limits=limits, seed=torch.initial_seed() % (2**31 - 1))
+        kwargs = llm_kwargs(cfg, limits=limits, seed=torch.initial_seed() % (2**31 - 1), derived=derived)
+        log.info("vLLM settings: max_model_len=%s max_num_batched_tokens=%s limit_mm_per_prompt=%s (null in "
+                 "rollout.vllm: derived from the data limits)", kwargs.get("max_model_len"),
+                 kwargs.get("max_num_batched_tokens"), kwargs["limit_mm_per_prompt"])
         if cfg.rollout.inflight_updates:  # step() must run exactly one engine step (see the module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
-        llm, tap = _start(vllm, kwargs, StartSettings.from_config(cfg, on_cpu=_on_cpu(vllm)), name=name,
+        start = replace(StartSettings.from_config(cfg, on_cpu=_on_cpu(vllm)), max_model_len=kwargs.get("max_model_len"))
+        llm, tap = _start(vllm, kwargs, start, name=name,
                           log_dir=Path(cfg.run_dir) / "logs")
         log.info("vLLM %s engine for %s started in %.1fs", vllm.__version__, cfg.model.name_or_path,
                  time.perf_counter() - t0)

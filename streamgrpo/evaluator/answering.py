@@ -110,7 +110,8 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: 
         net.requires_grad_(False)
     factor, temporal = vision_factors(processor)
     name = model + (f" + {adapter}" if adapter else "")
-    return Policy(HFEngine(net, processor, device=device), processor, factor, temporal, name)
+    engine = HFEngine(net, processor, device=device, vision_cache_mib=cfg.rollout.vision_cache_mib)
+    return Policy(engine, processor, factor, temporal, name)
 
 
 def _has_processor(path: str) -> bool:

@@ -208,7 +208,8 @@ def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> 
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.models.loading import load_model
 
-    return HFEngine(load_model(cfg.model, device, custom_mask=cfg.learner.shared_prompt), processor, device=device)
+    return HFEngine(load_model(cfg.model, device, custom_mask=cfg.learner.shared_prompt), processor, device=device,
+                    vision_cache_mib=cfg.rollout.vision_cache_mib)
 
 
 def _records(cfg: Config) -> list:

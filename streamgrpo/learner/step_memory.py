@@ -58,14 +58,15 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
 separated: a plan over the device refuses, a plan a little above the peak is fine).
 
 A generator (:func:`generator_memory`): the HF engine's KV cache (``L x 2 x kv_heads x head_dim x
-dtype x S x (P + C)`` for ``S = rollout.prompts_per_batch x G`` sequences: ``generate(num_return_sequences=G)``
-keeps G copies of each prompt's cache, nothing shared), its prefill's one layer (``S x P x (4 H + 2 I) x
-dtype``) and the sampling logits (``S x V x 4 x 2``; transformers keeps the last position's only); the
-video features, encoded once per prompt and expanded to the S sequences for the prefill (``(S + prompts) x
-P_v x H x dtype``); the vision encoder's pass over each prompt's patches (pixels, and one block's working set
-beyond the prefill's); and with several prompts a batch (left-padded) the prefill's attention mask
-``S x P^2 x`` :data:`MASK_BYTES` (one prompt's G copies are not padded: sdpa runs causal, no mask). vLLM
-takes its ``gpu_memory_utilization`` share (counted by the placement plan).
+dtype x S x (P + C)`` for ``S = rollout.prompts_per_batch x G`` sequences: each prompt is prefilled once
+and its cache repeated to its G sequences, G copies while decoding, nothing shared), its prefill's one
+layer over the prompts only (``prompts x P x (4 H + 2 I) x dtype``: streamgrpo/engines/hf.py) and the
+sampling logits (``S x V x 4 x 2``; transformers keeps the last position's only); the video features,
+encoded once per prompt (``prompts x P_v x H x dtype``); the vision encoder's pass over each prompt's
+patches (pixels, and one block's working set beyond the prefill's); and with several prompts a batch
+(left-padded) the prefill's attention mask ``prompts x P^2 x`` :data:`MASK_BYTES` (one prompt is not
+padded: sdpa runs causal, no mask). vLLM takes its ``gpu_memory_utilization`` share (counted by the
+placement plan).
 
 Calibrated against CUDA peaks on one H100 80 GB (2026-11-26; tests/unit/test_memory_step.py and
 docs/gpu.md have the table): 3B full torch 58.8 GiB measured, 3B shared prompt 56.2, 7B LoRA r=64 30.5,
@@ -264,16 +265,16 @@ def generator_memory(shape: ModelShape, *, sequences: int, prompt_tokens: int, c
                      dtype_bytes: int, prompts: int = 1, video_tokens: int = 0) -> dict[str, float]:
     """An HF-engine generator's working memory on top of its weights, by part: the KV cache of
     ``sequences`` sequences of ``prompt_tokens + completion_tokens`` (``prompts`` distinct prompts, each
-    ``sequences / prompts`` times), its prefill's one layer, the sampling logits, the video features
-    (``video_tokens`` a prompt: encoded once a prompt, expanded to every sequence), the vision encoder's
-    pass and, with several (left-padded) prompts, the prefill's attention mask (module docstring)."""
+    ``sequences / prompts`` times), its prefill's one layer (over each prompt once), the sampling logits,
+    the video features (``video_tokens`` a prompt, encoded once a prompt), the vision encoder's pass and,
+    with several (left-padded) prompts, the prefill's attention mask (module docstring)."""
     kv = shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes * sequences * (
         prompt_tokens + completion_tokens)
-    prefill = sequences * prompt_tokens * (_NOGRAD[0] * shape.hidden + _NOGRAD[1] * shape.intermediate) * dtype_bytes
-    features = (sequences + prompts) * video_tokens * shape.hidden * dtype_bytes
+    prefill = prompts * prompt_tokens * (_NOGRAD[0] * shape.hidden + _NOGRAD[1] * shape.intermediate) * dtype_bytes
+    features = prompts * video_tokens * shape.hidden * dtype_bytes
     vision = vision_bytes(shape, prompts * video_tokens * shape.patches_per_token, beside=prefill,
                           dtype_bytes=dtype_bytes, features=0.0, replay=False)
-    mask = sequences * prompt_tokens * prompt_tokens * MASK_BYTES if prompts > 1 else 0.0
+    mask = prompts * prompt_tokens * prompt_tokens * MASK_BYTES if prompts > 1 else 0.0
     return {"kv cache": float(kv), "prefill": float(prefill), "logits": float(sequences * shape.vocab * 4 * 2),
             "video features": float(features), "vision encoder": float(vision), "attention mask": float(mask)}
 
@@ -283,9 +284,12 @@ def generator_parts(cfg: Any, shape: ModelShape) -> dict[str, float]:
     r = cfg.rollout
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
     p = prompt_tokens(cfg, shape)
-    return generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations, prompt_tokens=p,
-                            completion_tokens=r.max_completion_length, dtype_bytes=dtype_bytes,
-                            prompts=r.prompts_per_batch, video_tokens=p - PROMPT_TEXT_TOKENS)
+    parts = generator_memory(shape, sequences=r.prompts_per_batch * r.num_generations, prompt_tokens=p,
+                             completion_tokens=r.max_completion_length, dtype_bytes=dtype_bytes,
+                             prompts=r.prompts_per_batch, video_tokens=p - PROMPT_TEXT_TOKENS)
+    if getattr(r, "vision_cache_mib", 0):
+        parts["vision cache"] = float(r.vision_cache_mib << 20)  # kept features, at most this (engines/vision_features.py)
+    return parts
 
 
 def generator_step_bytes(cfg: Any, shape: ModelShape) -> float:

@@ -204,3 +204,165 @@ def test_checkpoint_generation_config_cannot_reshape_the_distribution(engine):
             _compare(engine, reqs, sampling, got)
     finally:
         cfg.repetition_penalty = before
+
+
+# ------------------------------------------------------------- the prompt prefilled once per group
+def _count_passes(model):
+    """Forward hooks on the real model: vision patches per call of the tower, (rows, columns) of each decoder
+    call over more than one column (a prefill)."""
+    seen = {"vision": [], "prefill": []}
+
+    def vision(_m, args, kwargs, _out):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen["vision"].append(int(x.shape[0]))
+
+    def decoder(_m, args, kwargs, _out):
+        x = kwargs.get("inputs_embeds")
+        if x is not None and x.shape[1] > 1:
+            seen["prefill"].append((int(x.shape[0]), int(x.shape[1])))
+
+    hooks = [model.model.visual.register_forward_hook(vision, with_kwargs=True),
+             model.model.language_model.register_forward_hook(decoder, with_kwargs=True)]
+    return seen, hooks
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=11),
+                                      SamplingParams(n=3, temperature=0, max_tokens=8, seed=0)],
+                         ids=["sampled", "greedy"])
+def test_the_prompt_is_prefilled_once_per_group_with_the_same_tokens(tiny_any_dir, sampling):
+    """The vision tower and the decoder's prompt pass run once per prompt, not G times, and sample the same
+    tokens with the same log-probs as the whole prompt given to generate G times (the previous path)."""
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.models.loading import load_processor
+
+    proc = load_processor(str(tiny_any_dir))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_any_dir).eval()
+    once, per_sample = HFEngine(model, proc), HFEngine(model, proc, prompt_once=False)
+    assert once.cache_kw is not None
+    reqs = [_request(proc, 8, (220, 30, 30), "Colour? (A) red (B) green (C) blue"),
+            _request(proc, 4, (30, 30, 220), "Which colour?")]
+    patches = sum(int(r.inputs["pixel_values_videos"].shape[0]) for r in reqs)
+    width = collate_prompts([r.inputs for r in reqs], 0)["input_ids"].shape[1]
+    rows = 1 if sampling.temperature == 0 else sampling.n
+    runs = {}
+    for name, eng in (("once", once), ("per_sample", per_sample)):
+        seen, hooks = _count_passes(model)
+        try:
+            runs[name] = eng.generate(reqs, sampling)
+        finally:
+            for h in hooks:
+                h.remove()
+        runs[name + "_seen"] = seen
+    assert runs["once_seen"]["vision"] == [patches]
+    assert runs["once_seen"]["prefill"] == [(2, width - 1)]
+    # the previous path: the decoder's prompt pass over G rows a prompt (transformers 5.24's generate encodes the
+    # visuals once before expanding them; older releases ran the tower on the expanded pixels, G times)
+    assert runs["per_sample_seen"]["prefill"] == [(2 * rows, width)]
+    assert runs["per_sample_seen"]["vision"] in ([patches], [patches * rows])
+    for a, b in zip(runs["once"], runs["per_sample"]):
+        assert len(a) == len(b) == sampling.n
+        for x, y in zip(a, b):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+            assert x.finish_reason == y.finish_reason
+    assert any(len(c.token_ids) > 1 for g in runs["once"] for c in g)
+
+
+# ------------------------------------------------------------- vision features kept by visual
+def _hf(model_dir, **kw):
+    from transformers import AutoModelForImageTextToText
+
+    from streamgrpo.models.loading import load_processor
+
+    proc = load_processor(str(model_dir))
+    return HFEngine(AutoModelForImageTextToText.from_pretrained(model_dir).eval(), proc, **kw)
+
+
+def _needs_encoder_outputs(engine):
+    if engine.vision_cache is None:  # transformers 5.17 (make test-tf-low): the engine says so and runs without
+        pytest.skip("this transformers release's forward takes no mm_encoder_outputs: no vision-feature cache")
+
+
+def _tower_calls(model):
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda _m, args, _out: calls.append(int(args[0].shape[0])))
+    return calls, hook
+
+
+def test_a_video_that_returns_skips_the_vision_tower_with_the_same_logprobs(tiny_any_dir):
+    """Two groups on the same video (two questions): the second runs no vision tower and samples what an engine
+    without the cache samples; T-GRPO's shuffled frames are another visual."""
+    from streamgrpo.data.shuffle import shuffle_visuals
+    from streamgrpo.metrics import VISION_CACHE, VISION_CACHE_BYTES
+
+    cached, plain = _hf(tiny_any_dir, vision_cache_mib=64), _hf(tiny_any_dir)
+    _needs_encoder_outputs(cached)
+    proc = cached.processor
+    sampling = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=4)
+    first = _request(proc, 8, (220, 30, 30), "Colour? (A) red (B) green (C) blue")
+    again = _request(proc, 8, (220, 30, 30), "Which colour is the square?")  # the same frames, another question
+    hits, misses = (VISION_CACHE.labels(result=r)._value.get() for r in ("hit", "miss"))
+    calls, hook = _tower_calls(cached.model)
+    try:
+        cached.generate([first], sampling)
+        assert len(calls) == 1 and cached.vision_cache.nbytes > 0
+        assert VISION_CACHE_BYTES._value.get() == cached.vision_cache.nbytes
+        got = cached.generate([again], sampling)
+        assert len(calls) == 1  # the second group ran no vision tower
+        shuffled = shuffle_visuals(again.visuals, np.random.default_rng(0))
+        inputs = proc(text=[again.prompt_text], videos=[shuffled[0].frames], return_tensors="pt",
+                      videos_kwargs={"do_sample_frames": False, "fps": 2.0})
+        cached.generate([PromptRequest(again.prompt_text, shuffled, inputs)], sampling)
+        assert len(calls) == 2  # other frames, other features
+    finally:
+        hook.remove()
+    assert VISION_CACHE.labels(result="hit")._value.get() - hits == 1
+    assert VISION_CACHE.labels(result="miss")._value.get() - misses == 2
+    want = plain.generate([again], sampling)
+    for x, y in zip(got[0], want[0]):
+        assert x.token_ids.tolist() == y.token_ids.tolist()
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_cache_evicts_past_its_bytes_and_empties_when_the_vision_tower_changes(tiny_model_dir):
+    eng = _hf(tiny_model_dir, vision_cache_mib=1)
+    _needs_encoder_outputs(eng)
+    proc = eng.processor
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=2, seed=0)
+    red, blue = _request(proc, 8, (220, 30, 30), "Colour?"), _request(proc, 8, (30, 30, 220), "Colour?")
+    eng.generate([red], sampling)
+    one = eng.vision_cache.nbytes
+    eng.vision_cache.lru.max_bytes = one + one // 2  # room for one video's features, not two
+    eng.generate([blue], sampling)
+    assert eng.vision_cache.nbytes == one and len(eng.vision_cache.lru) == 1  # red was evicted
+    calls, hook = _tower_calls(eng.model)
+    try:
+        eng.generate([blue], sampling)
+        assert calls == []  # blue is kept
+        eng.generate([red], sampling)
+        assert len(calls) == 1  # red was not
+        # a version that leaves the vision tower as it is keeps the features; one that changes it empties them
+        name, p = next((n, p) for n, p in eng.model.named_parameters() if ".visual." in f".{n}")
+        lm_name, lm_p = next((n, p) for n, p in eng.model.named_parameters() if ".visual." not in f".{n}")
+        eng.load_weights(1, {name: p.detach().clone(), lm_name: lm_p.detach().clone()})
+        assert len(eng.vision_cache.lru) == 1
+        eng.load_weights(2, {name: p.detach() + 0.01})
+        assert eng.vision_cache.nbytes == 0
+        # two questions on one video in one call: the tower runs once, over that video alone
+        eng.generate([red, _request(proc, 8, (220, 30, 30), "Which colour is it?")], sampling)
+        assert calls[1:] == [int(red.inputs["pixel_values_videos"].shape[0])]
+    finally:
+        hook.remove()
+
+
+def test_the_vision_cache_lru_by_bytes():
+    from streamgrpo.engines.vision_features import Features, VisionFeatureCache
+
+    cache = VisionFeatureCache(max_bytes=3 * 400)
+    f = [Features(torch.zeros(10, 10), None, object) for _ in range(4)]  # 400 bytes each
+    for i, x in enumerate(f):
+        cache.lru.put(("video", str(i), (1, 2, 2)), x)
+    assert cache.nbytes == 1200 and cache.lru.get(("video", "0", (1, 2, 2))) is None
+    deep = Features(torch.zeros(10, 10), (torch.zeros(10, 10), torch.zeros(10, 10)), object)
+    assert deep.nbytes == 1200

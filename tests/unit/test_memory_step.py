@@ -148,7 +148,8 @@ def test_workload_from_the_config():
 
 def test_generator_memory_by_hand():
     parts = generator_memory(SHAPE, sequences=8, prompt_tokens=100, completion_tokens=50, dtype_bytes=2)
-    assert parts == {"kv cache": 4 * 2 * 2 * 25 * 2 * 8 * 150, "prefill": 8 * 100 * (400 + 600) * 2,
+    # the KV cache of all 8 sequences; the prefill over the one prompt (its cache then repeated to the 8)
+    assert parts == {"kv cache": 4 * 2 * 2 * 25 * 2 * 8 * 150, "prefill": 1 * 100 * (400 + 600) * 2,
                      "logits": 8 * 1000 * 8, "video features": 0.0, "vision encoder": 0.0, "attention mask": 0.0}
 
 
@@ -221,15 +222,15 @@ def test_zero2_colocated_with_an_hf_generator_is_refused_before_anything_starts(
     assert plan.static_bytes / GiB == pytest.approx(53.5, abs=0.05)
     assert plan.step["optimizer temporaries"] / GiB == pytest.approx(11.63 + 0.37, abs=0.05)  # + reduce bucket
     generator = 2 * counts.total / GiB + generator_step_bytes(cfg, model_shape(cfg)) / GiB
-    assert generator == pytest.approx(8.8, abs=0.05)  # bf16 weights 7.0 + kv cache, prefill, logits, video features
+    assert generator == pytest.approx(8.0, abs=0.05)  # bf16 weights 7.0 + kv cache, prefill (one prompt), logits, features
     assert 2 * counts.total / GiB + plan.static_bytes / GiB < 79  # the static plans alone fit
     assert plan.device_bytes / GiB + generator > 79
-    with pytest.raises(PlacementError, match="would hold 80.4 GiB"):
+    with pytest.raises(PlacementError, match="would hold 79.7 GiB"):
         plan_placement(devices=(0,), learner_ranks=1, generators=1, colocate=True,
                        learner_gib=plan.device_bytes / GiB, generator_gib=generator, device_gib=79.0)
     from streamgrpo.commands.up import placement_for
 
-    with pytest.raises(PlacementError, match="would hold 80.4 GiB"):
+    with pytest.raises(PlacementError, match="would hold 79.7 GiB"):
         placement_for(cfg, gpu_gib=79.0)  # `up --plan` and `up` refuse it the same way
 
 
@@ -275,10 +276,11 @@ def test_workload_counts_the_videos_and_the_mask_per_layout():
 def test_the_generator_counts_its_video_features_vision_pass_and_padded_mask():
     parts = generator_memory(VSHAPE, sequences=8, prompt_tokens=100, completion_tokens=50, dtype_bytes=2,
                              prompts=2, video_tokens=40)
-    assert parts["video features"] == (8 + 2) * 40 * 100 * 2  # encoded once a prompt, expanded to every sequence
-    prefill = 8 * 100 * (400 + 600) * 2
+    assert parts["video features"] == 2 * 40 * 100 * 2  # encoded once a prompt, prefilled once a prompt
+    prefill = 2 * 100 * (400 + 600) * 2
+    assert parts["prefill"] == prefill
     assert parts["vision encoder"] == 2 * 160 * 12 * 6 + max(0, 2 * 160 * 150 * 2 - prefill)
-    assert parts["attention mask"] == 8 * 100 * 100 * 5  # two left-padded prompts
+    assert parts["attention mask"] == 2 * 100 * 100 * 5  # two left-padded prompts, prefilled once each
     assert generator_memory(VSHAPE, sequences=8, prompt_tokens=100, completion_tokens=50, dtype_bytes=2,
                             video_tokens=40)["attention mask"] == 0  # one prompt's copies: causal, no mask
 
