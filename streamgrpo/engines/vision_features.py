@@ -32,7 +32,7 @@ from torch import Tensor
 from streamgrpo.data.decode import FrameCache
 from streamgrpo.metrics import VISION_CACHE, VISION_CACHE_BYTES
 from streamgrpo.wire import Visual
-from streamgrpo.wire_media import frames_digest
+from streamgrpo.wire.media import frames_digest
 
 KINDS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 """Each visual kind's pixel and grid keys in a processor's output."""
