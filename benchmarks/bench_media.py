@@ -111,7 +111,7 @@ def _learner_step_s(groups: list, cfg_sets: list[str], run_dir: Path, steps: int
         q.close()
         cfg = load_config("demo", [f"run_dir={run_dir}", f"queue.url={srv.url}", "queue.namespace=bench",
                                    f"learner.max_steps={steps}", "learner.save_steps=1000", "weights.pub_port=0",
-                                   "weights.snapshot_port=0", "metrics.port=0", "loss.max_staleness=1000",
+                                   "weights.snapshot_port=0", "metrics.port=0", "learner.max_staleness=1000",
                                    "learner.media_cache_mib=0", *cfg_sets])
         assert run_learner(cfg) == 0
     times = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ Two drivers:
   core per run; ``--parallel`` runs go side by side.
 * ``up``: the real ``streamgrpo up --generators 1`` with ``demo.weight_apply_delay=k`` (the
   generator applies each weight version k receipts late; staleness is k plus what the queue holds,
-  ~k+0.5) and ``loss.max_staleness=k+4`` (nothing dropped). Two processes per run, runs in turn.
+  ~k+0.5) and ``learner.max_staleness=k+4`` (nothing dropped). Two processes per run, runs in turn.
 
 Per (k, loss): final accuracy (mean of the last 50 trained groups), steps until the 50-group moving
 mean first reaches 0.9, mean staleness. Figures per k: ``staleness_k<k>_final_accuracy`` and
@@ -76,7 +76,7 @@ def run_sets(k: int, loss: str, steps: int, driver: str = "lockstep", extra: Seq
     """The config overrides of one (k, loss) run, on top of the demo config and ``extra`` (``--set``)."""
     sets = [*extra, f"learner.max_steps={steps}", *LOSSES[loss]]
     if driver == "up":
-        sets += [f"demo.weight_apply_delay={k}", f"loss.max_staleness={k + 4}"]
+        sets += [f"demo.weight_apply_delay={k}", f"learner.max_staleness={k + 4}"]
     return sets
 
 

@@ -211,7 +211,7 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
         cfg.rollout.num_generators = generators
     if sync:
         cfg.rollout.sync = True
-        cfg.loss.max_staleness = 0
+        cfg.learner.max_staleness = 0  # what the config's own check implies for the children that load it
 
 
 def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, generators_per_gpu: int | None,

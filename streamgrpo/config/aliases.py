@@ -14,7 +14,7 @@ ALIASES: dict[str, str] = {
     "epsilon_high": "loss.epsilon_high",
     "loss_type": "loss.loss_type",
     "scale_rewards": "loss.scale_rewards",
-    "max_staleness": "loss.max_staleness",
+    "max_staleness": "learner.max_staleness",
     "grpo_sample_size": "rollout.num_generations",
     "num_generations": "rollout.num_generations",
     "generation_temperature": "rollout.temperature",
@@ -58,6 +58,7 @@ MOVED: dict[str, str] = {
     "data.demo_size": "demo.size",
     "data.demo_motion": "demo.motion",
     "rollout.weight_apply_delay": "demo.weight_apply_delay",
+    "loss.max_staleness": "learner.max_staleness",  # only the learner's intake reads it
 }
 # Seed-era reward weights: they set the weight of the named reward function.
 REWARD_WEIGHT_ALIASES = {"format_reward_weight": "format", "accuracy_reward_weight": "accuracy"}

@@ -72,6 +72,8 @@ class LearnerConfig(Section):
     """Native pixels (height x width, read from the file's own header before anything is decoded) past which a frame or image a group references (rollout.media: reference) is not decoded: the group is dead-lettered as size_mismatch. The message declares only the resized size, and decoding costs memory by the native one (an 8000 x 8000 MJPEG declared 56 x 56: GBs). Default 8K UHD (7680 x 4320); raise it for larger sources."""
     max_group_tokens: Optional[int] = Field(None, ge=1, le=1 << 40)
     """Decoder tokens of a group (prompt tokens x completions + completion tokens) past which it is dead-lettered as too_large. null = rollout.num_generations x (the prompt that max_group_pixels and data.max_question_chars allow + rollout.max_completion_length)."""
+    max_staleness: int = Field(4, ge=0, le=1_000_000)
+    """Groups whose policy version is more than this many steps behind the learner (or ahead of it: made by weights a resumed learner rolled back) are dropped as they arrive; 0 with rollout.sync (on-policy), whatever is set here. Was loss.max_staleness (still read, with a notice)."""
     crash_loop_starts: int = Field(3, ge=1, le=1000)
     """A group that was in the step being trained when the learner died (kill -9, out of memory, an error) in this many consecutive starts is dead-lettered as crash_loop (counted in Redis, per group), so one message can never stop training. After a first such death, each group of that step trains in a step of its own (the most counted first): up to groups_per_step / ranks extra steps."""
     gradient_checkpointing: bool = False

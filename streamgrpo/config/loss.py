@@ -22,8 +22,6 @@ class LossConfig(Section):
     """Advantage scaling: divide by the group's std, the batch std, or not at all."""
     adv_eps: float = Field(1e-4, gt=0.0, le=1.0)
     """Added to the std when scaling advantages."""
-    max_staleness: int = Field(4, ge=0, le=1_000_000)
-    """Groups whose policy version is more than this many steps behind the learner are dropped."""
     tis_cap: Optional[float] = Field(None, gt=0.0)
     """Truncated importance sampling cap on exp(logp - behaviour logp) (null = off)."""
     is_mask: Optional[Literal["token", "sequence"]] = "token"

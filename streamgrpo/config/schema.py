@@ -86,6 +86,12 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _sync_is_on_policy(self) -> Config:
+        if self.rollout.sync and self.learner.max_staleness:  # on-policy: every group at the learner's version
+            self.learner.max_staleness = 0
+        return self
+
+    @model_validator(mode="after")
     def _shared_prompt_attention(self) -> Config:
         if self.learner.shared_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("learner.shared_prompt needs a custom attention mask: set model.attn_implementation "

@@ -38,10 +38,11 @@ class Gate:
     """
 
     def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int, media=None,
-                 media_watch=None):
+                 media_watch=None, *, max_staleness: int):
         from streamgrpo.learner.media import MediaWatch
 
         self.queue, self.loss, self.state, self.audit = queue, loss, state, audit
+        self.max_staleness = int(max_staleness)  # learner.max_staleness
         self.processor, self.vocab_size = processor, vocab_size
         self.media = media  # MediaResolver: visuals by reference (None: a group by reference is dead-lettered)
         # MediaWatch: stop only when no reference resolves for a while and the media root is gone here
@@ -67,7 +68,7 @@ class Gate:
         M.GROUPS.labels(event="consumed").inc()
         self.audit.write({"event": "consumed", "group_id": g.group_id, "generator": g.generator_id})
         staleness = state.version - int(g.policy_version)
-        if abs(staleness) > self.loss.max_staleness:
+        if abs(staleness) > self.max_staleness:
             # ahead of the learner: made by weights of a run that was rolled back (resumed) past them
             self.drop(d.stream_id, g.group_id, "stale" if staleness > 0 else "rolled_back", source=g.source)
             self._note_stale(int(g.policy_version))
@@ -149,7 +150,7 @@ class Gate:
         if now - self._stale_logged >= 10.0:
             log.warning("dropped %d stale group(s) (policy v%d..v%d; learner at v%d, max_staleness %d): "
                         "generators are not keeping up with the weights", len(self._stale), min(self._stale),
-                        max(self._stale), self.state.version, self.loss.max_staleness)
+                        max(self._stale), self.state.version, self.max_staleness)
             self._stale, self._stale_logged = [], now
 
 

@@ -5,7 +5,7 @@ rank is consumer ``learner-<rank>`` of the same Redis consumer group, so groups 
 ranks with no coordinator. One top-down loop per optimizer step:
 
 1. every rank takes its share (``groups_per_step / world_size``) of groups from the queue, dropping
-   stale ones (``loss.max_staleness`` versions behind, or ahead: made by weights a resumed learner
+   stale ones (``learner.max_staleness`` versions behind, or ahead: made by weights a resumed learner
    rolled back), ones whose token ids the model cannot embed (dead-lettered), ones it trained before
    (``duplicate``) and ones whose re-processed prompt ids differ from the message (``mismatch``);
    the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
@@ -165,7 +165,8 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     media = MediaResolver(cfg.data, cfg.learner.media_cache_mib, cfg.learner.media_workers,
                           max_source_pixels=cfg.learner.max_source_pixels)
     gate = Gate(queue, cfg.loss, state, audit, learner.processor, learner.vocab_size, media=media,
-                media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s))
+                media_watch=MediaWatch(cfg.data, cfg.learner.media_unavailable_s),
+                max_staleness=cfg.learner.max_staleness)
     carry: list[Accepted] = []  # groups kept from a step that failed on another group
     last_metrics: dict[str, Any] = {}
     # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)

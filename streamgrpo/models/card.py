@@ -47,7 +47,7 @@ tags: [streamgrpo, grpo, video, qwen-vl]
 - **Steps:** {state.get("step", 0)} optimizer steps, policy version {state.get("version", 0)},
   {state.get("groups_trained", 0)} groups trained (G = {cfg.rollout.num_generations}); dropped: {state.get("dropped", {})}
 - **Loss:** `{cfg.loss.loss_type}`, epsilon {cfg.loss.epsilon} / epsilon_high {cfg.loss.epsilon_high}, beta {cfg.loss.beta},
-  scale_rewards `{cfg.loss.scale_rewards}`, max_staleness {cfg.loss.max_staleness}
+  scale_rewards `{cfg.loss.scale_rewards}`, max_staleness {cfg.learner.max_staleness}
 - **Optimiser:** AdamW lr {cfg.learner.learning_rate} ({cfg.learner.lr_schedule}, warm-up {cfg.learner.warmup_steps}),
   max_grad_norm {cfg.learner.max_grad_norm}
 - **Sampling:** temperature {cfg.rollout.temperature}, top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k},

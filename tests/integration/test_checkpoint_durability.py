@@ -32,7 +32,7 @@ def _cfg(model_dir, run_dir, url, ns, *sets):
     return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", f"queue.url={url}",
                                 f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.max_steps=2",
                                 "learner.save_steps=1", "learner.get_timeout_s=0.5", "weights.pub_port=0",
-                                "weights.snapshot_port=0", "metrics.port=0", "loss.max_staleness=100", *sets])
+                                "weights.snapshot_port=0", "metrics.port=0", "learner.max_staleness=100", *sets])
 
 
 @pytest.fixture

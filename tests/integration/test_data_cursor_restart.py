@@ -72,7 +72,7 @@ def test_a_restarted_generator_continues_its_shard_where_the_learners_checkpoint
         f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "data.kinds=null", f"queue.url={redis_server.url}",
         f"queue.namespace={redis_ns}", "queue.claim_idle_s=2", "rollout.num_generators=2", "rollout.num_generations=2",
         "rollout.prompts_per_batch=2", "rollout.stop_grace_s=0", "learner.groups_per_step=2", "learner.save_steps=3",
-        "learner.max_steps=1000", "learner.get_timeout_s=0.5", "loss.max_staleness=100",
+        "learner.max_steps=1000", "learner.get_timeout_s=0.5", "learner.max_staleness=100",
         f"weights.pub_port={free_port()}", f"weights.snapshot_port={free_port()}", "metrics.port=0", "eval.enabled=false"])
     config = run / "config-test.yaml"
     config.write_text(cfg.to_yaml())

@@ -43,7 +43,8 @@ def _collect(tiny_model_dir, tmp_path, url, ns, put, want, *sets):
     audit = JsonlWriter(tmp_path / "audit.jsonl")
     try:
         q.put_many(put)
-        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6)
+        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6,
+                    max_staleness=cfg.learner.max_staleness)
         batch = collect_groups(q, gate, StopFlag(install=False), DistInfo(), want, [],
                                timeout_s=cfg.learner.get_timeout_s)
         return batch, gate, q.depth(), q.held_count()

@@ -194,7 +194,7 @@ def test_checkpoint_model_card_fields(trained_run, tiny_model_dir, demo_data_dir
     assert f"`{demo_data_dir / 'train.jsonl'}` (40 records" in card  # data set path and size
     assert "| `format` | 0.3 |" in card and "| `accuracy` | 0.7 |" in card  # rewards and weights
     assert "`dapo`" in card and "epsilon 0.2" in card  # loss settings
-    assert f"max_staleness {cfg.loss.max_staleness}" in card and cfg.loss.max_staleness == 6
+    assert f"max_staleness {cfg.learner.max_staleness}" in card and cfg.learner.max_staleness == 6
     assert "**Steps:** 14 optimizer steps" in card
     assert "| accuracy | 0.4200 |" in card and "| reward/format | 0.9700 |" in card  # final metrics
     assert AutoModelForImageTextToText.from_pretrained(ckpt) is not None  # plain transformers

@@ -33,7 +33,7 @@ def _setup(tmp_path, tiny_model_dir, redis_server, ns, groups, *sets) -> Path:
     cfg = load_config("demo", [
         f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false", f"run_dir={tmp_path / 'run'}",
         f"queue.url={redis_server.url}", f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.max_steps=2",
-        "learner.get_timeout_s=0.5", "loss.max_staleness=100", "weights.pub_port=0", "weights.snapshot_port=0",
+        "learner.get_timeout_s=0.5", "learner.max_staleness=100", "weights.pub_port=0", "weights.snapshot_port=0",
         "metrics.port=0", "launch.agreement_check=false", *sets])
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())

@@ -53,7 +53,7 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_groups_train_exactly_on
                 f"model.name_or_path={tiny_model_dir}", f"run_dir={run}", f"queue.url={redis_server.url}",
                 f"queue.namespace={redis_ns}", "learner.groups_per_step=2", f"learner.max_steps={max_steps}",
                 "learner.save_steps=2", "learner.get_timeout_s=0.5", "weights.pub_port=0", "weights.snapshot_port=0",
-                "metrics.port=0", "loss.max_staleness=100", "eval.enabled=false"]).to_yaml())
+                "metrics.port=0", "learner.max_staleness=100", "eval.enabled=false"]).to_yaml())
             return subprocess.run([sys.executable, "-m", "streamgrpo", "learner", "--config", str(path), "--resume"],
                                   capture_output=True, text=True, env=env, timeout=300, **kw)
 

@@ -40,7 +40,7 @@ def _config(tmp_path: Path, model_dir, url: str, ns: str, *sets: str) -> Path:
     cfg = load_config("demo", [
         f"model.name_or_path={model_dir}", "demo.tiny_model=false", f"run_dir={tmp_path / 'run'}",
         f"queue.url={url}", f"queue.namespace={ns}", "queue.max_pending=1000", "learner.groups_per_step=4",
-        "learner.get_timeout_s=0.5", "loss.max_staleness=100", "metrics.log_every=1", "weights.pub_port=0",
+        "learner.get_timeout_s=0.5", "learner.max_staleness=100", "metrics.log_every=1", "weights.pub_port=0",
         "weights.snapshot_port=0", "metrics.port=0", *sets])
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())

@@ -124,7 +124,7 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
     # shared: a generator's batch that takes 7 learner steps is dropped, counted), and trains full steps
     assert set(summary["groups_dropped"]) <= {"stale"}, summary["groups_dropped"]
     assert summary["groups_trained"] == rows[-1]["groups_trained"] == ACCURACY_STEPS * 8
-    bound = yaml.safe_load((run / "config.yaml").read_text())["loss"]["max_staleness"]
+    bound = yaml.safe_load((run / "config.yaml").read_text())["learner"]["max_staleness"]
     assert max(r["staleness_max"] for r in rows) <= bound == 6
     for key in ("groups_trained", "groups_dropped", "wall_seconds", "first_accuracy", "last_accuracy", "time_to_target_s"):
         assert key in summary
@@ -220,7 +220,7 @@ def test_zero_staleness_bound_drops_and_counts_stale_groups(demo_assets, tmp_pat
     run = tmp_path / "stale0"
     try:
         cfg = _config(demo_assets, run, **{
-            "queue.url": url, "queue.max_pending": 64, "loss.max_staleness": 0, "learner.max_steps": 5,
+            "queue.url": url, "queue.max_pending": 64, "learner.max_staleness": 0, "learner.max_steps": 5,
             "learner.groups_per_step": 4, "weights.pub_port": _free_port(), "weights.snapshot_port": _free_port(),
             "rollout.prompts_per_batch": 8, "rollout.num_generators": 2})
         gens = [_spawn(cfg, f"generator-{k}", run, "--id", str(k)) for k in range(2)]

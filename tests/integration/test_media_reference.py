@@ -53,7 +53,7 @@ def _cfg(model_dir, data: Path, run_dir, *sets):
     return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}",
                                 f"data.train_path={data / 'train.jsonl'}", "learner.groups_per_step=2",
                                 "learner.get_timeout_s=0.5", "weights.pub_port=0", "weights.snapshot_port=0",
-                                "metrics.port=0", "loss.max_staleness=100", *sets])
+                                "metrics.port=0", "learner.max_staleness=100", *sets])
 
 
 def _logprobs(learner, accepted) -> torch.Tensor:
@@ -164,7 +164,8 @@ def test_changed_and_missing_files_are_dead_letters_that_name_the_file(tiny_mode
         q.put_many([keep_g, change_g, gone_g])
         resolver = MediaResolver(cfg.data, cache_mib=16)
         audit = JsonlWriter(tmp_path / "audit.jsonl")
-        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6, media=resolver)
+        gate = Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6, media=resolver,
+                    max_staleness=cfg.learner.max_staleness)
         source = ReadAhead(q, resolver, ahead=2)
         deliveries = source.get(3, timeout_s=5.0)
         admitted = [a for a in (gate.admit(d) for d in deliveries) if a is not None]
@@ -354,7 +355,8 @@ def test_media_behind_a_symlink_out_of_the_root_travel_inline_and_train(tiny_mod
         q.put_many(groups)
         resolver = MediaResolver(cfg.data, cache_mib=16)
         gate = Gate(q, cfg.loss, LearnerState(), JsonlWriter(tmp_path / "audit.jsonl"),
-                    load_processor(str(tiny_model_dir)), 10**6, media=resolver)
+                    load_processor(str(tiny_model_dir)), 10**6, media=resolver,
+                    max_staleness=cfg.learner.max_staleness)
         admitted = [gate.admit(d) for d in q.get(2, timeout_s=5.0)]
         assert [a.group.group_id for a in admitted if a is not None] == [g.group_id for g in groups]
         assert q.dead_letters() == []

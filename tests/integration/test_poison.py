@@ -36,7 +36,7 @@ def _cfg(model_dir, run_dir, url, ns, *sets):
     return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", f"queue.url={url}",
                                 f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.max_steps=2",
                                 "learner.get_timeout_s=0.5", "weights.pub_port=0", "weights.snapshot_port=0",
-                                "metrics.port=0", "loss.max_staleness=100", *sets])
+                                "metrics.port=0", "learner.max_staleness=100", *sets])
 
 
 def _nan_logprob_message(group) -> bytes:
@@ -123,7 +123,8 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
     audit = JsonlWriter(tmp_path / "audit.jsonl")
     try:
         q.put_many([copy.deepcopy(g) for g in groups[:5]])
-        gate = Gate(q, cfg.loss, learner.state, audit, learner.processor, learner.vocab_size)
+        gate = Gate(q, cfg.loss, learner.state, audit, learner.processor, learner.vocab_size,
+                    max_staleness=cfg.learner.max_staleness)
         batch = [gate.admit(d) for d in q.get(4, timeout_s=1.0)]
         assert all(a is not None for a in batch) and gate.drops == Counter()
         bad = batch[2]
@@ -192,7 +193,8 @@ def _gate(tiny_model_dir, tmp_path, url, ns, *sets):
     cfg = _cfg(tiny_model_dir, tmp_path, url, ns, *sets)
     q = RedisQueue(url, namespace=ns)
     audit = JsonlWriter(tmp_path / "audit.jsonl")
-    return Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6), q, audit
+    return Gate(q, cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6,
+                max_staleness=cfg.learner.max_staleness), q, audit
 
 
 def test_a_burst_of_stale_groups_is_logged_with_counts(groups, tiny_model_dir, redis_server, redis_ns, tmp_path,
@@ -200,7 +202,7 @@ def test_a_burst_of_stale_groups_is_logged_with_counts(groups, tiny_model_dir, r
     import copy
     import logging
 
-    gate, q, audit = _gate(tiny_model_dir, tmp_path, redis_server.url, redis_ns, "loss.max_staleness=2")
+    gate, q, audit = _gate(tiny_model_dir, tmp_path, redis_server.url, redis_ns, "learner.max_staleness=2")
     try:
         gate.state.version = 10
         old = [copy.deepcopy(g) for g in groups[:3]]

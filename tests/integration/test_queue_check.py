@@ -121,7 +121,7 @@ def test_gate_says_why_a_prompt_mismatches_in_one_warning(good, tiny_model_dir, 
     cfg = load_config("demo", [f"data.train_path={data / 'train.jsonl'}"])
     audit = JsonlWriter(tmp_path / "audit.jsonl")
     gate = Gate(Acks(), cfg.loss, LearnerState(), audit, load_processor(str(tiny_model_dir)), 10**6,
-                media=MediaResolver(cfg.data))
+                media=MediaResolver(cfg.data), max_staleness=cfg.learner.max_staleness)
     bad = _faults(good)["mismatch"]
     with caplog.at_level(logging.WARNING, logger="streamgrpo.learner"):
         assert gate.admit(Delivery("1-0", bad)) is None

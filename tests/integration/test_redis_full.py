@@ -154,7 +154,7 @@ def _cfg(model_dir, run_dir, url, ns, *sets):
     return load_config("demo", [f"model.name_or_path={model_dir}", f"run_dir={run_dir}", f"queue.url={url}",
                                 f"queue.namespace={ns}", "learner.groups_per_step=4", "learner.get_timeout_s=0.5",
                                 "weights.pub_port=0", "weights.snapshot_port=0", "metrics.port=0",
-                                "loss.max_staleness=100", *sets])
+                                "learner.max_staleness=100", *sets])
 
 
 def _put_logged(q: RedisQueue, run: Path, gs: list, *, timeout_s: float | None = None) -> None:

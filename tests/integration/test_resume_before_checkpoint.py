@@ -46,7 +46,7 @@ def test_resume_with_no_checkpoint_yet_trims_the_killed_learners_logs(groups, ti
                                    f"queue.namespace={redis_ns}", "queue.claim_idle_s=2", "learner.groups_per_step=4",
                                    "learner.get_timeout_s=0.5", "learner.save_steps=1000", "learner.max_steps=3",
                                    "weights.pub_port=0", "weights.snapshot_port=0", "metrics.port=0",
-                                   "loss.max_staleness=100"])
+                                   "learner.max_staleness=100"])
         path = run / "config-test.yaml"
         path.write_text(cfg.to_yaml())
         learner = subprocess.Popen([sys.executable, "-m", "streamgrpo", "learner", "--config", str(path)], env=ENV,

@@ -111,7 +111,7 @@ def test_two_ranks_killed_between_checkpoints_resume_on_one_exactly_once(groups,
                                                                         redis_ns, tmp_path):
     """Rank 1's uncommitted groups are claimed as the lone rank starts (issue 62 item 6), not after
     queue.claim_idle_s (here 10 minutes: before, the resumed learner waited that long for them, and with the
-    default 120 s they were past loss.max_staleness by then and dropped)."""
+    default 120 s they were past learner.max_staleness by then and dropped)."""
     url, run = redis_server.url, tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 4, "two.yaml", "zero2.json", "queue.claim_idle_s=600")
     _put(url, redis_ns, groups[:12])  # step 4 waits for groups: the kill lands before it

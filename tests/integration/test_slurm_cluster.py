@@ -154,7 +154,7 @@ def test_the_rendered_job_runs_on_a_real_slurm_requeues_and_resumes(cluster, tin
         f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}", "data.kinds=null",
         "eval.enabled=true", "eval.every_versions=2", "eval.max_records=2",
         f"learner.max_steps={MAX_STEPS}", "learner.save_steps=2", f"run_dir={run}", "learner.groups_per_step=2",
-        "rollout.prompts_per_batch=1", "learner.get_timeout_s=1", "loss.max_staleness=100",
+        "rollout.prompts_per_batch=1", "learner.get_timeout_s=1", "learner.max_staleness=100",
         "weights.transport=shm",  # as the recipes: the evaluator on another host must not be sent to unix sockets
         "rollout.stop_grace_s=0"])
     config = tmp_path / "job.yaml"

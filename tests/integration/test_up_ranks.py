@@ -46,7 +46,7 @@ def test_up_with_two_learner_ranks_trains_each_group_once_and_resumes(tiny_model
             f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "demo.make_data=false", "data.kinds=null",
             f"queue.url={redis_server.url}", f"queue.namespace={redis_ns}", "learner.groups_per_step=4",
             "rollout.prompts_per_batch=2", "learner.save_steps=4", "learner.get_timeout_s=1", "metrics.port=0",
-            "loss.max_staleness=100", "eval.enabled=false", "rollout.stop_grace_s=0"]
+            "learner.max_staleness=100", "eval.enabled=false", "rollout.stop_grace_s=0"]
     out = _up(run, [*sets, "learner.max_steps=8"])
     assert "placement: 2 learner rank(s), 2 generator(s) on the CPU" in out.stdout
     assert "learner.backend set to deepspeed" in out.stdout and "2 learner ranks, gens" in out.stdout

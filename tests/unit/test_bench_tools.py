@@ -216,10 +216,10 @@ def test_staleness_table_and_overrides():
     assert "demo.weight_apply_delay=4" in up and "loss.ratio_mode=current" in up
     assert up[0] == "learner.learning_rate=1e-3" and "learner.max_steps=100" in up
     assert "loss.ratio_mode=behaviour" in run_sets(0, "clipped", 100)
-    assert any(s.startswith("loss.max_staleness=") and int(s.split("=")[1]) >= 8
+    assert any(s.startswith("learner.max_staleness=") and int(s.split("=")[1]) >= 8
                for s in run_sets(8, "clipped", 5, "up"))
     # lockstep: the lag is exact, no generator delay and nothing for the learner to drop
-    assert not any(s.startswith(("demo.weight_apply_delay", "loss.max_staleness")) for s in run_sets(8, "naive", 5))
+    assert not any(s.startswith(("demo.weight_apply_delay", "learner.max_staleness")) for s in run_sets(8, "naive", 5))
     # step v (1-based) trains on groups of version v-1-k: k versions behind the learner's v-1
     assert [lagged_version(v, 0) for v in (1, 2, 3)] == [0, 1, 2]
     assert [lagged_version(v, 2) for v in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]

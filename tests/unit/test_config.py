@@ -98,11 +98,23 @@ def test_the_demo_knobs_moved_to_the_demo_section_and_old_keys_still_load(tmp_pa
     assert (cfg.demo.tiny_model, cfg.demo.warm_pixels, cfg.demo.warm_letters) == (True, 3136, "marginal")
     assert (cfg.demo.make_data, cfg.demo.size, cfg.demo.motion, cfg.demo.weight_apply_delay) == (True, 40, "reverse", 2)
     notices = capsys.readouterr().err.strip().splitlines()
-    assert len(notices) == len(MOVED) == 7 and all("moved to 'demo." in n and str(path) in n for n in notices)
+    demo_moves = [k for k, v in MOVED.items() if v.startswith("demo.")]
+    assert len(notices) == len(demo_moves) == 7 and all("moved to 'demo." in n and str(path) in n for n in notices)
     assert build_config({}, ["data.demo_size=12"]).demo.size == 12
     assert "'data.demo_size' moved to 'demo.size'" in capsys.readouterr().err
     for core in ("model", "data", "rollout"):  # the core sections no longer hold them
         assert not {k.split(".")[1] for k in MOVED if k.startswith(core + ".")} & set(getattr(cfg, core).model_fields)
+
+
+def test_max_staleness_is_the_learners_an_old_loss_key_still_loads_and_sync_implies_zero(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"loss": {"max_staleness": 3, "beta": 0.1}}))
+    cfg = load_config(path)
+    assert cfg.learner.max_staleness == 3 and cfg.loss.beta == 0.1 and "max_staleness" not in cfg.loss.model_fields
+    assert "'loss.max_staleness' moved to 'learner.max_staleness'" in capsys.readouterr().err
+    assert build_config({}, ["loss.max_staleness=5"]).learner.max_staleness == 5  # --set too
+    assert build_config({}, ["max_staleness=7"]).learner.max_staleness == 7  # the seed-era flat name
+    assert build_config({}, ["rollout.sync=true", "learner.max_staleness=5"]).learner.max_staleness == 0
 
 
 def test_warm_pixels_overrides_only_the_warm_starts_data_section():
