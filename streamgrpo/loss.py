@@ -66,7 +66,8 @@ Metrics come back as detached 0-d tensors (no host sync inside).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -83,11 +84,11 @@ __all__ = [
     "LOSS_TYPES",
     "RATIO_MODES",
     "LossError",
+    "LossSpec",
     "LossType",
     "RatioMode",
     "compute_loss",
     "kl_k3",
-    "loss_kwargs",
 ]
 
 
@@ -96,20 +97,33 @@ LOG_RATIO_CLAMP = 20.0
 mask band, and far inside float32 (a behaviour log-prob of -100 would otherwise overflow exp)."""
 
 
-def loss_kwargs(cfg: LossConfig, max_completion_length: Optional[int] = None) -> dict[str, Any]:
-    """The compute_loss keyword settings from a ``LossConfig`` (plus the rollout's max_completion_length)."""
-    return {
-        "epsilon": cfg.epsilon,
-        "epsilon_high": cfg.epsilon_high,
-        "beta": cfg.beta,
-        "loss_type": cfg.loss_type,
-        "max_completion_length": max_completion_length,
-        "tis_cap": cfg.tis_cap,
-        "ratio_mode": cfg.ratio_mode,
-        "is_mask": cfg.is_mask,
-        "is_mask_band": (cfg.is_mask_low, cfg.is_mask_high),
-        "entropy_coef": cfg.entropy_coef,
-    }
+@dataclass(frozen=True)
+class LossSpec:
+    """What :func:`compute_loss` computes, made once from the ``loss`` config section (:meth:`from_config`). The
+    defaults are the plain clipped objective's: no KL, no truncation, no masking, no entropy bonus."""
+
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    loss_type: LossType = "dapo"
+    max_completion_length: Optional[int] = None  # required by dr_grpo
+    tis_cap: Optional[float] = None
+    ratio_mode: RatioMode = "behaviour"
+    is_mask: Optional[Literal["token", "sequence"]] = None
+    is_mask_band: tuple[float, float] = (0.5, 2.0)
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: LossConfig, max_completion_length: Optional[int] = None) -> LossSpec:
+        """The spec of a ``loss`` section (and the rollout's ``max_completion_length``, which dr_grpo divides by)."""
+        return cls(epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                   max_completion_length=max_completion_length, tis_cap=cfg.tis_cap, ratio_mode=cfg.ratio_mode,
+                   is_mask=cfg.is_mask, is_mask_band=(cfg.is_mask_low, cfg.is_mask_high),
+                   entropy_coef=cfg.entropy_coef)
+
+
+PLAIN = LossSpec()
+"""The plain clipped objective (no KL, no truncation, no masking): :func:`compute_loss`'s default spec."""
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -151,22 +165,13 @@ def compute_loss(
     mask: Tensor,
     ref_logprobs: Optional[Tensor] = None,
     *,
-    epsilon: float = 0.2,
-    epsilon_high: float = 0.28,
-    beta: float = 0.0,
-    loss_type: LossType = "dapo",
-    max_completion_length: Optional[int] = None,
-    tis_cap: Optional[float] = None,
+    spec: LossSpec = PLAIN,
     entropies: Optional[Tensor] = None,
     token_normaliser: Union[None, int, float, Tensor] = None,
-    ratio_mode: RatioMode = "behaviour",
-    is_mask: Optional[Literal["token", "sequence"]] = None,
-    is_mask_band: tuple[float, float] = (0.5, 2.0),
-    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The GRPO loss of one (micro-)batch and its metrics; formulas in the module docstring.
+    """The GRPO loss of one (micro-)batch and its metrics; formulas in the module docstring, settings in ``spec``.
 
-    ``entropy_coef`` > 0 subtracts ``entropy_coef`` x each token's policy entropy (``entropies``,
+    ``spec.entropy_coef`` > 0 subtracts ``entropy_coef`` x each token's policy entropy (``entropies``,
     which must then be given and carry the gradient) before the aggregation, an entropy bonus
     (verl's ``entropy_coeff``).
 
@@ -184,6 +189,9 @@ def compute_loss(
     when ``entropies`` is given) and ``num_tokens``; token fractions and means are over this call's
     unmasked tokens.
     """
+    epsilon, epsilon_high, beta, loss_type = spec.epsilon, spec.epsilon_high, spec.beta, spec.loss_type
+    max_completion_length, tis_cap, ratio_mode = spec.max_completion_length, spec.tis_cap, spec.ratio_mode
+    is_mask, is_mask_band, entropy_coef = spec.is_mask, spec.is_mask_band, spec.entropy_coef
     _validate(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs, entropies, epsilon=epsilon,
               epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, max_completion_length=max_completion_length,
               tis_cap=tis_cap, token_normaliser=token_normaliser, ratio_mode=ratio_mode, is_mask=is_mask,

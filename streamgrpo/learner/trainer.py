@@ -357,7 +357,7 @@ class Learner:
         else ``rollout.temperature``; a step may mix them, e.g. after a resume with a new setting).
         """
         from streamgrpo.advantages import batch_advantages
-        from streamgrpo.loss import compute_loss, loss_kwargs
+        from streamgrpo.loss import LossSpec, compute_loss
         from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
 
         cfg = self.cfg
@@ -384,7 +384,7 @@ class Learner:
             units, origin = cut_to(units, origin, n_micro)
         micro = split_micro_batches(units, self.micro_tokens, n_parts=n_micro, shared_prompt=shared)
         dapo = cfg.loss.loss_type == "dapo"
-        kw = loss_kwargs(cfg.loss, cfg.rollout.max_completion_length)
+        spec = LossSpec.from_config(cfg.loss, cfg.rollout.max_completion_length)
         unit_adv = {id(u): advs[i][j: j + len(u.group.completions)] for u, (i, j) in zip(units, origin)}
         batch_rows = sum(len(a.group.completions) for a in batch)
         stats: list[LossStats] = []
@@ -411,7 +411,8 @@ class Learner:
                 adv = torch.cat([unit_adv[id(a)] for a in part]).to(self.device)
                 with counted_errors():
                     loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp,
-                                           entropies=entropy, token_normaliser=global_tokens if dapo else None, **kw)
+                                           entropies=entropy, token_normaliser=global_tokens if dapo else None,
+                                           spec=spec)
             # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
             part_rows = sum(len(a.group.completions) for a in part)
             loss = loss * self.dist.world_size if dapo else loss * (part_rows / batch_rows)

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamgrpo import metrics
-from streamgrpo.loss import LOSS_TYPES, LossError, compute_loss, kl_k3, loss_kwargs
+from streamgrpo.loss import LOSS_TYPES, LossError, LossSpec, kl_k3
+from streamgrpo.loss import compute_loss as _compute_loss
+
+
+def compute_loss(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs=None, *, entropies=None,
+                 token_normaliser=None, **spec):
+    """The loss with its settings as keywords: this test's shorthand for ``spec=LossSpec(...)``."""
+    return _compute_loss(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs, entropies=entropies,
+                         token_normaliser=token_normaliser, spec=LossSpec(**spec))
+
 
 EPS, EPS_H = 0.2, 0.28
 L_MAX = 6
@@ -553,14 +562,15 @@ def test_sequence_mis_judges_a_row_by_its_geometric_mean_ratio():
 
 
 # ------------------------------------------------------------------ wrappers and errors
-def test_config_kwargs():
+def test_the_spec_is_made_from_the_loss_section():
     from streamgrpo.config import LossConfig
 
     logp, behaviour, ref, adv, mask = make_batch()
-    cfg = LossConfig(beta=0.04, loss_type="dr_grpo", tis_cap=2.0)
-    kw = loss_kwargs(cfg, max_completion_length=L_MAX)
-    assert (kw["beta"], kw["loss_type"], kw["tis_cap"], kw["max_completion_length"]) == (0.04, "dr_grpo", 2.0, L_MAX)
-    b, mb = compute_loss(logp, behaviour, adv, mask, ref, **kw)
+    cfg = LossConfig(beta=0.04, loss_type="dr_grpo", tis_cap=2.0, is_mask_low=0.3)
+    spec = LossSpec.from_config(cfg, max_completion_length=L_MAX)
+    assert (spec.beta, spec.loss_type, spec.tis_cap, spec.max_completion_length) == (0.04, "dr_grpo", 2.0, L_MAX)
+    assert spec.is_mask == cfg.is_mask and spec.is_mask_band == (0.3, cfg.is_mask_high)
+    b, mb = _compute_loss(logp, behaviour, adv, mask, ref, spec=spec)
     assert torch.isfinite(b) and mb["kl"] > 0
 
 

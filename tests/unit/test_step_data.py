@@ -140,7 +140,7 @@ def test_tokens_per_second_and_mfu_add_up_over_ranks():
 
 
 def test_loss_stats_of_micro_batches_add_up_to_the_whole_batch():
-    from streamgrpo.loss import compute_loss
+    from streamgrpo.loss import LossSpec, compute_loss
 
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 3
@@ -148,9 +148,10 @@ def test_loss_stats_of_micro_batches_add_up_to_the_whole_batch():
     adv = torch.randn(6, generator=g, dtype=torch.float64)
     mask = torch.rand(6, 5, generator=g) < 0.7
     ent = torch.rand(6, 5, generator=g, dtype=torch.float64)
-    whole = LossStats.from_loss(compute_loss(logp, behaviour, adv, mask, entropies=ent, is_mask="token")[1])
-    parts = [LossStats.from_loss(compute_loss(logp[s], behaviour[s], adv[s], mask[s], entropies=ent[s],
-                                              is_mask="token")[1]) for s in (slice(0, 2), slice(2, 6))]
+    spec = LossSpec(is_mask="token")
+    whole = LossStats.from_loss(compute_loss(logp, behaviour, adv, mask, entropies=ent, spec=spec)[1])
+    parts = [LossStats.from_loss(compute_loss(logp[s], behaviour[s], adv[s], mask[s], entropies=ent[s], spec=spec)[1])
+             for s in (slice(0, 2), slice(2, 6))]
     merged = LossStats.merge(parts)
     assert merged.tokens == whole.tokens == int(mask.sum())
     for name in (*LossStats.means(), "ratio_max", "ratio_min"):
@@ -168,12 +169,12 @@ def test_the_learner_counts_the_pure_cores_errors():
     from streamgrpo import metrics as M
     from streamgrpo.advantages import group_advantages
     from streamgrpo.learner.trainer import counted_errors
-    from streamgrpo.loss import compute_loss
+    from streamgrpo.loss import LossSpec, compute_loss
 
     value = {k: M.ERRORS.labels(kind=k)._value.get for k in ("loss", "reward")}
     before = {k: v() for k, v in value.items()}
     with pytest.raises(ValueError, match="loss_type"), counted_errors():
-        compute_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), loss_type="ppo")
+        compute_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), spec=LossSpec(loss_type="ppo"))
     with pytest.raises(ValueError, match="finite"), counted_errors():
         group_advantages(torch.tensor([1.0, float("nan")]))
     with pytest.raises(ValueError, match="other"), counted_errors():

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from streamgrpo.loss import compute_loss
+from streamgrpo.loss import LossSpec, compute_loss
 from streamgrpo.models.batching import GroupInputs, build_batch
 from streamgrpo.models.logprobs import completion_logprobs
 from streamgrpo.models.vision_attention import NAMES, PAD_BUDGET, buckets, install, plan
@@ -97,7 +97,7 @@ def _step(model, batch):
     lp, _ = completion_logprobs(model, batch, temperature=0.9)
     m = batch.completion_mask.float()
     adv = torch.linspace(-1.0, 1.0, m.shape[0])
-    loss, _ = compute_loss(lp, lp.detach() + 0.01, adv, m, lp.detach() - 0.02, beta=0.04)
+    loss, _ = compute_loss(lp, lp.detach() + 0.01, adv, m, lp.detach() - 0.02, spec=LossSpec(beta=0.04))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return lp.detach(), loss.detach(), grads
