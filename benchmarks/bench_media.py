@@ -122,7 +122,7 @@ def _learner_step_s(groups: list, cfg_sets: list[str], run_dir: Path, steps: int
 
 def _learner_pair(model_dir: str, records: Path, shape_sets: list[str], steps: int, per_step: int, repeats: int,
                   tmp: Path, name: str) -> dict:
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
     from streamgrpo.wire import inline
 
     n = steps * per_step + per_step  # the read-ahead takes one step more
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         demo = make_demo(tmp / "demo", n=64, seed=0)
         cfg = load_config("demo")
         n_window = cfg.learner.save_steps * cfg.learner.groups_per_step
-        from streamgrpo.generator.rollouts import sample_groups
+        from benchmarks.rollouts import sample_groups
 
         few = sample_groups(model, demo / "train.jsonl", 8, num_generations=cfg.rollout.num_generations,
                             max_tokens=cfg.rollout.max_completion_length,

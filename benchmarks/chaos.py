@@ -16,7 +16,7 @@ each time a step holds the first (as an out-of-memory killer would) until a star
 ``crash_loop``. With ``--maxmemory-minutes`` (before `up`), Redis' ``maxmemory`` is set under what it uses
 for that long (writes refused until the learner's commit frees memory), then restored: nothing may exit,
 and training goes on. Then it audits the run directory against Redis
-(:mod:`streamgrpo.audit`): every produced group is trained exactly once, or dropped with a counted
+(:mod:`benchmarks.audit`): every produced group is trained exactly once, or dropped with a counted
 reason, or still queued; the step log runs 1..N with the policy version equal to the step.
 
 Prints the kills, the audit and ``lost: N, twice: N``; exits 1 when either is above 0 or the step
@@ -103,14 +103,14 @@ class Proc:
 
 
 def _last_step(run_dir: Path) -> int:
-    from streamgrpo.audit import read_jsonl
+    from benchmarks.audit import read_jsonl
 
     steps = [r["step"] for r in read_jsonl(run_dir / "audit" / "learner.jsonl") if r.get("event") == "trained"]
     return steps[-1] if steps else 0
 
 
 def _resumes(run_dir: Path) -> int:
-    from streamgrpo.audit import read_jsonl
+    from benchmarks.audit import read_jsonl
 
     return sum(r.get("event") == "resumed" for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
 
@@ -247,7 +247,7 @@ HUGE_LIMIT = 4 * 240 * 240  # learner.max_group_pixels of the soak: 4 frames of 
 
 
 def _stale_drops(run_dir: Path, group_id: str) -> int:
-    from streamgrpo.audit import read_jsonl
+    from benchmarks.audit import read_jsonl
 
     return sum(r.get("event") == "dropped" and r.get("group_id") == group_id and r.get("reason") in ("stale", "rolled_back")
                for r in read_jsonl(run_dir / "audit" / "learner.jsonl"))
@@ -264,7 +264,7 @@ def _huge_group_phase(run_dir: Path, cfg, url: str, learner: Proc, kills: list[K
     its note says how it ended."""
     import dataclasses
 
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
     from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
@@ -393,7 +393,7 @@ def run_chaos(run_dir: Path, *, duration_s: float, learner_kills: int, generator
             log(f"the learner's clean stop exited with {code}; see {learner.log}")
         if up_s > 0:
             _up_phase(run_dir, cfg_path, generators, up_s, kills, t0, log)
-        from streamgrpo.audit import audit_run
+        from benchmarks.audit import audit_run
 
         queue = RedisQueue(url, namespace=cfg.queue.namespace, consumer="chaos-audit")
         try:

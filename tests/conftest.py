@@ -69,13 +69,13 @@ _SAMPLED: dict[tuple, list] = {}
 
 
 def sampled_groups(model_dir, records_path, n_groups: int, **kwargs) -> list:
-    """:func:`streamgrpo.generator.rollouts.sample_groups`, sampled once per session for each model, records
+    """:func:`benchmarks.rollouts.sample_groups`, sampled once per session for each model, records
     file and settings: group i is seeded by its index alone, so ``n`` groups are the first ``n`` of a larger
     draw (asserted by ``test_sampled_groups_are_the_first_of_a_larger_draw``). Deep copies: a test may
     change what it gets."""
     import copy
 
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     key = (str(model_dir), str(records_path),
            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(kwargs.items())))

@@ -103,14 +103,14 @@ def full_forward_behaviour(s: Sampled) -> list[np.ndarray] | None:
 
 def learner_logprobs(cfg: Config, groups: list, *, shared_vision: bool = True) -> list[np.ndarray]:
     """Every sampled token's log-prob along the learner's own path (a :class:`Learner` of this config)."""
-    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.distributed import init_distributed
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
 
     # DeepSpeed runs as one rank here (its own process group of one); the torch backend needs none
     learner = Learner(cfg, dist=init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend))
     try:
-        return learner.own_logprobs(accept(groups, learner.processor), shared_vision=shared_vision)
+        return learner.own_logprobs(Accepted.directly(groups, learner.processor), shared_vision=shared_vision)
     finally:
         del learner
         _free()

@@ -8,6 +8,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamgrpo.data.prompts import processor_inputs
+
 RECENT_GROUP_IDS = 10_000
 """Trained group ids a checkpoint remembers (the Redis trained set is the de-duplication truth)."""
 
@@ -68,3 +70,10 @@ class Accepted:
     group: Any  # ScoredGroup
     inputs: Any  # processor outputs for the prompt
     staleness: int
+
+    @classmethod
+    def directly(cls, groups, processor, *, version: int = 0) -> list[Accepted]:
+        """Groups fed to the learner without a queue (``check agreement``, tests, benchmarks): their prompts
+        re-processed, their staleness against ``version``."""
+        return [cls(f"direct-{i}", g, processor_inputs(processor, g.prompt_text, g.visuals),
+                    version - int(g.policy_version)) for i, g in enumerate(groups)]

@@ -29,8 +29,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.distributed import init_distributed
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.batching import unwrap_model
     from streamgrpo.models.compile import compiled_graphs, decoder_layers, is_compiled
@@ -65,12 +65,12 @@ def main() -> int:
            "same_names": list(compiled.module.state_dict()) == list(eager.module.state_dict()),
            "hooks": len(compiled.optimizer._grad_acc_hooks), "steps": [], "graphs": [], "lengths": []}
     start = weights(eager)
-    first = accept(mine[0], eager.processor, version=0)
+    first = Accepted.directly(mine[0], eager.processor, version=0)
     lp = [np.concatenate(lrn.own_logprobs(first)) for lrn in (eager, compiled)]
     out["logprob_diff"] = float(np.abs(lp[0] - lp[1]).max())
 
     def step(lrn: Learner, part, version: int) -> list[float]:
-        res = lrn.train_step(accept(part, lrn.processor, version=version))
+        res = lrn.train_step(Accepted.directly(part, lrn.processor, version=version))
         assert res is not None
         lrn.state.step += 1
         lrn.state.version += 1

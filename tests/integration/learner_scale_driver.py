@@ -31,9 +31,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.distributed import barrier, init_distributed, share
     from streamgrpo.learner.loop import run_learner
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.files import read_model_tensors, to_model_names
     from streamgrpo.runtime.processes import StopFlag
@@ -55,7 +55,7 @@ def main() -> int:
     torch.manual_seed(cfg.seed)  # as run_learner does: the same initial adapters in LoRA mode
     learner = Learner(replay_cfg, dist=dist)
     for i, rec in enumerate(steps):
-        out = learner.train_step(accept([groups[g] for g in rec["group_ids"]], learner.processor, version=i))
+        out = learner.train_step(Accepted.directly([groups[g] for g in rec["group_ids"]], learner.processor, version=i))
         assert out is not None, f"replay step {i + 1} skipped"
         learner.state.step += 1
     replayed = learner.policy_tensors()

@@ -47,7 +47,7 @@ def _put(url, ns, groups):
 
 
 def _audit(run, url, ns):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:
@@ -55,7 +55,7 @@ def _audit(run, url, ns):
 
 
 def _trained(run: Path) -> list[dict]:
-    from streamgrpo.audit import read_jsonl
+    from benchmarks.audit import read_jsonl
 
     return [r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("event") == "trained"]
 

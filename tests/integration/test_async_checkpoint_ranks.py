@@ -36,7 +36,7 @@ def _cfg(tmp_path, model_dir, url, ns, steps: int, *sets: str) -> Path:
 
 
 def _audit(run: Path, url: str, ns: str):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 16, num_generations=4, max_tokens=6)
 

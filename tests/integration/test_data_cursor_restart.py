@@ -57,7 +57,7 @@ def _checkpoints(run: Path) -> list[int]:
 
 def test_a_restarted_generator_continues_its_shard_where_the_learners_checkpoint_says(tiny_model_dir, demo_data_dir,
                                                                                       redis_server, redis_ns, tmp_path):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.config import load_config
     from streamgrpo.data.cursor import next_position
     from streamgrpo.data.dataset import shard_records

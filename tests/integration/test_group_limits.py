@@ -37,7 +37,7 @@ def groups(tiny_model_dir, demo_data_dir):
 def huge(tiny_model_dir, demo_data_dir):
     """A group that follows every rule of the wire, sampled from 224 x 224 frames (the learner re-processes
     them to the same prompt: it would train)."""
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 1, num_generations=4, max_tokens=6,
                          data_overrides=HUGE, seed=5)[0]
@@ -88,7 +88,7 @@ def test_a_group_over_the_limits_is_dead_lettered_before_it_is_decoded(groups, t
     size (its media file is not even there), the others train."""
     import logging
 
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
@@ -150,7 +150,7 @@ def test_a_group_the_learner_dies_on_is_dead_lettered_after_n_starts_and_trainin
     """The issue's crash loop, with N = 2: the huge group (under a raised max_group_pixels, so the learner
     takes it) is in the step when the learner is killed -9 from outside (not counted), then crashes (SIGSEGV) twice; the third start dead-letters it as
     crash_loop and trains the rest; every group trained once."""
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-producer")

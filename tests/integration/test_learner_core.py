@@ -49,9 +49,9 @@ def _step_grads(learner, batch):
 
 
 def _accept(groups, learner, version=0):
-    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.state import Accepted
 
-    return accept(groups, learner.processor, version=version)
+    return Accepted.directly(groups, learner.processor, version=version)
 
 
 def _assert_same_step(out_a, grads_a, out_b, grads_b, *, grad_norm_rel, grad_atol):

@@ -37,7 +37,7 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_groups_train_exactly_on
     """``first``: no checkpoint could ever be written (the next start begins at step 0 again);
     ``second``: a run wrote step 2's checkpoint, the next one cannot write step 4's (the start after resumes
     from step 2)."""
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.config import load_config
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 

@@ -201,7 +201,7 @@ def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(
     """kill -9 of both DeepSpeed ranks (and torchrun) after a checkpoint: each rank re-reads and re-trains
     its own groups trained after it; the audit over both ranks' logs finds nothing lost, nothing twice."""
 
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     total = 4
@@ -229,7 +229,7 @@ def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -
     """Start two learner ranks under torchrun; once step ``step`` is in the audit and no checkpoint write is in
     flight (an asynchronous one is renamed, then committed, at a step boundary after it), kill -9 both ranks
     (torchrun starts them in their own sessions), then torchrun; return once the ranks are gone."""
-    from streamgrpo.audit import read_jsonl
+    from benchmarks.audit import read_jsonl
 
     def ready() -> bool:
         return bool([r for r in read_jsonl(run / "audit" / "learner.jsonl") if r.get("step") == step]

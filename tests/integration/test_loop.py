@@ -346,7 +346,7 @@ def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refu
     Redis) get SIGTERM from the kernel and stop cleanly. While it lives, a second `up` on the same run
     directory refuses in one line. Then `up --resume` goes on, and the audit finds nothing lost or
     trained twice."""
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.config import QueueConfig
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 

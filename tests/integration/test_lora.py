@@ -16,7 +16,7 @@ def trained(tiny_model_dir, demo_data_dir, tmp_path_factory):
     from conftest import sampled_groups as sample_groups  # sampled once per session
 
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
 
     groups = sample_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 4, num_generations=4, max_tokens=6)
@@ -26,7 +26,7 @@ def trained(tiny_model_dir, demo_data_dir, tmp_path_factory):
                                "learner.learning_rate=5e-3"])
     learner = Learner(cfg)
     before = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
-    outs = [learner.train_step(accept(groups[i:i + 2], learner.processor)) for i in (0, 2)]
+    outs = [learner.train_step(Accepted.directly(groups[i:i + 2], learner.processor)) for i in (0, 2)]
     learner.state.step = 2
     return {"learner": learner, "cfg": cfg, "groups": groups, "before": before, "outs": outs, "run": run}
 

@@ -29,7 +29,7 @@ def _copy(demo_data_dir, dst: Path) -> Path:
 
 
 def _sample(model_dir, data: Path, n: int, kinds: str, seed: int = 0, records: str = "train.jsonl"):
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     return sample_groups(model_dir, data / records, n, num_generations=2, max_tokens=4, seed=seed,
                          data_overrides=[f"data.kinds={kinds}"], media="reference")
@@ -68,8 +68,8 @@ def _logprobs(learner, accepted) -> torch.Tensor:
 def test_a_group_by_reference_trains_on_the_generators_pixels_exactly(mixed, tiny_model_dir, media, tmp_path):
     """Video, multi-video and image groups: the message is a fraction of the inline one; the learner
     decodes the same pixels (bit-exact) and computes the same log-probs; a second read hits the cache."""
-    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.wire import decode, encode, inline
 
@@ -90,8 +90,8 @@ def test_a_group_by_reference_trains_on_the_generators_pixels_exactly(mixed, tin
         for va, vb in zip(a.visuals, b.visuals):
             assert va.frames.dtype == np.uint8 and np.array_equal(va.frames, vb.frames)
     learner = Learner(cfg)
-    lp_ref = _logprobs(learner, accept(resolved, learner.processor))
-    lp_inline = _logprobs(learner, accept(by_pixels, learner.processor))
+    lp_ref = _logprobs(learner, Accepted.directly(resolved, learner.processor))
+    lp_inline = _logprobs(learner, Accepted.directly(by_pixels, learner.processor))
     assert torch.equal(lp_ref, lp_inline)
     again = resolver.resolve(by_ref[1])
     assert value(metrics.MEDIA_CACHE, result="hit") - hits0 == len(mixed[1].visuals)
@@ -192,7 +192,7 @@ def test_learner_trains_references_and_a_schema_2_inline_message(mixed, tiny_mod
     dead-lettered; every referenced visual was decoded by the learner."""
     from dataclasses import replace
 
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.wire import encode, inline
@@ -252,7 +252,7 @@ def test_many_unresolvable_references_among_good_groups_are_dead_letters_and_tra
     """40 references the learner cannot (or must not) resolve, in runs of 20 between good groups: each
     is dead-lettered with its reason (a symlink out of the root names where it leads), every good group
     trains, and the audit accounts for all: lost 0, twice 0."""
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.wire import decode, encode

@@ -31,7 +31,7 @@ def _train_and_save(tiny_model_dir, demo_data_dir, run: Path, lora: bool):
     from conftest import sampled_groups
 
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.card import model_card
 
@@ -40,7 +40,7 @@ def _train_and_save(tiny_model_dir, demo_data_dir, run: Path, lora: bool):
             "learner.learning_rate=5e-2", f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}"]
     cfg = load_config("demo", sets + (["model.lora={r: 4, alpha: 16, dropout: 0.0}"] if lora else []))
     learner = Learner(cfg)
-    learner.train_step(accept(groups[:2], learner.processor))
+    learner.train_step(Accepted.directly(groups[:2], learner.processor))
     learner.state.step, learner.state.version = 1, 1
     on_disk = cfg.model_copy(deep=True)
     on_disk.queue.url = "redis://:hunter2@redis.example:6379/0"

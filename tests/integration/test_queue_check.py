@@ -27,7 +27,7 @@ def data(demo_data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def good(tiny_model_dir, data):
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     return sample_groups(tiny_model_dir, data / "train.jsonl", 2, num_generations=2, max_tokens=4,
                          data_overrides=["data.kinds=[direction]"], media="reference")

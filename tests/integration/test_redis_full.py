@@ -167,7 +167,7 @@ def _put_logged(q: RedisQueue, run: Path, gs: list, *, timeout_s: float | None =
 
 
 def _audit(run: Path, q: RedisQueue):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
 
     result = audit_run(run, q)
     assert (result.lost, result.twice) == (0, 0), result

@@ -29,7 +29,7 @@ def groups(tiny_model_dir, demo_data_dir):
 
 def test_resume_with_no_checkpoint_yet_trims_the_killed_learners_logs(groups, tiny_model_dir, redis_factory, redis_ns,
                                                                       tmp_path):
-    from streamgrpo.audit import audit_run, read_jsonl
+    from benchmarks.audit import audit_run, read_jsonl
     from streamgrpo.config import load_config
     from streamgrpo.learner.loop import run_learner
     from streamgrpo.transport.queue.redis_stream import RedisQueue

@@ -59,7 +59,7 @@ def _cfg(tmp_path, model_dir, url, ns, steps: int, name: str, zero: str = "zero2
 
 
 def _audit(run: Path, url: str, ns: str):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:

@@ -18,7 +18,7 @@ def _same(a, b) -> bool:
 def test_sampled_groups_are_the_first_of_a_larger_draw(tiny_model_dir, demo_data_dir):
     from conftest import sampled_groups
 
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     data = Path(demo_data_dir) / "train.jsonl"
     two = sample_groups(tiny_model_dir, data, 2, num_generations=2, max_tokens=3)

@@ -142,7 +142,7 @@ def _prometheus_config(run: Path, tmp: Path) -> Path:
 
 
 def test_the_rendered_job_runs_on_a_real_slurm_requeues_and_resumes(cluster, tiny_model_dir, demo_data_dir, tmp_path):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.config import load_config
     from streamgrpo.transport.queue.redis_stream import RedisQueue
     from streamgrpo.transport.queue.server import EmbeddedRedis

@@ -37,7 +37,7 @@ def _up(run: Path, sets: list[str], *flags: str) -> subprocess.CompletedProcess:
 
 def test_up_with_two_learner_ranks_trains_each_group_once_and_resumes(tiny_model_dir, demo_data_dir, redis_server,
                                                                        redis_ns, tmp_path):
-    from streamgrpo.audit import audit_run
+    from benchmarks.audit import audit_run
     from streamgrpo.config import QueueConfig
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 

@@ -27,8 +27,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from streamgrpo.config import load_config
-    from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.distributed import init_distributed
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.wire import decode
 
@@ -47,7 +47,7 @@ def main() -> int:
     def train(lrn: Learner, parts, start: int = 0) -> list[list[float]]:
         out = []
         for i, part in enumerate(parts):
-            step = lrn.train_step(accept(part, lrn.processor, version=start + i))
+            step = lrn.train_step(Accepted.directly(part, lrn.processor, version=start + i))
             assert step is not None
             lrn.state.step += 1
             lrn.state.version += 1

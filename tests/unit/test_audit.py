@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamgrpo.audit import read_jsonl, tally
+from benchmarks.audit import read_jsonl, tally
 
 
 def _produced(*ids):

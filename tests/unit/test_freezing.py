@@ -24,7 +24,7 @@ FLAGS = [  # (llm, mlp, vision)
 
 @pytest.fixture(scope="module")
 def arch_groups(tmp_path_factory, tiny_model_dir, tiny_qwen3_dir, demo_data_dir):
-    from streamgrpo.generator.rollouts import sample_groups
+    from benchmarks.rollouts import sample_groups
 
     train = Path(demo_data_dir) / "train.jsonl"
     return {arch: (d, sample_groups(d, train, 2, num_generations=3, max_tokens=4, seed=1))
@@ -52,7 +52,7 @@ def test_every_parameter_belongs_to_one_group(tiny_any_dir):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("llm,mlp,vision", FLAGS)
 def test_step_changes_exactly_the_unfrozen_groups(arch, llm, mlp, vision, arch_groups, tmp_path, caplog):
-    from streamgrpo.generator.rollouts import accept
+    from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
 
     model_dir, groups = arch_groups[arch]
@@ -64,7 +64,7 @@ def test_step_changes_exactly_the_unfrozen_groups(arch, llm, mlp, vision, arch_g
     assert (learner.trainable, learner.total) == (expect_trainable, sum(p.numel() for p in named.values()))
     assert f"trainable parameters: {expect_trainable} of {learner.total}" in caplog.text
     before = {n: p.detach().clone() for n, p in named.items()}
-    assert learner.train_step(accept(groups, learner.processor)) is not None
+    assert learner.train_step(Accepted.directly(groups, learner.processor)) is not None
     changed = {n for n, p in named.items() if not torch.equal(p.detach(), before[n])}
     expected = {n for n in named if on[parameter_group(n)]}
     assert changed == expected, (f"changed but frozen: {sorted(changed - expected)[:4]}; "

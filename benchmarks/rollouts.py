@@ -4,8 +4,8 @@
 processor -> HF engine sampling G completions with behaviour log-probs) and builds one
 :class:`~streamgrpo.wire.ScoredGroup` per prompt with the generator's own :func:`score_group`. Rewards are synthetic by default (alternating
 1/0 within a group, so every group carries gradient); pass ``score`` to use real reward functions.
-:func:`accept` turns groups into the learner's :class:`~streamgrpo.learner.trainer.Accepted` form, which is
-what ``Learner.train_step`` takes (a fixed sequence of groups, fed directly).
+:meth:`streamgrpo.learner.state.Accepted.directly` turns them into what ``Learner.train_step`` takes (a fixed
+sequence of groups, fed directly).
 """
 
 from __future__ import annotations
@@ -75,12 +75,3 @@ class _GivenRewards:
     def score(self, texts: list[str], answer: str, **_) -> ScoredRewards:
         values = [float(r) for r in self.fn(texts, answer)] if self.fn else [float(j % 2) for j in range(len(texts))]
         return ScoredRewards(totals=values, per_fn={"accuracy": values, "format": [1.0 - r for r in values]})
-
-
-def accept(groups: Sequence[Any], processor, *, version: int = 0) -> list[Any]:
-    """The learner's view of groups fed directly (no queue): re-processed prompt inputs, staleness."""
-    from streamgrpo.data.prompts import processor_inputs
-    from streamgrpo.learner.state import Accepted
-
-    return [Accepted(f"direct-{i}", g, processor_inputs(processor, g.prompt_text, g.visuals),
-                     version - int(g.policy_version)) for i, g in enumerate(groups)]
