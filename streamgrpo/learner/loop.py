@@ -125,7 +125,8 @@ def _warn_if_redis_small(queue, cfg: Config) -> None:
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
     """Train until ``learner.max_steps`` or a stop signal; rank 0 owns the run directory meanwhile (a
     second learner there refuses in one line)."""
-    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend,
+                                    sequence_parallel=cfg.learner.sequence_parallel)
     owner = RunLock(cfg.run_dir, "learner", "learner") if dist.is_main else None
     try:
         return _train(cfg, stop=stop, dist=dist)
