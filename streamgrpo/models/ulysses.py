@@ -312,7 +312,7 @@ def hidden_states(hf: nn.Module, batch: Any, sp: SPGroup, *, shared_prompt: bool
         dtype = next(hf.parameters()).dtype
         mask = allowed if kind == "sdpa" else torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
                                                           ).masked_fill_(~allowed, torch.finfo(dtype).min)
-    encoded = encode_once(inner, batch, seq_groups)
+    encoded = encode_once(inner, batch, seq_groups, sp)  # a frozen trunk: each rank its share of the frames
     embeds, extra = _embeds(inner, encoded, ids, split, pad_id)
     out = inner.language_model(input_ids=None, inputs_embeds=embeds, position_ids=split.local_positions(positions),
                                attention_mask=sp_mask(sp, mask, int(ids.shape[0]), ids.device), use_cache=False,

@@ -9,7 +9,7 @@ differences go to ``--out``-rank<N>.json.
 Part 2, the learner's step (``--groups``: wire-encoded ScoredGroups): for each setting (the torch backend with rows,
 with ``learner.shared_prompt``, with LoRA; DeepSpeed ZeRO-2), a learner without sequence parallelism on this process
 alone and one with ``learner.sequence_parallel: 2`` over both ranks each take two steps (two micro-batches, ``dapo``,
-``loss.beta > 0`` where it adds a path) on the same groups: the losses, gradient norms, the gradients the optimizer steps with (torch
+``loss.beta`` 0.04 or 0) on the same groups: the losses, gradient norms, the gradients the optimizer steps with (torch
 backend) and the weights after the steps; then a checkpoint of the sequence-parallel learner loaded into a fresh one
 and a step of each.
 """
@@ -74,11 +74,11 @@ def logprob_checks(model_dir: str, attn: str, sp) -> dict:
     return out
 
 
-SETTINGS = {  # loss.beta > 0 (a reference model, or LoRA's disabled adapters) where it adds a path
-    "torch_rows": ["loss.beta=0.04"],
-    "torch_shared": ["learner.shared_prompt=true"],
-    "torch_lora": ["model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0", "loss.beta=0.04"],
-    "zero2_rows": ["learner.backend=deepspeed", "learner.deepspeed_config=zero2"],
+SETTINGS = {  # the demo's loss.beta 0.04 (a reference model, or LoRA's disabled adapters), or 0: the policy alone
+    "torch_rows": [],
+    "torch_shared": ["learner.shared_prompt=true", "loss.beta=0"],
+    "torch_lora": ["model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"],
+    "zero2_rows": ["learner.backend=deepspeed", "learner.deepspeed_config=zero2", "loss.beta=0"],
 }
 RESUME = ("torch_lora", "zero2_rows")
 
@@ -90,6 +90,7 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
     from streamgrpo.generator.rollouts import accept
     from streamgrpo.learner.distributed import DistInfo
     from streamgrpo.learner.trainer import Learner
+    from streamgrpo.models.batching import unwrap_model
     from streamgrpo.wire import decode
 
     groups = [decode(b) for b in msgpack.unpackb(Path(groups_path).read_bytes())]
@@ -121,7 +122,13 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
     one = learner("one", "learner.backend=torch")
     sp = learner("sp", "learner.sequence_parallel=2", dist=dist_info)
     start = trained(one)
-    out: dict = {"steps": []}
+    out: dict = {"steps": [], "vision_rows": []}
+    for lrn in (one, sp):  # the patches each vision trunk pass runs over (sequence parallel: its share of the frames)
+        rows: list[int] = []
+        out["vision_rows"].append(rows)
+        for m in {id(x): x for x in (lrn.module, lrn.ref) if x is not None}.values():  # the reference's runs first
+            unwrap_model(m).model.visual.blocks[0].register_forward_pre_hook(
+                lambda _m, a, rows=rows: rows.append(int(a[0].shape[0])))
     for k in range(2):  # the second step's ratios and KL are not 1 and 0: its loss is not ~0
         (n1, g1), (n2, g2) = step(one), step(sp)
         out["steps"].append([n1, n2])

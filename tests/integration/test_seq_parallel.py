@@ -4,7 +4,8 @@ one rank without it (streamgrpo/models/ulysses.py, streamgrpo/models/seq_split.p
 Real parts: ``python -m torch.distributed.run`` with two gloo ranks on the CPU (``seq_parallel_driver.py``, one
 launch for every check), the tiny Qwen2.5-VL (float32; sdpa and eager) and Qwen3-VL (sdpa), the row layout and the
 shared-prompt layout, groups sampled from the demo videos, the torch backend (full, LoRA) and DeepSpeed ZeRO-2, a
-checkpoint written by the sequence-parallel learner and resumed. Bounds: log-probs and entropies 1e-6 (absolute);
+checkpoint written by the sequence-parallel learner and resumed, the frozen vision trunk's frames split over the
+ranks. Bounds: log-probs and entropies 1e-6 (absolute);
 each gradient tensor within 2e-6 of its largest element and the whole gradient within 1e-6 (relative norm): float32
 sums in another order (the local columns' matmuls, two ranks' parts added), nothing else.
 """
@@ -74,6 +75,9 @@ def test_learner_steps_equal_one_rank_torch_lora_and_deepspeed(ranks):
             assert c["moved"] >= 1e-4 and c["weight"] <= 1e-4, at  # Adam's first steps: about the learning rate
             if not name.startswith("zero"):
                 assert c["same_grads"] and c["grad_rel"] <= 2e-6, at
+            # the frozen vision trunk: each sequence-parallel rank ran it over its share of the frames only
+            one_rows, sp_rows = c["vision_rows"]
+            assert sp_rows and sum(sp_rows) < sum(one_rows), at
 
 
 def test_a_sequence_parallel_checkpoint_resumes(ranks):
