@@ -58,7 +58,8 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
 groups (``groups_per_step / (W / N)`` a group), and a rank's layers hold ``T / N`` tokens: the activations, the
 working set, the reference's forward divide by N; the exchange of q, k, v and the attention output adds
 ``T / N x 2 x (2 H + 2 K) x 2`` (sent and received); the logits do not (the rank whose columns predict the
-completions computes them, in the same chunks), nor the vision pass (each rank runs the group's), nor the shared
+completions computes them, in the same chunks), nor the vision pass but its block's working set (a frozen
+trunk's frames are split over the group; the pixels and the gathered block outputs are whole), nor the shared
 prompt's block mask (whole on each rank; rows under sdpa need none: causal). The parts are added up (each phase's peak is not
 separated: a plan over the device refuses, a plan a little above the peak is fine).
 
@@ -245,7 +246,8 @@ def step_memory(counts: ParamCounts, shape: ModelShape, place: Placement,
     if work.sequence_parallel > 1:  # q, k, v and the attention output of a layer, sent and received
         device["sequence exchange"] = t * 2 * (2 * shape.hidden + 2 * shape.kv_heads * shape.head_dim) * ACT_BYTES
     decoder_transient = (t * _per_token(shape, _WORK) + device["logits"] + device["reference forward"])
-    device["vision encoder"] = vision_bytes(shape, work.vision_patches, beside=decoder_transient)
+    device["vision encoder"] = vision_bytes(shape, work.vision_patches, beside=decoder_transient,
+                                            split=work.sequence_parallel)
     device["attention mask"] = mask_bytes(shape, work.mask_elements, eager=work.eager_attention,
                                           beside=t * 4 * shape.intermediate * ACT_BYTES)
     host = {"optimizer temporaries": opt_host, "activations": act_host}
@@ -253,17 +255,19 @@ def step_memory(counts: ParamCounts, shape: ModelShape, place: Placement,
 
 
 def vision_bytes(shape: ModelShape, patches: float, *, beside: float = 0.0, dtype_bytes: int = ACT_BYTES,
-                 features: float = 1.0, replay: bool = True) -> float:
+                 features: float = 1.0, replay: bool = True, split: int = 1) -> float:
     """The vision encoder's bytes for ``patches`` patches (the module docstring has the rule): the pixels,
     with ``replay`` the frozen trunk's kept block outputs, ``features`` copies of the merged features, and
     one block's no-grad working set where it exceeds ``beside`` (the transient parts of the phase that
-    follows it)."""
+    follows it); ``split``: the frozen trunk's frames split over a sequence-parallel group (the working set
+    is a rank's share; the pixels and the gathered kept outputs stay whole)."""
     if not shape.vision_hidden or patches <= 0:
         return 0.0
     pixels = patches * shape.patch_values * PIXEL_BYTES
     kept = patches * shape.vision_hidden * dtype_bytes * shape.vision_kept if replay else 0.0
     merged = features * patches / shape.patches_per_token * shape.hidden * dtype_bytes
-    working = patches * (_VISION_WORK[0] * shape.vision_hidden + _VISION_WORK[1] * shape.vision_intermediate) * dtype_bytes
+    working = patches / max(1, split) * (_VISION_WORK[0] * shape.vision_hidden
+                                         + _VISION_WORK[1] * shape.vision_intermediate) * dtype_bytes
     return float(pixels + kept + merged + max(0.0, working - beside))
 
 

@@ -332,6 +332,10 @@ def test_sequence_parallel_divides_what_grows_with_the_sequence(tmp_path):
     from streamgrpo.models.tiny import write_config
 
     two.model.name_or_path = str(write_config(tmp_path, size="3b"))
+    from streamgrpo.learner.step_memory import vision_bytes
+
+    working = 1000 * (6 * VSHAPE.vision_hidden + 3 * VSHAPE.vision_intermediate) * 2  # one block, no gradients
+    assert vision_bytes(VSHAPE, 1000) - vision_bytes(VSHAPE, 1000, split=2) == pytest.approx(working / 2)
     counts, place2, plan = plan_for(two, world_size=2)
     lines, _ = report(counts, place2, plan, 80 * GiB)
     assert place2.sequence_parallel == 2 and "sequence parallel over 2" in lines[0]
