@@ -95,3 +95,17 @@ def test_torch_backend_ranks_only_as_one_sequence_parallel_group_and_the_loop_re
     with pytest.raises(ConfigError, match="learner loop cannot run it yet") as e:
         run_learner(cfg)
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())  # refused before anything was made
+
+
+def test_the_learner_refuses_what_sequence_parallel_cannot_run_before_loading(tmp_path):
+    from streamgrpo.config import ConfigError, build_config
+    from streamgrpo.learner.distributed import DistInfo
+    from streamgrpo.learner.trainer import Learner
+
+    tree = {"run_dir": str(tmp_path), "model": {"name_or_path": "/nonexistent/model"},
+            "learner": {"sequence_parallel": 2, "groups_per_step": 2, "device": "cpu"}}
+    with pytest.raises(ConfigError, match="needs a multiple of 2 learner ranks .this learner has 3."):
+        Learner(build_config(tree), dist=DistInfo(rank=0, world_size=3))
+    tree["learner"]["compile"] = True
+    with pytest.raises(ConfigError, match="with learner.compile is not supported"):
+        Learner(build_config(tree), dist=DistInfo(rank=0, world_size=2))
