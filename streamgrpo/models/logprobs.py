@@ -246,8 +246,8 @@ def _sequence_parallel_logprobs(hf: nn.Module, batch: TrainBatch, rows: Tensor, 
     anchor: Tensor | float = 0.0
     if torch.is_grad_enabled() and hidden_SlH.requires_grad:
         anchor = hidden_SlH.sum() * 0.0
-        if not bool(mine.any()):
-            anchor = anchor + sum(p.sum() for p in hf.lm_head.parameters() if p.requires_grad) * 0.0
+        if not bool(mine.any()):  # the head's forward over no rows (ZeRO-3 gathers its weights in its hooks)
+            anchor = anchor + hf.lm_head(hidden_SlH.reshape(-1, hidden_SlH.shape[-1])[:0]).sum() * 0.0
     logprobs_BT = logp_M.new_zeros(shape)
     logprobs_BT[rows[mine], cols[mine]] = logp_M
     logprobs_BT = sum_over_group(logprobs_BT + anchor, sp)

@@ -109,3 +109,6 @@ def test_the_learner_refuses_what_sequence_parallel_cannot_run_before_loading(tm
     tree["learner"]["compile"] = True
     with pytest.raises(ConfigError, match="with learner.compile is not supported"):
         Learner(build_config(tree), dist=DistInfo(rank=0, world_size=2))
+    tree["learner"].update(compile=False, backend="deepspeed", deepspeed_config="zero3")
+    with pytest.raises(ConfigError, match="with DeepSpeed ZeRO-3 is not supported"):
+        Learner(build_config(tree), dist=DistInfo(rank=0, world_size=2))
