@@ -91,7 +91,8 @@ def cmd_config_memory(args) -> int:
     ranks = args.ranks if args.ranks is not None else cfg.launch.learner_ranks
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: at least one learner rank")
-    if ranks > 1 and cfg.learner.backend == "torch":  # the torch backend is one process: `up` switches too
+    if ranks > 1 and cfg.learner.backend == "torch" and ranks != cfg.learner.sequence_parallel:
+        # the torch backend is one process (or one sequence-parallel group): `up` switches too
         cfg.learner.backend = "deepspeed"
         print(f"{ranks} learner ranks: planned with learner.backend=deepspeed, as `streamgrpo up` runs them "
               "(ZeRO-2 unless learner.deepspeed_config says otherwise)")

@@ -108,7 +108,8 @@ def learner_logprobs(cfg: Config, groups: list, *, shared_vision: bool = True) -
     from streamgrpo.learner.trainer import Learner
 
     # DeepSpeed runs as one rank here (its own process group of one); the torch backend needs none
-    learner = Learner(cfg, dist=init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend))
+    learner = Learner(cfg, dist=init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend,
+                                                 sequence_parallel=cfg.learner.sequence_parallel))
     try:
         return learner.own_logprobs(Accepted.directly(groups, learner.processor), shared_vision=shared_vision)
     finally:

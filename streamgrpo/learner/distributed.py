@@ -107,19 +107,22 @@ def local_world_size(env: Mapping[str, str]) -> int:
     return 1
 
 
-def init_distributed(backend: str, timeout_s: float = 3600.0, dist_backend: str = "auto") -> DistInfo:
+def init_distributed(backend: str, timeout_s: float = 3600.0, dist_backend: str = "auto",
+                     sequence_parallel: int = 1) -> DistInfo:
     """Join the process group the launcher describes (nothing to do for one process).
 
-    ``backend`` is the learner backend: ``deepspeed`` may span ranks; ``torch`` must run alone.
+    ``backend`` is the learner backend: ``deepspeed`` may span ranks; ``torch`` runs alone, or as the ranks of one
+    sequence-parallel group (``sequence_parallel``: ``learner.sequence_parallel`` equal to the ranks).
     ``dist_backend``: ``learner.dist_backend`` (:func:`plan_ranks`).
     """
     info = DistInfo.from_env()
     if info.world_size <= 1 and backend != "deepspeed":
         return info
-    if backend != "deepspeed":
+    if backend != "deepspeed" and info.world_size != sequence_parallel:
         raise RuntimeError(
             f"WORLD_SIZE={info.world_size} but learner.backend={backend!r}: several learner ranks need "
-            "learner.backend=deepspeed (the torch backend is one process)"
+            "learner.backend=deepspeed (the torch backend is one process, or one sequence-parallel group: "
+            f"learner.sequence_parallel={info.world_size})"
         )
     import torch.distributed as dist
 

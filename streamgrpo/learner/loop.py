@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from streamgrpo import metrics as M
-from streamgrpo.config import Config, MetricsConfig
+from streamgrpo.config import Config, ConfigError, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.data.cursor import advance
 from streamgrpo.learner.agreement_guard import BUCKETS, AgreementGuard, DriftGuard
@@ -114,7 +114,12 @@ def _warn_if_redis_small(queue, cfg: Config) -> None:
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
     """Train until ``learner.max_steps`` or a stop signal; rank 0 owns the run directory meanwhile (a
     second learner there refuses in one line)."""
-    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend)
+    if cfg.learner.sequence_parallel > 1:  # the Learner's step has it; the loop does not hand a group's ranks the same groups
+        raise ConfigError(f"learner.sequence_parallel={cfg.learner.sequence_parallel}: the learner loop cannot run it yet "
+                          "(each rank reads its own groups from the queue, and a sequence-parallel group's ranks must "
+                          "train the same ones); set it to 1")
+    dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend,
+                                    sequence_parallel=cfg.learner.sequence_parallel)
     owner = RunLock(cfg.run_dir, "learner", "learner") if dist.is_main else None
     try:
         return _train(cfg, stop=stop, dist=dist)

@@ -191,8 +191,9 @@ def report(counts: ParamCounts, place: Placement, plan: MemoryPlan, gpu_bytes: f
                                                        if place.offload_optimizer != "none" else ""))
     precision = "bf16" if place.bf16 else "fp32"
     trained = "in LoRA adapters" if counts.lora else "training"
+    sp = f", sequence parallel over {place.sequence_parallel}" if place.sequence_parallel > 1 else ""
     lines = [f"{counts.total / 1e9:.2f}B parameters, {counts.trainable / 1e9:.3g}B {trained}; {setup}, {precision}, "
-             f"{place.world_size} rank(s)",
+             f"{place.world_size} rank(s){sp}",
              "per rank, static (weights, gradients, optimizer states, reference), then what a step adds:"
              if plan.step else "per rank, before activations (a lower bound):",
              f"  on the GPU:  {_parts(plan.device)} = {plan.static_bytes / GiB:.1f} GiB",

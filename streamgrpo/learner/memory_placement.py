@@ -23,6 +23,9 @@ class Placement:
     """``cpu``, ``nvme`` or ``none`` (DeepSpeed ``zero_optimization.offload_optimizer.device``)."""
     offload_param: str = "none"
     world_size: int = 1
+    sequence_parallel: int = 1
+    """``learner.sequence_parallel``: ranks a sequence is split over (static parts unchanged: each holds the
+    weights as a rank without it does; ZeRO partitions over all the ranks)."""
     reference_bytes: float = 0.0
     """Bytes per parameter of the reference copy (0: none)."""
     master_weights: bool = False
@@ -47,7 +50,8 @@ class Placement:
         lc, lora = cfg.learner, cfg.model.lora
         reference = DTYPE_BYTES[cfg.model.dtype] if cfg.loss.beta > 0 and lora is None else 0
         common = dict(backend=lc.backend, quantize_4bit=bool(lora is not None and lora.quantize_4bit),
-                      world_size=world_size, reference_bytes=reference)
+                      world_size=world_size, reference_bytes=reference,
+                      sequence_parallel=int(getattr(lc, "sequence_parallel", 1)))
         if lc.backend != "deepspeed":
             return cls(bf16=bool(lc.bf16), master_weights=bool(lc.master_weights),
                        update_guard=lc.max_update_kl is not None,

@@ -54,7 +54,13 @@ The parts (bytes on one rank; ``T``: decoder tokens of a micro-batch, ``L`` laye
 ``groups_per_step / W x G x (P + C)``, or ``groups_per_step / W x (P + G x C)`` with
 ``learner.shared_prompt``; ``P`` = ``data.max_frames x data.max_pixels`` (capped at
 ``data.total_pixels``) / pixels per video token (Qwen2.5-VL: 28 x 28 x 2) + :data:`PROMPT_TEXT_TOKENS`,
-``C`` = ``rollout.max_completion_length``. The parts are added up (each phase's peak is not
+``C`` = ``rollout.max_completion_length``. With ``learner.sequence_parallel: N`` the ranks of a group share its
+groups (``groups_per_step / (W / N)`` a group), and a rank's layers hold ``T / N`` tokens: the activations, the
+working set, the reference's forward divide by N; the exchange of q, k, v and the attention output adds
+``T / N x 2 x (2 H + 2 K) x 2`` (sent and received); the logits do not (the rank whose columns predict the
+completions computes them, in the same chunks), nor the vision pass but its block's working set (a frozen
+trunk's frames are split over the group; the pixels and the gathered block outputs are whole), nor the shared
+prompt's block mask (whole on each rank; rows under sdpa need none: causal). The parts are added up (each phase's peak is not
 separated: a plan over the device refuses, a plan a little above the peak is fine).
 
 A generator (:func:`generator_memory`): the HF engine's KV cache (``L x 2 x kv_heads x head_dim x
@@ -126,6 +132,14 @@ class Workload:
     """Elements of the decoder's 4D attention mask (``sequences x L^2``; 0 with flash-attention)."""
     eager_attention: bool = False
     """``attn_implementation: eager``: each layer's scores are materialized too."""
+    sequence_parallel: int = 1
+    """``learner.sequence_parallel``: the ranks a micro-batch's sequences are split over (each holds 1/N of the
+    decoder's tokens)."""
+
+    @property
+    def local_tokens(self) -> float:
+        """Decoder tokens this rank's layers hold: ``tokens / sequence_parallel``."""
+        return self.tokens / max(1, self.sequence_parallel)
 
 
 def prompt_tokens(cfg: Any, shape: ModelShape) -> int:
@@ -145,8 +159,9 @@ def decoder_attention(cfg: Any, flash_attn: bool | None = None) -> str:
 
     if flash_attn is None:
         flash_attn = importlib.util.find_spec("flash_attn") is not None
-    return choose(cfg.model.attn_implementation, cuda=True, flash_attn=flash_attn,
-                  custom_mask=bool(cfg.learner.shared_prompt), rocm=is_rocm()).kernel
+    custom = bool(cfg.learner.shared_prompt) or getattr(cfg.learner, "sequence_parallel", 1) > 1  # as the learner
+    return choose(cfg.model.attn_implementation, cuda=True, flash_attn=flash_attn, custom_mask=custom,
+                  rocm=is_rocm()).kernel
 
 
 def workload(cfg: Any, shape: ModelShape, world_size: int = 1, *, flash_attn: bool | None = None) -> Workload:
@@ -154,7 +169,8 @@ def workload(cfg: Any, shape: ModelShape, world_size: int = 1, *, flash_attn: bo
     (``flash_attn``: see :func:`decoder_attention`)."""
     lc, g, c = cfg.learner, cfg.rollout.num_generations, cfg.rollout.max_completion_length
     p = prompt_tokens(cfg, shape)
-    groups = lc.groups_per_step / max(1, world_size)
+    sp = max(1, getattr(lc, "sequence_parallel", 1))
+    groups = lc.groups_per_step / max(1, world_size // sp)  # a sequence-parallel group's ranks share its groups
     per_group = p + g * c if lc.shared_prompt else g * (p + c)
     tokens = groups * per_group
     if lc.micro_batch_tokens is not None:
@@ -165,12 +181,15 @@ def workload(cfg: Any, shape: ModelShape, world_size: int = 1, *, flash_attn: bo
     kernel = decoder_attention(cfg, flash_attn)
     length = p + g * c if lc.shared_prompt else p + c  # one sequence of the forward
     mask = 0.0 if kernel == "flash_attention_2" else tokens / length * length * length
+    if sp > 1 and kernel == "sdpa" and not lc.shared_prompt:  # rows split over ranks attend causally: no mask
+        mask = 0.0
     return Workload(tokens=tokens, completion_tokens=tokens * g * c / per_group,
                     gradient_checkpointing=lc.gradient_checkpointing, checkpoint_every=lc.checkpoint_every,
                     checkpoint_offload=lc.checkpoint_offload, checkpoint_matmuls=lc.checkpoint_matmuls,
                     reference_forward=cfg.loss.beta > 0,
                     lora_dropout=bool(lora is not None and lora.dropout > 0),
-                    vision_patches=float(patches), mask_elements=float(mask), eager_attention=kernel == "eager")
+                    vision_patches=float(patches), mask_elements=float(mask), eager_attention=kernel == "eager",
+                    sequence_parallel=sp)
 
 
 def _per_token(shape: ModelShape, factors: tuple[int, int]) -> float:
@@ -185,7 +204,7 @@ def _matmul_outputs(shape: ModelShape) -> float:
 
 def activation_bytes(shape: ModelShape, work: Workload) -> tuple[float, float]:
     """(device, host) bytes of the micro-batch's activations (the module docstring has the rule)."""
-    t = work.tokens
+    t = work.local_tokens
     recomputed = math.ceil(shape.layers / work.checkpoint_every) if work.gradient_checkpointing else 0
     saved_inputs = recomputed * t * shape.hidden * ACT_BYTES
     kept = (shape.layers - recomputed) * t * _per_token(shape, _KEPT)
@@ -222,29 +241,35 @@ def step_memory(counts: ParamCounts, shape: ModelShape, place: Placement,
     the reference's forward (the module docstring has the rules)."""
     opt_dev, opt_host = optimizer_temporaries(counts, place)
     act_dev, act_host = activation_bytes(shape, work)
-    rows = min(work.chunk_tokens, work.completion_tokens)
+    rows = min(work.chunk_tokens, work.completion_tokens)  # a rank of a sequence-parallel group may own them all
+    t = work.local_tokens
     device = {"optimizer temporaries": opt_dev, "activations": act_dev, "logits": rows * shape.vocab * 4 * 2,
-              "reference forward": work.tokens * _per_token(shape, _NOGRAD) if work.reference_forward else 0.0}
-    decoder_transient = (work.tokens * _per_token(shape, _WORK) + device["logits"] + device["reference forward"])
-    device["vision encoder"] = vision_bytes(shape, work.vision_patches, beside=decoder_transient)
+              "reference forward": t * _per_token(shape, _NOGRAD) if work.reference_forward else 0.0}
+    if work.sequence_parallel > 1:  # q, k, v and the attention output of a layer, sent and received
+        device["sequence exchange"] = t * 2 * (2 * shape.hidden + 2 * shape.kv_heads * shape.head_dim) * ACT_BYTES
+    decoder_transient = (t * _per_token(shape, _WORK) + device["logits"] + device["reference forward"])
+    device["vision encoder"] = vision_bytes(shape, work.vision_patches, beside=decoder_transient,
+                                            split=work.sequence_parallel)
     device["attention mask"] = mask_bytes(shape, work.mask_elements, eager=work.eager_attention,
-                                          beside=work.tokens * 4 * shape.intermediate * ACT_BYTES)
+                                          beside=t * 4 * shape.intermediate * ACT_BYTES)
     host = {"optimizer temporaries": opt_host, "activations": act_host}
     return device, host
 
 
 def vision_bytes(shape: ModelShape, patches: float, *, beside: float = 0.0, dtype_bytes: int = ACT_BYTES,
-                 features: float = 1.0, replay: bool = True) -> float:
+                 features: float = 1.0, replay: bool = True, split: int = 1) -> float:
     """The vision encoder's bytes for ``patches`` patches (the module docstring has the rule): the pixels,
     with ``replay`` the frozen trunk's kept block outputs, ``features`` copies of the merged features, and
     one block's no-grad working set where it exceeds ``beside`` (the transient parts of the phase that
-    follows it)."""
+    follows it); ``split``: the frozen trunk's frames split over a sequence-parallel group (the working set
+    is a rank's share; the pixels and the gathered kept outputs stay whole)."""
     if not shape.vision_hidden or patches <= 0:
         return 0.0
     pixels = patches * shape.patch_values * PIXEL_BYTES
     kept = patches * shape.vision_hidden * dtype_bytes * shape.vision_kept if replay else 0.0
     merged = features * patches / shape.patches_per_token * shape.hidden * dtype_bytes
-    working = patches * (_VISION_WORK[0] * shape.vision_hidden + _VISION_WORK[1] * shape.vision_intermediate) * dtype_bytes
+    working = patches / max(1, split) * (_VISION_WORK[0] * shape.vision_hidden
+                                         + _VISION_WORK[1] * shape.vision_intermediate) * dtype_bytes
     return float(pixels + kept + merged + max(0.0, working - beside))
 
 

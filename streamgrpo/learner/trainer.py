@@ -176,18 +176,20 @@ class PolicyLogprobs(torch.nn.Module):
     the engine's forward/backward bookkeeping (ZeRO's per-micro-step gradient accumulation hooks).
     """
 
-    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False, shared_prompt: bool = False):
+    def __init__(self, policy: torch.nn.Module, entropy_grad: bool = False, shared_prompt: bool = False,
+                 seq_parallel=None):
         super().__init__()
         self.policy = policy
         self.entropy_grad = entropy_grad  # loss.entropy_coef > 0: the entropies carry the gradient
         self.shared_prompt = shared_prompt  # learner.shared_prompt: one copy of each group's prompt
+        self.seq_parallel = seq_parallel  # learner.sequence_parallel: models/ulysses.py's SPGroup
 
     def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
         from streamgrpo.models.logprobs import completion_logprobs
 
         return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
                                    entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids,
-                                   shared_prompt=self.shared_prompt)
+                                   shared_prompt=self.shared_prompt, seq_parallel=self.seq_parallel)
 
 
 # ------------------------------------------------------------------------------------- Learner
@@ -205,7 +207,7 @@ class Learner:
         lc = cfg.learner
         self.deepspeed = lc.backend == "deepspeed"
         if device is None:
-            device = self.dist.train_device() if self.deepspeed else resolve_device(lc.device)
+            device = self.dist.train_device() if self.deepspeed or self.dist.active else resolve_device(lc.device)
         self.device = device
         if lc.checkpoint_offload and torch.device(device).type != "cuda":
             raise ConfigError(f"learner.checkpoint_offload moves saved activations from a GPU to the host, and this "
@@ -219,15 +221,17 @@ class Learner:
                               "bf16 mode does this already; LoRA's base is bf16 already): set it to false")
         if lc.max_update_kl is not None and self.deepspeed:
             raise ValueError("learner.max_update_kl needs learner.backend: torch (DeepSpeed owns the weights)")
-        if cfg.learner.groups_per_step % self.dist.world_size:
+        self.seq_parallel = self._sequence_parallel_group(lc)
+        replicas = self.dist.world_size // self.seq_parallel.world  # data parallel: ranks / sequence_parallel
+        if cfg.learner.groups_per_step % replicas:
             raise ValueError(f"learner.groups_per_step={lc.groups_per_step} is not a multiple of the "
-                             f"{self.dist.world_size} learner ranks")
+                             f"{replicas} data-parallel learner ranks (ranks / learner.sequence_parallel)")
         self.processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
         self.memory = preflight(cfg, device, self.dist.world_size)  # refuses what cannot fit, before loading
         self.state = LearnerState()
         lora = cfg.model.lora
         frozen_bf16 = lc.bf16 and not self.deepspeed  # autocast reads a frozen weight as bf16 anyway
-        packed = lc.shared_prompt  # a custom attention mask: model.attn_implementation auto is sdpa
+        packed = lc.shared_prompt or self.seq_parallel.active  # a custom attention mask (auto is sdpa)
         if lora is not None:
             check_quantization(lora, device)
             base = load_quantized(cfg.model, lora, device, custom_mask=packed) if lora.quantize_4bit else \
@@ -262,11 +266,12 @@ class Learner:
             if self.dist.is_main:
                 log.info("learner.compile: %d decoder layers compiled (%s); the first step of each kind of forward "
                          "compiles them (minutes on a CPU, about one on a GPU)", n, lc.compile_backend)
+        self._install_sequence_parallel(model)
         self.module = model  # the peft or transformers module: names, saving, publishing
         capabilities(unwrap_model(model), role="learner")  # one line if this release lacks what log-probs use
         # what computes the policy's log-probs (DeepSpeed wraps it)
         self.forward = PolicyLogprobs(model, entropy_grad=cfg.loss.entropy_coef > 0,
-                                      shared_prompt=cfg.learner.shared_prompt)
+                                      shared_prompt=cfg.learner.shared_prompt, seq_parallel=self.seq_parallel)
         self.engine = None
         ds = deepspeed_config(cfg) if self.deepspeed else None
         fused = fused_adamw(torch.device(device).type, offload=ds is not None and offloads_optimizer(ds))
@@ -296,6 +301,37 @@ class Learner:
     def is_lora(self) -> bool:
         return self.cfg.model.lora is not None
 
+    def _sequence_parallel_group(self, lc):
+        """``learner.sequence_parallel``: this rank's :class:`~streamgrpo.models.ulysses.SPGroup` (every rank
+        makes the groups together); refused in one line where it cannot run."""
+        from streamgrpo.models.ulysses import SPGroup, new_groups
+
+        n = lc.sequence_parallel
+        if n <= 1:
+            return SPGroup()
+        if self.dist.world_size % n:
+            raise ConfigError(f"learner.sequence_parallel={n} needs a multiple of {n} learner ranks "
+                              f"(this learner has {self.dist.world_size})")
+        if lc.compile:
+            raise ConfigError("learner.sequence_parallel with learner.compile is not supported yet: set one of them "
+                              "to its default")
+        if self.deepspeed and int((deepspeed_config(self.cfg).get("zero_optimization") or {}).get("stage", 0)) >= 3:
+            # ZeRO-3 gathers each module's weights as it runs, on every rank alike; a group's ranks run the LM head
+            # over different numbers of chunks (the tokens their columns predict): not yet
+            raise ConfigError("learner.sequence_parallel with DeepSpeed ZeRO-3 is not supported yet: use ZeRO-1/2 "
+                              "(learner.deepspeed_config: zero2) or learner.sequence_parallel: 1")
+        return new_groups(self.dist.world_size, self.dist.rank, n)
+
+    def _install_sequence_parallel(self, model) -> None:
+        """The decoders of the policy and the reference exchange attention heads over the group."""
+        from streamgrpo.models.batching import unwrap_model
+        from streamgrpo.models.ulysses import install
+
+        if self.seq_parallel.active:
+            for m in (model, self.ref):
+                if m is not None:
+                    install(unwrap_model(m))
+
     def _autocast(self):
         if self.cfg.learner.bf16 and not self.deepspeed:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -306,7 +342,8 @@ class Learner:
 
         if self.cfg.loss.beta <= 0:
             return None
-        kw = dict(temperature=temperature, suppress_token_ids=suppress, shared_prompt=self.cfg.learner.shared_prompt)
+        kw = dict(temperature=temperature, suppress_token_ids=suppress, shared_prompt=self.cfg.learner.shared_prompt,
+                  seq_parallel=self.seq_parallel)
         with torch.no_grad(), self._autocast():
             if self.is_lora:
                 with self.module.disable_adapter():
@@ -379,7 +416,8 @@ class Learner:
         units, origin = split_groups(batch, self.micro_tokens if self.cut_groups else None, shared_prompt=shared)
         greedy = split_micro_batches(units, self.micro_tokens, shared_prompt=shared)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
-        global_tokens, n_micro = int(agreed[:, 0].sum()), int(agreed[:, 1].max())
+        sp = self.seq_parallel.world  # the ranks of a sequence-parallel group hold the same groups: counted once
+        global_tokens, n_micro = int(agreed[:, 0].sum()) // sp, int(agreed[:, 1].max())
         if n_micro > len(units):  # another rank cut its groups finer (after running out of memory)
             units, origin = cut_to(units, origin, n_micro)
         micro = split_micro_batches(units, self.micro_tokens, n_parts=n_micro, shared_prompt=shared)
@@ -413,9 +451,11 @@ class Learner:
                     loss, m = compute_loss(logprobs.float(), behaviour, adv, tb.completion_mask, ref_lp,
                                            entropies=entropy, token_normaliser=global_tokens if dapo else None,
                                            spec=spec)
-            # DeepSpeed averages gradients over ranks: dapo's global token sum needs the rank count back
+            # gradients are averaged over the ranks (DeepSpeed; the torch backend's sequence-parallel group too), and
+            # a sequence-parallel group's ranks each hold a part of one gradient: dapo's global token sum needs the
+            # rank count back, a mean over the data-parallel replicas the group's size
             part_rows = sum(len(a.group.completions) for a in part)
-            loss = loss * self.dist.world_size if dapo else loss * (part_rows / batch_rows)
+            loss = loss * self.dist.world_size if dapo else loss * (sp * part_rows / batch_rows)
             if not torch.isfinite(loss):
                 finite = False
                 if not dry_run:
@@ -425,7 +465,7 @@ class Learner:
                     return Probe(finite=False) if dry_run else None
             with out_of_memory(self, part, shared):
                 self._backward(loss, last=k == len(micro) - 1)
-            loss_total += float(loss.detach()) / self.dist.world_size  # this rank's share of the step's loss
+            loss_total += float(loss.detach()) / (self.dist.world_size * sp)  # this rank's share of the step's loss
             with torch.no_grad():
                 mask = tb.completion_mask.to(torch.bool)
                 seq_lp += float(torch.where(mask, logprobs.float(), 0.0).sum())
@@ -516,6 +556,8 @@ class Learner:
             norm = float(norm) if norm is not None else float("nan")
             applied = bool(self.engine.was_step_applied())
             return norm, applied and math.isfinite(norm)
+        if self.dist.active:  # a sequence-parallel group: each rank holds a part of the gradient; averaged as DeepSpeed
+            self._average_gradients()
         norm = float(torch.nn.utils.clip_grad_norm_(self._trained(), self.cfg.learner.max_grad_norm))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -524,6 +566,27 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm, True
+
+    def _average_gradients(self) -> None:
+        """The torch backend on several ranks (one sequence-parallel group): every trained tensor's gradient
+        averaged over the ranks, in one flat all-reduce per dtype (a missing gradient counts as zeros)."""
+        import torch.distributed as tdist
+
+        params = self._trained()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for ps in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            tdist.all_reduce(flat)
+            flat /= self.dist.world_size
+            at = 0
+            for p in ps:
+                n = p.grad.numel()
+                p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                at += n
 
     def last_lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
@@ -656,10 +719,32 @@ class Learner:
             return save_ranks(self, ckpt_root, self._checkpoint_meta(), model_card)
         from streamgrpo.learner.checkpoint import save_checkpoint
 
-        return self._guarded_write(ckpt_root, self.state.step, lambda: save_checkpoint(
-            ckpt_root, self.state.step, model=self.module, processor=self.processor, optimizer=self.optimizer,
-            scheduler=self.scheduler, state=self._checkpoint_meta(), model_card=model_card,
-            total_limit=self.cfg.learner.save_total_limit))
+        return self._main_writes(ckpt_root, self.state.step, lambda: self._guarded_write(
+            ckpt_root, self.state.step, lambda: save_checkpoint(
+                ckpt_root, self.state.step, model=self.module, processor=self.processor, optimizer=self.optimizer,
+                scheduler=self.scheduler, state=self._checkpoint_meta(), model_card=model_card,
+                total_limit=self.cfg.learner.save_total_limit)))
+
+    def _main_writes(self, ckpt_root: str | Path, step: int, write) -> Path:
+        """The torch backend: ``write()`` on rank 0 alone when several ranks (one sequence-parallel group, equal
+        weights and optimizer state) hold the learner; every rank raises rank 0's one-line failure."""
+        from streamgrpo.learner.checkpoint import CheckpointWriteError
+        from streamgrpo.learner.distributed import broadcast_json
+
+        if not self.dist.active:
+            return write()
+        error, path = None, Path(ckpt_root) / f"step-{step:06d}"
+        if self.dist.is_main:
+            try:
+                path = write()
+            except Exception as exc:  # noqa: BLE001 - told to every rank first: none may wait for it in a collective
+                error = exc
+        refused = broadcast_json(self.dist, "" if error is None else (str(error) or type(error).__name__))
+        if error is not None:
+            raise error
+        if refused:
+            raise CheckpointWriteError(refused)
+        return path
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What ``trainer_state.json`` says of the learner (besides the step, the optimizer, the RNG)."""
@@ -682,6 +767,8 @@ class Learner:
             if ckpt_root is None:
                 raise ValueError("a DeepSpeed snapshot is staged in its checkpoint folder: pass ckpt_root")
             return capture(self, ckpt_root, meta, model_card)
+        if self.dist.active and not self.dist.is_main:  # one sequence-parallel group: rank 0 holds what it writes
+            return None
         host = self.__dict__.setdefault("_host_buffers", HostBuffers())
         rng_tensors, rng_meta = rng_state()
         return Snapshot(step=self.state.step, model=host.copy(self.saved_weights(), prefix="model/"),
@@ -709,6 +796,8 @@ class Learner:
 
             # no rank removes the folder the ranks share here: rank 0 does once every rank's part has ended
             return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=False)
+        if snap is None:  # the torch backend's other ranks of a sequence-parallel group: rank 0 writes
+            return Path(ckpt_root)
         return self._guarded_write(ckpt_root, snap.step, lambda: write_checkpoint(
             ckpt_root, snap.step, model=self.module, processor=self.processor, weights=snap.model,
             optimizer=snap.optimizer, scheduler=snap.scheduler, rng=snap.rng, state=snap.meta,

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, unwrap_model  # noqa: F401 - unwrap_model is part of this module's API
 from streamgrpo.models.capabilities import capabilities
 from streamgrpo.models.packing import PackedBatch, attention_mask_for, pack_batch
+from streamgrpo.models.ulysses import kernel_of
 from streamgrpo.models.vision_inputs import decoder_hidden_states
 
 BF16_LOGPROB_TOL = 0.1
@@ -82,7 +83,7 @@ def packed_hidden_states(model: Any, batch: TrainBatch) -> tuple[Tensor, PackedB
     packed = pack_batch(batch, int(padded[0]) if padded.numel() else 0)  # the batch's pad id (masked anyway)
     attn = getattr(hf.config, "_attn_implementation", None)
     text_cfg = getattr(hf.config, "text_config", None)
-    attn = getattr(text_cfg, "_attn_implementation", None) or attn
+    attn = kernel_of(getattr(text_cfg, "_attn_implementation", None) or attn)  # learner.sequence_parallel wraps it
     dtype = next(hf.parameters()).dtype
     kw: dict[str, Any] = dict(
         input_ids=packed.input_ids,
@@ -172,6 +173,7 @@ def completion_logprobs(
     chunk_tokens: int = 1024,
     recompute: bool = True,
     shared_prompt: bool = False,
+    seq_parallel: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies, with gradient if ``entropy_grad``) of the completion tokens of ``batch``.
 
@@ -181,9 +183,17 @@ def completion_logprobs(
     Pass ``suppress_token_ids`` (e.g. :func:`~streamgrpo.models.batching.vision_token_ids`) when
     the sampler suppressed those tokens and reported log-probs of its processed distribution.
     ``shared_prompt``: the packed layout (:func:`packed_hidden_states`); the same values to rounding.
+    ``seq_parallel``: a :class:`~streamgrpo.models.ulysses.SPGroup` of several ranks holding the same ``batch``:
+    each runs the decoder over its columns and the LM head over the tokens they predict; every rank gets all the
+    log-probs (:mod:`streamgrpo.models.ulysses`).
     """
     hf = unwrap_model(model)
     rows, cols = batch.completion_mask.nonzero(as_tuple=True)
+    if seq_parallel is not None and seq_parallel.active:
+        return _sequence_parallel_logprobs(hf, batch, rows, cols, seq_parallel, shared_prompt=shared_prompt,
+                                           temperature=temperature, suppress_token_ids=suppress_token_ids,
+                                           with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                           chunk_tokens=chunk_tokens, recompute=recompute)
     if shared_prompt:
         hidden_GLH, packed = packed_hidden_states(hf, batch)
         hidden_NH = hidden_GLH[batch.row_group[rows], packed.logit_pos_BT[rows, cols]]
@@ -191,9 +201,7 @@ def completion_logprobs(
         hidden_BLH = last_hidden_states(hf, batch, shared_vision=shared_vision)
         hidden_NH = hidden_BLH[rows, batch.logit_index[rows, cols]]
     ids_N = batch.completion_ids[rows, cols]
-    vocab = hf.lm_head.out_features if isinstance(hf.lm_head, nn.Linear) else None
-    if ids_N.numel() and (int(ids_N.min()) < 0 or (vocab is not None and int(ids_N.max()) >= vocab)):
-        raise ValueError(f"completion token ids outside the vocabulary [0, {vocab})")
+    _check_vocab(hf, ids_N)
     logp_N, ent_N = chunked_token_logprobs(
         hidden_NH, ids_N, hf.lm_head, temperature=temperature, suppress_token_ids=suppress_token_ids,
         with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens, recompute=recompute,
@@ -205,6 +213,49 @@ def completion_logprobs(
     if with_entropy:
         entropy_BT = logp_N.new_zeros(shape)
         entropy_BT[rows, cols] = ent_N
+    return logprobs_BT, entropy_BT
+
+
+def _check_vocab(hf: nn.Module, ids_N: Tensor) -> None:
+    vocab = hf.lm_head.out_features if isinstance(hf.lm_head, nn.Linear) else None
+    if ids_N.numel() and (int(ids_N.min()) < 0 or (vocab is not None and int(ids_N.max()) >= vocab)):
+        raise ValueError(f"completion token ids outside the vocabulary [0, {vocab})")
+
+
+def _sequence_parallel_logprobs(hf: nn.Module, batch: TrainBatch, rows: Tensor, cols: Tensor, sp: Any, *,
+                                shared_prompt: bool, **head: Any) -> tuple[Tensor, Tensor | None]:
+    """:func:`completion_logprobs` over a sequence-parallel group: this rank's columns through the decoder, the
+    LM head on the completion tokens they predict, the (B, T) results summed over the group."""
+    from streamgrpo.models.ulysses import hidden_states, sum_over_group
+
+    hidden_SlH, split, packed = hidden_states(hf, batch, sp, shared_prompt=shared_prompt)
+    if packed is not None:
+        seq, pos = batch.row_group[rows], packed.logit_pos_BT[rows, cols]
+    else:
+        seq, pos = rows, batch.logit_index[rows, cols]
+    ids_N = batch.completion_ids[rows, cols]
+    _check_vocab(hf, ids_N)
+    mine = split.owns(pos)
+    logp_M, ent_M = chunked_token_logprobs(hidden_SlH[seq[mine], pos[mine] - split.start], ids_N[mine], hf.lm_head,
+                                           **head)
+    shape = tuple(batch.completion_mask.shape)
+    # every rank's backward must run through its whole decoder (the exchanges are collectives), also a rank
+    # whose columns predict no completion token: its hidden states join the graph with weight 0, and so does the
+    # LM head where it computed nothing (every trained tensor gets a gradient on every rank: the reductions of
+    # DeepSpeed and of the torch backend's ranks are over the same tensors everywhere)
+    anchor: Tensor | float = 0.0
+    if torch.is_grad_enabled() and hidden_SlH.requires_grad:
+        anchor = hidden_SlH.sum() * 0.0
+        if not bool(mine.any()):  # the head's forward over no rows (ZeRO-3 gathers its weights in its hooks)
+            anchor = anchor + hf.lm_head(hidden_SlH.reshape(-1, hidden_SlH.shape[-1])[:0]).sum() * 0.0
+    logprobs_BT = logp_M.new_zeros(shape)
+    logprobs_BT[rows[mine], cols[mine]] = logp_M
+    logprobs_BT = sum_over_group(logprobs_BT + anchor, sp)
+    entropy_BT = None
+    if ent_M is not None:
+        entropy_BT = ent_M.new_zeros(shape)
+        entropy_BT[rows[mine], cols[mine]] = ent_M
+        entropy_BT = sum_over_group(entropy_BT + (anchor if ent_M.requires_grad else 0.0), sp)
     return logprobs_BT, entropy_BT
 
 

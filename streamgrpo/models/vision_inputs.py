@@ -38,14 +38,15 @@ def _sequence_groups(batch: TrainBatch, seq_groups: Sequence[int] | None) -> lis
     return batch.row_group.tolist() if seq_groups is None else list(seq_groups)
 
 
-def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] | None = None) -> dict[str, Any]:
+def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] | None = None,
+                sp: Any = None) -> dict[str, Any]:
     """Run the vision encoder once over the visuals of all groups; replicate the outputs per sequence.
 
     Returns ``{"image"|"video": encoder output}``, each output's ``pooler_output`` (and Qwen3-VL's
     ``deepstack_features``, per layer) a tuple with one entry per image/video in the order they occur
     in the flattened forward batch (sequence after sequence). ``seq_groups``: the group of each
     sequence; default one sequence per row. With ``batch.vision_cache`` a frozen trunk runs once per batch
-    (:mod:`.vision_trunk`). Releases that return each deepstack layer as one tensor
+    (:mod:`.vision_trunk`), split over the frames among the ranks of a sequence-parallel group ``sp``. Releases that return each deepstack layer as one tensor
     over all items (5.17) are split into items here, so the layout does not depend on the release.
     """
     encoded: dict[str, Any] = {}
@@ -56,7 +57,7 @@ def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] |
             continue
         pixels = torch.cat([getattr(batch.groups[gi], pix_key) for gi in members])
         grids = torch.cat([getattr(batch.groups[gi], grid_key) for gi in members])
-        out = encoder_output(inner, kind, pixels, grids, batch.vision_cache)
+        out = encoder_output(inner, kind, pixels, grids, batch.vision_cache, sp)
         if not isinstance(getattr(out, "pooler_output", None), (tuple, list)):
             raise TypeError(f"{type(inner).__name__}.get_{kind}_features returned no per-{kind} pooler_output tuple")
         # the items (images or videos) of each group, as index ranges into the encoder's tuples

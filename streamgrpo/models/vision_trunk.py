@@ -127,9 +127,12 @@ def _capture(visual: nn.Module, run: Callable[[], Any]) -> tuple[dict[int, Tenso
     return {i: (t[0] if isinstance(t, tuple) else t).detach() for i, t in kept.items()}, encoded
 
 
-def encoder_output(inner: nn.Module, kind: str, pixels: Tensor, grids: Tensor, cache: dict | None) -> Any:
+def encoder_output(inner: nn.Module, kind: str, pixels: Tensor, grids: Tensor, cache: dict | None,
+                   sp: Any = None) -> Any:
     """``inner.get_{kind}_features(pixels, grids, return_dict=True)``, the trunk once per ``cache`` (see the
-    module docstring); without a cache, or with a trunk that trains, the plain call."""
+    module docstring); without a cache, or with a trunk that trains, the plain call. ``sp``: a sequence-parallel
+    group (:class:`~streamgrpo.models.ulysses.SPGroup`) whose ranks hold the same batch: each runs the trunk over
+    its share of the frames and the kept outputs are gathered (:func:`_split_trunk`)."""
     fn = inner.get_image_features if kind == "image" else inner.get_video_features
 
     def call() -> Any:
@@ -141,6 +144,11 @@ def encoder_output(inner: nn.Module, kind: str, pixels: Tensor, grids: Tensor, c
     key = (kind, trunk_key(visual))
     run = cache.get(key)
     frozen = heads_frozen(visual)
+    if run is None and sp is not None and sp.active:
+        run = cache[key] = TrunkRun(_split_trunk(visual, fn, pixels, grids, sp), None, frozen, pixels)
+        with torch.no_grad():
+            run.encoded = _replay(visual, run, call)  # the heads over the whole pass
+        return run.encoded if frozen or not torch.is_grad_enabled() else _replay(visual, run, call)
     if run is None:
         outputs, encoded = _capture(visual, call)
         run = cache[key] = TrunkRun(outputs, encoded, frozen, pixels)
@@ -148,6 +156,46 @@ def encoder_output(inner: nn.Module, kind: str, pixels: Tensor, grids: Tensor, c
     if frozen and run.heads_frozen:
         return run.encoded
     return _replay(visual, run, call)
+
+
+def _split_trunk(visual: nn.Module, fn: Callable[..., Any], pixels: Tensor, grids: Tensor, sp: Any
+                 ) -> dict[int, Tensor]:
+    """The kept block outputs of the whole pass, each rank of ``sp`` having run the trunk over its run of temporal
+    patches (:func:`~streamgrpo.models.seq_split.split_frames`: the trunk attends within a temporal patch, and
+    Qwen2.5-VL's window order is frame-major, so the ranks' outputs in rank order are the whole pass's), then
+    gathered over the group (padded to the largest share)."""
+    import torch.distributed as dist
+
+    from streamgrpo.models.seq_split import split_frames
+
+    grid_list = [tuple(int(v) for v in g) for g in grids.tolist()]
+    shares = split_frames(grid_list, sp.world)
+    starts = torch.tensor([0] + [t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
+    mine = shares[sp.rank]
+    kept = _kept_layers(visual)
+    if mine:
+        rows = torch.cat([torch.arange(starts[i] + first * grid_list[i][1] * grid_list[i][2],
+                                       starts[i] + (first + n) * grid_list[i][1] * grid_list[i][2])
+                          for i, first, n, _ in mine]).to(pixels.device)
+        sub_grids = torch.tensor([[n, grid_list[i][1], grid_list[i][2]] for i, _, n, _ in mine],
+                                 dtype=grids.dtype, device=grids.device)
+        sub_pixels = pixels.index_select(0, rows)
+        outputs, _ = _capture(visual, lambda: fn(sub_pixels, sub_grids, return_dict=True))
+    else:
+        outputs = {}
+    width = _patch_width(visual)[0]
+    _, _, cast, _ = trunk_key(visual)
+    dtype = cast or next(_trunk_params(visual)).dtype  # what the blocks give (a rank without frames has none)
+    sizes = [sum(p for *_, p in share) for share in shares]
+    whole: dict[int, Tensor] = {}
+    for layer in kept:
+        local = outputs.get(layer, pixels.new_zeros((0, width), dtype=dtype)).to(dtype)
+        padded = local.new_zeros((max(sizes), width))
+        padded[: local.shape[0]] = local
+        gathered = [torch.empty_like(padded) for _ in range(sp.world)]
+        dist.all_gather(gathered, padded, group=sp.group)
+        whole[layer] = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+    return whole
 
 
 def _replay(visual: nn.Module, run: TrunkRun, call: Callable[[], Any]) -> Any:

@@ -300,3 +300,44 @@ def test_max_frames_bisects_and_names_the_part_that_grew_most():
     assert f.capped and f.frames == 100 and f.limit == "attention mask"
     f = max_frames(parts, capacity=10, static={"weights": 1000})
     assert f.frames == 0 and f.limit == "static"
+
+
+def test_sequence_parallel_divides_what_grows_with_the_sequence(tmp_path):
+    """``learner.sequence_parallel: 2``: a group's ranks share its groups; activations, the working set and the
+    reference's forward halve; the exchange is counted; the logits, the vision pass and the block mask do not
+    change; rows under sdpa need no mask (causal)."""
+    tree = {"rollout": {"num_generations": 4, "max_completion_length": 10},
+            "data": {"max_frames": 4, "min_frames": 2, "min_pixels": 28 * 28, "max_pixels": 28 * 28,
+                     "total_pixels": 4 * 28 * 28},
+            "loss": {"beta": 0.04},
+            "learner": {"groups_per_step": 4, "gradient_checkpointing": True}}
+    one, two = build_config(tree), build_config({**tree, "learner": {**tree["learner"], "sequence_parallel": 2}})
+    w1, w2 = workload(one, VSHAPE, world_size=4, flash_attn=True), workload(two, VSHAPE, world_size=4, flash_attn=True)
+    assert w2.tokens == 2 * w1.tokens and w2.local_tokens == w1.tokens  # 2 groups a rank pair: 1 a rank's worth
+    assert w1.mask_elements == 0 and w2.mask_elements == 0  # flash-attention / causal sdpa over the split rows
+    assert workload(two, VSHAPE, world_size=4, flash_attn=False).mask_elements == 0
+    half = Workload(tokens=w2.tokens, completion_tokens=w2.completion_tokens, gradient_checkpointing=True,
+                    reference_forward=True, sequence_parallel=2)
+    whole = Workload(tokens=w2.tokens, completion_tokens=w2.completion_tokens, gradient_checkpointing=True,
+                     reference_forward=True)
+    assert activation_bytes(VSHAPE, half)[0] == pytest.approx(activation_bytes(VSHAPE, whole)[0] / 2)
+    place = Placement(backend="torch", world_size=2, sequence_parallel=2)
+    d_half, _ = step_memory(FULL, VSHAPE, place, half)
+    d_whole, _ = step_memory(FULL, VSHAPE, place, whole)
+    assert d_half["reference forward"] == pytest.approx(d_whole["reference forward"] / 2)
+    assert d_half["logits"] == d_whole["logits"] and "sequence exchange" not in d_whole
+    h, k = VSHAPE.hidden, VSHAPE.kv_heads * VSHAPE.head_dim
+    assert d_half["sequence exchange"] == pytest.approx(half.local_tokens * 2 * (2 * h + 2 * k) * 2)
+    shared = build_config({**tree, "learner": {**tree["learner"], "sequence_parallel": 2, "shared_prompt": True}})
+    p = 2 + PROMPT_TEXT_TOKENS
+    assert workload(shared, VSHAPE, world_size=2, flash_attn=True).mask_elements == pytest.approx(4 * (p + 40) ** 2)
+    from streamgrpo.models.tiny import write_config
+
+    two.model.name_or_path = str(write_config(tmp_path, size="3b"))
+    from streamgrpo.learner.step_memory import vision_bytes
+
+    working = 1000 * (6 * VSHAPE.vision_hidden + 3 * VSHAPE.vision_intermediate) * 2  # one block, no gradients
+    assert vision_bytes(VSHAPE, 1000) - vision_bytes(VSHAPE, 1000, split=2) == pytest.approx(working / 2)
+    counts, place2, plan = plan_for(two, world_size=2)
+    lines, _ = report(counts, place2, plan, 80 * GiB)
+    assert place2.sequence_parallel == 2 and "sequence parallel over 2" in lines[0]
