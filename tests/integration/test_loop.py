@@ -253,7 +253,9 @@ def test_kill_learner_and_resume_trains_every_group_exactly_once(demo_assets, tm
     try:
         learner = _spawn(cfg, "learner", run)
         trained = lambda: [e for e in _jsonl(run / "audit" / "learner.jsonl") if e["event"] == "trained"]  # noqa: E731
-        _wait_for(lambda: len(trained()) >= 5, 600, "5 trained steps", [learner])
+        # 5 steps trained, and step 4's checkpoint complete (a loaded machine may still be writing it at step 5)
+        _wait_for(lambda: len(trained()) >= 5 and (run / "checkpoints" / "step-000004").is_dir(), 600,
+                  "5 trained steps and the checkpoint of step 4", [learner])
         learner.send_signal(signal.SIGKILL)
         learner.wait()
         before = trained()
