@@ -25,7 +25,19 @@ from pathlib import Path
 import numpy as np
 
 from streamgrpo.agreement import Agreement, Verdict, verdict
-from streamgrpo.config import Config
+from streamgrpo.config import Config, build_config
+from streamgrpo.data.dataset import iter_samples
+from streamgrpo.data.prompts import processor_inputs, vision_factors
+from streamgrpo.engines.base import SamplingParams
+from streamgrpo.generator.loop import _make_engine, _records
+from streamgrpo.generator.sampling import Sampler
+from streamgrpo.learner.distributed import init_distributed
+from streamgrpo.learner.state import Accepted
+from streamgrpo.learner.trainer import Learner
+from streamgrpo.models.batching import GroupInputs, build_batch, vision_token_ids
+from streamgrpo.models.loading import load_processor, resolve_device
+from streamgrpo.models.logprobs import per_row_logprobs
+from streamgrpo.rewards import RewardSet
 
 log = logging.getLogger("streamgrpo.check")
 
@@ -45,13 +57,6 @@ def sample(cfg: Config, n_groups: int, max_tokens: int | None, seed: int) -> Sam
     """``n_groups`` groups as a generator samples them (its engine, prompts, Sampler), at version 0."""
     import torch
 
-    from streamgrpo.data.dataset import iter_samples
-    from streamgrpo.data.prompts import vision_factors
-    from streamgrpo.engines.base import SamplingParams
-    from streamgrpo.generator.loop import _make_engine, _records
-    from streamgrpo.generator.sampling import Sampler
-    from streamgrpo.models.loading import load_processor, resolve_device
-    from streamgrpo.rewards import RewardSet
 
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
     engine = _make_engine(cfg, processor, resolve_device(cfg.rollout.device))
@@ -80,9 +85,6 @@ def full_forward_behaviour(s: Sampled) -> list[np.ndarray] | None:
     prompt at a time, full logits): the HF engine's incremental numbers without the increments."""
     import torch
 
-    from streamgrpo.data.prompts import processor_inputs
-    from streamgrpo.models.batching import GroupInputs, build_batch, vision_token_ids
-    from streamgrpo.models.logprobs import per_row_logprobs
 
     model = getattr(s.engine, "model", None)
     if model is None:  # vLLM: its model lives in its own worker
@@ -103,9 +105,6 @@ def full_forward_behaviour(s: Sampled) -> list[np.ndarray] | None:
 
 def learner_logprobs(cfg: Config, groups: list, *, shared_vision: bool = True) -> list[np.ndarray]:
     """Every sampled token's log-prob along the learner's own path (a :class:`Learner` of this config)."""
-    from streamgrpo.learner.distributed import init_distributed
-    from streamgrpo.learner.state import Accepted
-    from streamgrpo.learner.trainer import Learner
 
     # DeepSpeed runs as one rank here (its own process group of one); the torch backend needs none
     learner = Learner(cfg, dist=init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend,
@@ -142,7 +141,6 @@ def measure(cfg: Config, n_groups: int, max_tokens: int | None, seed: int, *, le
 
 
 def _with(cfg: Config, *overrides: str) -> Config:
-    from streamgrpo.config import build_config
 
     return build_config(cfg.to_dict(), list(overrides))
 

@@ -43,8 +43,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.commands.infer import (
+    LineSink,
+    checkpoint_of,
+    read_input_records,
+    resolve_config,
+    sampling_from_args,
+)
 from streamgrpo.config import Config, ConfigError, RewardsConfig, RewardSpec
+from streamgrpo.evaluator.answering import load_policy, report_bad, result_rows, run_batches
 from streamgrpo.evaluator.scoring import difference, eval_rewards, metric_keys, shuffle_drop, summarize
+from streamgrpo.rewards import RewardSet
 
 log = logging.getLogger("streamgrpo.eval")
 
@@ -199,8 +208,6 @@ def default_out(model: str) -> Path:
 def _answer(policy, records, cfg: Config, sampling, rewards, out_path: Path, batch_size: int, desc: str,
             shuffle_seed: int | None = None) -> tuple[list[dict], list[Exception]]:
     """One pass of a loaded model over ``records``: rows written to ``out_path`` (fresh), bad records."""
-    from streamgrpo.commands.infer import LineSink
-    from streamgrpo.evaluator.answering import report_bad, result_rows, run_batches
 
     rows: list[dict] = []
     bad: list[Exception] = []
@@ -231,7 +238,6 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
     With ``shuffled_path`` the same model answers again with shuffled frames (``shuffle_seed``),
     rows to ``shuffled_path``; records that failed the first pass are not tried again.
     Returns (name, rows, bad records, shuffled rows or None)."""
-    from streamgrpo.evaluator.answering import load_policy
 
     policy = load_policy(model, cfg, adapter, engine=cfg.eval.engine, records=records)
     shuffled = None
@@ -266,7 +272,6 @@ def _check_eval_args(args) -> tuple[bool, int]:
 def _eval_sampling(args, cfg: Config):
     """The sampling parameters: greedy for one sample, else the config's temperature (``args`` gets the
     resolved temperature, top_p and top_k)."""
-    from streamgrpo.commands.infer import sampling_from_args
 
     if args.temperature is None:
         args.temperature = 0.0 if args.samples == 1 else cfg.rollout.temperature
@@ -278,8 +283,6 @@ def _eval_sampling(args, cfg: Config):
 
 def _eval_records(args, cfg: Config) -> tuple[list, list]:
     """The records to evaluate (with a ground truth, at most ``--limit``) and the unreadable ones (reported)."""
-    from streamgrpo.commands.infer import read_input_records
-    from streamgrpo.evaluator.answering import report_bad
 
     records, errors, no_truth = read_input_records(args.data, cfg.data)
     for err in errors:
@@ -311,8 +314,6 @@ def _media_root(args, cfg: Config) -> str:
 
 def run_eval(args) -> int:
     """``streamgrpo eval``: returns the exit code; writes eval.json / eval.md and prints the table."""
-    from streamgrpo.commands.infer import checkpoint_of, resolve_config
-    from streamgrpo.rewards import RewardSet
 
     shuffle, shuffle_seed = _check_eval_args(args)
     model = checkpoint_of(args.model)

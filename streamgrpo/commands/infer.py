@@ -31,6 +31,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from streamgrpo.config import Config, ConfigError, load_config
+from streamgrpo.data.records import (
+    DataError,
+    DataFileNotFound,
+    Record,
+    _iter_json,
+    _source_kind,
+    parse_record,
+    read_records,
+)
+from streamgrpo.engines.base import SamplingParams
 from streamgrpo.evaluator.answering import (
     ENGINE_OPTION,
     engine_choice,
@@ -39,6 +49,8 @@ from streamgrpo.evaluator.answering import (
     result_rows,
     run_batches,
 )
+from streamgrpo.learner.checkpoint import latest_checkpoint
+from streamgrpo.rewards import RewardSet
 
 log = logging.getLogger("streamgrpo.infer")
 
@@ -52,7 +64,6 @@ and a killed run redoes at most one call's records."""
 # ---------------------------------------------------------------------------------------- config
 def checkpoint_of(model: str) -> str:
     """A run directory (``runs/demo``) means its newest checkpoint; anything else is returned as is."""
-    from streamgrpo.learner.checkpoint import latest_checkpoint
 
     if model.startswith("~"):
         model = os.path.expanduser(model)
@@ -94,14 +105,6 @@ def read_input_records(path: str | os.PathLike, data_cfg) -> tuple[list, list, s
     Unlike training data a record may lack its gpt turn (nothing to score then). ``data.kinds``
     filters as in training; duplicate ids are errors.
     """
-    from streamgrpo.data.records import (
-        DataError,
-        DataFileNotFound,
-        _iter_json,
-        _source_kind,
-        parse_record,
-        read_records,
-    )
 
     path = Path(os.path.expanduser(str(path)))
     if not path.exists():
@@ -152,7 +155,6 @@ def _with_placeholder_truth(raw: dict) -> dict:
 def single_record(prompt: str, videos: Sequence[str], images: Sequence[str], rid: str = "single"):
     """A :class:`Record` from ``--prompt`` and ``--video``/``--image`` (placeholders prepended unless
     the prompt has them, videos first)."""
-    from streamgrpo.data.records import DataError, Record
 
     n_vid, n_img = prompt.count("<video>"), prompt.count("<image>")
     if n_vid == 0 and n_img == 0:
@@ -222,7 +224,6 @@ class LineSink:
 
 # ------------------------------------------------------------------------------------------- CLI
 def sampling_from_args(args, cfg: Config, n: int = 1):
-    from streamgrpo.engines.base import SamplingParams
 
     max_tokens = args.max_new_tokens if args.max_new_tokens is not None else cfg.rollout.max_completion_length
     if max_tokens < 1:
@@ -237,7 +238,6 @@ def sampling_from_args(args, cfg: Config, n: int = 1):
 
 def run_infer(args) -> int:
     """``streamgrpo infer``: single prompt or resumable batch; returns the exit code."""
-    from streamgrpo.data.records import DataError
 
     batch = _check_infer_args(args)
     model = checkpoint_of(args.model)
@@ -292,7 +292,6 @@ def _answer_todo(args, model: str, cfg: Config, sampling, todo: list, no_truth: 
                  batch: bool) -> int:
     """Answer ``todo`` in batches, each record's rows appended to ``--output`` (and the single answer
     printed); returns the exit code."""
-    from streamgrpo.rewards import RewardSet
 
     engine = args.engine
     policy = load_policy(model, cfg, args.adapter, engine=engine, records=todo, role="infer")

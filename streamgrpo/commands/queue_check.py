@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from streamgrpo.advantages import is_zero_variance
 from streamgrpo.config import Config
+from streamgrpo.learner.checks import Problem, check_group
+from streamgrpo.learner.limits import GroupLimits, too_large
+from streamgrpo.learner.media import MediaResolver
+from streamgrpo.models.loading import load_processor
+from streamgrpo.transport.queue.factory import queue_url
+from streamgrpo.wire import WireError, decode
 from streamgrpo.wire.arrays import _ALIGN, _HEAD
 
 
@@ -58,10 +65,6 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
     """``(group id or "?", Problem or None, group or None)`` for one message; with
     ``drop_zero_variance`` (``loss.drop_zero_variance``) a group whose rewards are all equal is dropped too;
     ``limits`` (:class:`~streamgrpo.learner.limits.GroupLimits`): a group over them is ``too_large``."""
-    from streamgrpo.advantages import is_zero_variance
-    from streamgrpo.learner.checks import Problem, check_group
-    from streamgrpo.learner.limits import too_large
-    from streamgrpo.wire import WireError, decode
 
     try:
         group = decode(data, max_bytes=max_bytes)
@@ -80,10 +83,6 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
 
 
 def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, out: TextIO = sys.stdout) -> int:
-    from streamgrpo.learner.limits import GroupLimits
-    from streamgrpo.learner.media import MediaResolver
-    from streamgrpo.models.loading import load_processor
-    from streamgrpo.transport.queue.factory import queue_url
 
     processor = load_processor(cfg.model.name_or_path)
     vocab = vocab_size(cfg.model.name_or_path)

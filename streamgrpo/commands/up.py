@@ -25,11 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 from streamgrpo.config import Config
+from streamgrpo.evaluator.loop import final_version
+from streamgrpo.models.model_config import ModelConfigUnavailable
 from streamgrpo.runtime.accuracy import TARGET_ACCURACY, WINDOW_GROUPS, group_accuracies, target_reached
 from streamgrpo.runtime.jsonl import read_new_lines, write_json
 from streamgrpo.runtime.processes import die_with_parent, free_port, stop_processes
 from streamgrpo.runtime.run_dir import LEARNER_OUTPUTS, RunLock, archive_previous
+from streamgrpo.transport.queue.factory import open_queue
+from streamgrpo.transport.queue.server import EmbeddedRedis
 
 log = logging.getLogger("streamgrpo.up")
 
@@ -217,7 +222,6 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
 def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, generators_per_gpu: int | None,
                   colocate: bool | None) -> None:
     """The placement flags, into ``cfg.launch``; several learner ranks need the deepspeed backend."""
-    from streamgrpo.commands.placement import parse_gpus
 
     if gpus is not None:
         parse_gpus(gpus)  # a malformed --gpus is a one-line PlacementError, not a validation dump
@@ -255,7 +259,6 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     their memory (``gpu_gib``: say it, e.g. to plan a GPU node from elsewhere), the learner rank's
     plan (static parts and a step's) and a generator's (when the model's config.json can be read; when not, one
     warning says which file the plan needs and how to get it)."""
-    from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 
     lc = cfg.launch
     devices = parse_gpus(lc.gpus)
@@ -272,7 +275,6 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     if device_gib is None and torch.cuda.is_available() and max(devices) < torch.cuda.device_count():
         device_gib = min(torch.cuda.get_device_properties(d).total_memory for d in devices) / (1 << 30)
     params, gen_step_gib, notes = None, 0.0, []
-    from streamgrpo.models.model_config import ModelConfigUnavailable
 
     try:  # a Hub id's config.json: from the cache, else one try at the Hub
         from streamgrpo.learner.memory import plan_for
@@ -337,7 +339,6 @@ def _start_embedded_redis(cfg: Config, rd: Path, env: dict[str, str]):
     """An embedded redis-server in ``<run_dir>/redis`` when no ``queue.url`` is set (its URL goes to the children)."""
     if cfg.queue.url:
         return None
-    from streamgrpo.transport.queue.server import EmbeddedRedis
 
     redis = EmbeddedRedis(rd / "redis", die_with_parent=True)
     url = redis.start()
@@ -354,7 +355,6 @@ def _new_run_data_cursor(cfg: Config) -> None:
     ``--resume`` keeps it: the generators continue where the learner's checkpoints say."""
     if cfg.learner.resume or not cfg.queue.url:
         return
-    from streamgrpo.transport.queue.factory import open_queue
 
     with open_queue(cfg.queue, consumer="up") as queue:
         queue.reset_committed_step()
@@ -518,7 +518,6 @@ class _Watch:
         self.read()
         if evaluator is None or not evaluator.alive() or not self.rows:
             return
-        from streamgrpo.evaluator.loop import final_version
 
         final = final_version(self.cfg)
         if self.rows[-1].get("step", 0) < self.cfg.learner.max_steps or final <= 0:

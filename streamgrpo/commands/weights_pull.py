@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 from streamgrpo.config import Config
+from streamgrpo.transport.weights.factory import subscriber_from_config
 
 
 def pull_weights(cfg: Config, out: str | Path, *, timeout_s: float = 600.0, client_key: str | None = None) -> int:
     from safetensors.torch import save_file
 
-    from streamgrpo.transport.weights.factory import subscriber_from_config
 
     sub = subscriber_from_config(cfg.weights, cfg.run_dir, client_key=client_key)
     try:

@@ -22,6 +22,7 @@ import numpy as np
 from streamgrpo.config import DataConfig
 from streamgrpo.data.records import DataError, Record
 from streamgrpo.data.video import load_visuals
+from streamgrpo.metrics import ERRORS
 from streamgrpo.wire import Visual
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,6 @@ def iter_positions(
     skipped (one warning each, counted); an epoch in which every record fails raises
     :class:`DataError` instead of spinning.
     """
-    from streamgrpo.metrics import ERRORS
 
     mine = shard_records(records, shard, num_shards)
     if not mine:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import DataConfig
+from streamgrpo.metrics import ERRORS
 from streamgrpo.rewards.extract import truth_text
 
 log = logging.getLogger(__name__)
@@ -460,7 +461,6 @@ def read_records(path: str | os.PathLike, cfg: DataConfig) -> tuple[list[Record]
 
 def load_records(path: str | os.PathLike, cfg: DataConfig) -> list[Record]:
     """The usable records of ``path``; each bad one is logged once and counted (errors kind=data)."""
-    from streamgrpo.metrics import ERRORS
 
     records, errors = read_records(path, cfg)
     for err in errors:

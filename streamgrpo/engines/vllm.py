@@ -81,7 +81,10 @@ from typing import Any
 
 import numpy as np
 
+from streamgrpo.data.prompts import vision_factors
+from streamgrpo.data.records import load_records
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, TokenVersions
+from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
 from streamgrpo.engines.vllm_settings import (  # noqa: F401 - mm_limits: its old home, imported from here
     FALLBACK_MODEL_LEN,
     derive,
@@ -93,6 +96,8 @@ from streamgrpo.engines.vllm_settings import (  # noqa: F401 - mm_limits: its ol
 from streamgrpo.engines.vllm_start import OutputTap, StartSettings, VLLMStartError, start_error_line
 from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack_tensor, vllm_param_name
 from streamgrpo.metrics import ERRORS
+from streamgrpo.models.loading import detect_arch
+from streamgrpo.models.model_config import ModelConfigUnavailable, load_model_config
 from streamgrpo.wire import Visual
 
 log = logging.getLogger(__name__)
@@ -354,14 +359,12 @@ def resolve_arch(model_cfg) -> str:
     """``qwen2_5_vl`` or ``qwen3_vl``: the config's ``arch``, or detected from the checkpoint."""
     if model_cfg.arch != "auto":
         return model_cfg.arch
-    from streamgrpo.models.loading import detect_arch
 
     return detect_arch(model_cfg.name_or_path)
 
 
 def _record_counts(data_cfg) -> tuple[list[tuple[int, int]], list[int]]:
     """(videos, images) and the question's length in characters of every training record."""
-    from streamgrpo.data.records import load_records
 
     records = load_records(data_cfg.train_path, data_cfg)
     if data_cfg.kinds:
@@ -371,7 +374,6 @@ def _record_counts(data_cfg) -> tuple[list[tuple[int, int]], list[int]]:
 
 def _model_len(model_cfg) -> int | None:
     """The model's own context length from its config.json; None when it cannot be read here."""
-    from streamgrpo.models.model_config import ModelConfigUnavailable, load_model_config
 
     try:
         return model_max_len(load_model_config(model_cfg.name_or_path, model_cfg.revision))
@@ -387,7 +389,6 @@ class VLLMEngine(Engine):
 
     def __init__(self, llm, processor, *, arch: str, dtype: str = "bfloat16", checkpoint: str = "",
                  tied_lm_head: bool = False):
-        from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
 
         self.llm = llm
         self.processor = processor
@@ -429,7 +430,6 @@ class VLLMEngine(Engine):
             log.warning("model.fp32_lm_head: vLLM computes the last projection in model.dtype=%s; only the learner "
                         "computes it in float32 (the gap to the learner stays that of its dtype)", cfg.model.dtype)
         vc = cfg.rollout.vllm
-        from streamgrpo.data.prompts import vision_factors
 
         factor, temporal = vision_factors(processor)
         counts, chars = _record_counts(cfg.data) if counts is None else (list(counts), [])

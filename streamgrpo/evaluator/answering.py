@@ -11,6 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.data.prompts import build_prompt_text, processor_inputs, vision_factors
+from streamgrpo.data.records import DataError
+from streamgrpo.data.shuffle import shuffle_visuals
+from streamgrpo.data.video import load_visuals
+from streamgrpo.engines.base import PromptRequest
+from streamgrpo.engines.hf import HFEngine
+from streamgrpo.engines.vllm import VLLMEngine, VLLMNotInstalled, install_hint
+from streamgrpo.metrics import ERRORS
+from streamgrpo.models.loading import load_model, load_processor, resolve_device
+from streamgrpo.rewards import extract_answer
 
 
 @dataclass
@@ -57,9 +67,6 @@ def vllm_policy(model: str, cfg: Config, records: Sequence | None = None, role: 
     """``model`` behind a :class:`~streamgrpo.engines.vllm.VLLMEngine` (``rollout.vllm`` settings; the
     multimodal limits from ``records``, else from ``data.train_path``). ``role`` (eval, infer) names its
     start-error line and log file, and the setting the install hint names."""
-    from streamgrpo.data.prompts import vision_factors
-    from streamgrpo.engines.vllm import VLLMEngine, VLLMNotInstalled, install_hint
-    from streamgrpo.models.loading import load_processor
 
     processor = load_processor(model, cfg.model.revision if model == cfg.model.name_or_path else None)
     vcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": model, "lora": None})})
@@ -82,9 +89,6 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: 
     dtype: ``model.dtype`` when the config sets it, else float32 on CPU (bf16 matmuls are slow
     there) and the default bfloat16 on CUDA.
     """
-    from streamgrpo.data.prompts import vision_factors
-    from streamgrpo.engines.hf import HFEngine
-    from streamgrpo.models.loading import load_model, load_processor, resolve_device
 
     looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1
     if looks_local and not Path(model).expanduser().is_dir():
@@ -136,7 +140,6 @@ def probe_visuals(visuals: list, seed: int, record_id: str) -> list:
     """One record's visuals for ``eval --shuffle-frames``: each video's sampled frames in a random
     (never identity) order, images untouched, frame labels in their order
     (:func:`~streamgrpo.data.shuffle.shuffle_visuals`): only the pictures move."""
-    from streamgrpo.data.shuffle import shuffle_visuals
 
     return shuffle_visuals(visuals, record_rng(seed, record_id))
 
@@ -146,10 +149,6 @@ def prepare_request(policy: Policy, record, data_cfg, shuffle_seed: int | None =
 
     With ``shuffle_seed`` the sampled frames of each video are shuffled (:func:`probe_visuals`)
     before the processor sees them."""
-    from streamgrpo.data.prompts import build_prompt_text, processor_inputs
-    from streamgrpo.data.records import DataError
-    from streamgrpo.data.video import load_visuals
-    from streamgrpo.engines.base import PromptRequest
 
     visuals = load_visuals(record, data_cfg, policy.factor, policy.temporal_patch)
     if shuffle_seed is not None:
@@ -164,7 +163,6 @@ def prepare_request(policy: Policy, record, data_cfg, shuffle_seed: int | None =
 
 def result_rows(record, group, rewards, data_cfg, *, has_truth: bool, with_sample: bool = False) -> list[dict]:
     """Output lines of one record: one per sampled completion (``sample`` index when asked)."""
-    from streamgrpo.rewards import extract_answer
 
     texts = [c.text for c in group]
     scored = None
@@ -199,7 +197,6 @@ def run_batches(policy: Policy, records: Sequence, data_cfg, sampling, *, batch_
     """
     from tqdm import tqdm
 
-    from streamgrpo.data.records import DataError
 
     done = 0
     bar = tqdm(total=len(records), desc=desc, unit="rec", file=sys.stderr, dynamic_ncols=True)
@@ -237,7 +234,6 @@ def report_bad(exc: Exception) -> None:
     """One line naming the record and the path, and the error counter (kind=data)."""
     from tqdm import tqdm
 
-    from streamgrpo.metrics import ERRORS
 
     ERRORS.labels(kind="data").inc()
     tqdm.write(f"skipped {exc}", file=sys.stderr)

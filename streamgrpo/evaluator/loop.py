@@ -20,9 +20,16 @@ from typing import Any
 
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.data.records import load_records
+from streamgrpo.engines.base import SamplingParams
+from streamgrpo.evaluator.answering import load_policy, report_bad, result_rows, run_batches
+from streamgrpo.evaluator.scoring import eval_rewards, shuffle_drop, summarize
 from streamgrpo.metrics import start_metrics
+from streamgrpo.models.lora import make_weight_applier
+from streamgrpo.rewards import RewardSet
 from streamgrpo.runtime.jsonl import JsonlWriter
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
+from streamgrpo.transport.weights.factory import subscriber_from_config
 
 log = logging.getLogger("streamgrpo.evaluator")
 
@@ -42,7 +49,6 @@ def final_version(cfg: Config) -> int:
 def eval_line(version: int, summary: dict, shuffled: dict | None) -> dict[str, Any]:
     """The ``eval.jsonl`` line of one version (pure): the summary, and with shuffled frames the shuffled
     summary and the ordered-minus-shuffled drop, overall and per kind."""
-    from streamgrpo.evaluator.scoring import shuffle_drop
 
     line: dict[str, Any] = {"version": version, "time": time.time(), **summary}
     if shuffled is not None:
@@ -74,7 +80,6 @@ def export_gauges(line: dict[str, Any]) -> None:
 
 
 def _records(cfg: Config) -> list:
-    from streamgrpo.data.records import load_records
 
     if not cfg.data.eval_path:
         raise ConfigError("the evaluator needs held-out records: set data.eval_path")
@@ -84,8 +89,6 @@ def _records(cfg: Config) -> list:
 
 def evaluate_version(policy, records, cfg: Config, sampling, rewards) -> tuple[dict, dict | None]:
     """(summary, shuffled summary or None) of the loaded policy on ``records``."""
-    from streamgrpo.evaluator.answering import report_bad, result_rows, run_batches
-    from streamgrpo.evaluator.scoring import summarize
 
     kinds = {str(r.id): r.kind for r in records}
 
@@ -109,12 +112,6 @@ def evaluate_version(policy, records, cfg: Config, sampling, rewards) -> tuple[d
 
 def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int | None = None) -> int:
     """Evaluate versions until a stop signal (or ``max_evals`` evaluations, for tests)."""
-    from streamgrpo.engines.base import SamplingParams
-    from streamgrpo.evaluator.answering import load_policy
-    from streamgrpo.evaluator.scoring import eval_rewards
-    from streamgrpo.models.lora import make_weight_applier
-    from streamgrpo.rewards import RewardSet
-    from streamgrpo.transport.weights.factory import subscriber_from_config
 
     stop = stop if stop is not None else StopFlag()
     run_dir = Path(cfg.run_dir)

@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from streamgrpo.rewards import canonical_name
+from streamgrpo.rewards.format import format_score
+from streamgrpo.rewards.problem_types import VIDEO_R1
+
 FORMAT_FAMILY = ("format", "strict_format", "soft_format", "xml_count")
 CORRECT = 1.0 - 1e-9
 NO_KIND = "(no kind)"  # by_kind label of records without a kind
@@ -16,8 +20,6 @@ NO_KIND = "(no kind)"  # by_kind label of records without a kind
 def eval_rewards(rewards_cfg, by_kind: Mapping[str, str]):
     """The rewards section ``eval`` scores with: every ``accuracy`` reward's ``by_kind`` (its own, or
     Video-R1's default) updated with ``eval.by_kind`` (regression by mean relative accuracy)."""
-    from streamgrpo.rewards import canonical_name
-    from streamgrpo.rewards.problem_types import VIDEO_R1
 
     if not by_kind:
         return rewards_cfg
@@ -41,7 +43,6 @@ def correctness_reward(names: Sequence[str]) -> str | None:
 
 def format_ok(text: str, think_tag: str | None, answer_tag: str) -> bool:
     """The completion's format is fully right (the ``format`` reward's rule scores 1)."""
-    from streamgrpo.rewards.format import format_score
 
     return format_score(text, think_tag, answer_tag) >= CORRECT
 

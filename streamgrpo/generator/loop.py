@@ -27,15 +27,23 @@ import numpy as np
 from streamgrpo import metrics
 from streamgrpo.config import Config, ConfigError
 from streamgrpo.data.cursor import Start, start_for
-from streamgrpo.engines.base import Engine
+from streamgrpo.data.dataset import iter_positions
+from streamgrpo.data.records import load_records
+from streamgrpo.engines.base import Engine, SamplingParams
+from streamgrpo.engines.hf import HFEngine
 from streamgrpo.generator.applier import WeightApplier
 from streamgrpo.generator.sampling import Sampler
 from streamgrpo.generator.send import send_groups
 from streamgrpo.generator.weights_watch import WEIGHTS_UNAVAILABLE_EXIT, WeightsUnavailable, WeightsWatch
 from streamgrpo.metrics import start_metrics
+from streamgrpo.models.loading import load_model, load_processor, resolve_device
+from streamgrpo.models.lora import make_weight_applier
+from streamgrpo.rewards import RewardSet
 from streamgrpo.runtime.jsonl import JsonlWriter
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
-from streamgrpo.transport.queue.factory import queue_url
+from streamgrpo.transport.queue.base import QueueStopped
+from streamgrpo.transport.queue.factory import open_queue, queue_url
+from streamgrpo.transport.weights.factory import subscriber_from_config
 from streamgrpo.wire import Source
 
 log = logging.getLogger("streamgrpo.generator")
@@ -47,14 +55,6 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
     versions at safe points (the staleness benchmark's lagging one, ``recipes/demo/lag.py``)."""
     import torch
 
-    from streamgrpo.data.dataset import iter_positions
-    from streamgrpo.engines.base import SamplingParams
-    from streamgrpo.models.loading import load_processor, resolve_device
-    from streamgrpo.models.lora import make_weight_applier
-    from streamgrpo.rewards import RewardSet
-    from streamgrpo.transport.queue.base import QueueStopped
-    from streamgrpo.transport.queue.factory import open_queue
-    from streamgrpo.transport.weights.factory import subscriber_from_config
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     stop = stop if stop is not None else StopFlag()
@@ -205,15 +205,12 @@ def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> 
         from streamgrpo.engines.vllm import VLLMEngine
 
         return VLLMEngine.from_config(cfg, processor, name=name)
-    from streamgrpo.engines.hf import HFEngine
-    from streamgrpo.models.loading import load_model
 
     return HFEngine(load_model(cfg.model, device, custom_mask=cfg.learner.shared_prompt), processor, device=device,
                     vision_cache_mib=cfg.rollout.vision_cache_mib)
 
 
 def _records(cfg: Config) -> list:
-    from streamgrpo.data.records import load_records
 
     records = load_records(cfg.data.train_path, cfg.data)
     if cfg.data.kinds:

@@ -12,10 +12,14 @@ import time
 import numpy as np
 
 from streamgrpo.config import Config
+from streamgrpo.data.prompts import build_prompt_text, processor_inputs
 from streamgrpo.data.records import default_media_root
-from streamgrpo.engines.base import Engine, SamplingParams
+from streamgrpo.data.shuffle import has_video, shuffle_visuals
+from streamgrpo.engines.base import Engine, PromptRequest, SamplingParams
 from streamgrpo.generator.oom import BatchSize, does_not_fit_message
-from streamgrpo.wire import inline
+from streamgrpo.metrics import ERRORS
+from streamgrpo.rewards.temporal import temporal_bonus, with_bonus
+from streamgrpo.wire import Completion, ScoredGroup, inline
 
 log = logging.getLogger("streamgrpo.generator")
 
@@ -41,15 +45,12 @@ class Sampler:
         return self.batch.run(chunk, self._groups)
 
     def _halved(self, tried: int, size: int) -> None:
-        from streamgrpo.metrics import ERRORS
 
         ERRORS.labels(kind="generator_oom").inc()
         log.warning("%s: out of memory sampling %d prompts at once: %d prompt(s) per engine call from now on "
                     "(rollout.prompts_per_batch=%d)", self.name, tried, size, self.cfg.rollout.prompts_per_batch)
 
     def _groups(self, chunk: list) -> list:
-        from streamgrpo.data.prompts import build_prompt_text, processor_inputs
-        from streamgrpo.engines.base import PromptRequest
 
         cfg, tc = self.cfg, self.cfg.rollout.temporal_contrast
         requests = []
@@ -85,8 +86,6 @@ def score_group(record, visuals, req, outs, rewards, *, version: int, generator_
     on the prompt's frames in a shuffled order; they only decide the ``temporal`` bonus of the
     ordered completions (:mod:`streamgrpo.rewards.temporal`) and are not part of the group.
     """
-    from streamgrpo.rewards.temporal import temporal_bonus, with_bonus
-    from streamgrpo.wire import Completion, ScoredGroup
 
     fields = {"question": record.question, "kind": record.kind}
     scored = rewards.score([c.text for c in outs], record.answer, prompt_id=record.id, fields=fields,
@@ -116,9 +115,6 @@ def sample_shuffled(engine: Engine, processor, requests, sampling: SamplingParam
     order (:mod:`streamgrpo.data.shuffle`), by request index; image-only prompts are skipped."""
     from dataclasses import replace
 
-    from streamgrpo.data.prompts import processor_inputs
-    from streamgrpo.data.shuffle import has_video, shuffle_visuals
-    from streamgrpo.engines.base import PromptRequest
 
     idx = [i for i, r in enumerate(requests) if has_video(r.visuals)]
     if not idx:

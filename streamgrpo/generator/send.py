@@ -10,6 +10,8 @@ import numpy as np
 
 from streamgrpo import metrics as M
 from streamgrpo.runtime.processes import StopFlag
+from streamgrpo.transport.queue.redis_stream import QueueFull
+from streamgrpo.wire import WireError
 
 log = logging.getLogger("streamgrpo.generator")
 
@@ -57,8 +59,6 @@ def put_groups(queue, groups: list, stop: StopFlag, name: str, grace_s: float = 
     they get ``grace_s`` more seconds to find room, then they are given up (logged, False). If the
     wire contract refuses a group, nothing is sent and None is returned (a single group's refusal
     is logged here; the caller counts it)."""
-    from streamgrpo.transport.queue.redis_stream import QueueFull
-    from streamgrpo.wire import WireError
 
     stopped_at = None
     while True:

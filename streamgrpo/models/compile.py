@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from streamgrpo.models.batching import unwrap_model
+
 BACKENDS = ("inductor", "aot_eager")
 RECOMPILE_LIMIT = 32
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a Qwen-VL model (peft, DeepSpeed or DDP wrappers looked through)."""
-    from streamgrpo.models.batching import unwrap_model
 
     return list(unwrap_model(model).model.language_model.layers)
 

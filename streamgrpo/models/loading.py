@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from streamgrpo.models.attention import resolve
 from streamgrpo.models.vision_attention import install as install_packed_vision_attention
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,6 @@ def load_model(model_cfg, device: torch.device | str = "cpu", *, dtype: str | No
     the vision tower's packed into one call per block (:mod:`streamgrpo.models.vision_attention`)."""
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.models.attention import resolve
 
     dtype_name = dtype or model_cfg.dtype
     if torch.device(device).type == "cpu" and dtype_name == "float16":

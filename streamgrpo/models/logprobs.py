@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from streamgrpo.models.batching import GroupInputs, TrainBatch, prepare_batch, unwrap_model  # noqa: F401 - unwrap_model is part of this module's API
 from streamgrpo.models.capabilities import capabilities
 from streamgrpo.models.packing import PackedBatch, attention_mask_for, pack_batch
-from streamgrpo.models.ulysses import kernel_of
+from streamgrpo.models.ulysses import hidden_states, kernel_of, sum_over_group
 from streamgrpo.models.vision_inputs import decoder_hidden_states
 
 BF16_LOGPROB_TOL = 0.1
@@ -226,7 +226,6 @@ def _sequence_parallel_logprobs(hf: nn.Module, batch: TrainBatch, rows: Tensor, 
                                 shared_prompt: bool, **head: Any) -> tuple[Tensor, Tensor | None]:
     """:func:`completion_logprobs` over a sequence-parallel group: this rank's columns through the decoder, the
     LM head on the completion tokens they predict, the (B, T) results summed over the group."""
-    from streamgrpo.models.ulysses import hidden_states, sum_over_group
 
     hidden_SlH, split, packed = hidden_states(hf, batch, sp, shared_prompt=shared_prompt)
     if packed is not None:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from streamgrpo.models.apply import WeightsApplyError, apply_to_model
+from streamgrpo.models.attention import resolve
+from streamgrpo.models.files import runtime_name
 from streamgrpo.models.vision_attention import install as install_packed_vision_attention
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,6 @@ def load_quantized(model_cfg, lora_cfg, device: torch.device, *, custom_mask: bo
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
-    from streamgrpo.models.attention import resolve
 
     check_quantization(lora_cfg, device)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -214,7 +215,6 @@ def make_weight_applier(cfg, engine) -> Callable[[int, dict[str, torch.Tensor]],
         return apply_in_place
 
     # other engines (vLLM): pristine base weights read from the checkpoint files, keyed by model names
-    from streamgrpo.models.files import runtime_name
 
     base: dict[str, torch.Tensor] = {}
     on_disk: dict[str, str] = {}  # model name -> checkpoint key

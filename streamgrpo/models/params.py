@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from streamgrpo.models.loading import parameter_group
+from streamgrpo.models.model_config import load_model_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,7 +40,6 @@ def count_params(cfg):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.models.model_config import load_model_config
 
     config = load_model_config(cfg.model.name_or_path, cfg.model.revision)
     with torch.device("meta"):
@@ -51,7 +53,6 @@ def policy_counts(model: torch.nn.Module, model_cfg):
 
     import torch
 
-    from streamgrpo.models.loading import parameter_group
 
     total = sum(p.numel() for p in model.parameters())
     lora = model_cfg.lora
@@ -120,6 +121,5 @@ def shape_of(config) -> ModelShape:
 
 def model_shape(cfg) -> ModelShape:
     """The :class:`ModelShape` of the policy's config.json (read as :func:`count_params` reads it)."""
-    from streamgrpo.models.model_config import load_model_config
 
     return shape_of(load_model_config(cfg.model.name_or_path, cfg.model.revision))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from streamgrpo.data.prompts import NO_THINK_INSTRUCTION, THINK_INSTRUCTION
+
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 SIZES = ("tiny", "3b", "7b", "8b")
 # Qwen2.5-VL-3B/7B-Instruct's published configs (layer sizes only; random weights, our tokenizer's
@@ -84,7 +86,6 @@ _WORDS = (
 def _corpus() -> list[str]:
     """Chat/template pieces, the prompt instructions and the demo questions, repeated so that BPE
     gives their words single tokens (short prompts keep the CPU demo fast)."""
-    from streamgrpo.data.prompts import NO_THINK_INSTRUCTION, THINK_INSTRUCTION
     from streamgrpo.recipes.demo.data import COLOUR_OPTIONS, DIRECTION_OPTIONS
 
     phrases = [

@@ -37,7 +37,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from streamgrpo.models.batching import prepare_batch
+from streamgrpo.models.packing import PAD_SEGMENT, block_mask, pack_batch
 from streamgrpo.models.seq_split import SeqSplit
+from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once
 
 NAMES = {"sdpa": "streamgrpo_ulysses_sdpa", "eager": "streamgrpo_ulysses_eager"}
 """The registered attention names, per kernel they wrap."""
@@ -260,7 +263,6 @@ def _embeds(inner: nn.Module, encoded: dict[str, Any], ids: Tensor, split: SeqSp
             ) -> tuple[Tensor, dict[str, Any]]:
     """This rank's input embeddings, the vision features of its columns scattered in, and Qwen3-VL's deepstack
     inputs for its columns (``visual_pos_masks``, ``deepstack_visual_embeds``)."""
-    from streamgrpo.models.vision_inputs import _deepstack_inputs
 
     cfg = inner.config
     embeds = inner.get_input_embeddings()(split.local(ids, pad_id))
@@ -291,9 +293,6 @@ def _embeds(inner: nn.Module, encoded: dict[str, Any], ids: Tensor, split: SeqSp
 def hidden_states(hf: nn.Module, batch: Any, sp: SPGroup, *, shared_prompt: bool) -> tuple[Tensor, SeqSplit, Any]:
     """This rank's final hidden states (sequences, l, H) of ``batch`` (rows, or the packed layout with
     ``shared_prompt``), its :class:`~streamgrpo.models.seq_split.SeqSplit` and the packed layout (None: rows)."""
-    from streamgrpo.models.batching import prepare_batch
-    from streamgrpo.models.packing import PAD_SEGMENT, block_mask, pack_batch
-    from streamgrpo.models.vision_inputs import encode_once
 
     kind = install(hf)
     prepare_batch(batch, hf)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from streamgrpo.models.seq_split import split_frames
+
 _HEADS = ("merger", "deepstack_merger_list")
 
 
@@ -166,7 +168,6 @@ def _split_trunk(visual: nn.Module, fn: Callable[..., Any], pixels: Tensor, grid
     gathered over the group (padded to the largest share)."""
     import torch.distributed as dist
 
-    from streamgrpo.models.seq_split import split_frames
 
     grid_list = [tuple(int(v) for v in g) for g in grids.tolist()]
     shares = split_frames(grid_list, sp.world)

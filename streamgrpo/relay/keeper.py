@@ -21,13 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+from streamgrpo.config import ConfigError
+from streamgrpo.transport.weights.factory import relay_dir
+
 log = logging.getLogger("streamgrpo.relay")
 
 
 def private_dir(wcfg) -> Path:
     """The relay's folder, made 0700 when missing; a ConfigError when it is not this user's."""
-    from streamgrpo.config import ConfigError
-    from streamgrpo.transport.weights.factory import relay_dir
 
     d = relay_dir(wcfg)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -39,7 +40,6 @@ def private_dir(wcfg) -> Path:
 
 
 def lock_path(wcfg) -> Path:
-    from streamgrpo.transport.weights.factory import relay_dir
 
     return relay_dir(wcfg) / "relay.lock"
 

@@ -27,7 +27,10 @@ from pathlib import Path
 
 from streamgrpo.config import Config
 from streamgrpo.metrics import start_metrics
+from streamgrpo.relay.forward import RelayReceiver
+from streamgrpo.relay.keeper import lock_path, take_lock
 from streamgrpo.runtime.processes import StopFlag
+from streamgrpo.transport.weights.factory import relay_dir, relay_publisher_from_config
 
 log = logging.getLogger("streamgrpo.relay")
 
@@ -39,9 +42,6 @@ def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | No
               idle_exit_s: float = IDLE_EXIT_S) -> int:
     """Relay versions until a stop signal, or ``idle_exit_s`` without a generator. Exits 0 at once when
     another relay holds this host's lock."""
-    from streamgrpo.relay.forward import RelayReceiver
-    from streamgrpo.relay.keeper import lock_path, take_lock
-    from streamgrpo.transport.weights.factory import relay_dir, relay_publisher_from_config
 
     wc = cfg.weights
     lock = take_lock(wc)

@@ -39,6 +39,7 @@ from streamgrpo.transport.queue.base import (  # noqa: F401 - QueueFull is part 
     QueueStopped,
 )
 from streamgrpo.transport.queue.crash_marks import CrashMarks
+from streamgrpo.transport.queue.errors import tls_on_plain_port
 from streamgrpo.transport.queue.keys import Keys
 from streamgrpo.transport.queue.resp import (
     COMMIT_LUA,
@@ -153,7 +154,6 @@ class RedisQueue(GroupQueue):
             raise QueueError(f"bad redis url {self.safe_url}: unknown option(s) {', '.join(sorted(unknown))} (redis-py's "
                              "URL options: ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ssl_password, "
                              "socket_timeout, db, ...)") from None
-        from streamgrpo.transport.queue.errors import tls_on_plain_port
 
         mixed = tls_on_plain_port(self._r, self.safe_url)
         if mixed:

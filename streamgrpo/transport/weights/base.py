@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 
-from streamgrpo.transport.weights.layout import TensorSpec
+from streamgrpo.transport.weights.layout import TensorSpec, specs_of
 
 
 class VersionWriter(ABC):
@@ -57,7 +57,6 @@ class WeightSync(ABC):
         """Send ``tensors`` as ``version`` (floating ones cast to ``dtype`` when given). Returns once the
         tensors may be overwritten; the sending goes on in the background, and a newer version
         replaces one not yet started."""
-        from streamgrpo.transport.weights.layout import specs_of
 
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"weights: version must be an integer >= 0, got {version!r}")

@@ -19,6 +19,10 @@ from pathlib import Path
 
 from streamgrpo.config import WeightsConfig
 from streamgrpo.transport.weights.base import WeightSync, WeightSyncClient
+from streamgrpo.transport.weights.publisher import WeightPublisher
+from streamgrpo.transport.weights.shm_publisher import ShmPublisher
+from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
+from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
 log = logging.getLogger("streamgrpo.weights")
 
@@ -68,8 +72,6 @@ def ipc_dir_of(wcfg: WeightsConfig, run_dir: str | Path) -> Path | None:
 
 def publisher_from_config(wcfg: WeightsConfig, run_dir: str | Path, **kw) -> WeightSync:
     """The learner's weight channel (rank 0)."""
-    from streamgrpo.transport.weights.publisher import WeightPublisher
-    from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
     kw = {"ipc_dir": ipc_dir_of(wcfg, run_dir), "io_threads": wcfg.io_threads, "host_buffers": wcfg.host_buffers,
           "algo": wcfg.digest, "delta_max_ratio": wcfg.delta_max_ratio if wcfg.delta else None, **kw}
@@ -84,8 +86,6 @@ def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key:
     """A generator's (or the evaluator's) weight channel (``client_key``: e.g. ``client-3``, with CURVE
     keys); with ``weights.relay`` the host's relay's, through shared memory. ``weights.transport`` ipc or
     shm on a host other than the learner's (``weights.connect_host``) falls back to TCP, in one log line."""
-    from streamgrpo.transport.weights.shm_subscriber import ShmSubscriber
-    from streamgrpo.transport.weights.subscriber import WeightSubscriber
 
     if wcfg.relay:  # the relay on this host: its ipc:// sockets, versions in its shared-memory files
         return ShmSubscriber("127.0.0.1", 0, 0, shm_dir=wcfg.shm_dir, ipc_dir=relay_dir(wcfg), **kw)
@@ -104,7 +104,6 @@ def subscriber_from_config(wcfg: WeightsConfig, run_dir: str | Path, client_key:
 def relay_publisher_from_config(wcfg: WeightsConfig, **kw) -> WeightSync:
     """A relay's publisher to its host's generators: ipc:// sockets in :func:`relay_dir` (no TCP), versions
     in shared-memory files (its high-water mark holds the early-chunk messages of a few versions)."""
-    from streamgrpo.transport.weights.shm_publisher import ShmPublisher
 
     return ShmPublisher("127.0.0.1", 0, 0, wcfg.chunk_mib, None, max(wcfg.sndhwm, 100_000), shm_dir=wcfg.shm_dir,
                         ipc_dir=relay_dir(wcfg), tcp=False, algo=wcfg.digest, host_buffers=2, **kw)

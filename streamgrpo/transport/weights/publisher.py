@@ -79,6 +79,7 @@ from streamgrpo.transport.weights.codec import (
     n_chunks_for,
     report_error,
 )
+from streamgrpo.transport.weights.delta import encode_delta
 from streamgrpo.transport.weights.keys import authorised_dir, server_keys
 from streamgrpo.transport.weights.layout import Layout, LayoutMemo, TensorSpec, view_of
 from streamgrpo.transport.weights.sockets import PortInUse, bind_tcp, endpoint, ipc_endpoints
@@ -618,7 +619,6 @@ class WeightPublisher(WeightSync):
         """Send ``job`` as its delta to ``base`` (the latest version) when that is at most
         ``delta_max_ratio`` of its bytes; False (nothing sent) when it is not. Waits for all of ``job``'s
         bytes first: a delta cannot stream while the version is still being written."""
-        from streamgrpo.transport.weights.delta import encode_delta
 
         meta = job.meta
         if not self._ready_upto(job, meta.nbytes, block=True) or not self._committed(job):

@@ -36,7 +36,9 @@ from streamgrpo.transport.weights.codec import (
     report_error,
     select_chunks,
 )
+from streamgrpo.transport.weights.delta import apply_delta
 from streamgrpo.transport.weights.keys import client_keys, server_keys
+from streamgrpo.transport.weights.layout import parse_layout
 from streamgrpo.transport.weights.links import Links
 from streamgrpo.transport.weights.sockets import endpoint, ipc_endpoints
 
@@ -418,8 +420,6 @@ class WeightSubscriber(WeightSyncClient):
     def _apply_delta(self, done: Completed) -> None:
         """Apply a whole, digest-checked delta to the base copy; check the result against the full
         version's digests; offer it. Without the right base (a version missed, or none yet): the snapshot."""
-        from streamgrpo.transport.weights.delta import apply_delta
-        from streamgrpo.transport.weights.layout import parse_layout
 
         try:
             info = decode_delta_meta(done.raw_meta)
