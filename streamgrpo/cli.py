@@ -1,7 +1,8 @@
 """The `streamgrpo` command line (every command: `streamgrpo --help`; the manual: README.md).
 
 Only argparse and the config module are imported at start-up, so `--help` is fast and torch stays
-out of `sys.modules` until a command that needs it runs.
+out of `sys.modules` until a command that needs it runs: each parser names the function that runs its command
+(``run="module:function"``, in :mod:`streamgrpo.commands`), whose module is imported only when it runs.
 
 A mistake the user can fix ends the command with one line on stderr, ``streamgrpo <command>:
 <what is wrong>``, and no Python traceback (``-v`` logs the traceback as well). Exit codes:
@@ -15,25 +16,27 @@ A mistake the user can fix ends the command with one line on stderr, ``streamgrp
   exist; argparse's own usage errors exit 2 too.
 * 130: interrupted (Ctrl-C).
 
-``learner`` and ``generator`` check their data file and Redis (:func:`_check_before_loading`)
-before they load a model, so these mistakes end them within seconds; a Redis that is down is not a
-mistake: their queue waits for it.
+``learner`` and ``generator`` check their data file and Redis
+(:func:`streamgrpo.commands.checks.check_before_loading`) before they load a model, so these mistakes end them
+within seconds; a Redis that is down is not a mistake: their queue waits for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+
+from streamgrpo import versions
+from streamgrpo.config import ConfigError, shipped_configs
 
 USAGE_EXIT = 2  # the command line or config is wrong (nothing ran)
 FAILED_EXIT = 1  # the command ran and failed (Redis refused us, unusable data)
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from streamgrpo.config import shipped_configs
-
     p.add_argument("--config", default=default,
                    help=f"YAML file or shipped config name ({', '.join(shipped_configs())})")
     p.add_argument(
@@ -42,310 +45,10 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> 
     )
 
 
-def _load(args) -> object:
-    from streamgrpo.config import load_config
-
-    return load_config(args.config, args.overrides)
-
-
-# ------------------------------------------------------------------------------------ commands
-def _check_before_loading(cfg, role: str, *, data: bool = False, queue: bool = True) -> None:
-    """What can never work, found in a second instead of after loading a model: a missing data
-    file, no Redis configured, a Redis that refuses this URL (password, TLS, ACL). An unreachable
-    Redis is left to the queue, which waits for it (``stop=True`` ends this one try at once)."""
-    from pathlib import Path
-
-    from streamgrpo.transport.queue.base import QueueStopped
-    from streamgrpo.transport.queue.factory import open_queue, queue_url
-
-    if data:
-        from streamgrpo.data.records import require_data_path
-        from streamgrpo.recipes.demo.assets import prepare_data
-
-        prepare_data(cfg.demo, cfg.data.train_path)  # the demo recipe's data set, when its config asks
-        require_data_path(cfg.data.train_path)
-    if not queue:
-        return
-    url = queue_url(cfg.queue, Path(cfg.run_dir))
-    try:
-        open_queue(cfg.queue, url, consumer=f"{role}-check", stop=True).close()
-    except QueueStopped:
-        pass
-
-
-def cmd_config_show(args) -> int:
-    cfg = _load(args)
-    sys.stdout.write(cfg.to_yaml(redact=True))  # passwords and keys masked, but shown to be set
-    return 0
-
-
-def cmd_config_memory(args) -> int:
-    """A learner rank's memory plan for this config (static parts and what a step adds), from the model's
-    config alone; exit 1 if it cannot fit.
-
-    The ranks: ``--ranks``, else the config's ``launch.learner_ranks``; several ranks are planned on the
-    deepspeed backend, as ``up`` runs them. A model config that cannot be read is one line (exit 2)."""
-    from streamgrpo.config import ConfigError
-
-    cfg = _load(args)
-    ranks = args.ranks if args.ranks is not None else cfg.launch.learner_ranks
-    if ranks < 1:
-        raise ConfigError(f"--ranks {ranks}: at least one learner rank")
-    if ranks > 1 and cfg.learner.backend == "torch" and ranks != cfg.learner.sequence_parallel:
-        # the torch backend is one process (or one sequence-parallel group): `up` switches too
-        cfg.learner.backend = "deepspeed"
-        print(f"{ranks} learner ranks: planned with learner.backend=deepspeed, as `streamgrpo up` runs them "
-              "(ZeRO-2 unless learner.deepspeed_config says otherwise)")
-    from streamgrpo.models.model_config import config_json
-
-    config_json(cfg.model.name_or_path, cfg.model.revision)  # no model config: one line, before torch loads
-    import torch
-
-    from streamgrpo.learner.memory import GiB, plan_for, report
-
-    counts, place, plan = plan_for(cfg, ranks)
-    gpu = args.gpu_gib * GiB if args.gpu_gib else (
-        float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else 80 * GiB)
-    lines, fits = report(counts, place, plan, gpu)
-    print(f"{cfg.model.name_or_path}: " + "\n".join(lines))
-    return 0 if fits else 1
-
-
-def cmd_config_init(args) -> int:
-    """A commented starting config: a shipped one (``--from``) with each key's doc, checked by loading it."""
-    from streamgrpo.config import load_config
-    from streamgrpo.config.starter import write_starter
-
-    out = write_starter(args.source, args.out, force=args.force)
-    load_config(out)
-    print(f"{out}: started from {args.source!r}; check it with `streamgrpo config show --config {out}` and "
-          f"`streamgrpo up --config {out} --plan`")
-    return 0
-
-
-def cmd_config_reference(args) -> int:
-    """docs/config.md from the config's field docstrings: printed, written to --out, or checked against it."""
-    from pathlib import Path
-
-    from streamgrpo.config import ConfigError
-    from streamgrpo.config.reference import render_reference
-
-    text = render_reference()
-    if args.check:
-        if not args.out:
-            raise ConfigError("--check compares with a file: give it as --out PATH")
-        out = Path(args.out)
-        if not out.is_file() or out.read_text(encoding="utf-8") != text:
-            print(f"streamgrpo config reference: {out} is {'stale' if out.is_file() else 'missing'}: regenerate it "
-                  f"with `streamgrpo config reference --out {out}`", file=sys.stderr)
-            return FAILED_EXIT
-        print(f"{out} is up to date")
-        return 0
-    if not args.out:
-        sys.stdout.write(text)
-        return 0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text, encoding="utf-8")
-    print(f"config reference written to {args.out}")
-    return 0
-
-
-def cmd_up(args) -> int:
-    cfg = _load(args)
-    from streamgrpo.commands.up import run_up
-
-    return run_up(cfg, generators=args.generators, run_dir=args.run_dir, sync=args.sync, config_source=args.config,
-                  resume=args.resume, learner_ranks=args.learner_ranks, gpus=args.gpus,
-                  generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan,
-                  gpu_gib=args.gpu_gib)
-
-
-def cmd_slurm(args) -> int:
-    cfg = _load(args)
-    from streamgrpo.commands.slurm import run_slurm
-
-    return run_slurm(cfg, args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks,
-                     learner_nodes=args.learner_nodes, out=args.out,
-                     job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,
-                     overrides=tuple(args.overrides), generators=args.generators, grace_s=args.grace_s)
-
-
-def cmd_learner(args) -> int:
-    cfg = _load(args)
-    from streamgrpo.learner.loop import run_learner
-
-    if args.resume:
-        cfg.learner.resume, cfg.learner.fresh = True, False
-    if args.fresh:
-        cfg.learner.resume, cfg.learner.fresh = False, True
-    if args.run_dir:
-        cfg.run_dir = args.run_dir
-    if args.from_weights:
-        cfg.learner.from_weights = args.from_weights
-    _check_before_loading(cfg, "learner")
-    return run_learner(cfg)
-
-
-def cmd_generator(args) -> int:
-    from streamgrpo.config import ConfigError
-
-    cfg = _load(args)
-    if args.run_dir:
-        cfg.run_dir = args.run_dir
-    if not 0 <= args.id < cfg.rollout.num_generators:
-        raise ConfigError(f"--id {args.id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
-    _set_generator_port(cfg, args)
-    _check_before_loading(cfg, f"generator-{args.id}", data=True)
-    from streamgrpo.generator.loop import run_generator
-    from streamgrpo.recipes.demo.lag import applier_for
-
-    return run_generator(cfg, generator_id=args.id, applier=applier_for(cfg.demo))
-
-
-def _set_generator_port(cfg, args) -> None:
-    """A fixed ``metrics.port`` P: this generator serves P + its local index on the host (``--local-index``,
-    default 0), as learner ranks serve P + LOCAL_RANK; 0 stays 0 (a free port)."""
-    from streamgrpo.config import ConfigError
-
-    local = args.local_index
-    if local < 0:
-        raise ConfigError(f"--local-index {local}: must be 0 or more")
-    if cfg.metrics.port and local:
-        if cfg.metrics.port + local > 65535:
-            raise ConfigError(f"metrics.port {cfg.metrics.port} + local index {local} is past 65535")
-        cfg.metrics.port += local
-
-
-def cmd_evaluator(args) -> int:
-    cfg = _load(args)
-    if args.run_dir:
-        cfg.run_dir = args.run_dir
-    from streamgrpo.evaluator.loop import run_evaluator
-
-    return run_evaluator(cfg)
-
-
-def cmd_relay(args) -> int:
-    cfg = _load(args)
-    if args.run_dir:
-        cfg.run_dir = args.run_dir
-    from streamgrpo.relay.loop import IDLE_EXIT_S, run_relay
-
-    return run_relay(cfg, client_key=args.client_key,
-                     idle_exit_s=IDLE_EXIT_S if args.idle_exit_s is None else args.idle_exit_s)
-
-
-def cmd_infer(args) -> int:
-    from streamgrpo.commands.infer import run_infer
-
-    return run_infer(args)
-
-
-def cmd_eval(args) -> int:
-    from streamgrpo.commands.evaluate import run_eval
-
-    return run_eval(args)
-
-
-def cmd_report(args) -> int:
-    from streamgrpo.commands.report import run_report
-
-    return run_report(args.run_dir)
-
-
-def cmd_data_check(args) -> int:
-    from streamgrpo.data.check import run_check
-
-    cfg = _load(args)
-    return run_check(args.path, cfg.data, workers=args.workers, allow_errors=args.allow_errors)
-
-
-def cmd_queue_check(args) -> int:
-    from streamgrpo.commands.queue_check import run_queue_check
-
-    return run_queue_check(_load(args), file=args.file, count=args.count)
-
-
-def cmd_check_agreement(args) -> int:
-    from streamgrpo.commands.agreement import run_check
-
-    cfg = _load(args)
-    _check_before_loading(cfg, "agreement-check", data=True, queue=False)
-    return run_check(cfg, groups=args.groups, max_tokens=args.max_tokens or None, max_kl=args.max_kl,
-                     diagnose=not args.no_diagnose, out=args.out)
-
-
-def cmd_weights_pull(args) -> int:
-    from streamgrpo.commands.weights_pull import pull_weights
-
-    return pull_weights(_load(args), args.out, timeout_s=args.timeout_s, client_key=args.client_key)
-
-
-def cmd_data_demo(args) -> int:
-    from streamgrpo.recipes.demo.data import make_demo
-
-    make_demo(args.out, n=args.n, seed=args.seed)
-    print(f"demo data set written to {args.out}")
-    return 0
-
-
-def cmd_model_tiny(args) -> int:
-    from streamgrpo.models.tiny import build_tiny, write_config
-
-    if args.config_only:
-        print(f"{args.size} {args.arch} config.json written to {write_config(args.out, args.arch, args.size)}")
-        return 0
-    out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size, layers=args.layers)
-    if args.warm_format:
-        from streamgrpo.recipes.demo.assets import warm_data_config
-        from streamgrpo.recipes.demo.warm import warm_format
-
-        cfg = _load(args) if args.config else None  # default: the colour demo's prompts
-        warm_format(out, data_cfg=warm_data_config(cfg) if cfg else None, seed=args.seed, steps=args.warm_steps,
-                    letters=cfg.demo.warm_letters if cfg else "uniform", demo=cfg.demo if cfg else None)
-    print(f"{args.size} {args.arch} model (random weights) written to {out}")
-    return 0
-
-
-def cmd_model_merge(args) -> int:
-    from streamgrpo.models.lora import merge_adapter
-
-    merge_adapter(args.adapter, args.out, base=args.base)
-    print(f"merged model written to {args.out}")
-    return 0
-
-
-def cmd_model_export(args) -> int:
-    from streamgrpo.commands.infer import checkpoint_of
-    from streamgrpo.models.export import export_checkpoint
-
-    out = export_checkpoint(checkpoint_of(args.checkpoint), args.out, adapter=args.adapter, base=args.base,
-                            config=args.config)
-    print(f"exported to {out} (`streamgrpo model push {out} --repo ORG/NAME` uploads it)")
-    return 0
-
-
-def cmd_model_push(args) -> int:
-    from streamgrpo.commands.model_push import run_push
-
-    return run_push(args)
-
-
-def cmd_keys(args) -> int:
-    from streamgrpo.transport.weights.keys import generate_keys
-
-    keys = generate_keys(args.out, clients=args.clients)
-    print(keys.describe())
-    return 0
-
-
 # ------------------------------------------------------------------------------------- parser
 class _Versions(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        from streamgrpo.versions import report
-
-        print(report())
+        print(versions.report())
         parser.exit()
 
 
@@ -382,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="print where each process would run, and exit")
     p.add_argument("--gpu-gib", type=float, default=None,
                    help="memory of one GPU for the plan's check (default: what CUDA reports; none on a CPU)")
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(run="streamgrpo.commands.up:main")
 
     p = sub.add_parser("slurm", help="the sbatch script of a run on N Slurm nodes (learner, generators, relays, "
                                      "Redis without root, the evaluator, Prometheus targets)")
@@ -410,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints, the rest stops, the job is requeued (default 300)")
     p.add_argument("--partition", default=None, help="#SBATCH --partition")
     p.add_argument("--python", default="python", help="the Python with streamgrpo on every node (default: python)")
-    p.set_defaults(func=cmd_slurm)
+    p.set_defaults(run="streamgrpo.commands.slurm:main")
 
     p = sub.add_parser("learner", help="one learner (under torchrun/deepspeed for many ranks)")
     _add_config_args(p)
@@ -421,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-weights", default=None, metavar="CKPT",
                    help="start at step 0 from a checkpoint's weights, with a fresh optimizer (learner.from_weights)")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
-    p.set_defaults(func=cmd_learner)
+    p.set_defaults(run="streamgrpo.commands.learner:main")
 
     p = sub.add_parser("generator", help="one generator")
     _add_config_args(p)
@@ -430,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this generator's index among the generators of its host (e.g. $SLURM_LOCALID under "
                         "srun --ntasks-per-node): with a fixed metrics.port P it serves /metrics on P + this")
     p.add_argument("--run-dir", default=None, help="run directory (overrides run_dir)")
-    p.set_defaults(func=cmd_generator)
+    p.set_defaults(run="streamgrpo.commands.generator:main")
 
     p = sub.add_parser("evaluator", help="held-out accuracy at the learner's weight versions, while it trains")
     p.add_argument("--run-dir", default=None, help="override run_dir")
     _add_config_args(p)
-    p.set_defaults(func=cmd_evaluator)
+    p.set_defaults(run="streamgrpo.commands.evaluator:main")
 
     p = sub.add_parser("relay", help="one copy of each weight version per host, for that host's generators "
                                      "(weights.relay; generators start it themselves)")
@@ -447,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-exit-s", type=float, default=None,
                    help="exit after this long with no generator connected (default 60; a launcher that starts the "
                         "relay before its generators load, as `streamgrpo slurm`'s script does, gives more)")
-    p.set_defaults(func=cmd_relay)
+    p.set_defaults(run="streamgrpo.commands.relay:main")
     p = sub.add_parser("infer", help="inference on a video/image + prompt, or a JSONL batch")
     p.add_argument("--model", required=True, help="checkpoint dir, merged model, base model or hub id")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory on top of --model")
@@ -467,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts per generate call (default 8; 64 with --engine vllm, which schedules them itself)")
     _add_config_args(p)
-    p.set_defaults(func=cmd_infer)
+    p.set_defaults(run="streamgrpo.commands.infer:run_infer")
 
     p = sub.add_parser("eval", help="accuracy and rewards on held-out data; before/after table")
     p.add_argument("--model", required=True)
@@ -490,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-seed", type=int, default=None, metavar="N",
                    help="seed of the frame shuffle (with --shuffle-frames; default 0)")
     _add_config_args(p)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(run="streamgrpo.commands.evaluate:run_eval")
 
     p = sub.add_parser("report", help="PNG plots of reward, KL, staleness, throughput from a run directory")
     p.add_argument("run_dir")
-    p.set_defaults(func=cmd_report)
+    p.set_defaults(run="streamgrpo.commands.report:main")
 
     data = sub.add_parser("data", help="data set tools").add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.required = True
@@ -503,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--allow-errors", action="store_true", help="exit 0 even when records have errors")
     _add_config_args(p)
-    p.set_defaults(func=cmd_data_check)
+    p.set_defaults(run="streamgrpo.commands.data_tools:check")
     p = data.add_parser("demo", help="make the synthetic demo data set (real mp4 files)")
     p.add_argument("--out", required=True)
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_data_demo)
+    p.set_defaults(run="streamgrpo.commands.data_tools:demo")
 
     queue = sub.add_parser("queue", help="queue tools").add_subparsers(dest="queue_command", metavar="SUBCOMMAND")
     queue.required = True
@@ -517,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", default=None, help="a file of messages one after another (default: the run's Redis stream)")
     p.add_argument("--count", type=int, default=100, help="stream entries to check, oldest first")
     _add_config_args(p)
-    p.set_defaults(func=cmd_queue_check)
+    p.set_defaults(run="streamgrpo.commands.queue_check:main")
 
     check = sub.add_parser("check", help="checks before a run").add_subparsers(dest="check_command", metavar="SUBCOMMAND")
     check.required = True
@@ -529,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-diagnose", action="store_true", help="measure only; do not look for the cause")
     p.add_argument("--out", default=None, help="also write the verdict as JSON to this file")
     _add_config_args(p)
-    p.set_defaults(func=cmd_check_agreement)
+    p.set_defaults(run="streamgrpo.commands.agreement:main")
 
     weights = sub.add_parser("weights", help="weight channel tools").add_subparsers(dest="weights_command",
                                                                                  metavar="SUBCOMMAND")
@@ -539,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up (exit 1) after this long without a version")
     p.add_argument("--client-key", default=None, help="with CURVE keys: the client key pair to use, e.g. client-0")
     _add_config_args(p)
-    p.set_defaults(func=cmd_weights_pull)
+    p.set_defaults(run="streamgrpo.commands.weights_pull:main")
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     model.required = True
@@ -559,12 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teach the answer format (not the answers) on the prompts of --config's data (default: demo)")
     p.add_argument("--warm-steps", type=int, default=60)
     _add_config_args(p)
-    p.set_defaults(func=cmd_model_tiny)
+    p.set_defaults(run="streamgrpo.commands.model_tools:tiny")
     p = model.add_parser("merge", help="merge a LoRA adapter into its base model")
     p.add_argument("--adapter", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
-    p.set_defaults(func=cmd_model_merge)
+    p.set_defaults(run="streamgrpo.commands.model_tools:merge")
     p = model.add_parser("export", help="a checkpoint in the Hugging Face Hub's layout: safetensors, config, processor, "
                                         "a model card with the run's config, metrics and evaluation")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, or a run directory (its newest)")
@@ -574,43 +277,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="LoRA: the base model (default: the adapter's base_model_name_or_path);"
                    " with --adapter, the Hub id written into adapter_config.json")
     p.add_argument("--config", default=None, help="the run's config file, when its run directory has no config.yaml")
-    p.set_defaults(func=cmd_model_export)
+    p.set_defaults(run="streamgrpo.commands.model_tools:export")
     p = model.add_parser("push", help="upload an exported model directory to the Hugging Face Hub (huggingface_hub; "
                                       "token: HF_TOKEN or `hf auth login`)")
     p.add_argument("folder", metavar="DIR", help="the output of `streamgrpo model export`")
     p.add_argument("--repo", required=True, help="the Hub repository, ORG/NAME (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--message", default=None, help="the commit message")
-    p.set_defaults(func=cmd_model_push)
+    p.set_defaults(run="streamgrpo.commands.model_push:run_push")
 
     cfg = sub.add_parser("config", help="config tools").add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     cfg.required = True
     p = cfg.add_parser("show", help="print the resolved config")
     _add_config_args(p, default="demo")
-    p.set_defaults(func=cmd_config_show)
+    p.set_defaults(run="streamgrpo.commands.config_tools:show")
     p = cfg.add_parser("memory", help="a learner rank's memory plan: static parts and what a step adds (from the model config alone)")
     _add_config_args(p, default="demo")
     p.add_argument("--ranks", type=int, default=None,
                    help="learner ranks (ZeRO partitions over them; default launch.learner_ranks)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory to check against (default: this "
                    "machine's GPU, else 80)")
-    p.set_defaults(func=cmd_config_memory)
+    p.set_defaults(run="streamgrpo.commands.config_tools:memory")
     p = cfg.add_parser("init", help="write a commented starting config from a shipped one")
     p.add_argument("out", metavar="FILE", help="the YAML file to write (e.g. my.yaml)")
     p.add_argument("--from", dest="source", default="demo",
                    help="the shipped config to start from (default: demo; `--config` lists them)")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
-    p.set_defaults(func=cmd_config_init)
+    p.set_defaults(run="streamgrpo.commands.config_tools:init")
     p = cfg.add_parser("reference", help="the configuration reference (docs/config.md), from the fields' docstrings")
     p.add_argument("--out", default=None, metavar="PATH", help="write it to this file (default: print it)")
     p.add_argument("--check", action="store_true",
                    help="with --out: write nothing, exit 1 when the file differs from what would be written")
-    p.set_defaults(func=cmd_config_reference)
+    p.set_defaults(run="streamgrpo.commands.config_tools:reference")
 
     p = sub.add_parser("keys", help="CURVE key pairs for the weight channel")
     p.add_argument("--out", required=True)
     p.add_argument("--clients", type=int, default=4, help="client key pairs to make")
-    p.set_defaults(func=cmd_keys)
+    p.set_defaults(run="streamgrpo.commands.keys:main")
     return parser
 
 
@@ -637,8 +340,6 @@ USER_ERRORS: tuple[tuple[str, tuple[str, ...], int], ...] = (
 
 def _user_error(exc: BaseException) -> int | None:
     """The exit code of a mistake the user can fix (reported in one line), None for anything else."""
-    from streamgrpo.config import ConfigError  # includes runtime.NoRedisConfigured
-
     if isinstance(exc, ConfigError):
         return USAGE_EXIT
     for module, names, code in USER_ERRORS:
@@ -646,6 +347,12 @@ def _user_error(exc: BaseException) -> int | None:
         if mod is not None and isinstance(exc, tuple(getattr(mod, n) for n in names)):
             return code
     return None
+
+
+def command(run: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs a command, ``"module:function"`` (each parser's ``run``), its module imported now."""
+    module, name = run.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def command_name(args: argparse.Namespace) -> str:
@@ -666,13 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
         if args.command in ROLES:
-            from streamgrpo.versions import check_at_start
-
-            check_at_start(args.command)
-        return int(func(args) or 0)
+            versions.check_at_start(args.command)
+        return int(command(args.run)(args) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from streamgrpo.agreement import Agreement, Verdict, verdict
+from streamgrpo.commands.args import load
+from streamgrpo.commands.checks import check_before_loading
 from streamgrpo.config import Config, build_config
 from streamgrpo.data.dataset import iter_samples
 from streamgrpo.data.prompts import processor_inputs, vision_factors
@@ -191,3 +193,10 @@ def run_check(cfg: Config, *, groups: int, max_tokens: int | None, max_kl: float
     if out:
         Path(out).write_text(json.dumps({"agree": v.agree, "cause": v.cause, "line": v.line}) + "\n")
     return 0 if v.agree else DISAGREE_EXIT
+
+
+def main(args) -> int:
+    cfg = load(args)
+    check_before_loading(cfg, "agreement-check", data=True, queue=False)
+    return run_check(cfg, groups=args.groups, max_tokens=args.max_tokens or None, max_kl=args.max_kl,
+                     diagnose=not args.no_diagnose, out=args.out)

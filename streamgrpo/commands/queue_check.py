@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from streamgrpo.advantages import is_zero_variance
+from streamgrpo.commands.args import load
 from streamgrpo.config import Config
 from streamgrpo.learner.checks import Problem, check_group
 from streamgrpo.learner.limits import GroupLimits, too_large
@@ -122,3 +123,7 @@ def run_queue_check(cfg: Config, *, file: str | None = None, count: int = 100, o
           + (f", {sum(dropped.values())} would be dropped ({', '.join(f'{k} {n}' for k, n in dropped.items())})"
              if dropped else ""), file=out)
     return 0 if total and not dropped else 1
+
+
+def main(args) -> int:
+    return run_queue_check(load(args), file=args.file, count=args.count)

@@ -438,3 +438,7 @@ def run_report(run_dir: str) -> int:
         print(f"  {p}")
     print(f"  {report}")
     return 0
+
+
+def main(args) -> int:
+    return run_report(args.run_dir)

@@ -32,6 +32,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamgrpo.commands.args import load
 from streamgrpo.config import Config, ConfigError
 
 DEFAULT_METRICS_PORT = 9100
@@ -476,3 +477,11 @@ def run_slurm(cfg: Config, config_path: str, *, nodes: int, gpus_per_node: int, 
           "prometheus.yml beside it); SIGTERM " + f"{grace_s} s before the time limit, then requeued"
           + (f"; written to {out}" if out else "") + f"\n  generators: {generators_line(job)}", file=sys.stderr)
     return 0
+
+
+def main(args) -> int:
+    return run_slurm(load(args), args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     generators_per_node=args.generators_per_node, learner_ranks=args.learner_ranks,
+                     learner_nodes=args.learner_nodes, out=args.out, job_name=args.job_name, time=args.time,
+                     partition=args.partition, python=args.python, overrides=tuple(args.overrides),
+                     generators=args.generators, grace_s=args.grace_s)

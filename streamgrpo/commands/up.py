@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.commands.args import load
 from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 from streamgrpo.config import Config
 from streamgrpo.evaluator.loop import final_version
@@ -593,3 +594,10 @@ def _depth(queue) -> int | None:
         return queue.depth()
     except Exception:  # noqa: BLE001
         return None
+
+
+def main(args) -> int:
+    return run_up(load(args), generators=args.generators, run_dir=args.run_dir, sync=args.sync,
+                  config_source=args.config, resume=args.resume, learner_ranks=args.learner_ranks, gpus=args.gpus,
+                  generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan,
+                  gpu_gib=args.gpu_gib)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from streamgrpo.commands.args import load
 from streamgrpo.config import Config
 from streamgrpo.transport.weights.factory import subscriber_from_config
 
@@ -42,3 +43,7 @@ def pull_weights(cfg: Config, out: str | Path, *, timeout_s: float = 600.0, clie
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"weights v{version}: {len(tensors)} tensors, {size / 2**20:.1f} MiB -> {out}")
     return 0
+
+
+def main(args) -> int:
+    return pull_weights(load(args), args.out, timeout_s=args.timeout_s, client_key=args.client_key)

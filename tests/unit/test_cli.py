@@ -93,12 +93,12 @@ def test_config_show_masks_secrets(capsys):
 def test_check_before_loading_leaves_a_down_redis_to_the_queue(tmp_path, caplog):
     """Nothing listens: not a mistake (Redis may start later), so the check returns at once, silently,
     and the process goes on to load its model; its queue waits for Redis."""
-    from streamgrpo.cli import _check_before_loading
+    from streamgrpo.commands.checks import check_before_loading
     from streamgrpo.config import load_config
     from streamgrpo.transport.queue.server import free_port
 
     cfg = load_config("demo", [f"queue.url=redis://127.0.0.1:{free_port()}/0", f"run_dir={tmp_path}"])
-    assert _check_before_loading(cfg, "learner") is None
+    assert check_before_loading(cfg, "learner") is None
     assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
 
 
@@ -178,20 +178,20 @@ def test_config_memory_offline_with_a_hub_name_not_cached_is_one_line(tmp_path, 
 
 def test_a_generators_fixed_metrics_port_is_offset_by_its_local_index():
     """metrics.port P: --local-index g serves P + g (default 0); 0 stays a free port."""
-    import argparse
 
-    from streamgrpo.cli import _set_generator_port, build_parser
+    from streamgrpo.cli import build_parser
+    from streamgrpo.commands.generator import set_port
     from streamgrpo.config import ConfigError, load_config
 
     assert build_parser().parse_args(["generator", "--id", "1"]).local_index == 0
     ports = []
     for port, local in ((9100, 3), (9100, 0), (0, 5)):
         cfg = load_config("demo", [f"metrics.port={port}"])
-        _set_generator_port(cfg, argparse.Namespace(local_index=local))
+        set_port(cfg, local)
         ports.append(cfg.metrics.port)
     assert ports == [9103, 9100, 0]
     with pytest.raises(ConfigError, match="past 65535"):
-        _set_generator_port(load_config("demo", ["metrics.port=65535"]), argparse.Namespace(local_index=1))
+        set_port(load_config("demo", ["metrics.port=65535"]), 1)
 
 
 def test_every_user_error_names_an_exception_class_of_its_module():
