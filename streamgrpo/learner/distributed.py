@@ -1,9 +1,10 @@
 """The few collectives the learner needs when it runs as several ranks (torchrun / deepspeed launcher).
 
 Every function here is a no-op-shaped identity for a single process, so the learner loop calls
-them unconditionally. Nothing is pickled: small per-rank values travel as float64 tensors in
-"slots" (rank r writes row r of a zero matrix, one SUM all-reduce gives every rank every row), and
-JSON records as padded uint8 tensors.
+them unconditionally. Small per-rank values travel as float64 tensors in "slots" (rank r writes row r of a
+zero matrix, one SUM all-reduce gives every rank every row), and JSON records as padded uint8 tensors; only a
+sequence-parallel group's batch is pickled, from its reader to its other ranks (:class:`ReadLayout`,
+:func:`hand_out`).
 
 Launch environment (set by torchrun / the deepspeed launcher): ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, and the ranks on this host (``LOCAL_WORLD_SIZE``
@@ -65,6 +66,58 @@ class DistInfo:
     def from_env(cls) -> DistInfo:
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
                    int(os.environ.get("LOCAL_RANK", 0)))
+
+
+@dataclass(frozen=True)
+class ReadLayout:
+    """Which learner ranks read groups from the queue, with ``learner.sequence_parallel`` N (pure).
+
+    The ranks form sequence-parallel groups of N consecutive ranks (:func:`streamgrpo.models.ulysses.new_groups`),
+    ``world_size / N`` data-parallel replicas. The ranks of a group train the same groups, so only its first rank
+    (its *reader*) is a queue consumer that takes groups: its replica's share of a step, which it hands to the
+    group's other ranks; it alone commits them, writes their audit rows, counts them and marks them for the
+    crash-loop breaker. N = 1: every rank reads its own share."""
+
+    rank: int = 0
+    world_size: int = 1
+    sequence_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        n = self.sequence_parallel
+        if n < 1 or self.world_size % n or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"learner.sequence_parallel={n} needs a multiple of {n} learner ranks (rank "
+                             f"{self.rank} of {self.world_size})")
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: ranks / sequence_parallel."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def reader(self) -> int:
+        """The rank that reads this rank's groups: the first of its sequence-parallel group."""
+        return self.rank - self.rank % self.sequence_parallel
+
+    @property
+    def reads(self) -> bool:
+        return self.rank == self.reader
+
+    def share(self, groups_per_step: int) -> int:
+        """Groups this rank takes from the queue each step: its replica's share (none for a non-reader)."""
+        return groups_per_step // self.replicas if self.reads else 0
+
+
+def hand_out(batch: list | None, layout: ReadLayout, group: Any) -> list:
+    """The reader's ``batch`` on every rank of its sequence-parallel group (``group``: its process group; every
+    rank of the group calls it). Pickled (``broadcast_object_list``): the learner's own accepted groups, their
+    processor inputs already made, between its own ranks."""
+    if layout.sequence_parallel == 1:
+        return batch
+    import torch.distributed as dist
+
+    box = [batch if layout.reads else None]
+    dist.broadcast_object_list(box, src=layout.reader, group=group)
+    return box[0]
 
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")

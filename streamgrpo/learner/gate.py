@@ -225,7 +225,7 @@ def _stop_together(unusable, ranks) -> None:
 
 
 def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
-                   timeout_s: float, pressure=None, redis_full=None) -> list[Accepted] | None:
+                   timeout_s: float, pressure=None, redis_full=None, reads: bool = True) -> list[Accepted] | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
 
     ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
@@ -237,7 +237,8 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     ``redis_full`` (rank 0): a callable, true while Redis is at ``maxmemory``; then, once no group came to
     any rank for ``STARVED_S`` and every rank holds at least one, the step trains on what the ranks hold: the
     groups held and not trained would otherwise fill Redis with nothing able to free it (its commit
-    needs a step, the step more groups, and the generators are refused).
+    needs a step, the step more groups, and the generators are refused). ``reads`` false: a sequence-parallel
+    rank that reads nothing (``want`` 0; its group's reader hands it the batch) and only takes part in the rounds.
     """
     accepted: list[Accepted] = list(carry)
     state = gate.state
@@ -257,8 +258,8 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
         enough = len(accepted) >= want or (bool(accepted) and time.monotonic() >= fill_by)
         why = pressure() if pressure is not None else None  # also with a full batch: before Redis refuses
         full = bool(redis_full()) if redis_full is not None else False
-        flags = share(dist, [enough, bool(stop), state.version, why is not None, full, bool(accepted),
-                             time.monotonic() - came >= STARVED_S, unusable is not None])
+        flags = share(dist, [enough, bool(stop), state.version, why is not None, full, bool(accepted) or not reads,
+                             time.monotonic() - came >= STARVED_S or not reads, unusable is not None])
         if (flags[:, 2] != state.version).any():  # identical by construction; a mismatch is a bug worth stopping for
             raise RuntimeError(f"learner ranks disagree on the policy version: {flags[:, 2].astype(int).tolist()}")
         if flags[:, 7].any():  # a rank's media root is unusable: every rank stops (none waits in a collective)

@@ -2,7 +2,10 @@
 
 One process, or several DeepSpeed ranks under ``torchrun`` (``learner.backend=deepspeed``). Every
 rank is consumer ``learner-<rank>`` of the same Redis consumer group, so groups spread over the
-ranks with no coordinator. One top-down loop per optimizer step:
+ranks with no coordinator. With ``learner.sequence_parallel`` N the ranks of a sequence-parallel group train the
+same groups: its first rank alone reads them (its replica's share) and hands them to the others, and it alone
+commits, audits and counts them (:class:`~streamgrpo.learner.distributed.ReadLayout`). One top-down loop per
+optimizer step:
 
 1. every rank takes its share (``groups_per_step / world_size``) of groups from the queue, dropping
    stale ones (``learner.max_staleness`` versions behind, or ahead: made by weights a resumed learner
@@ -43,6 +46,7 @@ come from rank 0 alone and cover the whole step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 
 from streamgrpo import metrics as M
-from streamgrpo.config import Config, ConfigError, MetricsConfig
+from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.data.cursor import advance
 from streamgrpo.learner.agreement_guard import BUCKETS, AgreementGuard, DriftGuard
@@ -60,7 +64,9 @@ from streamgrpo.learner.checkpointing import Checkpointing
 from streamgrpo.learner.crash_loop import CrashLoopBreaker
 from streamgrpo.learner.distributed import (
     DistInfo,
+    ReadLayout,
     gather_json,
+    hand_out,
     init_distributed,
 )
 from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
@@ -114,10 +120,6 @@ def _warn_if_redis_small(queue, cfg: Config) -> None:
 def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | None = None) -> int:
     """Train until ``learner.max_steps`` or a stop signal; rank 0 owns the run directory meanwhile (a
     second learner there refuses in one line)."""
-    if cfg.learner.sequence_parallel > 1:  # the Learner's step has it; the loop does not hand a group's ranks the same groups
-        raise ConfigError(f"learner.sequence_parallel={cfg.learner.sequence_parallel}: the learner loop cannot run it yet "
-                          "(each rank reads its own groups from the queue, and a sequence-parallel group's ranks must "
-                          "train the same ones); set it to 1")
     dist = dist or init_distributed(cfg.learner.backend, dist_backend=cfg.learner.dist_backend,
                                     sequence_parallel=cfg.learner.sequence_parallel)
     owner = RunLock(cfg.run_dir, "learner", "learner") if dist.is_main else None
@@ -148,6 +150,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
 
     # --- policy, reference, optimizer (DeepSpeed engine); resume ----------------------------
     learner = Learner(cfg, dist=dist)
+    layout = ReadLayout(dist.rank, dist.world_size, cfg.learner.sequence_parallel)  # who reads the queue
     queue = open_queue(cfg.queue, queue_url(cfg.queue, run_dir), consumer=f"learner-{dist.rank}", stop=stop)
     if main:
         _startup_warnings(cfg, queue)
@@ -177,17 +180,19 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     # checkpoint, then commit what it holds (in the background with learner.async_checkpoint)
     ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
-    want = cfg.learner.groups_per_step // dist.world_size
+    want = layout.share(cfg.learner.groups_per_step)
     breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=dist.world_size,
                                crash_dir=run_dir / "crash")
-    gone = adopt_absent_ranks(queue, dist)  # the groups of ranks this start lacks: now, before they go stale
+    gone = adopt_absent_ranks(queue, layout)  # the groups of consumers this start lacks: now, before they go stale
     breaker.on_start(gone)  # the groups of a step (or a read-ahead decode) the last learner, or those ranks, died in
     media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted
     screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
     source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
     if main:
-        log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per rank), max %d steps",
-                 dist.world_size, state.version, cfg.learner.groups_per_step, want, cfg.learner.max_steps)
+        log.info("learner ready: %d rank(s), policy v%d, %d groups per step (%d per %s), max %d steps",
+                 dist.world_size, state.version, cfg.learner.groups_per_step, want,
+                 "rank" if layout.sequence_parallel == 1 else f"group of {layout.sequence_parallel} ranks",
+                 cfg.learner.max_steps)
     watch = MemoryWatch(queue) if main else None
     # held = trained since the last checkpoint, or in a background write not committed yet (it frees nothing
     # until its commit, which a learner waiting for groups in a full Redis would otherwise never reach)
@@ -197,12 +202,12 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     finished = False
     try:
         while state.step < cfg.learner.max_steps:
-            # 1. every rank collects its share of usable groups (all ranks go on, or all stop)
+            # 1. every reader collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
             source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
             try:
                 batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
-                                       pressure=pressure, redis_full=redis_full)
+                                       pressure=pressure, redis_full=redis_full, reads=layout.reads)
             except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted%s: checkpointing at step %d now to commit and "
                             "free them", early, state.step - ckpts.saved_step,
@@ -214,18 +219,21 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             carry = []
             if batch is None:
                 break  # stopping
-            # 2. one optimizer step over all ranks' groups
+            # 2. one optimizer step over all ranks' groups (a sequence-parallel group's: its reader's)
             t0 = time.perf_counter()
             batch, later = breaker.isolate(batch)  # a group the learner died with trains alone
-            with breaker.stepping(batch):
-                out, carry = guarded_step(learner, queue, gate, batch, dist)
+            batch = hand_out(batch, layout, learner.seq_parallel.group)
+            with breaker.stepping(batch) if layout.reads else contextlib.nullcontext():  # the reader marks them
+                out, carry = guarded_step(learner, queue, gate, batch, dist, reads=layout.reads)
             carry += later
             step_s = time.perf_counter() - t0
             if out is None:  # nothing applied anywhere (a failed group was isolated, or a non-finite loss)
                 continue
-            # 3. bump the version (every rank alike); this rank's groups wait for the next checkpoint
-            merged = StepSummary.merge(gather_json(dist, StepSummary.of_rank(batch, out, gate.drops,
-                                                                             gate.dropped_at).to_json()))
+            # 3. bump the version (every rank alike); a reader's groups wait for the next checkpoint
+            mine = batch if layout.reads else []  # a sequence-parallel group's groups are its reader's to count
+            summary = (StepSummary.of_rank(batch, out, gate.drops, gate.dropped_at) if layout.reads
+                       else StepSummary.of_helper(out))
+            merged = StepSummary.merge(gather_json(dist, summary.to_json()))
             gate.drops.clear()
             gate.dropped_at = {}
             state.step += 1
@@ -235,15 +243,17 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             state.dropped.update(merged.drops)
             state.remember(merged.group_ids)
             state.data_cursor = advance(state.data_cursor, merged.consumed_at)  # committed with the next checkpoint
-            ids = [a.group.group_id for a in batch]
-            ckpts.trained([(a.stream_id, a.group.group_id) for a in batch])
-            audit.write(_trained_record(state, ids, learner, cfg.learner.replica_check_every))
+            ids = [a.group.group_id for a in mine]
+            ckpts.trained([(a.stream_id, a.group.group_id) for a in mine])
+            record = _trained_record(state, ids, learner, cfg.learner.replica_check_every)  # every rank: a collective
+            if layout.reads:
+                audit.write(record)
             # 4. weights out, metrics
             if state.step % cfg.weights.sync_every == 0:
                 learner.publish(publisher, state.version)
             rec = StepRecord.build(state, merged, out, step_s, wait_s, learner.last_lr())
             last_metrics = rec.to_json()
-            _report_step(cfg, state, rec, last_metrics, batch, out, main, metrics_log, tracker, agreement)
+            _report_step(cfg, state, rec, last_metrics, mine, out, main, metrics_log, tracker, agreement)
             # 5. checkpoint, then commit what it holds (a background write: once it is durable)
             ckpts.poll()
             if state.step % cfg.learner.save_steps == 0:
@@ -427,6 +437,6 @@ def export_prometheus(rec: StepRecord, batch: list[Accepted], out: StepOutput, m
         M.LEARNER_MFU.set(math.nan if rec.mfu is None else rec.mfu)
     M.POLICY_VERSION.labels(role="learner").set(rec.version)
     M.GROUPS.labels(event="trained").inc(len(batch))
-    M.TOKENS.labels(role="learner").inc(out.tokens)
+    M.TOKENS.labels(role="learner").inc(out.tokens if batch else 0)  # no groups: a sequence-parallel reader's
     for a in batch:
         M.STALENESS.observe(a.staleness)

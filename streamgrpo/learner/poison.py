@@ -21,7 +21,7 @@ log = logging.getLogger("streamgrpo.learner")
 
 
 def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
-                 dist: DistInfo) -> tuple[StepOutput | None, list[Accepted]]:
+                 dist: DistInfo, reads: bool = True) -> tuple[StepOutput | None, list[Accepted]]:
     """``learner.train_step(batch)`` that one bad group cannot stop: returns ``(out, carry)``.
 
     ``out`` is None when nothing was applied; ``carry`` are groups to train in the next step. On an
@@ -32,7 +32,8 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
     groups. When no single group explains the failure (or with several ranks, where one
     rank cannot probe alone), an exception is counted per group in Redis and re-raised (a restarted
     learner dead-letters a group at ``queue.max_failures``), and a non-finite loss drops the step's
-    groups as ``nan_loss``.
+    groups as ``nan_loss``. ``reads`` false: a sequence-parallel rank whose groups its reader owns (and counts,
+    drops): it re-raises, or returns ``(None, [])``, and touches no group.
     """
     try:
         out = _train_within_memory(learner, batch)
@@ -52,19 +53,12 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         log.error("training step failed because another rank or the link between ranks failed (%s): not counted "
                   "against this rank's groups %s; they are trained again after the restart", error, where)
         raise raised
+    if not reads:
+        if raised is not None:
+            raise raised
+        return None, []
     log.error("training step failed (%s) on groups %s", error, where)
-    bad: list[tuple[Accepted, str]] = []
-    if dist.world_size == 1 and not learner.deepspeed:
-        learner.discard_gradients()
-        for a in batch:
-            try:
-                probe: Probe = learner.train_step([a], dry_run=True)
-                why = None if probe.finite else "non-finite loss or gradient"
-            except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
-                why = f"{type(exc).__name__}: {exc}"
-            if why:
-                bad.append((a, why))
-        learner.discard_gradients()
+    bad = _fail_alone(learner, batch) if dist.world_size == 1 and not learner.deepspeed else []
     if bad and len(bad) < len(batch):
         for a, why in bad:
             gate.dead_letter(a.stream_id, a.group, f"group {a.group.group_id}: training on it alone failed: {why}",
@@ -87,3 +81,20 @@ def _train_within_memory(learner: Learner, batch: list[Accepted]) -> StepOutput 
             return learner.train_step(batch)
         except StepOutOfMemory as oom:
             shrink_after(learner, oom)
+
+
+def _fail_alone(learner: Learner, batch: list[Accepted]) -> list[tuple[Accepted, str]]:
+    """The groups of ``batch`` whose step alone (forward + backward, nothing applied) raises or is not finite,
+    with why."""
+    bad: list[tuple[Accepted, str]] = []
+    learner.discard_gradients()
+    for a in batch:
+        try:
+            probe: Probe = learner.train_step([a], dry_run=True)
+            why = None if probe.finite else "non-finite loss or gradient"
+        except Exception as exc:  # noqa: BLE001 - this group alone raises: it is the poison
+            why = f"{type(exc).__name__}: {exc}"
+        if why:
+            bad.append((a, why))
+    learner.discard_gradients()
+    return bad

@@ -9,7 +9,7 @@ from pathlib import Path
 from streamgrpo.config import ConfigError, LearnerConfig
 from streamgrpo.data.cursor import advance
 from streamgrpo.learner.checkpointing import Checkpointing
-from streamgrpo.learner.distributed import DistInfo, barrier, broadcast_json, gather_json, share
+from streamgrpo.learner.distributed import DistInfo, ReadLayout, barrier, broadcast_json, gather_json, share
 from streamgrpo.learner.gate import Gate
 from streamgrpo.learner.state import LearnerState
 from streamgrpo.learner.trainer import Learner
@@ -153,23 +153,33 @@ def _audits_of_absent_ranks(audit_dir: Path, world_size: int) -> list[Path]:
     return sorted(found)
 
 
-def absent_rank_consumers(consumers, rank: int, world_size: int) -> list[str]:
-    """Of the queue's consumers (names), the learner ranks this start does not have (``learner-<k>``, ``k >=
-    world_size``: a run on more ranks, or killed with some): their pending groups are no one's now, so this
-    rank takes those with ``k % world_size == rank`` at once instead of after ``queue.claim_idle_s``."""
+def absent_rank_consumers(consumers, rank: int, world_size: int, sequence_parallel: int = 1) -> list[str]:
+    """Of the queue's consumers (names), the learner ranks that do not read in this start (``learner-<k>``: ``k >=
+    world_size``, a run on more ranks or killed with some; or a rank that is not the reader of its
+    sequence-parallel group now, :class:`~streamgrpo.learner.distributed.ReadLayout`): their pending groups are no
+    one's now, so the reader of replica ``k % replicas`` takes them at once instead of after
+    ``queue.claim_idle_s``."""
+    layout = ReadLayout(rank, world_size, sequence_parallel)
+    if not layout.reads:
+        return []
     out = []
     for name in consumers:
         k = name.removeprefix("learner-")
-        if name.startswith("learner-") and k.isdigit() and int(k) >= world_size and int(k) % world_size == rank:
+        if not (name.startswith("learner-") and k.isdigit()):
+            continue
+        k = int(k)
+        if (k >= world_size or k % sequence_parallel) and k % layout.replicas == rank // sequence_parallel:
             out.append(name)
     return sorted(out, key=lambda n: int(n.removeprefix("learner-")))
 
 
-def adopt_absent_ranks(queue, dist: DistInfo) -> list[str]:
-    """Claim now every pending group of the learner ranks this start does not have (their death is known: this
-    learner started without them); returns the consumers adopted."""
+def adopt_absent_ranks(queue, layout: ReadLayout) -> list[str]:
+    """Claim now every pending group of the learner ranks that do not read in this start (their death is known:
+    this learner started without them, or they hand their groups' reading to their reader now); returns the
+    consumers adopted."""
     adopted = []
-    for name in absent_rank_consumers(queue.pending_consumers(), dist.rank, dist.world_size):
+    for name in absent_rank_consumers(queue.pending_consumers(), layout.rank, layout.world_size,
+                                      layout.sequence_parallel):
         n = queue.adopt(name)
         if n:
             adopted.append(name)

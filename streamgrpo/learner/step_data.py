@@ -195,6 +195,13 @@ class StepSummary:
             consumed_at={k: list(v) for k, v in advance(dropped_at or {}, furthest(a.group.source for a in batch)).items()},
         )
 
+    @classmethod
+    def of_helper(cls, out: StepOutput) -> StepSummary:
+        """A sequence-parallel rank that does not read (``learner.sequence_parallel``): its reader's summary has
+        the groups, tokens and loss metrics of the step they computed together; this rank adds its share of the
+        loss and its device's peak."""
+        return cls(loss=float(out.loss), peak_flops=out.peak_flops)
+
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stats"] = {f.name: getattr(self.stats, f.name) for f in fields(LossStats)}

@@ -1,10 +1,17 @@
-"""learner.dist_backend: which process-group backend and devices the learner ranks of one host take (pure)."""
+"""learner.dist_backend: which process-group backend and devices the learner ranks of one host take; which ranks read the queue (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamgrpo.learner.distributed import DistInfo, RankPlan, local_world_size, plan_ranks
+from streamgrpo.learner.distributed import (
+    DistInfo,
+    RankPlan,
+    ReadLayout,
+    hand_out,
+    local_world_size,
+    plan_ranks,
+)
 
 
 @pytest.mark.parametrize(("requested", "cuda", "devices", "local", "want"), [
@@ -72,3 +79,16 @@ def test_auto_says_in_one_line_when_it_falls_back_to_the_cpu_with_cuda_visible()
                   plan_ranks("auto", cuda_available=True, device_count=2, local_world_size=2),  # NCCL
                   plan_ranks("gloo", cuda_available=True, device_count=1, local_world_size=2)):  # asked for
         assert quiet.warning is None
+
+
+def test_the_first_rank_of_each_sequence_parallel_group_reads_its_replicas_share():
+    layouts = [ReadLayout(r, 8, 4) for r in range(8)]  # 2 replicas of 4 sequence-parallel ranks
+    assert [x.reads for x in layouts] == [True, False, False, False, True, False, False, False]
+    assert [x.reader for x in layouts] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert [x.share(6) for x in layouts] == [3, 0, 0, 0, 3, 0, 0, 0] and layouts[0].replicas == 2
+    plain = [ReadLayout(r, 2) for r in range(2)]  # without sequence parallelism every rank reads its own share
+    assert [(x.reads, x.reader, x.share(4)) for x in plain] == [(True, 0, 2), (True, 1, 2)]
+    assert hand_out(["a"], plain[1], None) == ["a"]  # nothing to hand out: no collective
+    for bad in ((0, 6, 4), (2, 2, 2), (0, 2, 0)):
+        with pytest.raises(ValueError, match="sequence_parallel"):
+            ReadLayout(*bad)

@@ -95,6 +95,23 @@ def test_two_ranks_merge_into_one_metrics_line():
     json.dumps(line)
 
 
+def test_a_sequence_parallel_group_counts_its_groups_once():
+    """learner.sequence_parallel 2: both ranks computed the step on the reader's groups; the helper adds only its
+    share of the loss and its device's peak (a merge of two of_rank summaries would count every group twice)."""
+    batch = [_group("g0", [1.0, 0.0], [5, 4], 1), _group("g1", [1.0, 1.0], [3, 5], 0)]
+    work = {"seq_tokens": 23, "flops": 1e9, "peak_flops": 1e12}
+    reader, helper = _out(17, [1.0, -1.0, 0.0, 0.0], work=work), _out(17, [1.0, -1.0, 0.0, 0.0], work=work)
+    merged = StepSummary.merge([StepSummary.of_rank(batch, reader, {}).to_json(),
+                                json.loads(json.dumps(StepSummary.of_helper(helper).to_json()))])
+    alone = StepSummary.of_rank(batch, reader, {})
+    assert (merged.groups, merged.group_ids, merged.completions, merged.stats.tokens, merged.adv_N, merged.rows) == (
+        2, ["g0", "g1"], 4, 17, alone.adv_N, alone.rows)
+    assert (merged.seq_tokens, merged.flops, merged.peak_flops, merged.ranks) == (23, 1e9, 2e12, 2)
+    assert merged.loss == 0.5  # each rank's share (0.25) of the step's loss
+    line = StepRecord.build(LearnerState(step=1, version=1), merged, reader, 1.0, 0.0, 1e-4).to_json()
+    assert line["kl"] == pytest.approx(0.01) and line["tokens"] == 17 and line["groups_trained"] == 0
+
+
 def test_one_rank_without_json_round_trip_and_without_accuracy():
     batch = [_group("g0", [1.0, 0.0], [2, 2], accuracy=False)]
     merged = StepSummary.merge([StepSummary.of_rank(batch, _out(4, [1.0, -1.0], kl=None), {}).to_json()])
