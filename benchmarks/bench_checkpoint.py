@@ -60,7 +60,7 @@ def _step(learner, batch) -> float:
 
 def measure(a, model_dir: Path, root: Path) -> dict:
     from benchmarks.gpu_learner import synthetic_groups
-    from streamgrpo.learner.checkpoint_async import BackgroundWrite
+    from streamgrpo.learner.checkpoint.background import BackgroundWrite
 
     learner = _learner(model_dir, a)
     batch = synthetic_groups(learner.processor, 1, frames=a.frames, size=a.frame_size, G=a.G,
@@ -102,7 +102,7 @@ def measure_ranks(a, model_dir: Path, root: Path) -> dict:
     """Every rank (under torchrun): the synchronous and the asynchronous stall of a ZeRO-2 learner, per rank; the
     figures are the slowest rank's (every rank waits for it at the next collective)."""
     from benchmarks.gpu_learner import synthetic_groups
-    from streamgrpo.learner.checkpoint_async import FAILED, WRITTEN, BackgroundWrite, agree
+    from streamgrpo.learner.checkpoint.background import FAILED, WRITTEN, BackgroundWrite, agree
     from streamgrpo.learner.distributed import barrier, init_distributed, share
 
     dist = init_distributed("deepspeed", dist_backend="gloo")

@@ -11,9 +11,9 @@ no weights, no GPU), at Video-R1's per-frame budget (128 x 28 x 28 pixels, 64 vi
   sdpa attention (no flash-attn: the GPU runs of docs/gpu.md);
 * the HF generator: bf16 weights, G = 8 completions of one prompt (``rollout.prompts_per_batch: 1``);
 
-G = 8 completions x 256 tokens, one group a step. The plan is :func:`~streamgrpo.learner.memory.plan_memory`
-(static parts and a step's) and :func:`~streamgrpo.learner.step_memory.generator_parts`, the frontier
-:func:`~streamgrpo.learner.frontier.max_frames`. Planned figures, not measured.
+G = 8 completions x 256 tokens, one group a step. The plan is :func:`~streamgrpo.learner.memory.plan.plan_memory`
+(static parts and a step's) and :func:`~streamgrpo.learner.memory.step.generator_parts`, the frontier
+:func:`~streamgrpo.learner.memory.frontier.max_frames`. Planned figures, not measured.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_frontier [--gpu-gib 79.2] [--markdown]
 """
@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from streamgrpo.config import build_config
-from streamgrpo.learner.frontier import Frontier, max_frames
-from streamgrpo.learner.memory import GiB, Placement, plan_memory
-from streamgrpo.learner.step_memory import generator_parts, prompt_tokens, workload
+from streamgrpo.learner.memory.frontier import Frontier, max_frames
+from streamgrpo.learner.memory.plan import GiB, Placement, plan_memory
+from streamgrpo.learner.memory.step import generator_parts, prompt_tokens, workload
 from streamgrpo.models.params import count_params, model_shape
 
 BUDGETS = {"128x28x28": 128 * 28 * 28, "448x448": 448 * 448}

@@ -173,7 +173,7 @@ def _resolver(cfg: CellConfig):
     if not cfg.media_records:
         return None
     from streamgrpo.config import DataConfig
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.media import MediaResolver
 
     return MediaResolver(DataConfig(train_path=cfg.media_records), cache_mib=0)
 

@@ -19,7 +19,7 @@ timed steps (median); with ``--profile DIR`` one more step under torch.profiler 
 in ``DIR``, and the aten ops and GPU kernels it issued). Per combination: step seconds, prompt + completion tokens per second, model FLOPs
 per step (:mod:`streamgrpo.learner.flops`), MFU against the device's peak (``--peak-tflops`` or the table by the
 GPU's name; none on a CPU without it), CUDA peak memory and the learner's static memory plan
-(:mod:`streamgrpo.learner.memory`, a lower bound). A combination whose plan alone is over the device's memory is
+(:mod:`streamgrpo.learner.memory.plan`, a lower bound). A combination whose plan alone is over the device's memory is
 refused before its model loads and recorded as ``wont_fit`` (7B full training with the torch backend: 16
 bytes per trained parameter, ~124 GB); one that runs out of GPU memory anyway is recorded as ``oom``.
 
@@ -156,7 +156,7 @@ def measure(a, backend: str, mode: str, cuda: bool) -> dict:
     import torch
 
     from streamgrpo.config import build_config
-    from streamgrpo.learner.memory import GiB, MemoryPlanError
+    from streamgrpo.learner.memory.plan import GiB, MemoryPlanError
     from streamgrpo.learner.trainer import Learner
 
     row: dict = {"backend": backend, "mode": mode}

@@ -1,3 +1,4 @@
-"""Commands that are not a role: :mod:`.up` (everything on one machine), :mod:`.evaluate`,
-:mod:`.infer`, :mod:`.report`, and :mod:`.k8s_generator` (a generator pod's shard on Kubernetes).
-Nothing is imported here."""
+"""One module per command of the `streamgrpo` command line (streamgrpo/cli.py names each command's function as
+``run="module:function"`` and imports its module only when that command runs): the roles (:mod:`.learner`,
+:mod:`.generator`, :mod:`.evaluator`, :mod:`.relay`), :mod:`.up` (everything on one machine), :mod:`.slurm`, and
+the tools. Nothing is imported here."""

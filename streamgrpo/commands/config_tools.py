@@ -38,7 +38,7 @@ def memory(args) -> int:
     config_json(cfg.model.name_or_path, cfg.model.revision)  # no model config: one line, before torch loads
     import torch
 
-    from streamgrpo.learner.memory import GiB, plan_for, report
+    from streamgrpo.learner.memory.plan import GiB, plan_for, report
 
     counts, place, plan = plan_for(cfg, ranks)
     gpu = args.gpu_gib * GiB if args.gpu_gib else (

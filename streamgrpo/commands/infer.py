@@ -49,7 +49,7 @@ from streamgrpo.evaluator.answering import (
     result_rows,
     run_batches,
 )
-from streamgrpo.learner.checkpoint import latest_checkpoint
+from streamgrpo.learner.checkpoint.files import latest_checkpoint
 from streamgrpo.rewards import RewardSet
 
 log = logging.getLogger("streamgrpo.infer")

@@ -216,7 +216,7 @@ def generator_gib(engine: str, *, params: int | None, dtype_bytes: int, gpu_memo
                   device_gib: float | None, step_gib: float = 0.0) -> float | None:
     """One generator's memory on its device: vLLM takes ``gpu_memory_utilization`` of the device
     (weights and KV cache); the HF engine its weights and ``step_gib`` (its KV cache, prefill and
-    logits: :func:`~streamgrpo.learner.step_memory.generator_memory`). None when it cannot be known."""
+    logits: :func:`~streamgrpo.learner.memory.step.generator_memory`). None when it cannot be known."""
     if engine == "vllm":
         return gpu_memory_utilization * device_gib if device_gib else None
     return params * dtype_bytes / (1 << 30) + step_gib if params else None

@@ -3,7 +3,7 @@
 For a producer written outside streamgrpo (docs/protocol.md): each message of a file (ScoredGroup
 frames one after another, as ``wire.encode`` writes them) or of the run's Redis stream (read with
 XRANGE: nothing is consumed, acknowledged or changed) is decoded and put through what the learner
-checks before a step (:mod:`streamgrpo.learner.checks`: the wire contract, the model's vocabulary,
+checks before a step (:mod:`streamgrpo.learner.intake.checks`: the wire contract, the model's vocabulary,
 visuals by reference, the re-processed prompt; with ``loss.drop_zero_variance`` equal rewards), with
 the learner's own processor and media root.
 One line per message (``OK`` or ``DROP`` with the reason the learner would count and the field);
@@ -22,9 +22,9 @@ from typing import TextIO
 from streamgrpo.advantages import is_zero_variance
 from streamgrpo.commands.args import load
 from streamgrpo.config import Config
-from streamgrpo.learner.checks import Problem, check_group
-from streamgrpo.learner.limits import GroupLimits, too_large
-from streamgrpo.learner.media import MediaResolver
+from streamgrpo.learner.intake.checks import Problem, check_group
+from streamgrpo.learner.intake.limits import GroupLimits, too_large
+from streamgrpo.learner.intake.media import MediaResolver
 from streamgrpo.models.loading import load_processor
 from streamgrpo.transport.queue.factory import queue_url
 from streamgrpo.wire import WireError, decode
@@ -65,7 +65,7 @@ def check_message(data: bytes, processor, vocab: int, media, max_bytes: int, ent
                   drop_zero_variance: bool = False, limits=None):
     """``(group id or "?", Problem or None, group or None)`` for one message; with
     ``drop_zero_variance`` (``loss.drop_zero_variance``) a group whose rewards are all equal is dropped too;
-    ``limits`` (:class:`~streamgrpo.learner.limits.GroupLimits`): a group over them is ``too_large``."""
+    ``limits`` (:class:`~streamgrpo.learner.intake.limits.GroupLimits`): a group over them is ``too_large``."""
 
     try:
         group = decode(data, max_bytes=max_bytes)

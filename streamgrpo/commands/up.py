@@ -278,8 +278,8 @@ def placement_for(cfg: Config, gpu_gib: float | None = None):
     params, gen_step_gib, notes = None, 0.0, []
 
     try:  # a Hub id's config.json: from the cache, else one try at the Hub
-        from streamgrpo.learner.memory import plan_for
-        from streamgrpo.learner.step_memory import generator_step_bytes
+        from streamgrpo.learner.memory.plan import plan_for
+        from streamgrpo.learner.memory.step import generator_step_bytes
         from streamgrpo.models.params import model_shape
 
         counts, _, mem = plan_for(cfg, world_size=lc.learner_ranks)

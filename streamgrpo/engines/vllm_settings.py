@@ -24,7 +24,7 @@ step. Each follows from what a prompt of this config can hold:
 
 Settings given in ``rollout.vllm`` win: each derived value is used only where the config leaves it null.
 Records whose ``meta`` raises ``max_frames``, ``max_pixels`` or ``total_pixels`` past the data config need
-``max_model_len`` set (as the learner's group limits do, ``streamgrpo/learner/limits.py``).
+``max_model_len`` set (as the learner's group limits do, ``streamgrpo/learner/intake/limits.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 TEMPLATE_TOKENS = 1024
 """Prompt tokens besides the question and the visuals (chat template, system prompt, tags): the learner's
-allowance for the same (``streamgrpo/learner/limits.py``)."""
+allowance for the same (``streamgrpo/learner/intake/limits.py``)."""
 TOKENS_PER_FRAME_GROUP = 8
 """Text tokens a video adds per temporal group besides its visual tokens (Qwen3-VL's ``<t seconds>``
 timestamp, about 6), and per visual its vision start/end: an upper bound."""

@@ -44,6 +44,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamgrpo.models.batching import unwrap_model
+
 log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------ shapes
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -343,7 +345,6 @@ class LearnerWork:
         """For the learner's (peft/DeepSpeed-wrapped) ``model`` on ``device`` (the one impure helper: torch)."""
         import torch
 
-        from streamgrpo.models.batching import unwrap_model
 
         counter = FlopCounter.for_learner(unwrap_model(model).config, cfg)
         cuda = torch.device(device).type == "cuda"

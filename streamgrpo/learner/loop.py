@@ -14,7 +14,7 @@ optimizer step:
    the ranks poll in lockstep rounds and go on once every rank has its share (or all stop together);
    groups over ``learner.max_group_pixels`` / ``max_group_tokens`` (``too_large``) and groups the
    learner died on in ``learner.crash_loop_starts`` starts (``crash_loop``) are dead-lettered first,
-   before any visual is decoded (:mod:`~streamgrpo.learner.screen`);
+   before any visual is decoded (:mod:`~streamgrpo.learner.intake.screen`);
 2. :meth:`~streamgrpo.learner.trainer.Learner.train_step`: advantages, log-probs (+ reference), the
    clipped loss, micro-batched backward, one optimizer step (see :mod:`streamgrpo.learner.trainer`). If it
    raises or its loss is not finite, a one-rank learner probes each group alone (forward and
@@ -60,20 +60,8 @@ from streamgrpo.config import Config, MetricsConfig
 from streamgrpo.config.budget import redis_budget_warning
 from streamgrpo.data.cursor import advance
 from streamgrpo.learner.agreement_guard import BUCKETS, AgreementGuard, DriftGuard
-from streamgrpo.learner.checkpointing import Checkpointing
-from streamgrpo.learner.crash_loop import CrashLoopBreaker
-from streamgrpo.learner.distributed import (
-    DistInfo,
-    ReadLayout,
-    gather_json,
-    hand_out,
-    init_distributed,
-)
-from streamgrpo.learner.gate import CommitNow, Gate, MemoryWatch, collect_groups
-from streamgrpo.learner.limits import GroupLimits
-from streamgrpo.learner.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
-from streamgrpo.learner.poison import guarded_step
-from streamgrpo.learner.resume import (
+from streamgrpo.learner.checkpoint.commit import Checkpointing
+from streamgrpo.learner.checkpoint.resume import (
     _audits_of_absent_ranks,
     adopt_absent_ranks,
     final_checkpoint,
@@ -82,22 +70,38 @@ from streamgrpo.learner.resume import (
     start_point,
     weights_source,
 )
-from streamgrpo.learner.screen import Screen
+from streamgrpo.learner.distributed import (
+    DistInfo,
+    ReadLayout,
+    gather_json,
+    hand_out,
+    init_distributed,
+)
+from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
+from streamgrpo.learner.intake.gate import CommitNow, Gate, MemoryWatch, collect_groups
+from streamgrpo.learner.intake.limits import GroupLimits
+from streamgrpo.learner.intake.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
+from streamgrpo.learner.intake.poison import guarded_step
+from streamgrpo.learner.intake.screen import Screen
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import StepOutput, StepRecord, StepSummary
+from streamgrpo.learner.tracking import Tracker, sample_rows
 from streamgrpo.learner.trainer import Learner
 from streamgrpo.metrics import start_metrics
+from streamgrpo.models.card import model_card
 from streamgrpo.runtime.jsonl import JsonlWriter, rewind_jsonl, write_json
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 from streamgrpo.runtime.run_dir import RunLock
-from streamgrpo.transport.queue.factory import queue_url
+from streamgrpo.transport.queue.base import QueueStopped
+from streamgrpo.transport.queue.factory import open_queue, queue_url
+from streamgrpo.transport.queue.server import durability_warning
+from streamgrpo.transport.weights.factory import publisher_from_config
 
 log = logging.getLogger("streamgrpo.learner")
 
 
 def _warn_if_not_durable(queue) -> None:
     """Say once at start-up when the queue's Redis can lose acknowledged groups in a crash."""
-    from streamgrpo.transport.queue.server import durability_warning
 
     settings = queue.persistence()
     line = durability_warning(settings) if settings is not None else None  # None: CONFIG refused
@@ -131,10 +135,6 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
 
 
 def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
-    from streamgrpo.learner.tracking import Tracker
-    from streamgrpo.models.card import model_card
-    from streamgrpo.transport.queue.base import QueueStopped
-    from streamgrpo.transport.queue.factory import open_queue
 
     stop = stop if stop is not None else StopFlag()
     main = dist.is_main
@@ -316,7 +316,6 @@ def _serve_metrics(cfg: Config, run_dir: Path, dist: DistInfo):
 
 def _start_publisher(cfg: Config, run_dir: Path):
     """Rank 0's weight publisher, its ports written to ``<run_dir>/ports/weights.json``."""
-    from streamgrpo.transport.weights.factory import publisher_from_config
 
     publisher = publisher_from_config(cfg.weights, run_dir)
     if publisher is not None:
@@ -389,7 +388,6 @@ def _log_step(cfg: Config, state: LearnerState, rec: StepRecord, last_metrics: d
               batch: list[Accepted], metrics_log: JsonlWriter, tracker) -> None:
     """Rank 0: the ``metrics.jsonl`` line, wandb (sample rows every ``metrics.sample_every`` steps) and
     the log line every ``metrics.log_every`` steps."""
-    from streamgrpo.learner.tracking import sample_rows
 
     metrics_log.write(last_metrics)
     tracker.log_step(last_metrics, sample_rows(batch, state.step)

@@ -10,6 +10,7 @@ import torch
 
 from streamgrpo.config import Config
 from streamgrpo.learner.master_weights import MasterAdamW
+from streamgrpo.models.loading import parameter_group
 
 __all__ = ["fused_adamw", "lr_lambda", "make_optimizer", "param_groups"]
 
@@ -34,7 +35,6 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], lc) -> list[dict[s
     """AdamW parameter groups: ``learner.vision_lr`` / ``merger_lr`` for the vision tower / merger
     (when set), ``learning_rate`` for the rest. Names may carry a peft prefix (``base_model.model.``);
     a name outside the known Qwen-VL modules gets ``learning_rate``. Empty groups are left out."""
-    from streamgrpo.models.loading import parameter_group
 
     if lc.vision_lr is None and lc.merger_lr is None:
         return [{"params": [p for _, p in named], "lr": lc.learning_rate, "name": "all"}]

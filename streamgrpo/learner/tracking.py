@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from streamgrpo.runtime.jsonl import read_new_lines
+
 log = logging.getLogger(__name__)
 
 SEED_KEYS = ("grpo/policy_seq_log_prob", "grpo/kl_div", "grpo/format_reward", "grpo/accuracy_reward",
@@ -123,7 +125,6 @@ class WandbTracker(Tracker):
         log.info("wandb: project %s, run %s (%s), files under %s", project, self.run.name, mode, run_dir / "wandb")
 
     def log_step(self, rec: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
-        from streamgrpo.runtime.jsonl import read_new_lines
 
         data: dict[str, Any] = {**seed_scalars(rec), **flat_scalars(rec)}
         evals: list[dict[str, Any]] = []

@@ -52,9 +52,34 @@ import numpy as np
 import torch
 
 from streamgrpo import metrics as M
-from streamgrpo.advantages import AdvantageError
+from streamgrpo.advantages import AdvantageError, batch_advantages
 from streamgrpo.config import Config, ConfigError
 from streamgrpo.learner.agreement_guard import BUCKETS, BucketSums, add_buckets
+from streamgrpo.learner.checkpoint.background import HostBuffers, Snapshot, host_optimizer
+from streamgrpo.learner.checkpoint.files import (
+    CheckpointUnusable,
+    CheckpointWriteError,
+    _optimizer_to_flat,
+    load_rank_rng,
+    load_trainer_state,
+    load_tree,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    write_checkpoint,
+    write_failure,
+)
+from streamgrpo.learner.checkpoint.ranks import finalise
+from streamgrpo.learner.checkpoint.reshard import (
+    FRESH,
+    ZERO3_MODEL_STATES,
+    apply_to_torch,
+    apply_to_zero3,
+    apply_to_zero12,
+    consolidate_torch,
+    consolidate_zero3,
+    consolidate_zero12,
+)
 from streamgrpo.learner.deepspeed_setup import (
     deepspeed_config,
     import_deepspeed,
@@ -62,10 +87,11 @@ from streamgrpo.learner.deepspeed_setup import (
     reference_config,
     refuse_compile_under_zero3,
 )
-from streamgrpo.learner.distributed import DistInfo, share
+from streamgrpo.learner.distributed import DistInfo, broadcast_json, share
 from streamgrpo.learner.flops import LearnerWork
 from streamgrpo.learner.master_weights import MasterAdamW, trained_tensors
-from streamgrpo.learner.memory import preflight
+from streamgrpo.learner.memory.oom import out_of_memory
+from streamgrpo.learner.memory.plan import preflight
 from streamgrpo.learner.micro_batches import (
     cut_to,
     fresh_token_mask,
@@ -75,12 +101,20 @@ from streamgrpo.learner.micro_batches import (
     split_micro_batches,
     token_staleness,
 )
-from streamgrpo.learner.oom import out_of_memory
-from streamgrpo.learner.optim import fused_adamw, make_optimizer
+from streamgrpo.learner.optim import fused_adamw, make_optimizer, param_groups
 from streamgrpo.learner.state import Accepted, LearnerState
 from streamgrpo.learner.step_data import LossStats, Probe, StepOutput
 from streamgrpo.learner.update_guard import UpdateCheck, backtrack, kl_terms, shrink_towards
-from streamgrpo.loss import LossError
+from streamgrpo.loss import LossError, LossSpec, compute_loss
+from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, unwrap_model, vision_token_ids
+from streamgrpo.models.capabilities import capabilities, inspect_model
+from streamgrpo.models.files import read_model_tensors, to_model_names
+from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
+from streamgrpo.models.logprobs import completion_logprobs
+from streamgrpo.models.lora import apply_lora, check_quantization, filter_lora, load_quantized
+from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
+from streamgrpo.models.ulysses import SPGroup, install, new_groups
+from streamgrpo.transport.weights.layout import TensorSpec
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -138,7 +172,6 @@ def enable_activation_checkpointing(model, every: int = 1, offload: bool = False
     ``activation_checkpointing_enable`` on 5.24 and in ``gradient_checkpointing_enable`` on 5.17:
     :mod:`streamgrpo.models.capabilities` finds which); with ``matmuls`` (``learner.checkpoint_matmuls``)
     the matmul and attention outputs kept, the rest recomputed (:mod:`streamgrpo.models.selective_checkpoint`)."""
-    from streamgrpo.models.capabilities import inspect_model
 
     kwargs = {"use_reentrant": False}
     if matmuls:
@@ -159,7 +192,6 @@ def enable_activation_checkpointing(model, every: int = 1, offload: bool = False
 def refuse_selective_around_compiled_layers(lc) -> None:
     """``learner.checkpoint_matmuls`` with ``learner.compile``: one line on a transformers release that checkpoints
     around the compiled layer (5.17), where the policy would not be traced into the compiled graph."""
-    from streamgrpo.models.selective_checkpoint import checkpoints_inside_forward
 
     if lc.compile and lc.checkpoint_matmuls and not checkpoints_inside_forward():
         import transformers
@@ -185,7 +217,6 @@ class PolicyLogprobs(torch.nn.Module):
         self.seq_parallel = seq_parallel  # learner.sequence_parallel: models/ulysses.py's SPGroup
 
     def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
-        from streamgrpo.models.logprobs import completion_logprobs
 
         return completion_logprobs(self.policy, batch, temperature=temperature, with_entropy=True,
                                    entropy_grad=self.entropy_grad, suppress_token_ids=suppress_token_ids,
@@ -197,10 +228,6 @@ class Learner:
     """Policy, reference, optimizer and checkpoints of one learner rank (see the module docstring)."""
 
     def __init__(self, cfg: Config, *, dist: DistInfo | None = None, device: torch.device | None = None):
-        from streamgrpo.models.batching import unwrap_model
-        from streamgrpo.models.capabilities import capabilities
-        from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
-        from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
 
         self.cfg = cfg
         self.dist = dist or DistInfo()
@@ -282,7 +309,7 @@ class Learner:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.forward, optimizer=self.optimizer, lr_scheduler=self.scheduler,
                 config=ds, dist_init_required=True)
-            from streamgrpo.learner.checkpoint import SafeTensorsCheckpointEngine
+            from streamgrpo.learner.checkpoint.files import SafeTensorsCheckpointEngine
 
             SafeTensorsCheckpointEngine.install(self.engine)
             self.forward = self.engine
@@ -304,7 +331,6 @@ class Learner:
     def _sequence_parallel_group(self, lc):
         """``learner.sequence_parallel``: this rank's :class:`~streamgrpo.models.ulysses.SPGroup` (every rank
         makes the groups together); refused in one line where it cannot run."""
-        from streamgrpo.models.ulysses import SPGroup, new_groups
 
         n = lc.sequence_parallel
         if n <= 1:
@@ -324,8 +350,6 @@ class Learner:
 
     def _install_sequence_parallel(self, model) -> None:
         """The decoders of the policy and the reference exchange attention heads over the group."""
-        from streamgrpo.models.batching import unwrap_model
-        from streamgrpo.models.ulysses import install
 
         if self.seq_parallel.active:
             for m in (model, self.ref):
@@ -338,7 +362,6 @@ class Learner:
         return contextlib.nullcontext()
 
     def _reference_logprobs(self, tb, temperature: float, suppress) -> torch.Tensor | None:
-        from streamgrpo.models.logprobs import completion_logprobs
 
         if self.cfg.loss.beta <= 0:
             return None
@@ -357,8 +380,6 @@ class Learner:
         computed as a step computes them (this rank's model, dtype, autocast, backend; no gradient,
         nothing changes): what the importance ratio compares with the behaviour log-probs.
         ``shared_vision=False``: the vision tower once per row instead (the agreement check's switch)."""
-        from streamgrpo.models.batching import GroupInputs, build_batch, vision_token_ids
-        from streamgrpo.models.logprobs import completion_logprobs
 
         suppress = vision_token_ids(self.processor)
         pad_id = self.processor.tokenizer.pad_token_id
@@ -393,9 +414,6 @@ class Learner:
         Each group's log-probs are recomputed at its own sampling temperature (``meta["temperature"]``,
         else ``rollout.temperature``; a step may mix them, e.g. after a resume with a new setting).
         """
-        from streamgrpo.advantages import batch_advantages
-        from streamgrpo.loss import LossSpec, compute_loss
-        from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, vision_token_ids
 
         cfg = self.cfg
         rewards = [torch.tensor([c.reward for c in a.group.completions], dtype=torch.float32) for a in batch]
@@ -593,7 +611,6 @@ class Learner:
 
     # ----------------------------------------------------------------------- weights out
     def _named_for_generators(self, *, trainable_only: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
-        from streamgrpo.models.lora import filter_lora
 
         named = list(self.module.named_parameters())
         if self.is_lora:
@@ -626,7 +643,6 @@ class Learner:
                     return self._refuse_publish(version, bad)
                 sync.publish(version, {n: p.detach() for n, p in named}, dtype=dtype)
             return
-        from streamgrpo.transport.weights.layout import TensorSpec
 
         deepspeed = import_deepspeed()
         writer = None
@@ -709,15 +725,14 @@ class Learner:
 
     # --------------------------------------------------------------------------- checkpoints
     def save(self, ckpt_root: str | Path, *, model_card: str | None = None) -> Path:
-        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint` for the layout).
+        """Checkpoint ``state.step`` (every rank calls it; see :mod:`streamgrpo.learner.checkpoint.files` for the layout).
         A write that fails (disk full...) removes ``step-N.tmp`` and raises a one-line
-        :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing is committed. DeepSpeed ranks: every
-        rank raises the same line when any rank's part fails (:func:`~streamgrpo.learner.checkpoint_ranks.save_ranks`)."""
+        :class:`~streamgrpo.learner.checkpoint.files.CheckpointWriteError`: nothing is committed. DeepSpeed ranks: every
+        rank raises the same line when any rank's part fails (:func:`~streamgrpo.learner.checkpoint.ranks.save_ranks`)."""
         if self.engine is not None:
-            from streamgrpo.learner.checkpoint_ranks import save_ranks
+            from streamgrpo.learner.checkpoint.ranks import save_ranks
 
             return save_ranks(self, ckpt_root, self._checkpoint_meta(), model_card)
-        from streamgrpo.learner.checkpoint import save_checkpoint
 
         return self._main_writes(ckpt_root, self.state.step, lambda: self._guarded_write(
             ckpt_root, self.state.step, lambda: save_checkpoint(
@@ -728,8 +743,6 @@ class Learner:
     def _main_writes(self, ckpt_root: str | Path, step: int, write) -> Path:
         """The torch backend: ``write()`` on rank 0 alone when several ranks (one sequence-parallel group, equal
         weights and optimizer state) hold the learner; every rank raises rank 0's one-line failure."""
-        from streamgrpo.learner.checkpoint import CheckpointWriteError
-        from streamgrpo.learner.distributed import broadcast_json
 
         if not self.dist.active:
             return write()
@@ -755,14 +768,12 @@ class Learner:
     def snapshot(self, ckpt_root: str | Path | None = None, *, model_card: str | None = None):
         """Checkpoint ``state.step`` (under ``ckpt_root``) as host copies, the stall of an asynchronous checkpoint;
         :meth:`write_snapshot` writes it (any thread). The torch backend: a
-        :class:`~streamgrpo.learner.checkpoint_async.Snapshot`; DeepSpeed (every rank calls it, collectives):
-        this rank's :class:`~streamgrpo.learner.checkpoint_ranks.RankSnapshot`."""
-        from streamgrpo.learner.checkpoint import _optimizer_to_flat, rng_state
-        from streamgrpo.learner.checkpoint_async import HostBuffers, Snapshot, host_optimizer
+        :class:`~streamgrpo.learner.checkpoint.background.Snapshot`; DeepSpeed (every rank calls it, collectives):
+        this rank's :class:`~streamgrpo.learner.checkpoint.ranks.RankSnapshot`."""
 
         meta = self._checkpoint_meta()
         if self.engine is not None:
-            from streamgrpo.learner.checkpoint_ranks import capture
+            from streamgrpo.learner.checkpoint.ranks import capture
 
             if ckpt_root is None:
                 raise ValueError("a DeepSpeed snapshot is staged in its checkpoint folder: pass ckpt_root")
@@ -789,10 +800,9 @@ class Learner:
         """Write a :meth:`snapshot` as checkpoint ``snap.step``; errors as :meth:`save`'s. The torch backend: fsynced
         and renamed when this returns; DeepSpeed: this rank's files fsynced, the rename is :meth:`finalise_write`'s
         once every rank's are."""
-        from streamgrpo.learner.checkpoint import write_checkpoint
 
         if self.engine is not None:
-            from streamgrpo.learner.checkpoint_ranks import write_rank
+            from streamgrpo.learner.checkpoint.ranks import write_rank
 
             # no rank removes the folder the ranks share here: rank 0 does once every rank's part has ended
             return self._guarded_write(ckpt_root, snap.step, lambda: write_rank(self, snap), clean=False)
@@ -808,7 +818,6 @@ class Learner:
         The torch backend's :meth:`write_snapshot` renamed it already."""
         if self.engine is None or not self.dist.is_main:
             return
-        from streamgrpo.learner.checkpoint_ranks import finalise
 
         self._guarded_write(ckpt_root, step, lambda: finalise(ckpt_root, step, self.cfg.learner.save_total_limit))
 
@@ -816,7 +825,6 @@ class Learner:
     def _guarded_write(ckpt_root: str | Path, step: int, write, *, clean: bool = True) -> Path:
         import shutil
 
-        from streamgrpo.learner.checkpoint import write_failure
 
         try:
             return write()
@@ -833,10 +841,8 @@ class Learner:
 
         A checkpoint of the same backend, ZeRO stage and number of ranks loads as it was written (DeepSpeed's
         own ``load_checkpoint``); any other (ZeRO-3 on either side too) goes through the per-parameter
-        consolidation of :mod:`streamgrpo.learner.reshard`, or is refused in one line before DeepSpeed reads
+        consolidation of :mod:`streamgrpo.learner.checkpoint.reshard`, or is refused in one line before DeepSpeed reads
         anything."""
-        from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_trainer_state
-        from streamgrpo.models.files import read_model_tensors
 
         ckpt = Path(ckpt)
         meta = json.loads((ckpt / "trainer_state.json").read_text())
@@ -857,7 +863,7 @@ class Learner:
             meta = load_trainer_state(ckpt, model=None if self.is_lora else self.module,
                                       optimizer=self.optimizer, scheduler=self.scheduler)
         else:
-            from streamgrpo.learner.reshard import reshard_refusal
+            from streamgrpo.learner.checkpoint.reshard import reshard_refusal
 
             why = reshard_refusal(ckpt, meta, zero_stage=self.zero_stage, world_size=self.dist.world_size)
             if why:
@@ -871,7 +877,6 @@ class Learner:
         """The weights of checkpoint ``ckpt`` (any backend, ZeRO stage and number of ranks; LoRA: its adapters),
         nothing else: optimizer, schedule and :attr:`state` stay fresh (``learner.from_weights``). Every rank calls
         it (under ZeRO-3 the partitions are gathered and rewritten, a collective)."""
-        from streamgrpo.models.files import read_model_tensors
 
         self._load_weights(read_model_tensors(Path(ckpt)))
         if self.engine is not None and hasattr(self.engine.optimizer, "refresh_fp32_params"):
@@ -890,20 +895,7 @@ class Learner:
 
     def _load_resharded(self, ckpt: Path, meta: dict[str, Any]) -> None:
         """Weights, then the optimizer state consolidated per parameter (any backend, ZeRO-1/2/3, any number of
-        ranks), the lr schedule and this rank's RNG: see :mod:`streamgrpo.learner.reshard`."""
-        from streamgrpo.learner.checkpoint import CheckpointUnusable, load_rank_rng, load_tree, set_rng_state
-        from streamgrpo.learner.optim import param_groups
-        from streamgrpo.learner.reshard import (
-            FRESH,
-            ZERO3_MODEL_STATES,
-            apply_to_torch,
-            apply_to_zero3,
-            apply_to_zero12,
-            consolidate_torch,
-            consolidate_zero3,
-            consolidate_zero12,
-        )
-        from streamgrpo.models.files import read_model_tensors
+        ranks), the lr schedule and this rank's RNG: see :mod:`streamgrpo.learner.checkpoint.reshard`."""
 
         weights = read_model_tensors(ckpt)
         self._load_weights(weights)
@@ -970,7 +962,6 @@ class Learner:
             if bad:
                 raise RuntimeError(f"adapter checkpoint does not match the model (unexpected {bad[:5]})")
             return
-        from streamgrpo.models.files import to_model_names
 
         missing, unexpected = self.module.load_state_dict(to_model_names(tensors, self.module.state_dict()), strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
@@ -981,7 +972,6 @@ class Learner:
         gathered (``deepspeed.zero.GatheredParameters``), rank 0 writes them, DeepSpeed partitions them again on
         leaving; then the fp32 master partitions are copied from them (the reshard path then sets them from the
         checkpoint's own fp32 masters). A mismatch is raised on every rank alike, before any collective."""
-        from streamgrpo.models.files import to_model_names
 
         if self.is_lora:  # peft's file names the adapters without the adapter's name: peft maps them itself
             from peft import get_peft_model_state_dict, set_peft_model_state_dict

@@ -7,7 +7,7 @@ elementwise ops (norms, rotary embedding, SiLU gate, residual adds) around them:
 and one attention a layer fewer per step, for the kept outputs' memory (per token and recomputed layer
 ``4 H + 2 K + 2 I`` values: q, attention, o and down, k and v (``K``: key-value heads x head dim), gate
 and up; the memory plan counts it,
-:mod:`streamgrpo.learner.step_memory`).
+:mod:`streamgrpo.learner.memory.step`).
 
 Eagerly, :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` caches those ops' outputs in
 the forward and hands them back in the recompute; under ``learner.compile`` dynamo records the policy on

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_gpu_tensors_go_to_pinned_buffers_reused_across_checkpoints():
-    from streamgrpo.learner.checkpoint_async import HostBuffers
+    from streamgrpo.learner.checkpoint.background import HostBuffers
 
     live = torch.randn(1024, 256, device="cuda")
     tensors = {"a": live, "b": live, "c": torch.arange(10, device="cuda")}

@@ -33,7 +33,8 @@ def main() -> int:
     ap.add_argument("--fail-step", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("."))
     args, rest = ap.parse_known_args()
-    from streamgrpo.learner import checkpoint, checkpoint_ranks
+    from streamgrpo.learner.checkpoint import files as checkpoint
+    from streamgrpo.learner.checkpoint import ranks as checkpoint_ranks
     from streamgrpo.learner.trainer import Learner
 
     rank = int(os.environ.get("RANK", "0"))

@@ -13,7 +13,7 @@ def main() -> int:
     import torch
 
     from streamgrpo.config import load_config
-    from streamgrpo.learner.checkpoint_async import BackgroundWrite
+    from streamgrpo.learner.checkpoint.background import BackgroundWrite
     from streamgrpo.learner.trainer import Learner
 
     model_dir, out, ds_config, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -163,7 +163,7 @@ def test_an_asynchronous_checkpoint_holds_what_a_synchronous_one_holds(tiny_mode
     from safetensors.torch import load_file
 
     from streamgrpo.config import load_config
-    from streamgrpo.learner.checkpoint_async import BackgroundWrite
+    from streamgrpo.learner.checkpoint.background import BackgroundWrite
     from streamgrpo.learner.trainer import Learner
 
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path}",

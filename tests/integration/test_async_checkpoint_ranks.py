@@ -68,7 +68,7 @@ def test_two_zero2_ranks_write_in_the_background_commit_after_it_and_resume(grou
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.learner.reshard import consolidate_zero12
+    from streamgrpo.learner.checkpoint.reshard import consolidate_zero12
 
     model = AutoModelForImageTextToText.from_pretrained(ckpts / "step-000002", dtype=torch.float32)
     shapes = {n: t.shape for n, t in model.named_parameters()}
@@ -159,7 +159,7 @@ def test_a_zero3_lora_snapshot_writes_what_a_synchronous_checkpoint_writes(tiny_
     import torch
     from safetensors.torch import load_file
 
-    from streamgrpo.learner.checkpoint import load_tree
+    from streamgrpo.learner.checkpoint.files import load_tree
     from streamgrpo.runtime.processes import free_port
 
     env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -74,7 +74,7 @@ def test_a_truncated_newest_checkpoint_is_one_line_that_says_what_to_do(trained_
 
 
 def test_resuming_from_an_older_checkpoint_than_redis_committed_is_refused(trained_run, tmp_path):
-    from streamgrpo.learner.checkpoint import CheckpointUnusable
+    from streamgrpo.learner.checkpoint.files import CheckpointUnusable
 
     cfg, run, q = trained_run
     shutil.move(run / "checkpoints" / "step-000002", tmp_path / "step-000002")  # "it looked broken"
@@ -88,7 +88,7 @@ def test_resuming_from_an_older_checkpoint_than_redis_committed_is_refused(train
 
 
 def test_a_checkpoint_with_nan_weights_is_refused(trained_run):
-    from streamgrpo.learner.checkpoint import CheckpointUnusable
+    from streamgrpo.learner.checkpoint.files import CheckpointUnusable
 
     cfg, run, _ = trained_run
     path = run / "checkpoints" / "step-000002" / "model.safetensors"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamgrpo.learner.crash_loop import CrashLoopBreaker
+from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
 from streamgrpo.transport.queue.crash_marks import CrashMarks
 
 CHILD = textwrap.dedent('''
@@ -32,8 +32,8 @@ CHILD = textwrap.dedent('''
     from types import SimpleNamespace
     import numpy as np, redis
     from streamgrpo.config import DataConfig
-    from streamgrpo.learner.crash_loop import CrashLoopBreaker
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
+    from streamgrpo.learner.intake.media import MediaResolver
     from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.wire import MediaRef, ScoredGroup, Visual
 

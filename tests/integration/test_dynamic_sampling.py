@@ -30,7 +30,7 @@ def _flat(g, value: float):
 def _collect(tiny_model_dir, tmp_path, url, ns, put, want, *sets):
     from streamgrpo.config import load_config
     from streamgrpo.learner.distributed import DistInfo
-    from streamgrpo.learner.gate import Gate, collect_groups
+    from streamgrpo.learner.intake.gate import Gate, collect_groups
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime.jsonl import JsonlWriter

@@ -98,7 +98,7 @@ def test_the_memory_plan_sees_the_video_measured_and_lora_modes_get_their_r():
     (the defaults' 12k-token prompt made the 3B plan refuse a step that fits in 63 GiB); every lora* mode is LoRA."""
     from benchmarks.gpu_learner import build_parser, combo_sets
     from streamgrpo.config import build_config
-    from streamgrpo.learner.step_memory import prompt_tokens
+    from streamgrpo.learner.memory.step import prompt_tokens
     from streamgrpo.models.params import ModelShape
 
     a = build_parser().parse_args(["--lora-r", "64"])

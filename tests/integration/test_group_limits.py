@@ -55,7 +55,7 @@ def _cfg(model_dir, run_dir, url, ns, *sets):
 
 def test_limits_are_read_from_the_message_and_default_to_the_data_config(groups, huge):
     from streamgrpo.config import load_config
-    from streamgrpo.learner.limits import GroupLimits, group_pixels, group_tokens, too_large
+    from streamgrpo.learner.intake.limits import GroupLimits, group_pixels, group_tokens, too_large
 
     cfg = load_config("demo", ["data.min_frames=4", "data.max_frames=4", "rollout.num_generations=4"])
     limits = GroupLimits.from_config(cfg)
@@ -74,7 +74,7 @@ def test_limits_are_read_from_the_message_and_default_to_the_data_config(groups,
 def test_queue_check_names_a_group_over_the_limits(groups, huge):
     from streamgrpo.commands.queue_check import check_message
     from streamgrpo.config import load_config
-    from streamgrpo.learner.limits import GroupLimits
+    from streamgrpo.learner.intake.limits import GroupLimits
     from streamgrpo.wire import encode
 
     limits = GroupLimits.from_config(load_config("demo", ["data.min_frames=4", "data.max_frames=4"]))

@@ -161,7 +161,7 @@ def trained_run(tiny_model_dir, demo_data_dir, tmp_path_factory):
     the learner saves a checkpoint, with the run's config.yaml next to it."""
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.learner.checkpoint import save_checkpoint
+    from streamgrpo.learner.checkpoint.files import save_checkpoint
     from streamgrpo.models.card import model_card
     from streamgrpo.models.loading import load_processor
     from streamgrpo.recipes.demo.warm import warm_format

@@ -101,7 +101,7 @@ def _assert_exactly_once_and_replicas(per_rank: dict[int, list[dict]], ids: list
 
 @pytest.mark.slow
 def test_two_zero1_ranks_share_one_stream_through_the_cli(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.learner.checkpoint import load_tree
+    from streamgrpo.learner.checkpoint.files import load_tree
 
     steps = 3
     cfg = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.backend=deepspeed",

@@ -68,7 +68,7 @@ def _logprobs(learner, accepted) -> torch.Tensor:
 def test_a_group_by_reference_trains_on_the_generators_pixels_exactly(mixed, tiny_model_dir, media, tmp_path):
     """Video, multi-video and image groups: the message is a fraction of the inline one; the learner
     decodes the same pixels (bit-exact) and computes the same log-probs; a second read hits the cache."""
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.media import MediaResolver
     from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.wire import decode, encode, inline
@@ -108,7 +108,7 @@ def test_tgrpo_group_by_reference_names_the_ordered_frames(tiny_model_dir, media
     from streamgrpo.engines.base import SamplingParams
     from streamgrpo.engines.hf import HFEngine
     from streamgrpo.generator.sampling import Sampler
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.media import MediaResolver
     from streamgrpo.models.loading import load_model, load_processor
     from streamgrpo.rewards import RewardSet
     from streamgrpo.wire import decode, encode
@@ -142,8 +142,8 @@ def test_changed_and_missing_files_are_dead_letters_that_name_the_file(tiny_mode
     whose file was rewritten with other frames is ``media_mismatch``, the one whose file is gone
     ``media_missing``; each reason names its file."""
     from streamgrpo.config import load_config
-    from streamgrpo.learner.gate import Gate
-    from streamgrpo.learner.media import MediaResolver, ReadAhead
+    from streamgrpo.learner.intake.gate import Gate
+    from streamgrpo.learner.intake.media import MediaResolver, ReadAhead
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime.jsonl import JsonlWriter
@@ -334,8 +334,8 @@ def test_media_behind_a_symlink_out_of_the_root_travel_inline_and_train(tiny_mod
     outside the records' folder. The learner would refuse such references (media_outside), so the
     generator sends those visuals inline; the learner admits the groups, nothing is dead-lettered."""
     from streamgrpo.config import load_config
-    from streamgrpo.learner.gate import Gate
-    from streamgrpo.learner.media import MediaResolver, by_reference
+    from streamgrpo.learner.intake.gate import Gate
+    from streamgrpo.learner.intake.media import MediaResolver, by_reference
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime.jsonl import JsonlWriter

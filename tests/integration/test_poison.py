@@ -111,8 +111,8 @@ def test_a_step_that_raises_dead_letters_the_group_that_fails_alone(groups, tiny
     import copy
     from collections import Counter
 
-    from streamgrpo.learner.gate import Gate
-    from streamgrpo.learner.poison import guarded_step
+    from streamgrpo.learner.intake.gate import Gate
+    from streamgrpo.learner.intake.poison import guarded_step
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.runtime.jsonl import JsonlWriter
     from streamgrpo.transport.queue.redis_stream import RedisQueue
@@ -184,7 +184,7 @@ def test_a_group_that_keeps_failing_is_dead_lettered_after_max_failures(groups, 
 
 
 def _gate(tiny_model_dir, tmp_path, url, ns, *sets):
-    from streamgrpo.learner.gate import Gate
+    from streamgrpo.learner.intake.gate import Gate
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime.jsonl import JsonlWriter

@@ -107,8 +107,8 @@ def test_gate_says_why_a_prompt_mismatches_in_one_warning(good, tiny_model_dir, 
     """Two mismatched groups in a row: one warning with both lengths and the first differing token,
     both counted and audited with the reason."""
     from streamgrpo.config import load_config
-    from streamgrpo.learner.gate import Gate
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.gate import Gate
+    from streamgrpo.learner.intake.media import MediaResolver
     from streamgrpo.learner.state import LearnerState
     from streamgrpo.models.loading import load_processor
     from streamgrpo.runtime.jsonl import JsonlWriter

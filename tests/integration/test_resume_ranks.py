@@ -4,7 +4,7 @@ Real parts: redis-server, real ScoredGroups of the tiny Qwen2.5-VL, DeepSpeed Ze
 (gloo) under ``python -m torch.distributed.run``, the ``streamgrpo learner`` CLI, ``kill -9``.
 
 1 rank -> 2 ranks -> 1 rank: the optimizer state is consolidated per parameter from the writer's
-layout and re-partitioned for the reader's (``streamgrpo.learner.reshard``); the lr schedule goes on;
+layout and re-partitioned for the reader's (``streamgrpo.learner.checkpoint.reshard``); the lr schedule goes on;
 the audit over every rank's log finds nothing lost and nothing trained twice. The 2 -> 1 move
 follows a ``kill -9`` of both ranks between checkpoints: the groups the dead rank 1 held are
 claimed by the lone rank and trained once.
@@ -72,7 +72,7 @@ def test_zero2_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(group
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.learner.reshard import consolidate_zero12
+    from streamgrpo.learner.checkpoint.reshard import consolidate_zero12
 
     url, run = redis_server.url, tmp_path / "run"
     _put(url, redis_ns, groups[:8])
@@ -130,8 +130,8 @@ def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, re
     import torch
 
     from streamgrpo.config import ConfigError, load_config
+    from streamgrpo.learner.checkpoint.resume import start_from_weights, weights_source
     from streamgrpo.learner.distributed import DistInfo
-    from streamgrpo.learner.resume import start_from_weights, weights_source
     from streamgrpo.learner.trainer import Learner
 
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}"])
@@ -152,7 +152,7 @@ def test_from_weights_starts_at_step_0_with_a_fresh_optimizer(tiny_model_dir, re
     assert (new.state.step, new.state.version) == (0, 0) and not new.optimizer.state and new.scheduler.last_epoch == 0
 
     # --fresh --from-weights <this run's own checkpoint>: --fresh moves it to previous/<time>/, where it is found
-    from streamgrpo.learner.resume import start_point
+    from streamgrpo.learner.checkpoint.resume import start_point
 
     own = load_config("demo", [f"model.name_or_path={tiny_model_dir}", f"run_dir={tmp_path / 'old'}",
                                "learner.fresh=true", f"learner.from_weights={ckpt}"])
@@ -184,7 +184,7 @@ def test_zero3_checkpoints_move_from_one_rank_to_two_and_back_exactly_once(group
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from streamgrpo.learner.reshard import consolidate_zero3
+    from streamgrpo.learner.checkpoint.reshard import consolidate_zero3
 
     url, run = redis_server.url, tmp_path / "run"
 

@@ -88,7 +88,7 @@ def test_generator_with_vllm_engine(tiny_model_dir, demo_data_dir, redis_server,
 
     from streamgrpo.config import load_config
     from streamgrpo.data.prompts import processor_inputs
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.media import MediaResolver
     from streamgrpo.models.batching import vision_token_ids
     from streamgrpo.models.loading import load_processor
     from streamgrpo.transport.queue.redis_stream import RedisQueue

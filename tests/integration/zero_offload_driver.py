@@ -66,7 +66,7 @@ def main() -> int:
                         "state_devices": sorted({str(t.device) for s in lrn.optimizer.optimizer.state.values()
                                                  for t in s.values() if torch.is_tensor(t)})}
         del lrn
-    from streamgrpo.learner.checkpoint import load_tree
+    from streamgrpo.learner.checkpoint.files import load_tree
 
     for name in ("zero2_offload.json", "zero3.json"):
         first = learner(name, f"resume-{name}")

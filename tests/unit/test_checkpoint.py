@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from streamgrpo.learner.checkpoint import (
+from streamgrpo.learner.checkpoint.files import (
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
@@ -102,7 +102,7 @@ def test_a_checkpoint_is_durable_before_it_is_renamed_and_the_rename_before_it_r
     import os
     from pathlib import Path
 
-    from streamgrpo.learner import checkpoint as ck
+    from streamgrpo.learner.checkpoint import files as ck
 
     tmp = ck.staging_dir(tmp_path / "ckpts", 3)
     (tmp / "model.safetensors").write_bytes(b"w" * 10)

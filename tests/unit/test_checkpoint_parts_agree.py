@@ -1,6 +1,6 @@
 """The pieces that let DeepSpeed ranks agree on a failed part of a checkpoint instead of waiting in a barrier, in one
 process: the checkpoint engine keeps a write's error (DeepSpeed's ``save_checkpoint`` goes on to its collectives),
-:func:`~streamgrpo.learner.checkpoint_ranks.parts_agree` turns it into one line (rank 0 removes ``step-N.tmp``), and a
+:func:`~streamgrpo.learner.checkpoint.ranks.parts_agree` turns it into one line (rank 0 removes ``step-N.tmp``), and a
 failed checkpoint is counted. The ranks themselves: tests/integration/test_checkpoint_rank_failures.py."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
-from streamgrpo.learner.checkpoint import (
+from streamgrpo.learner.checkpoint.files import (
     CheckpointWriteError,
     SafeTensorsCheckpointEngine,
     load_tree,
     staging_dir,
 )
-from streamgrpo.learner.checkpoint_ranks import part, parts_agree
+from streamgrpo.learner.checkpoint.ranks import part, parts_agree
 from streamgrpo.learner.distributed import DistInfo
 
 
@@ -72,7 +72,7 @@ def test_a_part_that_fails_with_a_bug_keeps_its_own_traceback(tmp_path):
 
 
 def test_a_failed_checkpoint_is_counted():
-    from streamgrpo.learner.checkpointing import counted_failure
+    from streamgrpo.learner.checkpoint.commit import counted_failure
     from streamgrpo.metrics import ERRORS
 
     before = ERRORS.labels(kind="checkpoint")._value.get()

@@ -12,8 +12,8 @@ import torch
 
 def test_rank0_write_survives_another_ranks_temporary_file_vanishing(tiny_model_dir, tmp_path):
     from streamgrpo.config import build_config
-    from streamgrpo.learner.checkpoint import list_checkpoints, pack_tree, rng_state, staging_dir
-    from streamgrpo.learner.checkpoint_ranks import RankSnapshot, finalise, write_rank
+    from streamgrpo.learner.checkpoint.files import list_checkpoints, pack_tree, rng_state, staging_dir
+    from streamgrpo.learner.checkpoint.ranks import RankSnapshot, finalise, write_rank
     from streamgrpo.models.loading import load_model, load_processor
 
     cfg = build_config({}, [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32"])

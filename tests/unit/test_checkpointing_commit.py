@@ -1,4 +1,4 @@
-"""Checkpoint, then commit (:class:`streamgrpo.learner.checkpointing.Checkpointing`) with stand-ins for the
+"""Checkpoint, then commit (:class:`streamgrpo.learner.checkpoint.commit.Checkpointing`) with stand-ins for the
 learner and the queue: what a learner holds uncommitted, and what an early commit under Redis pressure does
 while a background write is in flight (its groups are freed only by its commit)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from streamgrpo.learner.checkpointing import Checkpointing
+from streamgrpo.learner.checkpoint.commit import Checkpointing
 from streamgrpo.learner.distributed import DistInfo
 from streamgrpo.learner.state import LearnerState
 
@@ -131,7 +131,7 @@ def test_a_commit_refused_after_a_background_write_leaves_its_entries_to_the_nex
 
 
 def test_the_ranks_agree_on_a_write_only_when_every_rank_has_written_and_stop_together_on_one_failure():
-    from streamgrpo.learner.checkpoint_async import FAILED, WRITING, WRITTEN, agree, first_failure
+    from streamgrpo.learner.checkpoint.background import FAILED, WRITING, WRITTEN, agree, first_failure
 
     assert agree([WRITTEN]) == WRITTEN and agree([WRITING]) == WRITING
     assert agree([WRITTEN, WRITING]) == WRITING  # rank 1 still writes: nobody renames or commits
@@ -146,7 +146,7 @@ def test_the_ranks_agree_on_a_write_only_when_every_rank_has_written_and_stop_to
 def test_a_failed_background_write_raises_its_one_line_error_and_commits_nothing():
     import pytest
 
-    from streamgrpo.learner.checkpoint import CheckpointWriteError
+    from streamgrpo.learner.checkpoint.files import CheckpointWriteError
 
     release = threading.Event()
     c, learner, queue = _ckpts(release)
@@ -179,7 +179,7 @@ def test_a_write_is_committed_only_after_it_is_finalised():
 def test_host_buffers_are_reused_and_a_state_tree_gets_one_buffer_per_name():
     import torch
 
-    from streamgrpo.learner.checkpoint_async import HostBuffers
+    from streamgrpo.learner.checkpoint.background import HostBuffers
 
     live = torch.randn(8, 4)
     host = HostBuffers()
@@ -195,7 +195,7 @@ def test_host_buffers_are_reused_and_a_state_tree_gets_one_buffer_per_name():
 def test_a_rename_that_fails_commits_nothing():
     import pytest
 
-    from streamgrpo.learner.checkpoint import CheckpointWriteError
+    from streamgrpo.learner.checkpoint.files import CheckpointWriteError
 
     release = threading.Event()
     release.set()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from streamgrpo.learner.crash_loop import CrashLoopBreaker
-from streamgrpo.learner.death_cause import Witness, count_in, judge, oom_counter_files
+from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
+from streamgrpo.learner.intake.death_cause import Witness, count_in, judge, oom_counter_files
 from streamgrpo.transport.queue.crash_marks import CrashMarks, Mark
 
 
@@ -51,7 +51,7 @@ def test_a_collective_failure_is_a_peers_and_a_groups_own_error_is_not():
 
 
 def test_a_restarted_learner_takes_the_consumers_of_the_ranks_it_lacks_spread_over_its_ranks():
-    from streamgrpo.learner.resume import absent_rank_consumers
+    from streamgrpo.learner.checkpoint.resume import absent_rank_consumers
 
     names = ["learner-0", "learner-1", "learner-2", "learner-3", "test-inspect", "learner-x"]
     assert absent_rank_consumers(names, 0, 1) == ["learner-1", "learner-2", "learner-3"]

@@ -1,5 +1,5 @@
 """How a learner rank collects a step when Redis nears or reaches ``maxmemory`` (pure logic of
-:func:`streamgrpo.learner.gate.collect_groups`; the queue and the gate are stand-ins that hand out
+:func:`streamgrpo.learner.intake.gate.collect_groups`; the queue and the gate are stand-ins that hand out
 nothing, the real ones are in tests/integration/test_redis_full.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from streamgrpo.config import LossConfig
-from streamgrpo.learner import gate as gate_mod
 from streamgrpo.learner.distributed import DistInfo
-from streamgrpo.learner.gate import CommitNow, collect_groups
+from streamgrpo.learner.intake import gate as gate_mod
+from streamgrpo.learner.intake.gate import CommitNow, collect_groups
 from streamgrpo.learner.state import LearnerState
 
 
@@ -84,7 +84,7 @@ def _rank(rank: int, port: int, out) -> None:
 
     import torch.distributed as dist
 
-    from streamgrpo.learner.media import MediaUnavailable
+    from streamgrpo.learner.intake.media import MediaUnavailable
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))

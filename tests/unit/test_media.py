@@ -68,7 +68,7 @@ def test_a_file_extracted_from_a_datasets_row_travels_inline(tmp_path, monkeypat
 
 
 def test_media_root_check_says_why_in_one_line(tmp_path):
-    from streamgrpo.learner.media import check_media_root
+    from streamgrpo.learner.intake.media import check_media_root
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text("")
@@ -82,7 +82,7 @@ def test_media_root_check_says_why_in_one_line(tmp_path):
 
 
 def test_an_empty_media_root_is_unusable(tmp_path):
-    from streamgrpo.learner.media import check_media_root
+    from streamgrpo.learner.intake.media import check_media_root
 
     (tmp_path / "mnt").mkdir()
     assert check_media_root(DataConfig(media_root=str(tmp_path / "mnt"))) == \
@@ -94,7 +94,7 @@ def test_the_media_watch_stops_only_after_the_time_and_with_the_root_gone(tmp_pa
     root removed they do, once nothing resolved for after_s; one success starts the time again."""
     import shutil
 
-    from streamgrpo.learner.media import MediaError, MediaUnavailable, MediaWatch
+    from streamgrpo.learner.intake.media import MediaError, MediaUnavailable, MediaWatch
 
     root = tmp_path / "media"
     root.mkdir()
@@ -164,7 +164,7 @@ class _Resolver:
 
 
 def test_read_ahead_reads_the_next_step_only_once_references_are_seen():
-    from streamgrpo.learner.media import ReadAhead
+    from streamgrpo.learner.intake.media import ReadAhead
 
     q = _ListQueue(["in0", "in1", "ref2", "ref3", "ref4", "ref5", "ref6", "ref7"])
     r = _Resolver()

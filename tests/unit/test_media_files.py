@@ -15,8 +15,8 @@ import pytest
 from streamgrpo import metrics as M
 from streamgrpo.config import DataConfig
 from streamgrpo.data.video import decode_resized
-from streamgrpo.learner import media as media_mod
-from streamgrpo.learner.media import MediaError, MediaResolver
+from streamgrpo.learner.intake import media as media_mod
+from streamgrpo.learner.intake.media import MediaError, MediaResolver
 from streamgrpo.wire import MediaRef, ScoredGroup, Visual
 from streamgrpo.wire.media import frames_digest
 

@@ -15,7 +15,7 @@ import torch
 
 from streamgrpo.config import build_config
 from streamgrpo.learner.deepspeed_setup import deepspeed_config
-from streamgrpo.learner.memory import (
+from streamgrpo.learner.memory.plan import (
     Capacity,
     GiB,
     MemoryPlan,
@@ -180,7 +180,7 @@ def test_7b_on_one_80gb_gpu_lora_and_offload_fit_full_torch_does_not():
 
 
 def test_report_says_what_sits_where_and_whether_it_fits():
-    from streamgrpo.learner.memory import report
+    from streamgrpo.learner.memory.plan import report
 
     place = Placement(backend="deepspeed", bf16=True, zero_stage=2, offload_optimizer="cpu", world_size=2)
     plan = plan_memory(ParamCounts(total=8 * 2**30, trainable=4 * 2**30), place)

@@ -42,7 +42,7 @@ import pytest
 
 from streamgrpo.commands.placement import PlacementError, plan_placement
 from streamgrpo.config import build_config
-from streamgrpo.learner.memory import (
+from streamgrpo.learner.memory.plan import (
     Capacity,
     GiB,
     MemoryPlan,
@@ -54,7 +54,7 @@ from streamgrpo.learner.memory import (
     plan_memory,
     report,
 )
-from streamgrpo.learner.step_memory import (
+from streamgrpo.learner.memory.step import (
     PROMPT_TEXT_TOKENS,
     Workload,
     activation_bytes,
@@ -242,7 +242,7 @@ VSHAPE = ModelShape(layers=4, hidden=100, intermediate=300, vocab=1000, kv_heads
 def test_the_step_counts_the_vision_pass_and_the_attention_mask():
     """A long video's vision pass and the decoder's L^2 mask were not in the plan: a thousand frames of
     shared prompt put tens of GiB of mask on the device that no part counted."""
-    from streamgrpo.learner.step_memory import mask_bytes, vision_bytes
+    from streamgrpo.learner.memory.step import mask_bytes, vision_bytes
 
     work = Workload(tokens=50, completion_tokens=10, vision_patches=400, mask_elements=50 * 50)
     device, _ = step_memory(FULL, VSHAPE, Placement(), work)
@@ -286,7 +286,7 @@ def test_the_generator_counts_its_video_features_vision_pass_and_padded_mask():
 
 
 def test_max_frames_bisects_and_names_the_part_that_grew_most():
-    from streamgrpo.learner.frontier import max_frames
+    from streamgrpo.learner.memory.frontier import max_frames
 
     def parts(frames):
         return {"activations": 10.0 * frames, "attention mask": 0.01 * frames ** 2, "logits": 5.0}
@@ -334,7 +334,7 @@ def test_sequence_parallel_divides_what_grows_with_the_sequence(tmp_path):
     from streamgrpo.models.tiny import write_config
 
     two.model.name_or_path = str(write_config(tmp_path, size="3b"))
-    from streamgrpo.learner.step_memory import vision_bytes
+    from streamgrpo.learner.memory.step import vision_bytes
 
     working = 1000 * (6 * VSHAPE.vision_hidden + 3 * VSHAPE.vision_intermediate) * 2  # one block, no gradients
     assert vision_bytes(VSHAPE, 1000) - vision_bytes(VSHAPE, 1000, split=2) == pytest.approx(working / 2)

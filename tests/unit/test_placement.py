@@ -152,7 +152,7 @@ def real_configs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl_3b_1node", "qwen2_5_vl_7b_1node", "qwen3_vl_8b_1node"])
 def test_each_one_node_config_fits_its_learner_and_its_plan_on_8_gpus_of_80_gib(name, real_configs):
-    from streamgrpo.learner.memory import GiB, plan_for, report
+    from streamgrpo.learner.memory.plan import GiB, plan_for, report
 
     cfg = load_config(name, [f"model.name_or_path={real_configs[name]}"])
     counts, place, mem = plan_for(cfg, cfg.launch.learner_ranks)

@@ -129,7 +129,7 @@ def test_learner_recreates_identical_inputs_from_the_wire(tiny_qwen3_dir, demo_d
     frames inline and by reference (a path relative to data.media_root: a file outside the root would
     travel inline, the learner refusing any path outside its root)."""
     from streamgrpo import wire
-    from streamgrpo.learner.media import MediaResolver
+    from streamgrpo.learner.intake.media import MediaResolver
 
     processor = _processor(tiny_qwen3_dir)
     factor, tp = vision_factors(processor)

@@ -1,5 +1,5 @@
 """The per-parameter consolidation of ZeRO-1/2/3 optimizer shards and the refusals before DeepSpeed loads
-(pure logic of ``streamgrpo.learner.reshard``; the end-to-end moves between 1 and 2 ranks are in
+(pure logic of ``streamgrpo.learner.checkpoint.reshard``; the end-to-end moves between 1 and 2 ranks are in
 tests/integration/test_resume_ranks.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
-from streamgrpo.learner.checkpoint import save_tree
-from streamgrpo.learner.reshard import (
+from streamgrpo.learner.checkpoint.files import save_tree
+from streamgrpo.learner.checkpoint.reshard import (
     ZERO3_MODEL_STATES,
     consolidate_zero3,
     merge_zero12_shard,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from streamgrpo.config import ConfigError, load_config
+from streamgrpo.learner.checkpoint.resume import start_point
 from streamgrpo.learner.distributed import DistInfo
-from streamgrpo.learner.resume import start_point
 from streamgrpo.runtime.jsonl import rewind_jsonl
 
 

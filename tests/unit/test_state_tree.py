@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from streamgrpo.learner.checkpoint import (
+from streamgrpo.learner.checkpoint.files import (
     CheckpointError,
     SafeTensorsCheckpointEngine,
     load_tree,

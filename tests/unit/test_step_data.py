@@ -223,8 +223,8 @@ def test_micro_batch_budget_counts_the_layout_the_decoder_sees():
 
 
 def test_after_running_out_of_memory_groups_are_cut_into_runs_of_rows_down_to_one_sequence():
+    from streamgrpo.learner.memory.oom import halved_budget
     from streamgrpo.learner.micro_batches import cut_to, split_groups
-    from streamgrpo.learner.oom import halved_budget
 
     # prompt 3 tokens: rows of 3 + 2, 3 + 4, 3 + 2, 3 + 6 tokens (a group of 28)
     batch = [_group("g0", [1.0, 0.0, 1.0, 0.0], [2, 4, 2, 6]), _group("g1", [1.0, 0.0], [2, 2])]

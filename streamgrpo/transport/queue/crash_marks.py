@@ -1,8 +1,8 @@
-"""The crash-loop breaker's bookkeeping in Redis (:mod:`streamgrpo.learner.crash_loop` decides; this stores).
+"""The crash-loop breaker's bookkeeping in Redis (:mod:`streamgrpo.learner.intake.crash_loop` decides; this stores).
 
 Its keys (:mod:`.keys`): ``<ns>:stepping:<consumer>`` holds JSON ``{"groups": [...], "witness": {...}, "peer": bool}``:
 the groups of the step a learner rank is in (``[]`` between steps), the witness its death is judged by
-(:class:`streamgrpo.learner.death_cause.Witness`), and whether a peer's failure ended it (a bare JSON list is the
+(:class:`streamgrpo.learner.intake.death_cause.Witness`), and whether a peer's failure ended it (a bare JSON list is the
 format before witnesses: groups without a witness); ``<ns>:reading:<consumer>`` the groups it decodes outside a
 step; ``<ns>:crash_starts`` the starts counted per group.
 """

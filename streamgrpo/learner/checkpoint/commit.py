@@ -9,18 +9,18 @@ their training is durable on disk:
   ``learner.async_checkpoint: false``): write (every rank), fsync, rename, then commit right away;
 * asynchronous (``learner.async_checkpoint``, the torch backend and DeepSpeed ranks, one or many): copy
   the state to host memory (the only stall; every rank its own part), hand the copies to a background
-  write (:mod:`streamgrpo.learner.checkpoint_async`, :mod:`streamgrpo.learner.checkpoint_ranks`) and go on
+  write (:mod:`streamgrpo.learner.checkpoint.background`, :mod:`streamgrpo.learner.checkpoint.ranks`) and go on
   training. :meth:`Checkpointing.poll`, called at every step boundary, settles the write: every rank
   says whether its part is still being written, written and fsynced, or failed (one all-reduce of a
   number per rank, only while a write is in flight; every rank gets the same answer, so every rank takes
   the same branch and no collective is left waiting). Once every rank's part is written, rank 0 renames
   ``step-N.tmp`` to ``step-N`` and tells the others; then each rank commits its entries. A write that failed
   on any rank stops every rank at that boundary with the same one-line
-  :class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`: nothing of it was committed.
+  :class:`~streamgrpo.learner.checkpoint.files.CheckpointWriteError`: nothing of it was committed.
 
 A part that fails on one DeepSpeed rank *during* the checkpoint (rank 0 cannot create ``step-N.tmp``, a rank's
 copy or synchronous write fails) stops every rank the same way, synchronous or asynchronous, at that step:
-the ranks agree on each part (:func:`~streamgrpo.learner.checkpoint_ranks.parts_agree`) instead of waiting in
+the ranks agree on each part (:func:`~streamgrpo.learner.checkpoint.ranks.parts_agree`) instead of waiting in
 a barrier for a rank that has given up. Every failed checkpoint counts ``streamgrpo_errors_total{kind="checkpoint"}``
 on every rank.
 
@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from streamgrpo import metrics as M
-from streamgrpo.learner.checkpoint import CheckpointWriteError
-from streamgrpo.learner.checkpoint_async import FAILED, WRITING, BackgroundWrite, agree
-from streamgrpo.learner.checkpoint_ranks import fail_together
+from streamgrpo.learner.checkpoint.background import FAILED, WRITING, BackgroundWrite, agree
+from streamgrpo.learner.checkpoint.files import CheckpointWriteError
+from streamgrpo.learner.checkpoint.ranks import fail_together
 from streamgrpo.learner.distributed import DistInfo, broadcast_json, gather_json, share
 from streamgrpo.learner.trainer import Learner
 

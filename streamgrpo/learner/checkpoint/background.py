@@ -4,14 +4,14 @@ At a checkpoint's step boundary the learner copies what the checkpoint holds to 
 (:func:`host_copies`: the weights, the optimizer's tensors, the schedule, the RNG states and the
 learner state; into pinned buffers reused from one checkpoint to the next when they live on a GPU)
 and a background thread (:class:`BackgroundWrite`) writes those copies in the usual layout
-(:mod:`streamgrpo.learner.checkpoint`: ``step-N.tmp``, every file and folder fsynced, renamed to
+(:mod:`streamgrpo.learner.checkpoint.files`: ``step-N.tmp``, every file and folder fsynced, renamed to
 ``step-N``) while training goes on. The stall is the copy, not the write. This module is the torch backend's
 path and what every path shares (the buffers, the writer thread, the ranks' agreement :func:`agree`);
-DeepSpeed ranks capture and write their parts in :mod:`streamgrpo.learner.checkpoint_ranks`.
+DeepSpeed ranks capture and write their parts in :mod:`streamgrpo.learner.checkpoint.ranks`.
 
 Exactly once is unchanged: the groups a checkpoint holds are committed in Redis by the learner's loop
 only after the write has finished (renamed and fsynced), at the first step boundary after that
-(:class:`~streamgrpo.learner.checkpointing.Checkpointing`); at most one write is in flight (the next
+(:class:`~streamgrpo.learner.checkpoint.commit.Checkpointing`); at most one write is in flight (the next
 checkpoint waits for it). A crash (``kill -9``) during the write leaves ``step-N.tmp``, which no
 resume picks: the learner resumes from the previous complete checkpoint and trains the groups since
 then again, as after any crash between checkpoints.
@@ -47,7 +47,7 @@ class HostBuffers:
     faults every time: 8 s against 1-2 s for a copy into warm buffers on the 2-core CPU of docs/performance.md);
     tensors on a GPU go to pinned buffers (the copy is asynchronous, one sync at the end). Tensors sharing
     storage (tied embeddings) stay shared. A buffer is reused only once the write that read it has ended
-    (:class:`~streamgrpo.learner.checkpointing.Checkpointing` keeps at most one in flight)."""
+    (:class:`~streamgrpo.learner.checkpoint.commit.Checkpointing` keeps at most one in flight)."""
 
     def __init__(self) -> None:
         self._kept: dict[str, torch.Tensor] = {}

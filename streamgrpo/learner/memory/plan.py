@@ -5,7 +5,7 @@ gradients, AdamW's two moments (and DeepSpeed's float32 master copy), and the re
 ``loss.beta > 0``. :func:`plan_memory` is that arithmetic (pure), per rank, split into what sits
 on the training device and what ZeRO offload moves to the host. Alone it is a **lower bound** (on
 the H100 the 3B learner peaked 8-23% above it); with the model's layer sizes and the step's token
-budget it adds what a step adds (:mod:`streamgrpo.learner.step_memory`: the optimizer step's
+budget it adds what a step adds (:mod:`streamgrpo.learner.memory.step`: the optimizer step's
 temporaries, the micro-batch's activations, the chunked logits, the reference's forward), each a
 named part, calibrated within 10% of measured peaks. CUDA workspace and allocator fragmentation
 still come on top. A plan over the device's memory cannot fit, and :func:`check_fits` refuses it in
@@ -34,9 +34,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamgrpo.learner.memory_placement import Placement
-from streamgrpo.learner.step_memory import Workload, step_memory, workload
-from streamgrpo.models.params import ModelShape, ParamCounts
+from streamgrpo.learner.distributed import local_world_size
+from streamgrpo.learner.memory.placement import Placement
+from streamgrpo.learner.memory.step import Workload, step_memory, workload
+from streamgrpo.models.params import ModelShape, ParamCounts, count_params, model_shape
 
 GiB = 1024 ** 3
 
@@ -49,7 +50,7 @@ class MemoryPlanError(ValueError):
 class MemoryPlan:
     """Bytes per rank by part: on the training device, and on the host (ZeRO offload to CPU); the
     static parts (``device``, ``host``) and what a step adds (``step``, ``step_host``: see
-    :mod:`streamgrpo.learner.step_memory`; empty when the plan is static only)."""
+    :mod:`streamgrpo.learner.memory.step`; empty when the plan is static only)."""
 
     device: dict[str, float] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
@@ -90,7 +91,7 @@ def plan_memory(counts: ParamCounts, place: Placement, shape: ModelShape | None 
                 work: Workload | None = None) -> MemoryPlan:
     """The bytes of one learner rank: the static parts (see the module docstring for the rules), and
     with the model's ``shape`` and the step's ``work`` what a step adds
-    (:func:`~streamgrpo.learner.step_memory.step_memory`)."""
+    (:func:`~streamgrpo.learner.memory.step.step_memory`)."""
     static = _static_plan(counts, place)
     if shape is None or work is None:
         return static
@@ -221,8 +222,7 @@ def host_memory_bytes() -> float:
 
 def plan_for(cfg: Any, world_size: int = 1) -> tuple[ParamCounts, Placement, MemoryPlan]:
     """The counts (the model built on the meta device), placement and full plan (static parts and the
-    step's, :mod:`streamgrpo.learner.step_memory`) of a config's learner rank."""
-    from streamgrpo.models.params import count_params, model_shape
+    step's, :mod:`streamgrpo.learner.memory.step`) of a config's learner rank."""
 
     counts = count_params(cfg)
     shape = model_shape(cfg)
@@ -242,7 +242,6 @@ def preflight(cfg: Any, device: Any, world_size: int = 1) -> MemoryPlan:
 
     import torch
 
-    from streamgrpo.learner.distributed import local_world_size
 
     counts, _, plan = plan_for(cfg, world_size)
     device = torch.device(device)

@@ -86,8 +86,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamgrpo.models.attention import choose, is_rocm
+
 if TYPE_CHECKING:
-    from streamgrpo.learner.memory_placement import Placement
+    from streamgrpo.learner.memory.placement import Placement
     from streamgrpo.models.params import ModelShape, ParamCounts
 
 PROMPT_TEXT_TOKENS = 128
@@ -155,7 +157,6 @@ def decoder_attention(cfg: Any, flash_attn: bool | None = None) -> str:
     whether it imports here)."""
     import importlib.util
 
-    from streamgrpo.models.attention import choose, is_rocm
 
     if flash_attn is None:
         flash_attn = importlib.util.find_spec("flash_attn") is not None

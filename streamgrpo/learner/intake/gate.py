@@ -14,10 +14,12 @@ import time
 from collections import Counter
 
 from streamgrpo import metrics as M
+from streamgrpo.advantages import is_zero_variance
 from streamgrpo.config import LossConfig
 from streamgrpo.data.cursor import advance
-from streamgrpo.learner.checks import reprocess, token_problem
 from streamgrpo.learner.distributed import DistInfo, share
+from streamgrpo.learner.intake.checks import reprocess, token_problem
+from streamgrpo.learner.intake.media import MediaError, MediaUnavailable, MediaWatch, by_reference
 from streamgrpo.learner.state import Accepted, LearnerState
 
 log = logging.getLogger("streamgrpo.learner")
@@ -29,7 +31,7 @@ class Gate:
     ``loss.drop_zero_variance``), vocabulary, prompt re-processing.
 
     Visuals by reference are decoded and digest-checked by ``media``
-    (:class:`~streamgrpo.learner.media.MediaResolver`) before the prompt is re-processed.
+    (:class:`~streamgrpo.learner.intake.media.MediaResolver`) before the prompt is re-processed.
 
     Refused groups are released (stale, rolled_back, duplicate, zero_variance, mismatch) or
     dead-lettered (invalid, poison, media_missing, media_outside, media_mismatch, size_mismatch),
@@ -39,7 +41,6 @@ class Gate:
 
     def __init__(self, queue, loss: LossConfig, state: LearnerState, audit, processor, vocab_size: int, media=None,
                  media_watch=None, *, max_staleness: int):
-        from streamgrpo.learner.media import MediaWatch
 
         self.queue, self.loss, self.state, self.audit = queue, loss, state, audit
         self.max_staleness = int(max_staleness)  # learner.max_staleness
@@ -61,8 +62,6 @@ class Gate:
                 self.media.discard(d.stream_id)  # a group dropped early: its decode is not needed
 
     def _admit(self, d) -> Accepted | None:
-        from streamgrpo.advantages import is_zero_variance
-        from streamgrpo.learner.media import by_reference
 
         g, state = d.group, self.state
         M.GROUPS.labels(event="consumed").inc()
@@ -97,7 +96,6 @@ class Gate:
     def _resolve(self, d, g):
         """``g`` with its referenced visuals decoded and checked, or None: dead-lettered (the reason
         names the file); :class:`~.media.MediaWatch` decides whether this learner stops instead."""
-        from streamgrpo.learner.media import MediaError
 
         try:
             if self.media is None:
@@ -202,7 +200,6 @@ class CommitNow(Exception):
 def _admit_all(gate: Gate, deliveries, accepted: list[Accepted]):
     """Admit ``deliveries`` into ``accepted``; the :class:`~.media.MediaUnavailable` that stops this rank, if
     any (the deliveries after it stay pending: read again after a restart)."""
-    from streamgrpo.learner.media import MediaUnavailable
 
     for d in deliveries:
         try:
@@ -216,7 +213,6 @@ def _admit_all(gate: Gate, deliveries, accepted: list[Accepted]):
 
 def _stop_together(unusable, ranks) -> None:
     """Raise this rank's :class:`~.media.MediaUnavailable`, or one naming the ranks that stopped."""
-    from streamgrpo.learner.media import MediaUnavailable
 
     if unusable is not None:
         raise unusable

@@ -3,15 +3,15 @@
 At the checkpoint's step boundary every rank (:func:`capture`, the stall): rank 0 creates ``step-N.tmp`` and
 copies the model's weights into its reused host buffers (ZeRO-3: gathers them bucket by bucket, a collective,
 copying each bucket as it comes) and the learner state; every rank runs
-DeepSpeed's own ``save_checkpoint`` with :class:`~streamgrpo.learner.checkpoint.SafeTensorsCheckpointEngine`
+DeepSpeed's own ``save_checkpoint`` with :class:`~streamgrpo.learner.checkpoint.files.SafeTensorsCheckpointEngine`
 capturing, so each state tree this rank would write (its module states, its ZeRO optimizer shard) is copied
 into this rank's host buffers (pinned and reused when on a GPU:
-:class:`~streamgrpo.learner.checkpoint_async.HostBuffers`) instead of being written, and its RNG states are
+:class:`~streamgrpo.learner.checkpoint.background.HostBuffers`) instead of being written, and its RNG states are
 copied. DeepSpeed's collectives in ``save_checkpoint`` run here, in the training thread, on every rank alike.
 
 Then a background thread on every rank (:func:`write_rank`) writes this rank's files under their usual names
 and fsyncs them; it does *not* rename. The ranks agree at step boundaries
-(:class:`~streamgrpo.learner.checkpointing.Checkpointing`): once every rank's files are durable, rank 0 renames
+(:class:`~streamgrpo.learner.checkpoint.commit.Checkpointing`): once every rank's files are durable, rank 0 renames
 ``step-N.tmp`` to ``step-N`` (:func:`finalise`), and only then does each rank commit its groups in Redis. The
 files are the same as a synchronous DeepSpeed checkpoint's, so loading (and resharding) is unchanged.
 
@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from streamgrpo.learner.checkpoint import (
+from streamgrpo.learner.checkpoint.background import HostBuffers, first_failure
+from streamgrpo.learner.checkpoint.files import (
     CheckpointWriteError,
     commit_checkpoint,
     fsync_path,
@@ -48,7 +49,6 @@ from streamgrpo.learner.checkpoint import (
     write_trainer_state,
     write_tree,
 )
-from streamgrpo.learner.checkpoint_async import HostBuffers, first_failure
 from streamgrpo.learner.distributed import DistInfo, gather_json, share
 
 LATEST = "state"
@@ -80,7 +80,7 @@ def part(run: Callable[[], Any]) -> Exception | None:
 def parts_agree(dist: DistInfo, root: str | Path, step: int, error: BaseException | None) -> None:
     """Every rank, after a rank-local part of checkpoint ``step``: return when it succeeded on every rank (one
     all-reduce of an ok flag); else rank 0 removes ``step-N.tmp`` (no rank writes into it any more) and every
-    rank raises the first failing rank's one line (:class:`~streamgrpo.learner.checkpoint.CheckpointWriteError`;
+    rank raises the first failing rank's one line (:class:`~streamgrpo.learner.checkpoint.files.CheckpointWriteError`;
     a failure that is no write error, a bug, is raised with its own traceback on its rank)."""
     if not share(dist, [0.0 if error is None else 1.0])[:, 0].any():
         return
@@ -200,7 +200,7 @@ def write_rank(learner, snap: RankSnapshot) -> Path:
 
 
 def fsync_written_tree(folder: Path) -> None:
-    """Rank 0's :func:`~streamgrpo.learner.checkpoint.fsync_tree` while other ranks still write into ``folder``:
+    """Rank 0's :func:`~streamgrpo.learner.checkpoint.files.fsync_tree` while other ranks still write into ``folder``:
     a file listed and then gone (another rank's ``*.tmp``, renamed into place by :func:`write_tree`) is that
     rank's to fsync; :func:`finalise` fsyncs the whole tree once every rank is done, before the rename."""
     for dirpath, _dirs, files in os.walk(folder, topdown=False):

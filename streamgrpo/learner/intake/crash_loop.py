@@ -5,7 +5,7 @@ restarted learner reads it again and dies again: the run stands still. So each r
 it is about to train (and ``[]`` once the step returns), with a witness of its state; the groups whose visuals are
 decoded outside a step (read-ahead, in the media threads) are marked meanwhile too (the Redis keys:
 :mod:`streamgrpo.transport.queue.crash_marks`). A learner that starts and finds that its predecessor died inside a
-step or decode judges the death (:func:`streamgrpo.learner.death_cause.judge`): its own (it crashed, it ran out of
+step or decode judges the death (:func:`streamgrpo.learner.intake.death_cause.judge`): its own (it crashed, it ran out of
 memory, or the cause is unknown) adds one to each of those groups' counts; a kill from outside (no out-of-memory
 kill, no crash) counts nothing. Then
 
@@ -29,8 +29,8 @@ import contextlib
 import logging
 from pathlib import Path
 
-from streamgrpo.learner.death_cause import Witness, Witnessing
 from streamgrpo.learner.distributed import is_peer_failure
+from streamgrpo.learner.intake.death_cause import Witness, Witnessing
 from streamgrpo.transport.queue.base import QueueError
 
 log = logging.getLogger("streamgrpo.learner")

@@ -1,6 +1,6 @@
 """What the learner refuses as soon as a group is read, before any of its visuals is decoded.
 
-:class:`Screen` wraps the queue a learner rank reads (under :class:`~streamgrpo.learner.media.ReadAhead`,
+:class:`Screen` wraps the queue a learner rank reads (under :class:`~streamgrpo.learner.intake.media.ReadAhead`,
 which starts decoding what it is given): a group over ``learner.max_group_pixels`` /
 ``max_group_tokens`` (:mod:`.limits`) is dead-lettered ``too_large``, one that crash-looped
 (:mod:`.crash_loop`) ``crash_loop``; each one line, counted in ``groups_dropped{reason}``, written to the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from streamgrpo import metrics as M
-from streamgrpo.learner.crash_loop import CrashLoopBreaker
-from streamgrpo.learner.limits import GroupLimits, too_large
+from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
+from streamgrpo.learner.intake.limits import GroupLimits, too_large
 
 log = logging.getLogger("streamgrpo.learner")
 

@@ -163,7 +163,7 @@ def write_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` from its parts: ``weights`` (host copies; None: the model's live ones),
     the optimizer's flat ``(tensors, meta)``, the scheduler's state, the RNG ``(tensors, meta)``; the
-    asynchronous path (:mod:`streamgrpo.learner.checkpoint_async`) calls it from a background thread."""
+    asynchronous path (:mod:`streamgrpo.learner.checkpoint.background`) calls it from a background thread."""
     tmp = staging_dir(ckpt_root, step)
     if weights is None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -437,7 +437,7 @@ def load_tree(path: str | Path, map_location: Any = None) -> Any:
 
 class LazyTensor:
     """A tensor of a :func:`save_tree` file, read on demand: a range of its flattened elements (the per-parameter
-    consolidation of :mod:`streamgrpo.learner.reshard` reads each parameter's fragments of a ZeRO-3 shard this way,
+    consolidation of :mod:`streamgrpo.learner.checkpoint.reshard` reads each parameter's fragments of a ZeRO-3 shard this way,
     never a whole shard)."""
 
     def __init__(self, fh: Any, key: str):
@@ -485,7 +485,7 @@ class SafeTensorsCheckpointEngine:
     ``deepspeed.initialize``; ``engine.save_checkpoint`` / ``engine.load_checkpoint`` then go
     through it on every rank (same file names as DeepSpeed's own engine).
 
-    Capturing (:meth:`capturing`, the asynchronous checkpoints of :mod:`streamgrpo.learner.checkpoint_ranks`):
+    Capturing (:meth:`capturing`, the asynchronous checkpoints of :mod:`streamgrpo.learner.checkpoint.ranks`):
     :meth:`save` copies each state tree's tensors to host buffers and keeps ``(path, tensors, skeleton)`` in
     :attr:`captured` instead of writing; a background thread writes them later with :func:`write_tree`. The
     engine stays coupled for DeepSpeed (:meth:`is_decoupled` is False): DeepSpeed's decoupled protocol commits
@@ -517,7 +517,7 @@ class SafeTensorsCheckpointEngine:
 
     def capturing(self, buffers: Any, failed: BaseException | None = None) -> None:
         """Capture (do not write) the trees of the next saves into ``buffers`` (a
-        :class:`~streamgrpo.learner.checkpoint_async.HostBuffers`), until :meth:`captures` returns them; an error
+        :class:`~streamgrpo.learner.checkpoint.background.HostBuffers`), until :meth:`captures` returns them; an error
         is kept in :attr:`failed` (``failed``: this rank's part failed already: capture nothing more)."""
         self.captured, self._buffers, self._deferring, self.failed = [], buffers, True, failed
 

@@ -1,6 +1,6 @@
 """Why the last learner died: its own doing (a crash, out of memory) or a kill from outside.
 
-The crash-loop breaker (:mod:`streamgrpo.learner.crash_loop`) counts a start against the groups of the step the
+The crash-loop breaker (:mod:`streamgrpo.learner.intake.crash_loop`) counts a start against the groups of the step the
 last learner died in. That is right when the group killed it (a decoder that segfaults, an allocation the
 out-of-memory killer answers) and wrong when someone else did (``kill -9`` by a user, a scheduler, a chaos test):
 four such kills in a row must not dead-letter an innocent group. A dead process cannot say which, so it leaves

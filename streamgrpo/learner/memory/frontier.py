@@ -1,6 +1,6 @@
 """The long-video frontier: the most frames per video a memory plan fits, and the part that limits it (pure).
 
-A plan's parts (:mod:`streamgrpo.learner.memory`, :mod:`streamgrpo.learner.step_memory`) never shrink
+A plan's parts (:mod:`streamgrpo.learner.memory.plan`, :mod:`streamgrpo.learner.memory.step`) never shrink
 as a video gets longer, so the largest frame count whose parts fit a capacity is a bisection over frame
 counts. The part that *limits* is the one that grew most between the smallest video and the frontier
 (the static parts, which do not grow, are the floor every row starts from). ``benchmarks/bench_frontier.py``

@@ -11,8 +11,8 @@ import logging
 
 from streamgrpo import metrics as M
 from streamgrpo.learner.distributed import DistInfo, is_peer_failure
-from streamgrpo.learner.gate import Gate
-from streamgrpo.learner.oom import LearnerOutOfMemory, StepOutOfMemory, shrink_after
+from streamgrpo.learner.intake.gate import Gate
+from streamgrpo.learner.memory.oom import LearnerOutOfMemory, StepOutOfMemory, shrink_after
 from streamgrpo.learner.state import Accepted
 from streamgrpo.learner.step_data import Probe, StepOutput
 from streamgrpo.learner.trainer import Learner
@@ -75,7 +75,7 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
 
 def _train_within_memory(learner: Learner, batch: list[Accepted]) -> StepOutput | None:
     """``learner.train_step(batch)``, retried with half the micro-batch budget while it runs out of
-    memory (:mod:`streamgrpo.learner.oom`); the groups stay this step's, uncommitted, meanwhile."""
+    memory (:mod:`streamgrpo.learner.memory.oom`); the groups stay this step's, uncommitted, meanwhile."""
     while True:
         try:
             return learner.train_step(batch)

@@ -1,6 +1,6 @@
 """Where and in what precision a learner rank keeps each kind of tensor, read from the config (and,
 for the deepspeed backend, its DeepSpeed JSON): what both the static memory plan
-(:mod:`streamgrpo.learner.memory`) and the step's (:mod:`streamgrpo.learner.step_memory`) read."""
+(:mod:`streamgrpo.learner.memory.plan`) and the step's (:mod:`streamgrpo.learner.memory.step`) read."""
 
 from __future__ import annotations
 

@@ -8,13 +8,15 @@ from pathlib import Path
 
 from streamgrpo.config import ConfigError, LearnerConfig
 from streamgrpo.data.cursor import advance
-from streamgrpo.learner.checkpointing import Checkpointing
+from streamgrpo.learner.checkpoint.commit import Checkpointing
+from streamgrpo.learner.checkpoint.files import CheckpointUnusable, latest_checkpoint
 from streamgrpo.learner.distributed import DistInfo, ReadLayout, barrier, broadcast_json, gather_json, share
-from streamgrpo.learner.gate import Gate
+from streamgrpo.learner.intake.gate import Gate
 from streamgrpo.learner.state import LearnerState
 from streamgrpo.learner.trainer import Learner
 from streamgrpo.runtime.jsonl import rewind_jsonl
 from streamgrpo.runtime.run_dir import LEARNER_OUTPUTS, archive_previous
+from streamgrpo.transport.queue.redis_stream import QueueError
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -27,7 +29,6 @@ def start_point(lc: LearnerConfig, run_dir: Path, dist: DistInfo) -> Path | None
     to ``<run_dir>/previous/<time>/``); with neither, the learner refuses (ConfigError) rather than
     start at v0 next to them.
     """
-    from streamgrpo.learner.checkpoint import latest_checkpoint
 
     root = run_dir / "checkpoints"
     if lc.resume and lc.fresh:
@@ -97,8 +98,7 @@ def resume_from(found: Path, learner: Learner, queue, audit_path: Path, run_dir:
 
     A checkpoint that does not load, holds non-finite weights, or is older than the newest step whose
     groups Redis already committed (resuming there would lose what that one trained) is refused with
-    a one-line :class:`~streamgrpo.learner.checkpoint.CheckpointUnusable`."""
-    from streamgrpo.learner.checkpoint import CheckpointUnusable
+    a one-line :class:`~streamgrpo.learner.checkpoint.files.CheckpointUnusable`."""
 
     why = refused = None
     try:
@@ -191,7 +191,6 @@ def adopt_absent_ranks(queue, layout: ReadLayout) -> list[str]:
 def final_checkpoint(dist: DistInfo, gate: Gate, state: LearnerState, saved_step: int, ckpts: Checkpointing) -> None:
     """On a clean stop (every rank here): merge the drops since the last step, wait for a background write and
     commit it, then checkpoint and commit what was trained since the last checkpoint."""
-    from streamgrpo.transport.queue.redis_stream import QueueError
 
     for late in gather_json(dist, {"drops": dict(gate.drops), "at": gate.dropped_at}):  # since the last step, all ranks
         state.dropped.update(late["drops"])

@@ -5,7 +5,7 @@ backward, the optimizer step) runs inside :func:`out_of_memory`. When ``torch.Ou
 escapes the phase on a rank, that rank leaves it; then every rank compares (one all-reduce of three
 numbers, before the next phase's collectives) and, when any rank ran out, every rank raises the
 same :class:`StepOutOfMemory`: the largest failing micro-batch's tokens and sequences. The learner
-(:func:`streamgrpo.learner.poison.guarded_step`) then frees what it can, halves its micro-batch token
+(:func:`streamgrpo.learner.intake.poison.guarded_step`) then frees what it can, halves its micro-batch token
 budget (:func:`halved_budget`; whole groups are cut into runs of their completions when one group is
 over it, down to one sequence) and trains the same groups again, which stay uncommitted meanwhile;
 the next steps keep the smaller budget. When one sequence alone does not fit,
@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from streamgrpo import metrics as M
 from streamgrpo.learner.distributed import share
 from streamgrpo.learner.micro_batches import group_tokens
 
@@ -89,7 +90,6 @@ def free_memory(learner) -> None:
 def shrink_after(learner, oom: StepOutOfMemory) -> int:
     """Halve ``learner.micro_tokens`` after ``oom`` (one warning line, counted); the new budget. Raises
     :class:`LearnerOutOfMemory` when the micro-batch that failed was one sequence."""
-    from streamgrpo import metrics as M
 
     free_memory(learner)
     M.ERRORS.labels(kind="learner_oom").inc()

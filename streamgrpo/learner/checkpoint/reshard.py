@@ -3,7 +3,7 @@
 A checkpoint holds the optimizer state in the layout of the ranks that wrote it: the torch backend
 one ``optimizer.safetensors`` (one process, every parameter), DeepSpeed ZeRO-1/2/3 one flat partition
 per rank and parameter group (``deepspeed/state/*zero_pp_rank_R_*optim_states.pt``, written by
-:class:`~streamgrpo.learner.checkpoint.SafeTensorsCheckpointEngine`). DeepSpeed itself loads only
+:class:`~streamgrpo.learner.checkpoint.files.SafeTensorsCheckpointEngine`). DeepSpeed itself loads only
 its own layout on the same number of ranks. When the ranks (or the backend, or the ZeRO stage)
 differ, the learner instead:
 
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from streamgrpo.learner.checkpoint.files import load_tree, open_tree
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state tensors (besides the fp32 master weight, key ``fp32``)."""
@@ -141,7 +143,6 @@ def merge_zero12_shard(tree: dict[str, Any], wanted: set[str] | None, pieces: di
 def consolidate_zero12(ds_state: Path, shapes: dict[str, torch.Size], wanted: Iterable[str] | None = None) -> ParamStates:
     """The per-parameter state of a ZeRO-1/2 checkpoint (``deepspeed/state``), for the module parameter names
     ``wanted`` (None: all); ``shapes``: module name -> shape. Shards are read one at a time."""
-    from streamgrpo.learner.checkpoint import load_tree
 
     want = None if wanted is None else {DS_PREFIX + n for n in wanted}
     pieces: dict[str, dict[str, list]] = {}
@@ -209,7 +210,6 @@ class Zero3States(ParamStates):
     ``tensors[name]`` a whole one. :meth:`close` when done."""
 
     def __init__(self, ds_state: Path, shapes: dict[str, torch.Size], wanted: Iterable[str] | None = None):
-        from streamgrpo.learner.checkpoint import load_tree, open_tree
 
         self._stack = ExitStack()
         shards = zero_shards(ds_state)

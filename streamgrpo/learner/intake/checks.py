@@ -1,5 +1,5 @@
 """What the learner checks in a decoded group before it trains on it, as functions of the group alone:
-the gate (:mod:`streamgrpo.learner.gate`) and ``streamgrpo queue check`` run the same ones.
+the gate (:mod:`streamgrpo.learner.intake.gate`) and ``streamgrpo queue check`` run the same ones.
 
 In order: every completion token is one the model can embed (else ``invalid``); visuals by reference
 decode to the generator's pixels (``media_missing`` / ``media_mismatch``, :mod:`.media`); the prompt,
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from streamgrpo.data.prompts import processor_inputs
+from streamgrpo.learner.intake.media import MediaError, by_reference
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,6 @@ def prompt_problem(message_ids: Any, learner_ids: Any) -> str | None:
 
 def reprocess(processor, group) -> tuple[Any, Problem | None]:
     """The learner's processor inputs for ``group`` (visuals resolved), and the mismatch if any."""
-    from streamgrpo.data.prompts import processor_inputs
 
     try:
         inputs = processor_inputs(processor, group.prompt_text, group.visuals)
@@ -62,8 +64,7 @@ def reprocess(processor, group) -> tuple[Any, Problem | None]:
 
 def check_group(group, processor, vocab_size: int, media=None) -> tuple[Any, Any, Problem | None]:
     """``(group with visuals resolved, processor inputs, problem)`` after every check above; ``media``
-    (a :class:`~streamgrpo.learner.media.MediaResolver`) resolves references synchronously."""
-    from streamgrpo.learner.media import MediaError, by_reference
+    (a :class:`~streamgrpo.learner.intake.media.MediaResolver`) resolves references synchronously."""
 
     why = token_problem(group, vocab_size)
     if why:
