@@ -1,0 +1,148 @@
+"""Learning that does not depend on luck: the motion demo and the needle recipe over many seeds.
+
+Per task and seed, one training run of the shipped config (``demo-motion``: which way a square moves;
+``demo-needle``: which colour flashed for 2-4 frames in a 256-frame video), one after the other (the
+machine is shared: one run at a time). The data set and the warm-started tiny model are built once per
+task under ``benchmarks/.work/seeds-<task>/`` and every run trains a fresh copy; the seed (``seed=``)
+sets the data order, the sampling and the learner's randomness.
+
+Two drivers:
+
+* ``up`` (default): ``streamgrpo up --config <config> --set seed=<s>`` as a user runs it (2 generators and
+  the learner on this machine, asynchronous: staleness 1-2), capped at ``--cap-s`` seconds or
+  ``--steps`` optimizer steps;
+* ``lockstep``: the in-process, on-policy driver (:mod:`benchmarks.lockstep`): deterministic per seed,
+  one core, no start-up of servers (for diagnosis: a change's effect without the timing noise of ``up``).
+
+Printed per run: the step and seconds (from the end of the first optimizer step) at which the mean
+accuracy of the last 50 trained groups first reaches 0.9, and the final accuracy; per task, how many
+seeds reached 0.9 and the median steps and seconds of those that did. Figures:
+``seeds_<task>_reached`` (seeds at 0.9, against the number of seeds), ``seeds_<task>_median_steps`` and
+``seeds_<task>_median_s``; the per-seed rows are in the result's ``data``
+(``benchmarks/results/bench_seeds.json``).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.bench_seeds [--tasks motion,needle] [--seeds 0-9] \\
+        [--driver up|lockstep] [--steps 600] [--cap-s 600] [--set learner.learning_rate=2e-3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import emit, figure, machine_info, module_argv, write_result
+from benchmarks.loop_runs import (
+    WORK,
+    final_accuracy,
+    prepare_assets,
+    run_parallel,
+    run_up,
+    steps_to_target,
+    time_to_target,
+)
+
+TASKS = {"motion": "demo-motion", "needle": "demo-needle"}
+"""Task name -> shipped config."""
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-9"``, ``"0,3,5"`` or ``"0-2,7"`` -> the seeds, in order (pure)."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds: want distinct seeds >= 0 like 0-9 or 0,3,5 (got {text!r})")
+    return seeds
+
+
+def run_stats(rows: list[dict[str, Any]], wall_s: float | None = None) -> dict[str, Any]:
+    """One run's numbers from its ``metrics.jsonl`` rows (pure)."""
+    t = time_to_target(rows)
+    return {"steps": int(rows[-1]["step"]) if rows else 0, "steps_to_0.9": steps_to_target(rows),
+            "seconds_to_0.9": None if t is None else round(t, 1),
+            "final_accuracy": None if not rows else round(final_accuracy(rows), 3),
+            "wall_s": None if wall_s is None else round(wall_s, 1)}
+
+
+def task_summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """How many seeds reached 0.9, and the median steps and seconds of those that did (pure)."""
+    hit = [r for r in runs.values() if r.get("steps_to_0.9") is not None]
+    return {"seeds": len(runs), "reached": len(hit),
+            "median_steps": statistics.median(r["steps_to_0.9"] for r in hit) if hit else None,
+            "median_s": statistics.median(r["seconds_to_0.9"] for r in hit) if hit else None,
+            "max_steps": max((r["steps_to_0.9"] for r in hit), default=None)}
+
+
+def seed_figures(task: str, summary: dict[str, Any], driver: str) -> list[dict[str, Any]]:
+    """The figures of one task (pure)."""
+    note = f"driver {driver}; median over the seeds that reached 0.9"
+    return [figure(f"seeds_{task}_reached", summary["reached"], summary["seeds"], unit="seeds",
+                   note="seeds whose 50-group accuracy reached 0.9, against the seeds run"),
+            figure(f"seeds_{task}_median_steps", summary["median_steps"], None, unit="steps", note=note),
+            figure(f"seeds_{task}_median_s", summary["median_s"], None, unit="s", note=note)]
+
+
+def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any]:
+    config = TASKS[task]
+    run_dir = WORK / f"seeds-{task}" / "runs" / f"{args.driver}_s{seed}"
+    sets = [f"seed={seed}", *args.set]
+    if args.driver == "up":
+        steps = [f"learner.max_steps={args.steps}"] if args.steps else []
+        run = run_up(f"{task}_s{seed}", run_dir, model=paths["model"], train=paths["train"], config=config,
+                     generators=2, cap_s=args.cap_s, sets=[*sets, *steps])
+        stats = run_stats(run.rows, run.wall_s)
+    else:
+        tail = ["--config", config, "--lag", "0", "--steps", str(args.steps or 600), "--seed", str(seed)]
+        for s in args.set:
+            tail += ["--set", s]
+        argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(paths["model"]),
+                           "--data", str(paths["train"]), *tail)
+        done = run_parallel([(task, run_dir, argv)], 1, args.cap_s)[task]
+        stats = run_stats(done["rows"], done["wall_s"])
+    print(f"# {task} seed {seed}: {json.dumps(stats)}", flush=True)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_seeds", description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="motion,needle", help=f"comma-separated, of {sorted(TASKS)}")
+    ap.add_argument("--seeds", default="0-9", help="e.g. 0-9 or 0,3,5")
+    ap.add_argument("--driver", choices=("up", "lockstep"), default="up")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="optimizer steps per run (up: learner.max_steps, default the config's; lockstep: 600)")
+    ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap per run (start-up included)")
+    ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        ap.error(f"--tasks: unknown {unknown or 'none given'}; choose from {sorted(TASKS)}")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        ap.error(str(exc))
+    t0 = time.time()
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    figs = []
+    for task in tasks:
+        paths = prepare_assets(WORK / f"seeds-{task}", config=TASKS[task])
+        runs[task] = {seed: one_run(task, seed, paths, args) for seed in seeds}
+        summary = task_summary(runs[task])
+        print(f"# {task}: {summary['reached']}/{summary['seeds']} seeds reached 0.9; median "
+              f"{summary['median_steps']} steps, {summary['median_s']} s (slowest {summary['max_steps']} steps)",
+              flush=True)
+        figs += [emit(f) for f in seed_figures(task, summary, args.driver)]
+    write_result("bench_seeds", figs, machine_info(), vars(args),
+                 {"runs": runs, "wall_s": round(time.time() - t0)}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
