@@ -30,14 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit, figure, machine_info, module_argv, write_result
+from benchmarks.bench_motion import probe_accuracy
+from benchmarks.common import ROOT, emit, figure, machine_info, module_argv, write_result
 from benchmarks.loop_runs import (
     WORK,
+    bench_env,
     final_accuracy,
     prepare_assets,
     run_parallel,
@@ -55,6 +58,8 @@ def parse_seeds(text: str) -> list[int]:
     seeds: list[int] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         lo, sep, hi = part.partition("-")
+        if sep and (not lo or int(hi) < int(lo)):
+            raise ValueError(f"--seeds: {part!r} is no range of seeds (want e.g. 0-9)")
         seeds += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ValueError(f"--seeds: want distinct seeds >= 0 like 0-9 or 0,3,5 (got {text!r})")
@@ -88,6 +93,23 @@ def seed_figures(task: str, summary: dict[str, Any], driver: str) -> list[dict[s
             figure(f"seeds_{task}_median_s", summary["median_s"], None, unit="s", note=note)]
 
 
+def needle_ablation(run_dir: Path, data_dir: Path, cap_s: float = 900.0) -> dict[str, float | None]:
+    """Greedy held-out accuracy of ``run_dir``'s last checkpoint on the needle test videos and on the same
+    videos with the flash's frames cut out (``test_cut.jsonl``): the drop is what the flash is worth."""
+    out: dict[str, float | None] = {}
+    for name, records in (("held_out", "test.jsonl"), ("cut", "test_cut.jsonl")):
+        argv = [sys.executable, "-m", "streamgrpo", "eval", "--model", str(run_dir), "--data", str(data_dir / records),
+                "--config", "demo-needle", "--out", str(run_dir / f"eval-{name}")]
+        done = subprocess.run(argv, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=cap_s)
+        if done.returncode != 0:
+            print(f"# eval of {run_dir} on {records} failed (exit {done.returncode}): {done.stderr[-1500:]}", flush=True)
+            out[name] = None
+            continue
+        result = json.loads((run_dir / f"eval-{name}" / "eval.json").read_text())
+        out[name] = probe_accuracy(result, kind="needle")["ordered"]
+    return out
+
+
 def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any]:
     config = TASKS[task]
     run_dir = WORK / f"seeds-{task}" / "runs" / f"{args.driver}_s{seed}"
@@ -97,6 +119,8 @@ def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any
         run = run_up(f"{task}_s{seed}", run_dir, model=paths["model"], train=paths["train"], config=config,
                      generators=2, cap_s=args.cap_s, sets=[*sets, *steps])
         stats = run_stats(run.rows, run.wall_s)
+        if task == "needle" and args.ablation:
+            stats.update(needle_ablation(run_dir, paths["train"].parent))
     else:
         tail = ["--config", config, "--lag", "0", "--steps", str(args.steps or 600), "--seed", str(seed)]
         for s in args.set:
@@ -118,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="optimizer steps per run (up: learner.max_steps, default the config's; lockstep: 600)")
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap per run (start-up included)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--ablation", action="store_true",
+                    help="needle, driver up: greedy held-out accuracy after each run, and with the flash cut out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

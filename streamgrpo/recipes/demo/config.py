@@ -19,7 +19,7 @@ from streamgrpo.sections import Section
 
 class DemoConfig(Section):
     task: Literal["clips", "needle"] = "clips"
-    """Which synthetic data set demo.make_data makes: `clips` (the colour and motion demos' short clips of a moving square) or `needle` (streamgrpo/recipes/needle: demo.frames-frame videos where one coloured square flashes for 2-4 frames; `demo-needle`)."""
+    """Which synthetic data set demo.make_data makes: `clips` (the colour and motion demos' short clips of a moving square) or `needle` (streamgrpo/recipes/needle: demo.frames-frame videos where one coloured square flashes for 4-8 frames; `demo-needle`)."""
     frames: int = Field(256, ge=8, le=4096)
     """Frames per video of the `needle` data set."""
     make_data: bool = False

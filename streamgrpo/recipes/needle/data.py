@@ -2,7 +2,7 @@
 
 Every video has ``frames`` frames (256 by default) of ``size`` x ``size`` pixels: a grey background and a
 dark-grey square that drifts across the whole video (a distractor with no colour). Somewhere in it, at a
-random time, a coloured square flashes for 2-4 frames (the *needle*); nothing else in the video is coloured.
+random time, a coloured square flashes for 4-8 frames (the *needle*); nothing else in the video is coloured.
 The question: "What colour is the square that flashes? (A) red (B) green (C) blue", so a model that does not
 find those frames gets 1/3 at best, and a model that samples 16 frames of the 256 misses the needle most of
 the time.
@@ -30,10 +30,11 @@ import numpy as np
 from streamgrpo.recipes.demo.data import BACKGROUND, COLOUR_OPTIONS, COLOURS, write_jsonl, write_mp4
 
 NEEDLE_FPS = 8
-NEEDLE_LENGTHS = (2, 3, 4)
-"""How many frames the needle lasts (drawn uniformly)."""
-DISTRACTOR = 64
-"""Grey level of the drifting square (no colour: only the needle has one)."""
+NEEDLE_LENGTHS = (4, 5, 6, 7, 8)
+"""How many frames the needle lasts (drawn uniformly): 2-4 of the 128 video tokens. A model that samples 16 evenly
+spaced frames of the 256 sees it in 24-47% of the videos."""
+DISTRACTOR = 112
+"""Grey level of the drifting square: no colour, and faint (the needle is the one strong signal in the video)."""
 QUESTION = f"What colour is the square that flashes? {COLOUR_OPTIONS}. Answer with the option letter."
 
 
@@ -55,8 +56,8 @@ class NeedleSpec:
 
 
 def square_sides(size: int) -> tuple[int, int]:
-    """Sides of the needle (over half the frame) and of the distractor (a quarter)."""
-    return max(2, round(size * 0.6)), max(2, size // 4)
+    """Sides of the needle (most of the frame) and of the distractor (a quarter)."""
+    return max(2, round(size * 0.8)), max(2, size // 4)
 
 
 def needle_spec(rng: np.random.Generator, frames: int = 256, size: int = 28) -> NeedleSpec:
