@@ -14,6 +14,10 @@ Two drivers:
 * ``lockstep``: the in-process, on-policy driver (:mod:`benchmarks.lockstep`): deterministic per seed,
   one core, no start-up of servers (for diagnosis: a change's effect without the timing noise of ``up``).
 
+A run of ``up`` stops ``--stop-after`` steps (50) after it reached 0.9 (the rest would only confirm it).
+With ``--ablation`` (needle), each run's last checkpoint answers the held-out videos greedily, and the same
+videos with the flash's frames cut out (``test_cut.jsonl``): ``held_out`` and ``cut`` in its row.
+
 Printed per run: the step and seconds (from the end of the first optimizer step) at which the mean
 accuracy of the last 50 trained groups first reaches 0.9, and the final accuracy; per task, how many
 seeds reached 0.9 and the median steps and seconds of those that did. Figures:
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,10 +47,12 @@ from benchmarks.loop_runs import (
     WORK,
     bench_env,
     final_accuracy,
+    fresh_run_dir,
     prepare_assets,
+    read_jsonl,
     run_parallel,
-    run_up,
     steps_to_target,
+    stop_by_pid,
     time_to_target,
 )
 
@@ -110,15 +117,48 @@ def needle_ablation(run_dir: Path, data_dir: Path, cap_s: float = 900.0) -> dict
     return out
 
 
+def past_target(rows: list[dict[str, Any]], stop_after: int | None) -> bool:
+    """True once the run reached 0.9 and trained ``stop_after`` steps more (pure; None: never)."""
+    hit = steps_to_target(rows) if stop_after is not None and rows else None
+    return hit is not None and int(rows[-1]["step"]) >= hit + stop_after
+
+
+def up_until_target(run_dir: Path, *, model: Path, train: Path, config: str, sets: list[str], cap_s: float,
+                    stop_after: int | None) -> tuple[list[dict[str, Any]], float]:
+    """``streamgrpo up`` on a fresh copy of ``model``, stopped by PID (SIGINT: it stops its children, the learner
+    saves its last checkpoint) at ``cap_s`` seconds or ``stop_after`` steps past 0.9; its rows and wall time."""
+    model_copy = fresh_run_dir(run_dir, model)
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", config, "--run-dir", str(run_dir), "--generators", "2"]
+    for s in [f"model.name_or_path={model_copy}", "demo.tiny_model=false", f"data.train_path={train}",
+              "demo.make_data=false", "learner.save_steps=100000", "eval.enabled=false", *sets]:
+        argv += ["--set", s]
+    t0 = time.time()
+    with open(run_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=bench_env(), cwd=ROOT)
+        try:
+            while proc.poll() is None:
+                time.sleep(5)
+                if time.time() - t0 > cap_s or past_target(read_jsonl(run_dir / "metrics.jsonl"), stop_after):
+                    stop_by_pid(proc)
+        except BaseException:
+            stop_by_pid(proc)
+            raise
+    return read_jsonl(run_dir / "metrics.jsonl"), time.time() - t0
+
+
 def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any]:
     config = TASKS[task]
     run_dir = WORK / f"seeds-{task}" / "runs" / f"{args.driver}_s{seed}"
     sets = [f"seed={seed}", *args.set]
     if args.driver == "up":
         steps = [f"learner.max_steps={args.steps}"] if args.steps else []
-        run = run_up(f"{task}_s{seed}", run_dir, model=paths["model"], train=paths["train"], config=config,
-                     generators=2, cap_s=args.cap_s, sets=[*sets, *steps])
-        stats = run_stats(run.rows, run.wall_s)
+        rows = read_jsonl(run_dir / "metrics.jsonl") if args.reuse and (run_dir / "summary.json").exists() else []
+        wall = None
+        if not rows:
+            rows, wall = up_until_target(run_dir, model=paths["model"], train=paths["train"], config=config,
+                                         sets=[*sets, *steps], cap_s=args.cap_s,
+                                         stop_after=None if args.stop_after < 0 else args.stop_after)
+        stats = run_stats(rows, wall)
         if task == "needle" and args.ablation:
             stats.update(needle_ablation(run_dir, paths["train"].parent))
     else:
@@ -142,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="optimizer steps per run (up: learner.max_steps, default the config's; lockstep: 600)")
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap per run (start-up included)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--stop-after", type=int, default=50,
+                    help="up: stop a run this many steps after it reached 0.9 (-1: run to --steps or --cap-s)")
+    ap.add_argument("--reuse", action="store_true", help="up: score a finished run (summary.json) instead of rerunning")
     ap.add_argument("--ablation", action="store_true",
                     help="needle, driver up: greedy held-out accuracy after each run, and with the flash cut out")
     ap.add_argument("--out", default=None)
@@ -154,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:
         ap.error(str(exc))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed by PID: the run in flight is stopped too
     t0 = time.time()
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     figs = []

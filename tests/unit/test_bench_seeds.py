@@ -34,3 +34,12 @@ def test_the_summary_counts_the_seeds_that_reached_it_and_takes_their_median():
     assert summary["reached"] == 3 and summary["seeds"] == 4
     assert summary["median_steps"] == 200 and summary["median_s"] == 70.0 and summary["max_steps"] == 300
     assert task_summary({0: {"steps_to_0.9": None}})["median_steps"] is None
+
+
+def test_a_run_is_stopped_only_once_it_has_trained_past_the_target():
+    from benchmarks.bench_seeds import past_target
+
+    rows = _rows([[0.25] * 8] * 5 + [[1.0] * 8] * 10)  # 0.9 at step 11, 15 steps in all
+    assert past_target(rows, 4) and past_target(rows, 0)
+    assert not past_target(rows, 5) and not past_target(rows, None) and not past_target([], 0)
+    assert not past_target(_rows([[0.5] * 8] * 20), 0)
