@@ -18,7 +18,8 @@ A run of ``up`` stops ``--stop-after`` steps (50) after it reached 0.9 (the rest
 With ``--ablation`` (needle), each run's last checkpoint answers the held-out videos greedily, and the same
 videos with the flash's frames cut out (``test_cut.jsonl``): ``held_out`` and ``cut`` in its row.
 
-Printed per run: the step and seconds (from the end of the first optimizer step) at which the mean
+Printed per run: the step at which the run left chance (``steps_to_0.5``: the 50-group accuracy at 0.5, the
+motion demo's order-blind ceiling), the step and seconds (from the end of the first optimizer step) at which the mean
 accuracy of the last 50 trained groups first reaches 0.9, and the final accuracy; per task, how many
 seeds reached 0.9 and the median steps and seconds of those that did. Figures:
 ``seeds_<task>_reached`` (seeds at 0.9, against the number of seeds), ``seeds_<task>_median_steps`` and
@@ -76,7 +77,8 @@ def parse_seeds(text: str) -> list[int]:
 def run_stats(rows: list[dict[str, Any]], wall_s: float | None = None) -> dict[str, Any]:
     """One run's numbers from its ``metrics.jsonl`` rows (pure)."""
     t = time_to_target(rows)
-    return {"steps": int(rows[-1]["step"]) if rows else 0, "steps_to_0.9": steps_to_target(rows),
+    return {"steps": int(rows[-1]["step"]) if rows else 0, "steps_to_0.5": steps_to_target(rows, target=0.5),
+            "steps_to_0.9": steps_to_target(rows),
             "seconds_to_0.9": None if t is None else round(t, 1),
             "final_accuracy": None if not rows else round(final_accuracy(rows), 3),
             "wall_s": None if wall_s is None else round(wall_s, 1)}
