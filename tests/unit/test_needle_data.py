@@ -73,3 +73,16 @@ def test_make_needle_writes_videos_whose_flash_is_where_the_record_says(tmp_path
         assert f"({'ABC'[list(COLOURS).index(colour)]}) {colour}" in rec["conversations"][1]["value"]
     again = make_needle(tmp_path / "e", n=12, seed=5, frames=64, size=28)  # same seed, same records
     assert (again / "train.jsonl").read_text() == (root / "train.jsonl").read_text()
+
+
+def test_the_demo_recipe_makes_the_needle_set_when_its_config_asks(tmp_path):
+    from streamgrpo.recipes.demo.config import DemoConfig
+    from streamgrpo.recipes.demo.data import prepare_data
+
+    demo = DemoConfig(task="needle", make_data=True, size=10, frames=16)
+    train = tmp_path / "needle" / "train.jsonl"
+    assert prepare_data(demo, train) and not prepare_data(demo, train)  # made once, then left alone
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    assert len(rows) == 10 and {r["meta"]["kind"] for r in rows} == {"needle"}
+    assert (tmp_path / "needle" / "test_cut.jsonl").exists()
+    assert not prepare_data(DemoConfig(task="needle", size=10), tmp_path / "off" / "train.jsonl")  # make_data off
