@@ -31,7 +31,8 @@ BATCH = 16
 EVAL_EVERY = 25
 
 
-def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: list[str]) -> dict[str, Any]:
+def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: list[str],
+          config: str = "demo-motion", kind: str = "direction") -> dict[str, Any]:
     """One supervised run; returns {"accs": [...every EVAL_EVERY steps], "hit": step or None, "seconds"}."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -44,8 +45,8 @@ def probe(model_dir: Path, train: Path, seed: int, steps: int, lr: float, sets: 
     from streamgrpo.models.loading import load_processor
     from streamgrpo.recipes.demo.warm import append_tokens
 
-    cfg = load_config("demo-motion", [f"data.train_path={train}", "demo.make_data=false", *sets])
-    records = [r for r in load_records(train, cfg.data) if r.kind == "direction"]
+    cfg = load_config(config, [f"data.train_path={train}", "demo.make_data=false", *sets])
+    records = [r for r in load_records(train, cfg.data) if r.kind == kind]
     rng = random.Random(seed)
     torch.manual_seed(seed)
     rng.shuffle(records)
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--set", action="append", default=[], help="config overrides (data.min_pixels=..., ...)")
+    ap.add_argument("--config", default="demo-motion", help="demo-needle: the needle recipe (with its --model/--data)")
+    ap.add_argument("--kind", default="direction", help="question kind to train and test on (needle for demo-needle)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not (Path(args.model) / "config.json").exists():
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     runs = {}
     for seed in seeds:
-        runs[seed] = probe(Path(args.model), Path(args.data), seed, args.steps, args.lr, args.set)
+        runs[seed] = probe(Path(args.model), Path(args.data), seed, args.steps, args.lr, args.set, args.config, args.kind)
         print(f"# seed {seed}: hit 0.9 at step {runs[seed]['hit']}; accuracy every {EVAL_EVERY} steps "
               f"{runs[seed]['accs']} ({runs[seed]['seconds']} s)", flush=True)
     reached = sum(1 for r in runs.values() if r["hit"] is not None)

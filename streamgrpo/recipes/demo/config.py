@@ -18,6 +18,10 @@ from streamgrpo.sections import Section
 
 
 class DemoConfig(Section):
+    task: Literal["clips", "needle"] = "clips"
+    """Which synthetic data set demo.make_data makes: `clips` (the colour and motion demos' short clips of a moving square) or `needle` (streamgrpo/recipes/needle: demo.frames-frame videos where one coloured square flashes for 4-8 frames; `demo-needle`)."""
+    frames: int = Field(256, ge=8, le=4096)
+    """Frames per video of the `needle` data set."""
     make_data: bool = False
     """Create the synthetic demo data set in data.train_path's directory when data.train_path does not exist."""
     size: int = Field(2000, ge=10, le=1_000_000)
