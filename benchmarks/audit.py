@@ -17,11 +17,12 @@ in the stream, and the trained set in Redis (what was committed). :func:`tally` 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from streamgrpo.runtime.jsonl import read_rows
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,7 @@ class RunAudit:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSON-lines file; a torn last line (a process killed mid-write) is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return read_rows(path)[0]
 
 
 def tally(produced_rows: list[dict], learner_rows: list[dict], dead_ids: set[str], queued_ids: set[str],

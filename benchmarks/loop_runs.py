@@ -34,6 +34,7 @@ from streamgrpo.runtime.accuracy import (  # noqa: F401 - the benchmarks' vocabu
     group_accuracies,
     target_reached,
 )
+from streamgrpo.runtime.jsonl import read_rows
 
 WORK = ROOT / "benchmarks" / ".work"
 BENCH_STEPS = 100
@@ -155,16 +156,7 @@ def summarise_rows(rows: Sequence[dict[str, Any]], target: float = TARGET_ACCURA
 
 # --------------------------------------------------------------------------------------- files
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a stop
-    return out
+    return read_rows(path)[0]  # a line cut short by a stop is skipped
 
 
 def bench_env(threads: int = 1) -> dict[str, str]:

@@ -21,13 +21,14 @@ recorded. Broken lines (a run killed mid-write) are skipped and counted.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from streamgrpo.runtime.jsonl import read_rows
 
 log = logging.getLogger("streamgrpo.report")
 
@@ -37,21 +38,7 @@ SYNC_KEYS = ("weight_sync_s", "weight_sync_seconds", "sync_s")
 # ------------------------------------------------------------------------------------- reading
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
     """(JSON objects, number of unreadable lines) of a JSONL file."""
-    rows, bad = [], 0
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad += 1
-    return rows, bad
+    return read_rows(path)
 
 
 def num(x: Any) -> float | None:

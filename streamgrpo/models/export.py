@@ -36,6 +36,7 @@ from streamgrpo.config import ConfigError, load_config
 from streamgrpo.config.redact import redact_secrets
 from streamgrpo.models.card import model_card
 from streamgrpo.models.lora import load_merged
+from streamgrpo.runtime.jsonl import read_rows
 
 log = logging.getLogger(__name__)
 
@@ -200,21 +201,6 @@ class RunFiles:
                    there(ckpt / "eval" / "eval.md"))
 
 
-def _jsonl(path: Path | None) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (a line cut short by a crash is skipped)."""
-    if path is None:
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
-
-
 def _run_config(path: Path | None) -> tuple[Any, str | None]:
     """(the run's Config or None, its YAML with secrets masked or None)."""
     if path is None:
@@ -233,7 +219,7 @@ def _card_body(files: RunFiles, cfg, trainer_state: dict[str, Any]) -> str:
     step = trainer_state.get("step")
     if cfg is not None:
         state = {"step": step or 0, **(trainer_state.get("learner") or {})}
-        return split_front_matter(model_card(cfg, state, metrics_at(_jsonl(files.metrics), step)))[1]
+        return split_front_matter(model_card(cfg, state, metrics_at(read_rows(files.metrics)[0], step)))[1]
     readme = files.checkpoint / "README.md"
     if readme.is_file() and "streamgrpo" in readme.read_text():
         return split_front_matter(readme.read_text())[1]
@@ -281,7 +267,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, adapter: bool 
     (tmp / "README.md").write_text(export_card(
         body=_card_body(files, cfg, trainer_state), base_model=base_model, adapter=adapter, lora=lora, step=step,
         eval_md=files.eval_md.read_text() if files.eval_md else None,
-        history=eval_history(_jsonl(files.eval_history), version), config_yaml=config_yaml))
+        history=eval_history(read_rows(files.eval_history)[0], version), config_yaml=config_yaml))
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)

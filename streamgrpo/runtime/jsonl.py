@@ -84,3 +84,26 @@ def rewind_jsonl(path: str | Path, step: int) -> int:
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
     return dropped
+
+
+def read_rows(path: str | Path | None) -> tuple[list[dict[str, Any]], int]:
+    """``(the JSON objects of a JSON-lines file, how many non-blank lines were not one)``: a line cut short by a
+    process killed mid-write is skipped and counted. A missing file (or None): no rows."""
+    p = Path(path) if path is not None else None
+    if p is None or not p.is_file():
+        return [], 0
+    rows, bad = [], 0
+    with p.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad += 1
+    return rows, bad
