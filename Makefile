@@ -11,7 +11,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
-PYTEST_ARGS ?=
+# The main pytest run on two workers (pytest-xdist), a module's tests in one worker (its module fixtures built
+# once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are the other's CPU.
+# PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 2 --dist loadscope
 VLLM_PYTEST_ARGS ?=
 
 .PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu

@@ -27,7 +27,7 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 @pytest.fixture(scope="module")
 def groups_by_arch(tiny_model_dir, tiny_qwen3_dir, demo_data_dir):
-    from benchmarks.rollouts import sample_groups
+    from conftest import sampled_groups as sample_groups  # sampled once per session
 
     def sample(model_dir):  # four groups of 6-token completions, four of 3: a second step of another length
         data = Path(demo_data_dir) / "train.jsonl"

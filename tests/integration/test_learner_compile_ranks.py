@@ -40,7 +40,8 @@ TOLERANCES = {"aot_eager": (1e-6, 1e-7), "inductor": (1e-5, 1e-4)}
     pytest.param("inductor", marks=pytest.mark.skipif(not INDUCTOR_ON_CPU, reason="inductor's C++ build of the layer "
                                                       "takes minutes on a 2-core CPU: STREAMGRPO_INDUCTOR_TESTS=1 runs it"))])
 def zero2_run(request, tiny_model_dir, demo_data_dir, tmp_path_factory):
-    from benchmarks.rollouts import sample_groups
+    from conftest import sampled_groups as sample_groups  # sampled once per session
+
     from streamgrpo.runtime.processes import free_port
     from streamgrpo.wire import encode
 

@@ -4,7 +4,8 @@ Real parts: redis-server, real ScoredGroups (demo videos, completions sampled by
 Qwen2.5-VL) put straight into the stream, ``python -m torch.distributed.run`` with two ranks.
 
 * ZeRO-1 through the CLI (``torchrun -m streamgrpo learner``): each group trained exactly once,
-  weights identical on both ranks after every step, merged metrics, a checkpoint without pickles.
+  weights identical on both ranks after every step, merged metrics, a checkpoint without pickles; both
+  ranks killed between checkpoints, then resumed: nothing lost, nothing trained twice.
 * ZeRO-2: stop, resume from the DeepSpeed checkpoint, continue; replaying the same per-rank
   groups through one uninterrupted learner gives bit-identical weights.
 * One process (torch backend) with LoRA and wandb offline, through ``run_learner``.
@@ -100,25 +101,44 @@ def _assert_exactly_once_and_replicas(per_rank: dict[int, list[dict]], ids: list
 
 
 @pytest.mark.slow
-def test_two_zero1_ranks_share_one_stream_through_the_cli(groups, tiny_model_dir, redis_server, redis_ns, tmp_path):
-    from streamgrpo.learner.checkpoint.files import load_tree
+def test_two_zero1_ranks_share_one_stream_through_the_cli_and_resume_after_a_kill(groups, tiny_model_dir, redis_server,
+                                                                                  redis_ns, tmp_path):
+    """Two ZeRO-1 ranks through the CLI: each group trained exactly once, weights identical on both ranks after
+    every step, merged metrics, a checkpoint without pickles. Between checkpoints (after step 3; step 4 waits for
+    groups) kill -9 of both ranks (and torchrun): each rank re-reads and re-trains its own groups trained after the
+    checkpoint; the audit over both ranks' logs finds nothing lost, nothing twice. One run of ranks for what were
+    two tests (a clean run, and the kill): one two-rank start fewer, every assertion of both kept."""
+    from transformers import AutoModelForImageTextToText
 
-    steps = 3
+    from benchmarks.audit import audit_run
+    from streamgrpo.learner.checkpoint.files import load_tree
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    steps = 4
     cfg = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.backend=deepspeed",
                   f"learner.deepspeed_config={DEPLOY / 'zero1.json'}", f"learner.max_steps={steps}",
-                  "learner.replica_check_every=1", "learner.micro_batch_tokens=200")
+                  "learner.save_steps=2", "learner.replica_check_every=1", "learner.micro_batch_tokens=200")
     batch = groups[:steps * 4]
-    _put(redis_server.url, redis_ns, batch)
-    _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), cwd=tmp_path)
-
+    _put(redis_server.url, redis_ns, batch[:12])  # step 4 waits for groups: the kill lands before it
     run = tmp_path / "run"
+    kill_two_ranks_after_step(cfg, tmp_path, run, 3)
+    assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
+    _put(redis_server.url, redis_ns, batch[12:])
+    _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path)
+
     per_rank = _trained_per_rank(run)
-    _assert_exactly_once_and_replicas(per_rank, [g.group_id for g in batch], steps)
+    _assert_exactly_once_and_replicas(per_rank, [g.group_id for g in batch], steps)  # steps 3-4 redone, once
     assert all("weights_checksum" in r for r in per_rank[0])
+    assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [2]
     depth, done = _queue_state(redis_server.url, redis_ns, [g.group_id for g in batch])
     assert depth == 0 and all(done)  # every rank acked and marked its own groups
+    with RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-inspect") as q:
+        audit = audit_run(run, q)
+        assert q.held_count() == 0
+    assert (audit.lost, audit.twice, audit.uncommitted, audit.trained, audit.steps) == (0, 0, 0, 16, steps)
     rows = _jsonl(run / "metrics.jsonl")  # rank 0 only, numbers of both ranks merged
-    assert [r["groups_trained"] for r in rows] == [4, 8, 12] and all(r["ranks"] == 2 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["groups_trained"] for r in rows] == [4, 8, 12, 16] and all(r["ranks"] == 2 for r in rows)
     assert all(r["tokens"] == sum(len(c.token_ids) for g in batch[4 * i:4 * i + 4] for c in g.completions)
                for i, r in enumerate(rows))
     assert all(r["micro_batches"] >= 2 for r in rows)
@@ -132,8 +152,6 @@ def test_two_zero1_ranks_share_one_stream_through_the_cli(groups, tiny_model_dir
     for shard in shards:  # DeepSpeed's files, written by our engine: safetensors, no pickle
         assert load_tree(shard) is not None
     assert (ckpt / "rng-rank0.safetensors").is_file() and (ckpt / "rng-rank1.safetensors").is_file()
-    from transformers import AutoModelForImageTextToText
-
     AutoModelForImageTextToText.from_pretrained(ckpt)  # the gathered model loads with plain transformers
 
 
@@ -193,36 +211,6 @@ def test_one_process_lora_with_wandb_through_run_learner(groups, tiny_model_dir,
     for key in ("grpo/policy_seq_log_prob", "grpo/kl_div", "grpo/format_reward", "grpo/accuracy_reward",
                 "grpo/total_reward", "grpo/advantage", "samples/_type"):
         assert key in logged, key
-
-
-@pytest.mark.slow
-def test_two_ranks_killed_between_checkpoints_resume_and_train_every_group_once(groups, tiny_model_dir, redis_server,
-                                                                               redis_ns, tmp_path):
-    """kill -9 of both DeepSpeed ranks (and torchrun) after a checkpoint: each rank re-reads and re-trains
-    its own groups trained after it; the audit over both ranks' logs finds nothing lost, nothing twice."""
-
-    from benchmarks.audit import audit_run
-    from streamgrpo.transport.queue.redis_stream import RedisQueue
-
-    total = 4
-    cfg = _config(tmp_path, tiny_model_dir, redis_server.url, redis_ns, "learner.backend=deepspeed",
-                  f"learner.deepspeed_config={DEPLOY / 'zero1.json'}", f"learner.max_steps={total}",
-                  "learner.save_steps=2")
-    batch = groups[:total * 4]
-    _put(redis_server.url, redis_ns, batch[:12])  # step 4 waits for groups: the kill lands before it
-    run = tmp_path / "run"
-    kill_two_ranks_after_step(cfg, tmp_path, run, 3)
-    assert (run / "checkpoints" / "step-000002").is_dir() and not (run / "checkpoints" / "step-000004").exists()
-    _put(redis_server.url, redis_ns, batch[12:])
-    _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path)
-    per_rank = _trained_per_rank(run)
-    _assert_exactly_once_and_replicas(per_rank, [g.group_id for g in batch], total)  # steps 3-4 redone, once
-    assert [r["step"] for r in _jsonl(run / "audit" / "learner.jsonl") if r["event"] == "resumed"] == [2]
-    assert [r["step"] for r in _jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
-    with RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-inspect") as q:
-        audit = audit_run(run, q)
-        assert q.held_count() == 0
-    assert (audit.lost, audit.twice, audit.uncommitted, audit.trained, audit.steps) == (0, 0, 0, 16, total)
 
 
 def kill_two_ranks_after_step(cfg: Path, tmp_path: Path, run: Path, step: int) -> None:

@@ -222,9 +222,10 @@ def test_the_rendered_job_runs_on_a_real_slurm_requeues_and_resumes(cluster, tin
         del evals
 
         # 2. the time limit's signal: the script stops the learner (checkpoint), requeues itself
-        before = _steps(run)[-1]
         cluster.run("scancel", "--batch", "--signal=TERM", job_id)
         _wait("the job requeued by its script", lambda: _requeued(cluster, job_id, 1), 300, logs)
+        before = _steps(run)[-1]  # the stopped allocation's last step (read at the signal, a loaded box's learner
+        # trained on past it before it stopped: "resumed" was then true while the job was still pending)
         _wait("training resumed after the first requeue", lambda: _steps(run)[-1] > before + 1 if _steps(run) else
               False, JOB_TIMEOUT_S, logs)
 
