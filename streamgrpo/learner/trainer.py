@@ -72,6 +72,7 @@ from streamgrpo.learner.master_weights import MasterAdamW, trained_tensors
 from streamgrpo.learner.memory.oom import out_of_memory
 from streamgrpo.learner.memory.plan import preflight
 from streamgrpo.learner.micro_batches import (
+    MicroBudget,
     cut_to,
     fresh_token_mask,
     group_tokens,
@@ -205,8 +206,7 @@ class Learner(WeightsOut, CheckpointIO):
                 self.ref = deepspeed.initialize(model=self.ref, config=ref_ds, dist_init_required=True)[0].module
         self.zero_stage = int(self.engine.zero_optimization_stage()) if self.engine is not None else 0
         self._mixed_temperatures_logged = False
-        self.micro_tokens = lc.micro_batch_tokens  # halved after an out-of-memory step (every rank alike)
-        self.cut_groups = False  # after running out of memory: a group over the budget is cut into runs of rows
+        self.budget = MicroBudget(lc.micro_batch_tokens)  # halved after an out-of-memory step (every rank alike)
         self.share_vision_trunk = True  # models/vision_trunk.py (same values either way; benchmarks turn it off)
         self.work = LearnerWork.of_learner(model, cfg, device)  # model FLOPs per step, device peak: MFU
 
@@ -318,14 +318,14 @@ class Learner(WeightsOut, CheckpointIO):
         suppress = vision_token_ids(self.processor)
         local_tokens = sum(len(c.token_ids) for a in batch for c in a.group.completions)
         shared = cfg.learner.shared_prompt
-        units, origin = split_groups(batch, self.micro_tokens if self.cut_groups else None, shared_prompt=shared)
-        greedy = split_micro_batches(units, self.micro_tokens, shared_prompt=shared)
+        units, origin = split_groups(batch, self.budget.tokens if self.budget.cut_groups else None, shared_prompt=shared)
+        greedy = split_micro_batches(units, self.budget.tokens, shared_prompt=shared)
         agreed = share(self.dist, [local_tokens, len(greedy)])  # the one all-reduce of the step
         sp = self.seq_parallel.world  # the ranks of a sequence-parallel group hold the same groups: counted once
         global_tokens, n_micro = int(agreed[:, 0].sum()) // sp, int(agreed[:, 1].max())
         if n_micro > len(units):  # another rank cut its groups finer (after running out of memory)
             units, origin = cut_to(units, origin, n_micro)
-        micro = split_micro_batches(units, self.micro_tokens, n_parts=n_micro, shared_prompt=shared)
+        micro = split_micro_batches(units, self.budget.tokens, n_parts=n_micro, shared_prompt=shared)
         dapo = cfg.loss.loss_type == "dapo"
         spec = LossSpec.from_config(cfg.loss, cfg.rollout.max_completion_length)
         unit_adv = {id(u): advs[i][j: j + len(u.group.completions)] for u, (i, j) in zip(units, origin)}
