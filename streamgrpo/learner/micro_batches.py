@@ -1,13 +1,35 @@
 """How one step's groups are cut into micro-batches (pure): whole groups per micro-batch, a token
-budget, one sampling temperature per micro-batch, and an exact count when ranks must agree."""
+budget (:class:`MicroBudget`, which the out-of-memory retry halves), one sampling temperature per micro-batch, and an exact count when ranks must agree."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from streamgrpo.learner.state import Accepted
 
-__all__ = ["cut_to", "group_tokens", "sampling_temperature", "split_groups", "split_micro_batches"]
+__all__ = ["MicroBudget", "cut_to", "group_tokens", "sampling_temperature", "split_groups", "split_micro_batches"]
+
+MIN_BUDGET = 16  # learner.micro_batch_tokens' own lower bound
+
+
+@dataclass
+class MicroBudget:
+    """How a step cuts its groups into micro-batches: at most ``tokens`` tokens a micro-batch (None: no limit,
+    ``learner.micro_batch_tokens`` unset), and whether a group over it is cut into runs of its rows (only after
+    running out of memory). Every rank holds the same; the out-of-memory retry halves it
+    (:mod:`streamgrpo.learner.memory.oom`) and the next steps keep it."""
+
+    tokens: int | None = None
+    cut_groups: bool = False
+
+    def halve(self, failed_tokens: int, failed_rows: int) -> int | None:
+        """After a micro-batch of ``failed_tokens`` tokens in ``failed_rows`` sequences ran out of memory: half of
+        it (a micro-batch always holds at least one sequence), groups cut from now on; the new budget, or None
+        (unchanged) when it was one sequence already."""
+        if failed_rows <= 1:
+            return None
+        self.tokens, self.cut_groups = max(MIN_BUDGET, failed_tokens // 2), True
+        return self.tokens
 
 
 def _temperature_key(a: Accepted):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamgrpo.learner.micro_batches import MicroBudget
+
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, demo_data_dir):
@@ -94,7 +96,7 @@ def test_groups_cut_into_runs_of_rows_train_like_one_batch(groups, tiny_model_di
     sets = ("loss.beta=0.04", f"learner.shared_prompt={str(shared).lower()}")
     whole = _learner(_cfg(tiny_model_dir, tmp_path / "a", *sets))
     cut = _learner(_cfg(tiny_model_dir, tmp_path / "b", *sets))
-    cut.micro_tokens, cut.cut_groups = 16, True  # below one sequence: every sequence alone
+    cut.budget = MicroBudget(16, cut_groups=True)  # below one sequence: every sequence alone
     out_a, grads_a = _step_grads(whole, _accept(groups[:4], whole))
     out_b, grads_b = _step_grads(cut, _accept(groups[:4], cut))
     assert (out_a.micro_batches, out_b.micro_batches) == (1, 16)

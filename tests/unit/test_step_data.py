@@ -223,8 +223,7 @@ def test_micro_batch_budget_counts_the_layout_the_decoder_sees():
 
 
 def test_after_running_out_of_memory_groups_are_cut_into_runs_of_rows_down_to_one_sequence():
-    from streamgrpo.learner.memory.oom import halved_budget
-    from streamgrpo.learner.micro_batches import cut_to, split_groups
+    from streamgrpo.learner.micro_batches import MicroBudget, cut_to, split_groups
 
     # prompt 3 tokens: rows of 3 + 2, 3 + 4, 3 + 2, 3 + 6 tokens (a group of 28)
     batch = [_group("g0", [1.0, 0.0, 1.0, 0.0], [2, 4, 2, 6]), _group("g1", [1.0, 0.0], [2, 2])]
@@ -242,4 +241,6 @@ def test_after_running_out_of_memory_groups_are_cut_into_runs_of_rows_down_to_on
     assert len(more) == 6 and sum(len(u.group.completions) for u in more) == 6 and where[:2] == [(0, 0), (0, 1)]
     with pytest.raises(ValueError):
         cut_to(one, [(0, 0)] * 6, 7)
-    assert halved_budget(1444, 16) == 722 and halved_budget(20, 2) == 16 and halved_budget(500, 1) is None
+    budget = MicroBudget(4096)
+    assert budget.halve(1444, 16) == 722 and (budget.tokens, budget.cut_groups) == (722, True)
+    assert budget.halve(20, 2) == 16 and budget.halve(500, 1) is None and budget.tokens == 16  # one row: unchanged

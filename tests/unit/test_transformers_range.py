@@ -228,7 +228,7 @@ def test_layerwise_activation_checkpointing_on_this_release(tiny_model_dir, ever
     from transformers import AutoModelForImageTextToText
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from streamgrpo.learner.trainer import enable_activation_checkpointing
+    from streamgrpo.learner.building import enable_activation_checkpointing
 
     proc, ref_model = _load(tiny_model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).train()

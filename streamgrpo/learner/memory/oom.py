@@ -6,7 +6,7 @@ escapes the phase on a rank, that rank leaves it; then every rank compares (one 
 numbers, before the next phase's collectives) and, when any rank ran out, every rank raises the
 same :class:`StepOutOfMemory`: the largest failing micro-batch's tokens and sequences. The learner
 (:func:`streamgrpo.learner.intake.poison.guarded_step`) then frees what it can, halves its micro-batch token
-budget (:func:`halved_budget`; whole groups are cut into runs of their completions when one group is
+budget (:meth:`~streamgrpo.learner.micro_batches.MicroBudget.halve`; whole groups are cut into runs of their completions when one group is
 over it, down to one sequence) and trains the same groups again, which stay uncommitted meanwhile;
 the next steps keep the smaller budget. When one sequence alone does not fit,
 :class:`LearnerOutOfMemory` ends the learner with one line naming what would make it fit.
@@ -30,9 +30,6 @@ from streamgrpo.learner.micro_batches import group_tokens
 
 log = logging.getLogger("streamgrpo.learner")
 
-MIN_BUDGET = 16  # learner.micro_batch_tokens' own lower bound
-
-
 class StepOutOfMemory(Exception):
     """Some rank ran out of memory in this step (the same on every rank): retry with a smaller budget."""
 
@@ -43,15 +40,6 @@ class StepOutOfMemory(Exception):
 
 class LearnerOutOfMemory(RuntimeError):
     """One sequence per micro-batch does not fit: a setting must change (one line, exit 1, no traceback)."""
-
-
-def halved_budget(tokens: int, rows: int) -> int | None:
-    """The micro-batch token budget after a micro-batch of ``tokens`` tokens in ``rows`` sequences ran
-    out of memory: half of it (at least one sequence's worth is what a micro-batch always holds);
-    None when it was a single sequence already."""
-    if rows <= 1:
-        return None
-    return max(MIN_BUDGET, tokens // 2)
 
 
 def one_sequence_message(tokens: int) -> str:
@@ -88,16 +76,14 @@ def free_memory(learner) -> None:
 
 
 def shrink_after(learner, oom: StepOutOfMemory) -> int:
-    """Halve ``learner.micro_tokens`` after ``oom`` (one warning line, counted); the new budget. Raises
+    """Halve the learner's micro-batch budget after ``oom`` (one warning line, counted); the new budget. Raises
     :class:`LearnerOutOfMemory` when the micro-batch that failed was one sequence."""
 
     free_memory(learner)
     M.ERRORS.labels(kind="learner_oom").inc()
-    budget = halved_budget(oom.tokens, oom.rows)
+    budget = learner.budget.halve(oom.tokens, oom.rows)  # a group over it is cut into runs of its rows from now on
     if budget is None:
         raise LearnerOutOfMemory(one_sequence_message(oom.tokens))
-    learner.micro_tokens = budget
-    learner.cut_groups = True  # down to one sequence: a group over the budget is cut into runs of its rows
     if learner.dist.is_main:
         log.warning("%s: retrying the step with learner.micro_batch_tokens=%d (kept for the next steps)", oom, budget)
     return budget
