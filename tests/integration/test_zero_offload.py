@@ -67,8 +67,8 @@ def test_zero3_trains_like_zero2(offload_run):
         assert loss_b == pytest.approx(loss_a, abs=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
         assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)  # the partitioned reference gives the same KL
     # ZeRO-3 reduces partitioned gradients in another order than ZeRO-2: after 4 AdamW steps float32 rounding
-    # leaves weights up to 1.2e-5 apart on one AMD EPYC (2026-12-06; under 1e-5 on the CI machine), 100x under
-    # what one step moves them
+    # left weights 1.2e-5 apart on one AMD EPYC (2026-12-06, at the session's start too; under 1e-5 on the CI
+    # machine of 2026-11-28)
     _close(on["weights"], z3["weights"], atol=3e-5)
 
 
