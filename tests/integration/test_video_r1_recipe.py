@@ -116,10 +116,11 @@ def test_video_r1_format_prepares_checks_and_trains_three_steps(tiny_model_dir, 
 
 # --- the recipe README's commands, as written --------------------------------------------------------------
 README = Path(__file__).resolve().parents[2] / "streamgrpo" / "recipes" / "video_r1" / "README.md"
-# What cannot run here, and what stands in: no network (the `hf download` lines: the files are made here), no
+# What cannot run here, and what stands in: no network (the `hf download` lines: the files are made here; `model
+# push`: tests/integration/test_model_export.py pushes to a local server speaking the Hub's API), no
 # training (`up` without --plan), no 7B model and no vLLM on the CPU (the tiny model, the HF engine), and short
 # answers (the tiny random model would write 768 tokens).
-SKIP = ("hf download ", "streamgrpo up --config my.yaml\n")
+SKIP = ("hf download ", "streamgrpo up --config my.yaml\n", "streamgrpo model push ")
 STAND_INS = {"Qwen/Qwen2.5-VL-7B-Instruct": "{tiny}", "--set eval.engine=vllm": "--set eval.engine=hf --max-new-tokens 4"}
 
 

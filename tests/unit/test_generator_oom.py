@@ -93,11 +93,12 @@ def test_the_stop_line_names_every_setting_that_makes_one_prompt_fit():
 
 def test_a_prompt_that_does_not_fit_ends_the_generator_command_in_one_line(monkeypatch, capsys):
     import streamgrpo.cli as cli
+    import streamgrpo.commands.generator as command
 
     def generator(args):
         raise PromptDoesNotFit("generator-0: one prompt does not fit in the rollout engine's memory")
 
-    monkeypatch.setattr(cli, "cmd_generator", generator)
+    monkeypatch.setattr(command, "main", generator)  # what `streamgrpo generator` runs
     assert cli.main(["generator", "--id", "0"]) == cli.FAILED_EXIT
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == "streamgrpo generator: generator-0: one prompt does not fit in the rollout engine's memory"

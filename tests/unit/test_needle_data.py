@@ -77,7 +77,7 @@ def test_make_needle_writes_videos_whose_flash_is_where_the_record_says(tmp_path
 
 def test_the_demo_recipe_makes_the_needle_set_when_its_config_asks(tmp_path):
     from streamgrpo.recipes.demo.config import DemoConfig
-    from streamgrpo.recipes.demo.data import prepare_data
+    from streamgrpo.recipes.demo.tasks import prepare_data
 
     demo = DemoConfig(task="needle", make_data=True, size=10, frames=16)
     train = tmp_path / "needle" / "train.jsonl"

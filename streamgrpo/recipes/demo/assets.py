@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from streamgrpo.recipes.demo.data import prepare_data
+from streamgrpo.recipes.demo.tasks import prepare_data
 
 
 def warm_data_config(cfg):

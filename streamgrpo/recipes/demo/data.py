@@ -244,10 +244,6 @@ def prepare_data(demo: DemoConfig, train_path: str | Path, seed: int = 0, say=No
     train = Path(train_path).expanduser()
     if train.exists() or not demo.make_data:
         return False
-    if demo.task == "needle":  # the long-video recipe's data set (streamgrpo/recipes/needle)
-        from streamgrpo.recipes.needle.data import prepare_needle
-
-        return prepare_needle(demo, train, seed=seed, say=say)
     if say:
         say(f"making the demo data set in {train.parent} ({demo.size} records) ...")
     make_demo(train.parent, n=demo.size, seed=seed, motion=demo.motion)

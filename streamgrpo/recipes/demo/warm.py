@@ -93,7 +93,7 @@ def warm_format(model_dir: str | Path, *, data_cfg=None, seed: int = 0, steps: i
     from streamgrpo.data.video import load_visuals
     from streamgrpo.engines.hf import collate_prompts
     from streamgrpo.models.loading import load_processor
-    from streamgrpo.recipes.demo.data import prepare_data
+    from streamgrpo.recipes.demo.tasks import prepare_data
 
     model_dir = Path(model_dir)
     if data_cfg is None or demo is None:
