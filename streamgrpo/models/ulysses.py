@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from streamgrpo.models.batching import prepare_batch
 from streamgrpo.models.packing import PAD_SEGMENT, block_mask, pack_batch
 from streamgrpo.models.seq_split import SeqSplit
-from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once
+from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once, features_by_kind
 
 NAMES = {"sdpa": "streamgrpo_ulysses_sdpa", "eager": "streamgrpo_ulysses_eager"}
 """The registered attention names, per kernel they wrap."""
@@ -264,24 +264,15 @@ def _embeds(inner: nn.Module, encoded: dict[str, Any], ids: Tensor, split: SeqSp
     """This rank's input embeddings, the vision features of its columns scattered in, and Qwen3-VL's deepstack
     inputs for its columns (``visual_pos_masks``, ``deepstack_visual_embeds``)."""
 
-    cfg = inner.config
     embeds = inner.get_input_embeddings()(split.local(ids, pad_id))
     masks: dict[str, Tensor] = {}
     deep: dict[str, list[Tensor]] = {}
-    for kind, token in (("image", cfg.image_token_id), ("video", cfg.video_token_id)):
-        out = encoded.get(kind)
-        if out is None:
-            continue
-        feats = torch.cat(out.pooler_output, dim=0).to(embeds.device, embeds.dtype)
-        mask = ids == token
-        if int(mask.sum()) != feats.shape[0]:
-            raise ValueError(f"{kind} features and {kind} tokens do not match, tokens: {int(mask.sum())}, "
-                             f"features: {feats.shape[0]}")
+    for kind, mask, feats, layers in features_by_kind(inner.config, encoded, ids, embeds):
         local_mask, idx = split.feature_index(mask)
         embeds = embeds.masked_scatter(local_mask[..., None].expand_as(embeds), feats[idx])
         masks[kind] = mask
-        if getattr(out, "deepstack_features", None) is not None:
-            deep[kind] = [torch.cat(layer, dim=0) for layer in out.deepstack_features]
+        if layers is not None:
+            deep[kind] = layers
     extra: dict[str, Any] = {}
     if deep:
         visual, layers = _deepstack_inputs(masks, deep)

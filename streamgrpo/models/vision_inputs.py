@@ -93,6 +93,23 @@ def pixels_per_sequence(batch: TrainBatch, seq_groups: Sequence[int] | None = No
     return out
 
 
+def features_by_kind(cfg: Any, encoded: dict[str, Any], ids: Tensor, like: Tensor):
+    """Per visual kind the encoder outputs hold: ``(kind, its placeholder tokens' mask over ids, its features in
+    order on ``like``'s device and dtype, its deepstack layers or None)``; a count of features that is not the count
+    of placeholder tokens is a ValueError."""
+    for kind, token in (("image", cfg.image_token_id), ("video", cfg.video_token_id)):
+        out = encoded.get(kind)
+        if out is None:
+            continue
+        feats = torch.cat(out.pooler_output, dim=0).to(like.device, like.dtype)
+        mask = ids == token
+        n = int(mask.sum())
+        if n != feats.shape[0]:
+            raise ValueError(f"{kind} features and {kind} tokens do not match, tokens: {n}, features: {feats.shape[0]}")
+        deep = getattr(out, "deepstack_features", None)
+        yield kind, mask, feats, (None if deep is None else [torch.cat(layer, dim=0) for layer in deep])
+
+
 def _deepstack_inputs(masks: dict[str, Tensor], deep: dict[str, list[Tensor]]) -> tuple[Tensor, list[Tensor]]:
     """``visual_pos_masks`` (B, L) and ``deepstack_visual_embeds`` (per layer, (visual tokens, H)),
     images and videos interleaved in token order, as the Qwen3-VL forward builds them."""
@@ -119,23 +136,14 @@ def scatter_forward(inner: nn.Module, encoded: dict[str, Any], *, input_ids: Ten
     embeddings replaced by the features in order, Qwen3-VL's deepstack features added by the language
     model at the visual positions. Returns the language model's output (``last_hidden_state``).
     """
-    cfg = inner.config
     embeds = inner.get_input_embeddings()(input_ids)
     masks: dict[str, Tensor] = {}
     deep: dict[str, list[Tensor]] = {}
-    for kind, token in (("image", cfg.image_token_id), ("video", cfg.video_token_id)):
-        out = encoded.get(kind)
-        if out is None:
-            continue
-        feats = torch.cat(out.pooler_output, dim=0).to(embeds.device, embeds.dtype)
-        mask = input_ids == token
-        n = int(mask.sum())
-        if n != feats.shape[0]:
-            raise ValueError(f"{kind} features and {kind} tokens do not match, tokens: {n}, features: {feats.shape[0]}")
+    for kind, mask, feats, layers in features_by_kind(inner.config, encoded, input_ids, embeds):
         embeds = embeds.masked_scatter(mask[..., None].expand_as(embeds), feats)
         masks[kind] = mask
-        if getattr(out, "deepstack_features", None) is not None:
-            deep[kind] = [torch.cat(layer, dim=0) for layer in out.deepstack_features]
+        if layers is not None:
+            deep[kind] = layers
     lm = inner.language_model
     kw: dict[str, Any] = dict(input_ids=None, inputs_embeds=embeds, attention_mask=attention_mask,
                               position_ids=position_ids)

@@ -99,6 +99,9 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int |
         return None
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port returned in this process (none is returned twice)
+
+
 def free_port(host: str = "127.0.0.1", *, tries: int = 50) -> int:
     """A TCP port that was free a moment ago on ``host``, for a server that another process will start.
 
@@ -125,5 +128,3 @@ def free_port(host: str = "127.0.0.1", *, tries: int = 50) -> int:
             return got
     raise OSError(f"no free TCP port on {host}")
 
-
-_HANDED_OUT: set[int] = set()  # ports free_port returned in this process (none is returned twice)
