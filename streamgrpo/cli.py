@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 
 from streamgrpo import versions
 from streamgrpo.config import ConfigError, shipped_configs
+from streamgrpo.config.recipes import hooks
+from streamgrpo.config.schema import RECIPES
 
 USAGE_EXIT = 2  # the command line or config is wrong (nothing ran)
 FAILED_EXIT = 1  # the command ran and failed (Redis refused us, unusable data)
@@ -207,11 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-errors", action="store_true", help="exit 0 even when records have errors")
     _add_config_args(p)
     p.set_defaults(run="streamgrpo.commands.data_tools:check")
-    p = data.add_parser("demo", help="make the synthetic demo data set (real mp4 files)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--n", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run="streamgrpo.commands.data_tools:demo")
+    for recipe, make_data in hooks(RECIPES, "make_data"):  # `data demo`: the recipes' synthetic data sets
+        p = data.add_parser(recipe.name, help=(make_data.__doc__ or f"the {recipe.name} recipe's data set").split("\n")[0])
+        p.add_argument("--out", required=True)
+        p.add_argument("--n", type=int, default=2000)
+        p.add_argument("--seed", type=int, default=0)
+        p.set_defaults(run="streamgrpo.commands.data_tools:make", recipe=recipe.name)
 
     queue = sub.add_parser("queue", help="queue tools").add_subparsers(dest="queue_command", metavar="SUBCOMMAND")
     queue.required = True

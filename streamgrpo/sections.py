@@ -1,5 +1,7 @@
-"""What every config section shares: unknown keys are errors, every field is documented by the
-docstring under it, every float rejects NaN and +-inf; and the one error type of a wrong config."""
+"""What every config section shares, the core's (:mod:`streamgrpo.config`) and the recipes' (registered through
+:mod:`streamgrpo.config.recipes`): unknown keys are errors, every field is documented by the docstring under it,
+every float rejects NaN and +-inf; and the one error type of a wrong config. Outside :mod:`streamgrpo.config`
+because a recipe's section is imported while that package builds its schema."""
 
 from __future__ import annotations
 

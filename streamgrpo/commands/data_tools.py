@@ -1,8 +1,11 @@
-"""``streamgrpo data check | demo``: a data set checked record by record; the demo recipe's synthetic clips."""
+"""``streamgrpo data check | <recipe>``: a data set checked record by record; a recipe's synthetic data set
+(``data demo``: the demo's clips)."""
 
 from __future__ import annotations
 
 from streamgrpo.commands.args import load
+from streamgrpo.config.recipes import hooks
+from streamgrpo.config.schema import RECIPES
 from streamgrpo.data.check import run_check
 
 
@@ -10,9 +13,8 @@ def check(args) -> int:
     return run_check(args.path, load(args).data, workers=args.workers, allow_errors=args.allow_errors)
 
 
-def demo(args) -> int:
-    from streamgrpo.recipes.demo.data import make_demo  # the demo recipe's data set
-
-    make_demo(args.out, n=args.n, seed=args.seed)
-    print(f"demo data set written to {args.out}")
+def make(args) -> int:
+    make_data = next(f for r, f in hooks(RECIPES, "make_data") if r.name == args.recipe)
+    make_data(args.out, n=args.n, seed=args.seed)
+    print(f"{args.recipe} data set written to {args.out}")
     return 0

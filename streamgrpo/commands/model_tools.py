@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from streamgrpo.commands.args import load
 from streamgrpo.commands.infer import checkpoint_of
+from streamgrpo.config import ConfigError
+from streamgrpo.config.recipes import hooks
+from streamgrpo.config.schema import RECIPES
 from streamgrpo.models.export import export_checkpoint
 from streamgrpo.models.lora import merge_adapter
 from streamgrpo.models.tiny import build_tiny, write_config
@@ -16,12 +19,12 @@ def tiny(args) -> int:
         return 0
     out = build_tiny(args.out, arch=args.arch, seed=args.seed, size=args.size, layers=args.layers)
     if args.warm_format:
-        from streamgrpo.recipes.demo.assets import warm_data_config  # the demo recipe's warm start
-        from streamgrpo.recipes.demo.warm import warm_format
-
-        cfg = load(args) if args.config else None  # default: the colour demo's prompts
-        warm_format(out, data_cfg=warm_data_config(cfg) if cfg else None, seed=args.seed, steps=args.warm_steps,
-                    letters=cfg.demo.warm_letters if cfg else "uniform", demo=cfg.demo if cfg else None)
+        warm = hooks(RECIPES, "warm_start")
+        if not warm:
+            raise ConfigError("--warm-format: no installed recipe has a warm start (the demo's registers one: "
+                              "pip install -e .)")
+        cfg = load(args) if args.config else None  # default: the recipe's own prompts (the colour demo's)
+        warm[0][1](out, cfg, seed=args.seed, steps=args.warm_steps)
     print(f"{args.size} {args.arch} model (random weights) written to {out}")
     return 0
 

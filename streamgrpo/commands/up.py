@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.commands.args import load
+from streamgrpo.commands.checks import prepare_recipes
 from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 from streamgrpo.config import Config
 from streamgrpo.evaluator.loop import final_version
@@ -311,13 +312,11 @@ def up_outputs(cfg: Config) -> list[str]:
 
 
 def _prepare_run_dir(cfg: Config) -> Path:
-    """The run directory, the demo assets, and (a new run) the previous run's outputs moved aside."""
+    """The run directory, the recipes' assets (the demo's data and tiny model), and (a new run) the previous run's outputs moved aside."""
     rd = Path(cfg.run_dir)
     rd.mkdir(parents=True, exist_ok=True)
     (rd / "logs").mkdir(exist_ok=True)
-    from streamgrpo.recipes.demo.assets import prepare_assets
-
-    prepare_assets(cfg, say=lambda line: print(line, flush=True))
+    prepare_recipes(cfg, model=True, say=lambda line: print(line, flush=True))
     if not cfg.learner.resume:  # a new run: the previous one's outputs (and embedded queue) move to previous/<time>/
         moved = archive_previous(rd, up_outputs(cfg))
         if moved is not None:

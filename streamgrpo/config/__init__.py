@@ -8,7 +8,7 @@ Unknown keys are errors naming the key, value and file.
 """
 
 from streamgrpo.config.aliases import ALIASES, REWARD_WEIGHT_ALIASES
-from streamgrpo.config.base import ConfigError
+from streamgrpo.sections import ConfigError
 from streamgrpo.config.data import DataConfig
 from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig

@@ -1,7 +1,8 @@
 """Seed-era config names (TRL / R1-V / Video-R1 arguments) and where they live in streamgrpo's config.
 
 Pure data; :func:`streamgrpo.config.build_config` applies them with a one-line notice each. :data:`MOVED`
-lists keys that moved between sections (the demo's knobs into the ``demo`` section).
+lists keys that moved between the core's sections (a recipe lists the keys that moved into its own section:
+:mod:`streamgrpo.config.recipes`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,6 @@ ALIASES: dict[str, str] = {
 }
 # Keys that moved to another section: old dotted key -> new one (loaded with a one-line notice).
 MOVED: dict[str, str] = {
-    "model.tiny_if_missing": "demo.tiny_model",
-    "model.warm_pixels": "demo.warm_pixels",
-    "model.warm_letters": "demo.warm_letters",
-    "data.make_demo_if_missing": "demo.make_data",
-    "data.demo_size": "demo.size",
-    "data.demo_motion": "demo.motion",
-    "rollout.weight_apply_delay": "demo.weight_apply_delay",
     "loss.max_staleness": "learner.max_staleness",  # only the learner's intake reads it
 }
 # Seed-era reward weights: they set the weight of the named reward function.

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from streamgrpo.config.base import Section
+from streamgrpo.sections import Section
 
 
 class DataConfig(Section):

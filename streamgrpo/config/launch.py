@@ -9,7 +9,7 @@ from typing import Optional
 
 from pydantic import Field, field_validator
 
-from streamgrpo.config.base import Section
+from streamgrpo.sections import Section
 
 
 class LaunchConfig(Section):

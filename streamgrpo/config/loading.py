@@ -17,11 +17,11 @@ import yaml
 from pydantic import ValidationError
 
 from streamgrpo.config.aliases import ALIASES, MOVED, REWARD_WEIGHT_ALIASES
-from streamgrpo.config.base import ConfigError
+from streamgrpo.sections import ConfigError
 from streamgrpo.config.deepspeed_files import anchor
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
-from streamgrpo.config.schema import Config
+from streamgrpo.config.schema import RECIPES, Config
 
 
 def _notice(msg: str) -> None:
@@ -86,9 +86,13 @@ def _apply_aliases(tree: dict[str, Any], source: str) -> dict[str, Any]:
     return tree
 
 
+# keys that moved to another section: the core's (:data:`MOVED`) and each installed recipe's (into its section)
+ALL_MOVED: dict[str, str] = {**MOVED, **{old: new for r in RECIPES for old, new in r.moved.items()}}
+
+
 def _apply_moves(tree: dict[str, Any], source: str) -> None:
-    """Keys that moved to another section (:data:`MOVED`) go to their new place, with a one-line notice each."""
-    for old, new in MOVED.items():
+    """Keys that moved to another section (:data:`ALL_MOVED`) go to their new place, with a one-line notice each."""
+    for old, new in ALL_MOVED.items():
         section, key = old.split(".")
         node = tree.get(section)
         if isinstance(node, dict) and key in node:
@@ -179,9 +183,9 @@ def build_config(tree: Mapping[str, Any] | None = None, overrides: Iterable[str]
     _apply_moves(tree, source)
     for item in overrides:
         key, value = parse_override(item)
-        if key in MOVED:
-            _notice(f"--set {item}: {key!r} moved to {MOVED[key]!r}")
-            key = MOVED[key]
+        if key in ALL_MOVED:
+            _notice(f"--set {item}: {key!r} moved to {ALL_MOVED[key]!r}")
+            key = ALL_MOVED[key]
         flat = {key: value} if key in ALIASES or key in REWARD_WEIGHT_ALIASES or key == "per_device_train_batch_size" else None
         if flat is not None:
             merged = _apply_aliases(flat, f"--set {item}")

@@ -1,13 +1,14 @@
-"""The root of the config: one pydantic model with a field per section (each section in its own
-module of this package), the checks that span sections, and advice on settings that work against
-each other. No torch here: the CLI loads configs before importing it."""
+"""The root of the config: one pydantic model with a field per section (each core section in its own
+module of this package, each installed recipe's section from its entry point: :mod:`.recipes`), the
+checks that span sections, and advice on settings that work against each other. No torch here: the
+CLI loads configs before importing it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from streamgrpo.config.budget import ADVICE_BYTES, describe, held_bytes
 from streamgrpo.config.data import DataConfig
@@ -18,14 +19,16 @@ from streamgrpo.config.learner import LearnerConfig
 from streamgrpo.config.loss import LossConfig
 from streamgrpo.config.metrics import MetricsConfig
 from streamgrpo.config.model import ModelConfig
+from streamgrpo.config.recipes import load_recipes
 from streamgrpo.config.queue import QueueConfig
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
 from streamgrpo.config.weights import WeightsConfig
-from streamgrpo.recipes.demo.config import DemoConfig
 
 
-class Config(BaseModel):
+class CoreConfig(BaseModel):
+    """The core's sections; :data:`Config` adds the installed recipes' (their hooks: :mod:`.recipes`)."""
+
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
                               allow_inf_nan=False)
 
@@ -45,8 +48,6 @@ class Config(BaseModel):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """The evaluator (`streamgrpo evaluator`): held-out accuracy at the learner's weight versions, while it trains."""
-    demo: DemoConfig = Field(default_factory=DemoConfig)
-    """The demo recipe's knobs (streamgrpo/recipes/demo): its data, its tiny model, the staleness benchmark's delay."""
 
     @field_validator("run_dir")
     @classmethod
@@ -56,7 +57,7 @@ class Config(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _checkpointing_knobs(self) -> Config:
+    def _checkpointing_knobs(self) -> CoreConfig:
         lc = self.learner
         if (lc.checkpoint_every > 1 or lc.checkpoint_offload or lc.checkpoint_matmuls) and not lc.gradient_checkpointing:
             knob = ("checkpoint_every" if lc.checkpoint_every > 1 else
@@ -66,7 +67,7 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _compile_where_it_works(self) -> Config:
+    def _compile_where_it_works(self) -> CoreConfig:
         lc = self.learner
         if lc.compile and lc.backend == "deepspeed":  # a path's stage: at learner start (learner/deepspeed_setup.py)
             stage = shipped_zero_stage(lc.deepspeed_config)
@@ -86,20 +87,20 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _sync_is_on_policy(self) -> Config:
+    def _sync_is_on_policy(self) -> CoreConfig:
         if self.rollout.sync and self.learner.max_staleness:  # on-policy: every group at the learner's version
             self.learner.max_staleness = 0
         return self
 
     @model_validator(mode="after")
-    def _shared_prompt_attention(self) -> Config:
+    def _shared_prompt_attention(self) -> CoreConfig:
         if self.learner.shared_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("learner.shared_prompt needs a custom attention mask: set model.attn_implementation "
                              "to sdpa or eager, or learner.shared_prompt to false")
         return self
 
     @model_validator(mode="after")
-    def _relay_port_is_its_own(self) -> Config:
+    def _relay_port_is_its_own(self) -> CoreConfig:
         port = self.weights.relay_metrics_port
         if port and self.metrics.port and 0 <= port - self.metrics.port < max(1, self.rollout.num_generators):
             raise ValueError(f"weights.relay_metrics_port {port} is a generator's metrics port (metrics.port "
@@ -107,7 +108,7 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _evaluator_needs_records(self) -> Config:
+    def _evaluator_needs_records(self) -> CoreConfig:
         if self.eval.enabled and not self.data.eval_path:
             raise ValueError("eval.enabled needs held-out records: set data.eval_path, or eval.enabled to false")
         return self
@@ -133,5 +134,11 @@ class Config(BaseModel):
         return yaml.safe_dump(self.to_dict(redact), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "launch", "eval",
-            "demo")
+CORE_SECTIONS = ("model", "data", "rollout", "rewards", "loss", "learner", "queue", "weights", "metrics", "launch",
+                 "eval")
+RECIPES = load_recipes(CORE_SECTIONS)
+Config = create_model(
+    "Config", __base__=CoreConfig, __module__=__name__,
+    **{r.name: (r.section, Field(default_factory=r.section, description=r.doc)) for r in RECIPES})
+Config.__doc__ = "The whole config: the core's sections and a section per installed recipe."
+SECTIONS = CORE_SECTIONS + tuple(r.name for r in RECIPES)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from streamgrpo.config.base import ConfigError
+from streamgrpo.sections import ConfigError
 from streamgrpo.config.reference import _item_model_of, _model_of
 from streamgrpo.config.schema import Config
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from streamgrpo.config.recipes import hooks
+from streamgrpo.config.schema import RECIPES
 from streamgrpo.data.prompts import NO_THINK_INSTRUCTION, THINK_INSTRUCTION
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -84,18 +86,13 @@ _WORDS = (
 
 
 def _corpus() -> list[str]:
-    """Chat/template pieces, the prompt instructions and the demo questions, repeated so that BPE
+    """Chat/template pieces, the prompt instructions and the installed recipes' phrases (the demo's questions), repeated so that BPE
     gives their words single tokens (short prompts keep the CPU demo fast)."""
-    from streamgrpo.recipes.demo.data import COLOUR_OPTIONS, DIRECTION_OPTIONS
-
     phrases = [
         THINK_INSTRUCTION.format(think=t, answer="answer") for t in ("think", "reasoning")
     ] + [
         NO_THINK_INSTRUCTION.format(answer="answer"),
-        f"What colour is the moving square? {COLOUR_OPTIONS}. Answer with the option letter.",
-        f"Which direction does the square move? {DIRECTION_OPTIONS}. Answer with the option letter.",
-        "In what percentage of the frames is the centre of the square in the left half? Answer with a number.",
-        "Which video shows a red square? (1) (2) (3) (4). Answer with the option number.",
+        *[phrase for _, phrases_of in hooks(RECIPES, "tokenizer_phrases") for phrase in phrases_of()],
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
         "<|im_end|>\n<|im_start|>assistant\n",
     ]

@@ -87,7 +87,7 @@ def test_warm_letters_is_uniform_or_marginal():
 
 
 def test_the_demo_knobs_moved_to_the_demo_section_and_old_keys_still_load(tmp_path, capsys):
-    from streamgrpo.config.aliases import MOVED
+    from streamgrpo.config.loading import ALL_MOVED as MOVED
 
     old = {"model": {"tiny_if_missing": True, "warm_pixels": 3136, "warm_letters": "marginal"},
            "data": {"make_demo_if_missing": True, "demo_size": 40, "demo_motion": "reverse"},

@@ -30,7 +30,7 @@ in code; ``[0]`` matches ``[]``, ``*`` matches a name. Not keys (:data:`NOT_KEYS
 as ``metrics.jsonl``, and attributes of the transformers model (``model.visual.merger``,
 ``model.generate``). Keys below a free-form mapping (``rewards.functions[].params.x``) are the
 mapping's. Old keys that moved to
-another section (:data:`streamgrpo.config.aliases.MOVED`) still load, with a notice, so docs may name
+another section (:data:`streamgrpo.config.loading.ALL_MOVED`) still load, with a notice, so docs may name
 them.
 """
 
@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 from streamgrpo.cli import build_parser, main
-from streamgrpo.config.aliases import MOVED
+from streamgrpo.config.loading import ALL_MOVED as MOVED
 from streamgrpo.config.reference import REGENERATE, config_keys, reference_tables, render_reference
 from streamgrpo.config.schema import SECTIONS
 

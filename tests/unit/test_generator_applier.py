@@ -45,13 +45,15 @@ def test_the_newest_version_is_applied_and_older_ones_skipped():
 
 def test_the_demo_lag_applies_the_version_k_receipts_behind_and_the_plain_applier_has_none():
     from streamgrpo.generator.loop import run_generator
-    from streamgrpo.recipes.demo.config import DemoConfig
-    from streamgrpo.recipes.demo.lag import LaggedApplier, applier_for
+    from streamgrpo.commands.generator import recipe_applier
+    from streamgrpo.config import build_config
+    from streamgrpo.recipes.demo.lag import LaggedApplier
 
-    assert applier_for(DemoConfig()) is WeightApplier
+    # the generator command asks the installed recipes (the demo's hook, found by its entry point)
+    assert recipe_applier(build_config({})) is WeightApplier
     applied = []
     sub = _Subscriber([1, 2, 3])
-    apply = applier_for(DemoConfig(weight_apply_delay=2))(sub, lambda v, t: applied.append(v), _Audit(), "g")
+    apply = recipe_applier(build_config({}, ["demo.weight_apply_delay=2"]))(sub, lambda v, t: applied.append(v), _Audit(), "g")
     assert isinstance(apply, LaggedApplier)
     apply()
     assert applied == [1] and [v for v, _ in apply.pending] == [2, 3] and sub.marked == 0
