@@ -8,7 +8,6 @@ Unknown keys are errors naming the key, value and file.
 """
 
 from streamgrpo.config.aliases import ALIASES, REWARD_WEIGHT_ALIASES
-from streamgrpo.sections import ConfigError
 from streamgrpo.config.data import DataConfig
 from streamgrpo.config.evaluation import EvalConfig
 from streamgrpo.config.launch import LaunchConfig
@@ -22,6 +21,7 @@ from streamgrpo.config.rewards import RewardsConfig, RewardSpec
 from streamgrpo.config.rollout import RolloutConfig, TemporalContrastConfig, VllmConfig
 from streamgrpo.config.schema import SECTIONS, Config
 from streamgrpo.config.weights import WeightsConfig
+from streamgrpo.sections import ConfigError
 
 __all__ = [
     "ALIASES", "REWARD_WEIGHT_ALIASES", "SECTIONS", "Config", "ConfigError", "DataConfig", "EvalConfig", "LaunchConfig", "LearnerConfig", "LossConfig", "LoraConfig", "MetricsConfig",

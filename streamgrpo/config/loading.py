@@ -17,11 +17,11 @@ import yaml
 from pydantic import ValidationError
 
 from streamgrpo.config.aliases import ALIASES, MOVED, REWARD_WEIGHT_ALIASES
-from streamgrpo.sections import ConfigError
 from streamgrpo.config.deepspeed_files import anchor
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
 from streamgrpo.config.schema import RECIPES, Config
+from streamgrpo.sections import ConfigError
 
 
 def _notice(msg: str) -> None:

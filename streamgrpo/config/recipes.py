@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
 
 from streamgrpo.sections import ConfigError, Section
 

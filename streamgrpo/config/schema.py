@@ -19,8 +19,8 @@ from streamgrpo.config.learner import LearnerConfig
 from streamgrpo.config.loss import LossConfig
 from streamgrpo.config.metrics import MetricsConfig
 from streamgrpo.config.model import ModelConfig
-from streamgrpo.config.recipes import load_recipes
 from streamgrpo.config.queue import QueueConfig
+from streamgrpo.config.recipes import load_recipes
 from streamgrpo.config.rewards import RewardsConfig
 from streamgrpo.config.rollout import RolloutConfig
 from streamgrpo.config.weights import WeightsConfig

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from streamgrpo.sections import ConfigError
 from streamgrpo.config.reference import _item_model_of, _model_of
 from streamgrpo.config.schema import Config
+from streamgrpo.sections import ConfigError
 
 _KEY = re.compile(r"^(?P<indent>\s*)(?P<dash>-\s+)?(?P<key>[A-Za-z_][A-Za-z0-9_]*):(?P<rest>.*)$")
 _MAX_COMMENT = 100

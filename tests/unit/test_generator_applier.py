@@ -44,9 +44,9 @@ def test_the_newest_version_is_applied_and_older_ones_skipped():
 
 
 def test_the_demo_lag_applies_the_version_k_receipts_behind_and_the_plain_applier_has_none():
-    from streamgrpo.generator.loop import run_generator
     from streamgrpo.commands.generator import recipe_applier
     from streamgrpo.config import build_config
+    from streamgrpo.generator.loop import run_generator
     from streamgrpo.recipes.demo.lag import LaggedApplier
 
     # the generator command asks the installed recipes (the demo's hook, found by its entry point)
