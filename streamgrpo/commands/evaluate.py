@@ -239,7 +239,8 @@ def evaluate_model(label: str, model: str, adapter: str | None, records, cfg: Co
     rows to ``shuffled_path``; records that failed the first pass are not tried again.
     Returns (name, rows, bad records, shuffled rows or None)."""
 
-    policy = load_policy(model, cfg, adapter, engine=cfg.eval.engine, records=records)
+    policy = load_policy(model, cfg, adapter, engine=cfg.eval.engine, records=records,
+                         custom_mask=cfg.learner.shared_prompt)
     shuffled = None
     try:
         rows, bad = _answer(policy, records, cfg, sampling, rewards, out_path, batch_size, f"eval {label}")

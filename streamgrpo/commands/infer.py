@@ -294,7 +294,8 @@ def _answer_todo(args, model: str, cfg: Config, sampling, todo: list, no_truth: 
     printed); returns the exit code."""
 
     engine = args.engine
-    policy = load_policy(model, cfg, args.adapter, engine=engine, records=todo, role="infer")
+    policy = load_policy(model, cfg, args.adapter, engine=engine, records=todo, role="infer",
+                         custom_mask=cfg.learner.shared_prompt)
     rewards = RewardSet(cfg) if len(no_truth) < len(todo) else None
     sink = LineSink(args.output) if args.output else None
     bad: list[Exception] = []

@@ -29,7 +29,7 @@ from streamgrpo.commands.args import load
 from streamgrpo.commands.checks import prepare_recipes
 from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 from streamgrpo.config import Config
-from streamgrpo.evaluator.loop import final_version
+from streamgrpo.config.roles import final_version
 from streamgrpo.models.model_config import ModelConfigUnavailable
 from streamgrpo.runtime.accuracy import TARGET_ACCURACY, WINDOW_GROUPS, group_accuracies, target_reached
 from streamgrpo.runtime.jsonl import read_new_lines, write_json

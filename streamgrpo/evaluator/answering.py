@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.config.roles import EvaluatorConfig
 from streamgrpo.data.prompts import build_prompt_text, processor_inputs, vision_factors
 from streamgrpo.data.records import DataError
 from streamgrpo.data.shuffle import shuffle_visuals
@@ -79,15 +80,16 @@ def vllm_policy(model: str, cfg: Config, records: Sequence | None = None, role: 
     return Policy(engine, processor, factor, temporal, model)
 
 
-def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: str = "hf",
-                records: Sequence | None = None, role: str = "eval") -> Policy:
+def load_policy(model: str, cfg: Config | EvaluatorConfig, adapter: str | None = None, *, engine: str = "hf",
+                records: Sequence | None = None, role: str = "eval", custom_mask: bool = False) -> Policy:
     """Load ``model`` (checkpoint dir, merged model, base model or hub id), optionally with a LoRA
     ``adapter`` merged in, behind an :class:`~streamgrpo.engines.hf.HFEngine` -- or with
     ``engine="vllm"`` (``eval.engine``, ``infer --engine``: ``role``) behind vLLM (:func:`vllm_policy`;
     ``records``: what it will answer).
 
     dtype: ``model.dtype`` when the config sets it, else float32 on CPU (bf16 matmuls are slow
-    there) and the default bfloat16 on CUDA.
+    there) and the default bfloat16 on CUDA. ``custom_mask``: ``learner.shared_prompt`` (the attention loads as
+    the learner's does).
     """
 
     looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1
@@ -99,7 +101,7 @@ def load_policy(model: str, cfg: Config, adapter: str | None = None, *, engine: 
     model_cfg = cfg.model.model_copy(update={"name_or_path": model, "lora": None})
     dtype = model_cfg.dtype if ("dtype" in cfg.model.model_fields_set or device.type != "cpu") else "float32"
     try:
-        net = load_model(model_cfg, device, dtype=dtype, custom_mask=cfg.learner.shared_prompt)
+        net = load_model(model_cfg, device, dtype=dtype, custom_mask=custom_mask)
         proc_src = adapter if adapter and _has_processor(adapter) else model
         processor = load_processor(proc_src, model_cfg.revision if proc_src == model else None)
     except OSError as exc:

@@ -3,7 +3,7 @@
 It subscribes to the learner's weight versions like a generator and, every ``eval.every_versions``
 versions, answers the held-out records (``data.eval_path``; greedy, or ``eval.samples`` sampled at
 ``eval.temperature``) with that version, scores them with the run's rewards, and writes one line per
-evaluated version (and the run's last one: :func:`final_version`) to ``<run_dir>/eval.jsonl``: the version, accuracy overall and per question kind,
+evaluated version (and the run's last one: :func:`streamgrpo.config.roles.final_version`) to ``<run_dir>/eval.jsonl``: the version, accuracy overall and per question kind,
 each reward, format compliance, completion length, and with ``eval.shuffle_frames`` the same
 accuracies with each video's frames shuffled and their drop. The gauges ``streamgrpo_eval_*`` carry
 the last line. The learner never waits for it: it only reads versions; one that a newer version
@@ -20,6 +20,7 @@ from typing import Any
 
 from streamgrpo import metrics as M
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.config.roles import EvaluatorConfig
 from streamgrpo.data.records import load_records
 from streamgrpo.engines.base import SamplingParams
 from streamgrpo.evaluator.answering import load_policy, report_bad, result_rows, run_batches
@@ -38,12 +39,6 @@ def due(version: int, last: int | None, every: int, final: int | None = None) ->
     """Whether ``version`` is to be evaluated: the first one seen, then every ``every``-th past the last,
     and the run's last one (``final``: ``learner.max_steps``, the version of the last step)."""
     return last is None or version - last >= every or (final is not None and version >= final and version != last)
-
-
-def final_version(cfg: Config) -> int:
-    """The last version a run publishes: the learner's version counts its steps, and it publishes every
-    ``weights.sync_every``-th, up to ``learner.max_steps``."""
-    return cfg.learner.max_steps - cfg.learner.max_steps % cfg.weights.sync_every
 
 
 def eval_line(version: int, summary: dict, shuffled: dict | None) -> dict[str, Any]:
@@ -110,9 +105,10 @@ def evaluate_version(policy, records, cfg: Config, sampling, rewards) -> tuple[d
     return ordered, shuffled
 
 
-def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int | None = None) -> int:
-    """Evaluate versions until a stop signal (or ``max_evals`` evaluations, for tests)."""
-
+def run_evaluator(cfg: Config | EvaluatorConfig, *, stop: StopFlag | None = None, max_evals: int | None = None) -> int:
+    """Evaluate versions until a stop signal (or ``max_evals`` evaluations, for tests); the loop sees the
+    evaluator's sections only (:class:`EvaluatorConfig`)."""
+    cfg = EvaluatorConfig.of(cfg)
     stop = stop if stop is not None else StopFlag()
     run_dir = Path(cfg.run_dir)
     setup_torch_threads()
@@ -122,7 +118,7 @@ def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int |
         raise ConfigError("eval.samples > 1 needs eval.temperature above 0 (greedy samples are identical)")
     sampling = SamplingParams(n=e.samples, temperature=e.temperature, max_tokens=e.max_tokens or
                               cfg.rollout.max_completion_length, seed=cfg.seed)
-    policy = load_policy(cfg.model.name_or_path, cfg, engine=e.engine, records=records)
+    policy = load_policy(cfg.model.name_or_path, cfg, engine=e.engine, records=records, custom_mask=cfg.custom_mask)
     apply = make_weight_applier(cfg, policy.engine)  # LoRA runs send adapters: merged into the base weights
     rewards = RewardSet(cfg.model_copy(update={"rewards": eval_rewards(cfg.rewards, e.by_kind)}))
     server = start_metrics(cfg.metrics, run_dir, "evaluator")
@@ -143,7 +139,7 @@ def run_evaluator(cfg: Config, *, stop: StopFlag | None = None, max_evals: int |
             if seen is not None and version > seen + 1:
                 M.EVAL_SKIPPED.inc(version - seen - 1)  # superseded while the evaluator was busy
             seen = version
-            if not due(version, last, e.every_versions, final=final_version(cfg)):
+            if not due(version, last, e.every_versions, final=cfg.final_version):
                 M.EVAL_SKIPPED.inc()
                 weights.mark_applied()
                 continue

@@ -26,6 +26,7 @@ import numpy as np
 
 from streamgrpo import metrics
 from streamgrpo.config import Config, ConfigError
+from streamgrpo.config.roles import GeneratorConfig
 from streamgrpo.data.cursor import Start, start_for
 from streamgrpo.data.dataset import iter_positions
 from streamgrpo.data.records import load_records
@@ -49,12 +50,14 @@ from streamgrpo.wire import Source
 log = logging.getLogger("streamgrpo.generator")
 
 
-def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None = None,
+def run_generator(cfg: Config | GeneratorConfig, generator_id: int = 0, *, stop: StopFlag | None = None,
                   applier: type[WeightApplier] = WeightApplier) -> int:
     """Sample, score and send groups until the data ends or a stop signal; ``applier`` applies weight
-    versions at safe points (the staleness benchmark's lagging one, ``recipes/demo/lag.py``)."""
+    versions at safe points (the staleness benchmark's lagging one, ``recipes/demo/lag.py``). The loop sees
+    the generator's sections only (:class:`GeneratorConfig`)."""
     import torch
 
+    cfg = GeneratorConfig.of(cfg)
     if not 0 <= generator_id < cfg.rollout.num_generators:
         raise ValueError(f"--id {generator_id} is outside 0..{cfg.rollout.num_generators - 1} (rollout.num_generators)")
     stop = stop if stop is not None else StopFlag()
@@ -123,7 +126,7 @@ def run_generator(cfg: Config, generator_id: int = 0, *, stop: StopFlag | None =
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = sampler.batch.size  # rollout.prompts_per_batch, halved after running out of memory
             if cfg.rollout.sync:
-                batch_size = queue.claim_sync_slots(engine.version, batch_size, cfg.learner.groups_per_step)
+                batch_size = queue.claim_sync_slots(engine.version, batch_size, cfg.sync_groups_per_step)
                 if batch_size == 0:  # this version's share is produced: wait for the next one
                     apply_newest(block_s=1.0)
                     continue
@@ -200,17 +203,17 @@ def with_sources(groups: list, chunk: list, num_shards: int, shard: int) -> list
     return groups
 
 
-def _make_engine(cfg: Config, processor, device, *, name: str = "generator") -> Engine:
+def _make_engine(cfg: GeneratorConfig, processor, device, *, name: str = "generator") -> Engine:
     if cfg.rollout.engine == "vllm":
         from streamgrpo.engines.vllm import VLLMEngine
 
         return VLLMEngine.from_config(cfg, processor, name=name)
 
-    return HFEngine(load_model(cfg.model, device, custom_mask=cfg.learner.shared_prompt), processor, device=device,
+    return HFEngine(load_model(cfg.model, device, custom_mask=cfg.custom_mask), processor, device=device,
                     vision_cache_mib=cfg.rollout.vision_cache_mib)
 
 
-def _records(cfg: Config) -> list:
+def _records(cfg: GeneratorConfig) -> list:
 
     records = load_records(cfg.data.train_path, cfg.data)
     if cfg.data.kinds:

@@ -21,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from streamgrpo.config import ConfigError
+from streamgrpo.config.roles import RelayConfig
 from streamgrpo.transport.weights.factory import relay_dir
 
 log = logging.getLogger("streamgrpo.relay")
@@ -97,10 +100,10 @@ class RelayKeeper:
     def start(self) -> None:
         wc = self.cfg.weights
         conf = private_dir(wc) / "relay.yaml"
-        on_disk = self.cfg.model_copy(deep=True)
-        on_disk.queue.url = None  # the relay needs no queue, and no secret goes to disk
+        # the relay's sections only (a config file of their own: the rest defaults): no queue URL, no secret on disk
+        on_disk = RelayConfig.of(self.cfg).model_dump(mode="json")
         tmp = conf.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(on_disk.to_yaml())
+        tmp.write_text(yaml.safe_dump(on_disk, sort_keys=False))
         os.chmod(tmp, 0o600)
         os.replace(tmp, conf)
         logs = self.run_dir / "logs"

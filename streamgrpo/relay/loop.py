@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from streamgrpo.config import Config
+from streamgrpo.config.roles import RelayConfig
 from streamgrpo.metrics import start_metrics
 from streamgrpo.relay.forward import RelayReceiver
 from streamgrpo.relay.keeper import lock_path, take_lock
@@ -38,11 +39,11 @@ IDLE_EXIT_S = 60.0
 """A relay with no generator connected this long (since its start, or its last one left) exits."""
 
 
-def run_relay(cfg: Config, *, stop: StopFlag | None = None, client_key: str | None = None,
+def run_relay(cfg: Config | RelayConfig, *, stop: StopFlag | None = None, client_key: str | None = None,
               idle_exit_s: float = IDLE_EXIT_S) -> int:
     """Relay versions until a stop signal, or ``idle_exit_s`` without a generator. Exits 0 at once when
-    another relay holds this host's lock."""
-
+    another relay holds this host's lock. The loop sees the relay's sections only (:class:`RelayConfig`)."""
+    cfg = RelayConfig.of(cfg)
     wc = cfg.weights
     lock = take_lock(wc)
     if lock is None:

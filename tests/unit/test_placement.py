@@ -260,7 +260,8 @@ def test_eval_enabled_without_held_out_records_is_refused():
 
 
 def test_the_evaluator_takes_every_nth_version_and_the_runs_last():
-    from streamgrpo.evaluator.loop import due, final_version
+    from streamgrpo.config.roles import final_version
+    from streamgrpo.evaluator.loop import due
 
     assert due(3, None, 25) and not due(20, 3, 25) and due(28, 3, 25)
     assert due(250, 225, 25, final=250) and due(241, 225, 25, final=241) and not due(241, 241, 25, final=241)
