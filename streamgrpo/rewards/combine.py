@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, RewardsConfig, RewardSpec
+from ..config.roles import RoleConfig
 from ..metrics import ERRORS, REWARD
 from .registry import canonical_name, factory_params, get
 
@@ -97,18 +98,18 @@ class RewardSet:
 
     def __init__(
         self,
-        cfg: RewardsConfig | Config | Sequence[RewardSpec | Mapping[str, Any]] | None = None,
+        cfg: RewardsConfig | Config | RoleConfig | Sequence[RewardSpec | Mapping[str, Any]] | None = None,
         *,
         default_params: Mapping[str, Any] | None = None,
     ):
         """Build every function now (a wrong name or parameter fails here, at start-up).
 
         ``default_params`` (e.g. ``{"think_tag": "reasoning"}``) go to every built-in that accepts
-        them unless its own ``params`` set them; a full :class:`Config` supplies the data
+        them unless its own ``params`` set them; a full :class:`Config` (or a role's view of it) supplies the data
         section's ``think_tag``/``answer_tag`` this way.
         """
         defaults = dict(default_params or {})
-        if isinstance(cfg, Config):
+        if isinstance(cfg, (Config, RoleConfig)):
             defaults = {"think_tag": cfg.data.think_tag, "answer_tag": cfg.data.answer_tag, **defaults}
             if cfg.data.prompt_format == "no_think":
                 defaults["think_tag"] = None
