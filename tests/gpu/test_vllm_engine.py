@@ -101,7 +101,7 @@ def _perturb(model, seed: float, select) -> None:
 
 
 def test_new_weights_change_the_outputs(setup):
-    from streamgrpo.engines.vllm import EngineError
+    from streamgrpo.engines.vllm_io import EngineError
 
     model, engine, proc, reqs = setup["model"], setup["engine"], setup["processor"], setup["requests"]
     base = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -18,7 +18,8 @@ import redis
 
 from streamgrpo import metrics
 from streamgrpo.config import QueueConfig
-from streamgrpo.transport.queue.redis_stream import CONSUMER_GROUP, QueueError, QueueFull, RedisQueue
+from streamgrpo.transport.queue.keys import CONSUMER_GROUP
+from streamgrpo.transport.queue.redis_stream import QueueError, QueueFull, RedisQueue
 from streamgrpo.transport.queue.resp import coalesce, parse_autoclaim, safe_url, xadd_command
 from streamgrpo.transport.queue.server import EmbeddedRedis, free_port, redis_version
 from streamgrpo.wire import Completion, ScoredGroup, Visual, encode

@@ -101,7 +101,7 @@ def test_each_shipped_one_node_config_places_on_8_gpus(name):
 
 # ------------------------------------------------------------------------------ how up starts them
 def _specs(*sets, ranks=1, gens=2, devices=()):
-    from streamgrpo.commands.up import child_specs
+    from streamgrpo.commands.up_children import child_specs
 
     cfg = build_config({}, list(sets))
     plan = plan_placement(devices=devices, learner_ranks=ranks, generators=gens)
@@ -131,7 +131,7 @@ def test_each_process_sees_only_its_own_devices():
     specs = _specs(ranks=2, gens=2, devices=(0, 1, 2, 3))
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2", "3"]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in _specs(ranks=1, gens=1)] == ["", ""]  # CPU: no GPU seen
-    from streamgrpo.commands.up import child_specs
+    from streamgrpo.commands.up_children import child_specs
 
     cfg = build_config({})
     plan = plan_placement(devices=(0, 1), learner_ranks=1, generators=1)
@@ -240,7 +240,7 @@ def test_an_evaluator_that_does_not_fit_beside_a_vllm_generator_is_refused_in_on
 
 
 def test_up_starts_the_evaluator_with_its_own_device_and_port():
-    from streamgrpo.commands.up import child_specs
+    from streamgrpo.commands.up_children import child_specs
 
     cfg = build_config({}, ["metrics.port=9100"])
     plan = plan_placement(devices=tuple(range(4)), learner_ranks=2, generators=1, evaluator=True)

@@ -236,7 +236,7 @@ def test_eval_curves_and_the_best_held_out_accuracy():
     """eval.jsonl lines (any order) become curves over versions per kind, ordered and shuffled; the
     summary's best held-out accuracy is the earliest version that reached it."""
     from streamgrpo.commands.report import eval_series
-    from streamgrpo.commands.up import best_eval
+    from streamgrpo.commands.up_watch import best_eval
 
     curves = eval_series(_eval_lines())
     assert curves["all"] == ([0.0, 10.0, 20.0], [0.3, 0.6, 0.6])

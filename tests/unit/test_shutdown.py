@@ -60,7 +60,7 @@ def test_stop_processes_signals_all_at_once_and_kills_one_that_ignores_sigterm(t
 def test_up_stops_its_generators_side_by_side_then_the_learner(tmp_path):
     """The learner is signalled once every generator has stopped (while it still reads, a generator
     blocked on a full queue gets its room), the generators together."""
-    from streamgrpo.commands.up import Child, stop_children
+    from streamgrpo.commands.up_children import Child, stop_children
 
     names = ["learner", "generator-0", "generator-1"]
     specs = {n: _start(tmp_path, n) for n in names}
@@ -91,14 +91,15 @@ def test_up_notices_the_learners_exit_at_once_not_at_its_next_status(tmp_path):
     when the learner does, not up to a status interval later."""
     import threading
 
-    from streamgrpo.commands.up import Child, _Watch
+    from streamgrpo.commands.up_children import Child
+    from streamgrpo.commands.up_watch import Watch
     from streamgrpo.config import load_config
 
     gen_argv, gen_out = _start(tmp_path, "generator-0")
     learner = Child("learner", [sys.executable, "-c", "import time, sys; time.sleep(1); sys.exit(7)"],
                     tmp_path / "learner.log", {})
     gen = Child("generator-0", gen_argv, tmp_path / "generator-0.log", {})
-    watch = _Watch(load_config("demo"), {}, tmp_path / "metrics.jsonl")
+    watch = Watch(load_config("demo"), {}, tmp_path / "metrics.jsonl")
     codes: list[int] = []
     t = threading.Thread(target=lambda: codes.append(watch.until_done([learner, gen], status_every_s=600.0)),
                          daemon=True)

@@ -146,13 +146,13 @@ def test_tokens_per_second_and_mfu_add_up_over_ranks():
     line = StepRecord.build(LearnerState(step=1, version=1), merged, _out(4, [1.0, -1.0]), 2.0, 0.0, 1e-3).to_json()
     assert merged.peak_flops is None and line["mfu"] is None and line["tokens_per_second"] == 20.0
 
-    from streamgrpo.commands.up import _status_line
+    from streamgrpo.commands.up_watch import status_line
 
-    status = _status_line([{**line, "mfu": 0.3125, "tokens_per_second": 1234.4}], 3, 0.0, "gens 1/1")
+    status = status_line([{**line, "mfu": 0.3125, "tokens_per_second": 1234.4}], 3, 0.0, "gens 1/1")
     assert "1234 tok/s" in status and "MFU 31.2%" in status and status.endswith("gens 1/1")
-    assert "MFU" not in _status_line([line], 3, 0.0, "gens 1/1") and "20 tok/s" in _status_line([line], 3, 0.0, "")
-    assert "eval" not in _status_line([line], 3, 0.0, "")
-    held = _status_line([line], 3, 0.0, "gens 1/1", [{"version": 25, "accuracy": 0.5}, {"version": 50, "accuracy": 0.75}])
+    assert "MFU" not in status_line([line], 3, 0.0, "gens 1/1") and "20 tok/s" in status_line([line], 3, 0.0, "")
+    assert "eval" not in status_line([line], 3, 0.0, "")
+    held = status_line([line], 3, 0.0, "gens 1/1", [{"version": 25, "accuracy": 0.5}, {"version": 50, "accuracy": 0.75}])
     assert "eval 0.750@v50" in held  # the held-out accuracy of the last evaluated version
 
 

@@ -21,16 +21,18 @@ from streamgrpo.data.video import load_visuals
 from streamgrpo.engines.base import PromptRequest, SamplingParams
 from streamgrpo.engines.vllm import (
     INSTALL_HINT,
+    VLLMNotInstalled,
+    llm_kwargs,
+    mm_limits,
+    resolve_arch,
+)
+from streamgrpo.engines.vllm_io import (
     MM_PROCESSOR_KWARGS,
     EngineError,
-    VLLMNotInstalled,
     build_request,
     completion_logprobs,
     image_item,
-    llm_kwargs,
-    mm_limits,
     parse_outputs,
-    resolve_arch,
     sampling_kwargs,
     video_item,
 )

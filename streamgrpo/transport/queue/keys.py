@@ -1,6 +1,6 @@
 """Every Redis key this project uses, in one place (``ns`` = ``queue.namespace``).
 
-The queue (:mod:`.redis_stream`), consumer side and producer side:
+The queue (:mod:`.redis_stream`), consumer side (:mod:`.redis_consumer`) and producer side (:mod:`.redis_producer`):
 
 * ``<ns>:groups`` -- the stream. Entry fields: ``g`` (group id, read without decoding) and ``d``
   (the :mod:`streamgrpo.wire` message). Consumer group ``learner``; one consumer per learner rank.
@@ -27,6 +27,8 @@ The learner's crash-loop breaker (:mod:`.crash_marks`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+CONSUMER_GROUP = "learner"  # the stream's one consumer group: every learner rank is a consumer in it
 
 
 @dataclass(frozen=True)

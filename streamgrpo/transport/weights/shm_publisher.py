@@ -9,7 +9,8 @@ import os
 import torch
 
 from streamgrpo.transport.weights import shm as shm_wire
-from streamgrpo.transport.weights.publisher import WeightPublisher, _Version
+from streamgrpo.transport.weights.outgoing import OutgoingVersion
+from streamgrpo.transport.weights.publisher import WeightPublisher
 from streamgrpo.transport.weights.shm import ShmFile, ShmPool
 
 
@@ -55,23 +56,23 @@ class ShmPublisher(WeightPublisher):
         with self._lock:
             self._shm.give_back(f)
 
-    def _recycle(self, job: _Version) -> None:  # lock held: a version that never went out
+    def _recycle(self, job: OutgoingVersion) -> None:  # lock held: a version that never went out
         job.storage.unlock()
         self._shm.give_back(job.storage)
 
-    def _chunk_out(self, job: _Version, seq: int) -> None:
+    def _chunk_out(self, job: OutgoingVersion, seq: int) -> None:
         """Same-host readers hash this chunk now, while later ones are written."""
         if seq == 0:
             self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_begin(job.meta_bytes, str(job.storage.path))])
         self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_chunk(job.meta.src, job.meta.version, seq)])
 
-    def _version_out(self, job: _Version) -> None:
+    def _version_out(self, job: OutgoingVersion) -> None:
         """Readers may lock the file now; then tell same-host generators where it is."""
         job.storage.unlock()
         self._pub.send_multipart([shm_wire.TOPIC_SHM, shm_wire.encode_announcement(job.meta_bytes, job.digests,
                                                                                     str(job.storage.path))])
 
-    def _version_dropped(self, job: _Version) -> None:
+    def _version_dropped(self, job: OutgoingVersion) -> None:
         job.storage.unlock()
 
     def _close_backend(self) -> None:
