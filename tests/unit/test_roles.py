@@ -29,9 +29,9 @@ def test_a_view_shares_its_sections_takes_what_it_needs_of_the_learner_and_has_n
     assert (ev.custom_mask, ev.final_version, final_version(cfg)) == (True, 249, 249)
     for view in (gen, ev, RelayConfig.of(cfg)):
         with pytest.raises(AttributeError, match="learner"):
-            view.learner
+            _ = view.learner
     with pytest.raises(AttributeError, match="queue"):
-        RelayConfig.of(cfg).queue
+        _ = RelayConfig.of(cfg).queue
     assert RelayConfig.of(gen).weights is cfg.weights  # a view of a view: the generator starts its host's relay
 
 
