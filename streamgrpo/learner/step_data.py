@@ -346,7 +346,8 @@ class StepRecord:
             kl=_or(w.kl, 0.0), entropy=w.entropy, clip_frac=_or(w.clip_frac, 0.0),
             clip_frac_low=_or(w.clip_frac_low, 0.0), clip_frac_high=_or(w.clip_frac_high, 0.0),
             ratio_mean=w.ratio_mean, ratio_max=w.ratio_max, ratio_min=w.ratio_min, grad_norm=out.grad_norm,
-            ess=w.ratio_mean ** 2 / w.ratio_sq_mean if w.ratio_sq_mean else None,
+            # at most 1 (Cauchy-Schwarz); the two means are float32 reductions, 1 + 6e-8 when every ratio is 1
+            ess=min(1.0, w.ratio_mean ** 2 / w.ratio_sq_mean) if w.ratio_sq_mean else None,
             kl_behaviour=w.kl_behaviour, is_masked_frac=_or(w.is_masked_frac, 0.0),
             adv_mean=float(adv.mean()) if adv.size else 0.0, adv_std=float(adv.std(ddof=1)) if adv.size > 1 else 0.0,
             policy_seq_log_prob=merged.seq_logprob_sum / max(merged.rows, 1),

@@ -87,7 +87,8 @@ def test_learner_dead_letters_poison_groups_alone_and_trains_the_rest(groups, ti
         trained = [g for e in _jsonl(run / "audit" / "learner.jsonl") if e["event"] == "trained" for g in e["group_ids"]]
         assert sorted(trained) == sorted(g.group_id for g in good)
         rows = _jsonl(run / "metrics.jsonl")  # off-policy health in every step line
-        assert all(0 < r["ess"] <= 1 + 1e-9 and r["kl_behaviour"] >= 0 and r["is_masked_frac"] == 0 for r in rows)
+        assert all(0 < r["ess"] <= 1 + 1e-9 and r["kl_behaviour"] >= 0 and r["is_masked_frac"] == 0 for r in rows), \
+            [(r["ess"], r["kl_behaviour"], r["is_masked_frac"]) for r in rows]
         dead = {d["group_id"]: d for d in q.dead_letters()}
         assert dead["poison-vocab"]["stream_id"] == vocab_sid and "10**9" not in dead["poison-vocab"]["reason"]
         assert "token id 1000000000 is outside the model's vocabulary" in dead["poison-vocab"]["reason"]
