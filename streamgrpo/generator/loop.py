@@ -110,9 +110,10 @@ def run_generator(cfg: Config | GeneratorConfig, generator_id: int = 0, *, stop:
     # where this shard goes on: after the furthest record the learner consumed and committed (read once its
     # snapshot wait is over, so a learner that started too has reset it for a new run or restored it); with no
     # weights yet the learner may still be starting (a requeued job's learner resumes after its generators read
-    # the cursor), so it is read again once the first version arrives
+    # the cursor), so it is read again with each new version applied: a version at start may come from a relay
+    # that outlived the last allocation, before the learner resumed and moved the cursor (one Redis read a version)
     shard.start(queue.committed_cursors())
-    recheck_cursor = not apply_newest.snapped
+    cursor_read_at = engine.version
 
     # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
     produced = code = 0
@@ -121,8 +122,9 @@ def run_generator(cfg: Config | GeneratorConfig, generator_id: int = 0, *, stop:
             if relay is not None:
                 relay.check()  # a relay that died is replaced
             apply_newest()
-            if recheck_cursor and engine.version > 0:
-                recheck_cursor = shard.move_ahead(queue.committed_cursors())
+            if engine.version != cursor_read_at:  # a new version (lower too: a learner resumed from a checkpoint)
+                shard.move_ahead(queue.committed_cursors())
+                cursor_read_at = engine.version
             watch.check()  # warns while no weights arrive; raises WeightsUnavailable past weights.max_wait_s
             batch_size = sampler.batch.size  # rollout.prompts_per_batch, halved after running out of memory
             if cfg.rollout.sync:
@@ -177,13 +179,12 @@ class ShardSamples:
         (log.warning if start.warning else log.info)("%s: %s", self.name, start.line)
         self._go(start)
 
-    def move_ahead(self, committed) -> bool:
-        """Go to the committed cursor if it is past where this shard is; False (read no more)."""
+    def move_ahead(self, committed) -> None:
+        """Go to the committed cursor if it is past where this shard is (never back)."""
         later = start_for(committed, self.num_shards, self.shard, self.shard_size)
         if (later.epoch, later.position) > self.at:
             log.info("%s: the learner committed a later data cursor: %s", self.name, later.line)
             self._go(later)
-        return False
 
     def take(self, n: int) -> list:
         chunk = list(itertools.islice(self._it, n))

@@ -137,6 +137,53 @@ def test_a_restarted_generator_continues_its_shard_where_the_learners_checkpoint
         q.close()
 
 
+def test_a_generator_that_started_on_a_stale_version_moves_to_the_cursor_the_resumed_learner_commits(
+        tiny_model_dir, demo_data_dir, redis_server, redis_ns, weight_publisher, tmp_path):
+    """A requeued job: the generator's first version comes from what outlived the last allocation (a host's relay
+    still serving v32) while the learner has not resumed yet, so the cursor it reads at start is the old one (step
+    26). The learner then resumes from a later checkpoint (step 28: it rolls the cursor forward) and steps on; with
+    its first version past the stale one (v33) the generator reads the cursor again and moves its shard there."""
+    from streamgrpo.config import load_config
+    from streamgrpo.models.loading import load_model
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("demo", [
+        f"run_dir={run}", f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false", "demo.make_data=false",
+        f"data.train_path={Path(demo_data_dir) / 'train.jsonl'}", "data.kinds=null", f"queue.url={redis_server.url}",
+        f"queue.namespace={redis_ns}", "rollout.num_generators=1", "rollout.num_generations=2",
+        "rollout.prompts_per_batch=2", "rollout.stop_grace_s=0", "rollout.max_completion_length=8",
+        "queue.max_pending=1000", "rollout.num_epochs=1000",  # no learner takes groups here: room for them all
+        f"weights.pub_port={weight_publisher.pub_port}", f"weights.snapshot_port={weight_publisher.snapshot_port}",
+        "metrics.port=0", "eval.enabled=false"])
+    config = run / "config-test.yaml"
+    config.write_text(cfg.to_yaml())
+    net = load_model(cfg.model, "cpu", dtype="float32")
+    tensors = {n: p.detach().clone() for n, p in net.named_parameters()}
+    produced = lambda: [r for r in _jsonl(run / "audit" / "generator-0.jsonl") if r["event"] == "produced"]  # noqa: E731
+    q = RedisQueue(redis_server.url, namespace=redis_ns, consumer="test-learner")
+    procs: list[subprocess.Popen] = []
+    try:
+        q.commit([], step=26, cursor={"1/0": (0, 3)})  # what the last allocation's learner committed
+        weight_publisher.publish(32, tensors)  # the stale version: served at once
+        procs = [_spawn(config, run, "generator-0", "--id", "0")]
+        _wait(lambda: len(produced()) >= 2, "the generator's first groups", procs, run)
+        assert produced()[0]["source"] == [1, 0, 0, 4]  # after the cursor of step 26
+        q.commit([], step=28, cursor={"1/0": (500, 10)})  # the learner resumed from step 28's checkpoint (epochs on)
+        weight_publisher.publish(33, tensors)  # its first version after the stale one
+        _wait(lambda: any(r["source"][2:] >= [500, 11] for r in produced()), "the shard moved to step 28's cursor",
+              procs, run, timeout_s=120)
+        log = (run / "generator-0.log").read_text()
+        assert "the learner committed a later data cursor: shard 0/1: resuming at epoch 500, record 11" in log, log[-2000:]
+        assert "(committed by the learner at step 28)" in log
+        later = [r["source"][2:] for r in produced() if r["source"][2:] >= [500, 11]]
+        assert later[0] == [500, 11]  # the first record after the new cursor, none skipped
+    finally:
+        _kill(*procs)
+        q.close()
+
+
 def test_the_queue_commits_a_checkpoints_cursor_never_an_older_ones_and_a_new_run_clears_it(redis_server, redis_ns):
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
