@@ -25,12 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from streamgrpo.commands.args import load
 from streamgrpo.commands.checks import prepare_recipes
 from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placement
 from streamgrpo.commands.up_children import CHILD_GRACE_S, Child, child_specs, start_children, stop_children
 from streamgrpo.commands.up_watch import Watch, finish_run
-from streamgrpo.config import Config
+from streamgrpo.config import Config, load_config
 from streamgrpo.models.model_config import ModelConfigUnavailable
 from streamgrpo.runtime.jsonl import write_json
 from streamgrpo.runtime.processes import die_with_parent, free_port
@@ -42,11 +41,11 @@ log = logging.getLogger("streamgrpo.up")
 
 AGREEMENT_REFUSED_EXIT = 1  # launch.agreement_check found the generators and the learner disagree
 
-def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None, sync: bool = False,
+def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = None,
            config_source: str | None = None, status_every_s: float = 1.0, resume: bool = False,
            learner_ranks: int | None = None, gpus: str | None = None, generators_per_gpu: int | None = None,
            colocate: bool | None = None, plan_only: bool = False, gpu_gib: float | None = None) -> int:
-    _apply_options(cfg, generators=generators, run_dir=run_dir, sync=sync, resume=resume)
+    _apply_options(cfg, generators=generators, run_dir=run_dir, resume=resume)
     _apply_launch(cfg, learner_ranks=learner_ranks, gpus=gpus, generators_per_gpu=generators_per_gpu,
                   colocate=colocate)
     plan = placement_for(cfg, gpu_gib)
@@ -96,7 +95,7 @@ def run_up(cfg: Config, *, generators: int | None = None, run_dir: str | None = 
     return code
 
 
-def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, sync: bool, resume: bool) -> None:
+def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, resume: bool) -> None:
     """The command line's choices, into the config every child reads."""
     if resume:
         cfg.learner.resume, cfg.learner.fresh = True, False
@@ -104,9 +103,6 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
         cfg.run_dir = run_dir
     if generators is not None:
         cfg.rollout.num_generators = generators
-    if sync:
-        cfg.rollout.sync = True
-        cfg.learner.max_staleness = 0  # what the config's own check implies for the children that load it
 
 
 def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, generators_per_gpu: int | None,
@@ -309,7 +305,9 @@ def _interrupt_on_signals() -> dict[int, Any]:
 
 
 def main(args) -> int:
-    return run_up(load(args), generators=args.generators, run_dir=args.run_dir, sync=args.sync,
+    # --sync is rollout.sync=true, loaded with the config: its own check implies learner.max_staleness 0
+    cfg = load_config(args.config, [*args.overrides, "rollout.sync=true"] if args.sync else args.overrides)
+    return run_up(cfg, generators=args.generators, run_dir=args.run_dir,
                   config_source=args.config, resume=args.resume, learner_ranks=args.learner_ranks, gpus=args.gpus,
                   generators_per_gpu=args.generators_per_gpu, colocate=args.colocate, plan_only=args.plan,
                   gpu_gib=args.gpu_gib)

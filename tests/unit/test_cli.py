@@ -62,6 +62,17 @@ def test_parser_knows_design_flags():
     assert args.arch == "qwen3_vl"
 
 
+def test_up_sync_is_rollout_sync_loaded_with_the_config_whose_check_implies_staleness_zero(monkeypatch):
+    from streamgrpo.commands import up
+
+    seen = []
+    monkeypatch.setattr(up, "run_up", lambda cfg, **kw: seen.append(cfg) or 0)  # the command's wiring only
+    assert up.main(build_parser().parse_args(["up", "--sync", "--set", "learner.max_staleness=4"])) == 0
+    assert seen[0].rollout.sync is True and seen[0].learner.max_staleness == 0
+    up.main(build_parser().parse_args(["up", "--set", "learner.max_staleness=4"]))
+    assert seen[1].rollout.sync is False and seen[1].learner.max_staleness == 4
+
+
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "streamgrpo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "learner" in out.stdout
