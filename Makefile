@@ -61,7 +61,7 @@ system-deps:
 	  else \
 	    echo "missing:$$missing. Install with:"; \
 	    echo "  sudo apt-get install -y redis-server && sudo apt-get install -y --no-install-recommends prometheus docker-compose"; \
-	    echo "  (the local Slurm of tests/integration/test_slurm_cluster.py: slurmctld slurmd slurm-client munge)"; \
+	    echo "  (the local Slurm of tests/integration/commands/test_slurm_cluster.py: slurmctld slurmd slurm-client munge)"; \
 	  fi; \
 	fi
 
@@ -86,10 +86,10 @@ TF_LOW_DIR ?= .venv-tf-low
 TF_LOW_VERSION ?= 5.17.0
 TF_LOW_HUB_VERSION ?= 1.33.0
 TF_LOW_STAMP := $(TF_LOW_DIR)/.streamgrpo-setup
-TF_LOW_TESTS ?= tests/unit/test_transformers_range.py tests/unit/test_logprobs.py tests/unit/test_packing.py \
-	tests/unit/test_vision_attention.py tests/unit/test_engine_hf.py \
-	tests/unit/test_tiny_model.py tests/integration/test_learner_core.py \
-	tests/integration/test_agreement.py::test_the_generator_and_the_learner_agree_in_fp32
+TF_LOW_TESTS ?= tests/unit/models/test_transformers_range.py tests/unit/models/test_logprobs.py tests/unit/models/test_packing.py \
+	tests/unit/models/test_vision_attention.py tests/unit/engines/test_engine_hf.py \
+	tests/unit/models/test_tiny_model.py tests/integration/learner/test_learner_core.py \
+	tests/integration/core/test_agreement.py::test_the_generator_and_the_learner_agree_in_fp32
 TF_LOW_PYTEST_ARGS ?=
 
 setup-tf-low: $(TF_LOW_STAMP)
@@ -150,7 +150,7 @@ $(VLLM_STAMP): pyproject.toml Makefile constraints-vllm.txt streamgrpo/engines/v
 	@touch $(VLLM_STAMP)
 
 test-vllm: setup-vllm
-	$(VLLM_PY) -m pytest -m vllm tests/integration/test_vllm_cpu.py $(VLLM_PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m vllm tests/integration/engines/test_vllm_cpu.py $(VLLM_PYTEST_ARGS)
 
 # --- the GPU set (constraints-gpu.txt): torch (CUDA), vLLM, DeepSpeed, flash-attn, transformers, peft ----
 # deploy/setup-gpu.sh installs them into $(VENV) in that order (DeepSpeed and flash-attn built against the

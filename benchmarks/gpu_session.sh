@@ -95,9 +95,9 @@ for p in sys.argv[1:]:
   offload7b) learner 7b_offload --size 7b --beta 0.04 --steps 2 --backends deepspeed_offload --modes full ;;
   tests)
     "$py" -m pytest -q -p no:cacheprovider -n 8 tests/unit 2>&1 | tail -40 | tee "$OUT/unit.log"
-    "$py" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_learner_bench.py \
-      tests/integration/test_dist_backend.py tests/integration/test_zero_offload.py \
-      tests/integration/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
+    "$py" -m pytest -q -p no:cacheprovider tests/integration/repo/test_gpu_learner_bench.py \
+      tests/integration/learner/test_dist_backend.py tests/integration/learner/test_zero_offload.py \
+      tests/integration/learner/test_learner_core.py 2>&1 | tail -40 | tee "$OUT/integration.log" ;;
   agreement)
     work=${WORK:-/tmp/sg-agreement}
     mkdir -p "$work"

@@ -4,7 +4,7 @@
 transformers (``make test`` pins the highest, ``make test-tf-low`` tests the lowest; pyproject.toml admits
 exactly this range), vLLM (``make test-vllm`` runs its CPU build; the GPU set pins the same release),
 DeepSpeed and flash-attn (constraints.txt / constraints-gpu.txt). ``constraints-gpu.txt`` (what ``make
-setup-gpu`` and the GPU images install) lies inside these ranges, which tests/unit/test_versions.py checks.
+setup-gpu`` and the GPU images install) lies inside these ranges, which tests/unit/core/test_gpu_stack.py checks.
 
 :func:`check` is the pure comparison: a release outside its range is one warning line (the run goes on);
 a combination in :data:`KNOWN_BAD`, or a vLLM whose own requirements the installed transformers/torch

@@ -4,7 +4,7 @@ Every field of every section documents itself with the docstring under it (``Sec
 ``use_attribute_docstrings``, so the docstring is the field's ``description``); its type, default and
 bounds come from the same field. :func:`render_reference` turns that into Markdown, so the reference
 cannot drift from the code: ``streamgrpo config reference --out docs/config.md`` regenerates it and
-tests/unit/test_docs.py fails while the file differs. :func:`config_keys` is every dotted key it
+tests/unit/repo/test_docs.py fails while the file differs. :func:`config_keys` is every dotted key it
 documents (``weights.delta_max_ratio``, ``rollout.vllm.gpu_memory_utilization``,
 ``rewards.functions[].name``), for checking the keys that other documents name.
 
@@ -235,7 +235,7 @@ def render_reference() -> str:
         "",
         "Generated from the docstrings of the config's fields (`streamgrpo/config/*.py`, the `demo` section's",
         "`streamgrpo/recipes/demo/config.py`): do not edit it by hand, change the docstring and regenerate it",
-        f"with `{REGENERATE}` (`tests/unit/test_docs.py` fails while it is stale).",
+        f"with `{REGENERATE}` (`tests/unit/repo/test_docs.py` fails while it is stale).",
         "",
         "A config is one YAML document with these keys; unknown keys are errors. `--set key=value` overrides",
         "one on the command line (dotted, e.g. `--set weights.delta_max_ratio=0.4`), and",

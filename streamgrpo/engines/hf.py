@@ -6,7 +6,7 @@ vision encoder and the prompt's decoder pass run once per group, not G times; it
 repeated to G rows per prompt (``DynamicCache.batch_repeat_interleave``, the rows in generate's own
 prompt-major order, Qwen-VL's stored m-RoPE ``rope_deltas`` alike) and ``generate`` continues from it
 with the last prompt token as its only uncached input. Same tokens and log-probs as
-``generate(num_return_sequences=G)`` over the whole prompt (to float rounding: tests/unit/test_engine_hf.py);
+``generate(num_return_sequences=G)`` over the whole prompt (to float rounding: tests/unit/engines/test_engine_hf.py);
 the G copies of the prompt's KV still exist while decoding (a shared-prefix attention would be needed to
 hold one). Where that cannot be done (a release without a cache keyword, a prompt of one token, one
 ending in a vision token) the prompt goes to ``generate`` whole, G times. With ``rollout.vision_cache_mib``

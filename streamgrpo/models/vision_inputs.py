@@ -14,7 +14,7 @@ transformers release allows (:attr:`.capabilities.Capabilities.vision_once`):
 * ``per_row``: pixels repeated per sequence (:func:`pixels_per_sequence`), the encoder G times a group
   (once a group in the packed layout, whose sequences are groups).
 
-All three give the same hidden states (tests/unit/test_transformers_range.py, on the lowest admitted
+All three give the same hidden states (tests/unit/models/test_transformers_range.py, on the lowest admitted
 release too: ``make test-tf-low``). Only keywords the forward names are passed.
 """
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_packed_vision_features_match_the_per_chunk_path_on_cuda(tiny_any_dir, dtype, atol):
     from streamgrpo.models.vision_attention import install
-    from tests.unit.test_logprobs import _load
+    from tests.unit.models.test_logprobs import _load
 
     model = copy.deepcopy(_load(tiny_any_dir)[1]).to("cuda", dtype).eval()
     c = model.config.vision_config

@@ -1,6 +1,6 @@
 """The vLLM engine on a GPU (CUDA build of vLLM: ``pip install 'streamgrpo[gpu]'``); skipped without CUDA.
 
-The same checks as tests/integration/test_vllm_cpu.py, on the engine directly: groups for prompts
+The same checks as tests/integration/engines/test_vllm_cpu.py, on the engine directly: groups for prompts
 with one video, four videos and an image whose prompt ids are the processor's; behaviour log-probs
 equal to the learner's recomputation (same model, same GPU); a new weight version changes the
 outputs; a partial (LoRA-merged) update is completed to whole layers.

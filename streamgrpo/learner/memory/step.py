@@ -74,7 +74,7 @@ patches (pixels, and one block's working set beyond the prefill's); and with sev
 padded: sdpa runs causal, no mask). vLLM takes its ``gpu_memory_utilization`` share (counted by the
 placement plan).
 
-Calibrated against CUDA peaks on one H100 80 GB (2026-11-26; tests/unit/test_memory_step.py and
+Calibrated against CUDA peaks on one H100 80 GB (2026-11-26; tests/unit/learner/memory/test_memory_step.py and
 docs/gpu.md have the table): 3B full torch 58.8 GiB measured, 3B shared prompt 56.2, 7B LoRA r=64 30.5,
 all within 10%; a 3B ZeRO-2 rank colocated with an HF generator ran out of memory and its plan is over
 79 GiB.
