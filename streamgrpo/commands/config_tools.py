@@ -7,6 +7,7 @@ from pathlib import Path
 
 from streamgrpo.commands.args import load
 from streamgrpo.config import ConfigError, load_config
+from streamgrpo.config.launch import backend_for_ranks
 from streamgrpo.config.reference import render_reference
 from streamgrpo.config.starter import write_starter
 
@@ -30,9 +31,9 @@ def memory(args) -> int:
     ranks = args.ranks if args.ranks is not None else cfg.launch.learner_ranks
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: at least one learner rank")
-    if ranks > 1 and cfg.learner.backend == "torch" and ranks != cfg.learner.sequence_parallel:
-        # the torch backend is one process (or one sequence-parallel group): `up` switches too
-        cfg.learner.backend = "deepspeed"
+    backend = backend_for_ranks(cfg.learner.backend, ranks, cfg.learner.sequence_parallel)
+    if backend != cfg.learner.backend:  # the torch backend is one process or one sequence-parallel group, as in `up`
+        cfg.learner.backend = backend
         print(f"{ranks} learner ranks: planned with learner.backend=deepspeed, as `streamgrpo up` runs them "
               "(ZeRO-2 unless learner.deepspeed_config says otherwise)")
     config_json(cfg.model.name_or_path, cfg.model.revision)  # no model config: one line, before torch loads

@@ -30,6 +30,7 @@ from streamgrpo.commands.placement import generator_gib, parse_gpus, plan_placem
 from streamgrpo.commands.up_children import CHILD_GRACE_S, Child, child_specs, start_children, stop_children
 from streamgrpo.commands.up_watch import Watch, finish_run
 from streamgrpo.config import Config, load_config
+from streamgrpo.config.launch import backend_for_ranks
 from streamgrpo.models.model_config import ModelConfigUnavailable
 from streamgrpo.runtime.jsonl import write_json
 from streamgrpo.runtime.processes import die_with_parent, free_port
@@ -107,7 +108,8 @@ def _apply_options(cfg: Config, *, generators: int | None, run_dir: str | None, 
 
 def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, generators_per_gpu: int | None,
                   colocate: bool | None) -> None:
-    """The placement flags, into ``cfg.launch``; several learner ranks need the deepspeed backend."""
+    """The placement flags, into ``cfg.launch``; several learner ranks need the deepspeed backend, unless they
+    are one sequence-parallel group (:func:`backend_for_ranks`)."""
 
     if gpus is not None:
         parse_gpus(gpus)  # a malformed --gpus is a one-line PlacementError, not a validation dump
@@ -118,8 +120,9 @@ def _apply_launch(cfg: Config, *, learner_ranks: int | None, gpus: str | None, g
         cfg.launch.generators_per_gpu = generators_per_gpu
     if colocate is not None:
         cfg.launch.colocate = colocate
-    if cfg.launch.learner_ranks > 1 and cfg.learner.backend == "torch":
-        cfg.learner.backend = "deepspeed"
+    backend = backend_for_ranks(cfg.learner.backend, cfg.launch.learner_ranks, cfg.learner.sequence_parallel)
+    if backend != cfg.learner.backend:
+        cfg.learner.backend = backend
         print(f"{cfg.launch.learner_ranks} learner ranks: learner.backend set to deepspeed (ZeRO-2 unless "
               "learner.deepspeed_config says otherwise)", flush=True)
 

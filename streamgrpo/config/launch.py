@@ -9,7 +9,7 @@ from typing import Optional
 
 from pydantic import Field, field_validator
 
-from streamgrpo.sections import Section
+from streamgrpo.sections import ConfigError, Section
 
 
 class LaunchConfig(Section):
@@ -28,3 +28,13 @@ class LaunchConfig(Section):
     @classmethod
     def _one_device_is_a_number(cls, v):
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+def backend_for_ranks(backend: str, ranks: int, sequence_parallel: int) -> str:
+    """The learner backend ``ranks`` learner ranks run on (``up`` and ``config memory`` alike): one rank, or one
+    sequence-parallel group of ``learner.sequence_parallel`` ranks, keeps ``backend``; more ranks replicate the
+    model and need DeepSpeed. ``ranks`` that are not a multiple of ``sequence_parallel`` are a ConfigError."""
+    if ranks % sequence_parallel:
+        raise ConfigError(f"{ranks} learner ranks: learner.sequence_parallel={sequence_parallel} needs a multiple of "
+                          f"{sequence_parallel} ranks")
+    return "deepspeed" if backend == "torch" and ranks > sequence_parallel else backend

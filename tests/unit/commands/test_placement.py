@@ -196,6 +196,32 @@ def test_up_plan_prints_the_placement_and_starts_nothing(tmp_path, capsys, monke
         run_up(build_config({}, [f"run_dir={tmp_path / 'run'}"]), gpus="x", plan_only=True)
 
 
+def test_one_sequence_parallel_group_keeps_the_torch_backend_in_up_and_config_memory(tmp_path, capsys, monkeypatch,
+                                                                                    tiny_model_dir):
+    from streamgrpo.cli import main
+    from streamgrpo.commands.up import run_up
+    from streamgrpo.config import ConfigError
+    from streamgrpo.config.launch import backend_for_ranks
+
+    assert [backend_for_ranks("torch", r, sp) for r, sp in ((1, 1), (2, 2), (4, 2), (2, 1))] == \
+        ["torch", "torch", "deepspeed", "deepspeed"]
+    assert backend_for_ranks("deepspeed", 2, 2) == "deepspeed"
+    with pytest.raises(ConfigError, match="learner.sequence_parallel=2 needs a multiple of 2 ranks"):
+        backend_for_ranks("torch", 3, 2)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sp = build_config({}, [f"run_dir={tmp_path / 'run'}", "learner.sequence_parallel=2"])
+    assert run_up(sp, learner_ranks=2, gpus="cpu", plan_only=True) == 0 and sp.learner.backend == "torch"
+    assert "learner.backend set to deepspeed" not in capsys.readouterr().out
+    wide = build_config({}, [f"run_dir={tmp_path / 'run'}", "learner.sequence_parallel=2"])
+    assert run_up(wide, learner_ranks=4, gpus="cpu", plan_only=True) == 0 and wide.learner.backend == "deepspeed"
+    memory = ["config", "memory", "--config", "demo", "--set", "learner.sequence_parallel=2", "--set",
+              f"model.name_or_path={tiny_model_dir}", "--gpu-gib", "80"]
+    assert main([*memory, "--ranks", "2"]) == 0
+    assert "planned with learner.backend=deepspeed" not in capsys.readouterr().out
+    assert main([*memory, "--ranks", "3"]) == 2
+    assert "needs a multiple of 2 ranks" in capsys.readouterr().err
+
+
 def test_up_plan_offline_with_a_hub_name_says_which_file_the_memory_figures_need(tmp_path, capsys, caplog,
                                                                                    monkeypatch, real_configs):
     """No GPU here: ``--gpus 0-7 --gpu-gib 80`` plans an 8-GPU node; the model config is all it reads."""
