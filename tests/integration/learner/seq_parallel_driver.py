@@ -1,7 +1,7 @@
 """Run under torchrun (2 gloo ranks on the CPU) by test_seq_parallel.py: ``learner.sequence_parallel: 2``.
 
 Part 1, the log-probs: for each ``--model`` (the tiny Qwen2.5-VL with sdpa and eager, then Qwen3-VL with sdpa; float32;
-and the first with one key/value head, fewer than the ranks) and each
+and the first with one key/value head, fewer than the ranks, and in float64) and each
 layout (rows, shared prompt), every rank computes the completion log-probs, entropies and the gradient of a weighted
 sum of them once without sequence parallelism (this process alone: no collective) and once with the two ranks
 splitting the sequences (:mod:`streamgrpo.models.ulysses`), its gradient summed over the ranks; the largest
@@ -34,7 +34,7 @@ def _grads(model, fn, weights_BT, mask_BT):
     return out
 
 
-def logprob_checks(model_dir: str, attn: str, sp, kv_heads: int | None = None) -> dict:
+def logprob_checks(model_dir: str, attn: str, sp, kv_heads: int | None = None, dtype=torch.float32) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -44,7 +44,7 @@ def logprob_checks(model_dir: str, attn: str, sp, kv_heads: int | None = None) -
 
     proc = AutoProcessor.from_pretrained(model_dir)
     if kv_heads is None:
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
     else:  # fewer key/value heads than ranks: repeated before the exchange (random weights, the same on every rank)
         cfg = AutoConfig.from_pretrained(model_dir)
         cfg.text_config.num_key_value_heads = kv_heads
@@ -177,6 +177,9 @@ def main() -> int:
         for attn in ("sdpa", "eager")[: 2 if i == 0 else 1]:  # eager on the first model only (time)
             out["logprobs"][f"{Path(model_dir).name}/{attn}"] = logprob_checks(model_dir, attn, sp)
     out["logprobs"][f"{Path(args.model[0]).name}/sdpa/kv1"] = logprob_checks(args.model[0], "sdpa", sp, kv_heads=1)
+    # float64: what is left of the float32 differences is the order of its sums, not the method
+    out["logprobs"][f"{Path(args.model[0]).name}/sdpa/float64"] = logprob_checks(args.model[0], "sdpa", sp,
+                                                                                 dtype=torch.float64)
     if args.groups:
         for name in SETTINGS:
             out["steps"][name] = step_checks(args.model[0], args.groups, Path(args.run_dir), name, info)
