@@ -31,7 +31,7 @@ from streamgrpo.config import Config, build_config
 from streamgrpo.data.dataset import iter_samples
 from streamgrpo.data.prompts import processor_inputs, vision_factors
 from streamgrpo.engines.base import SamplingParams
-from streamgrpo.generator.loop import _make_engine, _records
+from streamgrpo.generator.loop import make_engine, train_records
 from streamgrpo.generator.sampling import Sampler
 from streamgrpo.learner.distributed import init_distributed
 from streamgrpo.learner.state import Accepted
@@ -61,14 +61,14 @@ def sample(cfg: Config, n_groups: int, max_tokens: int | None, seed: int) -> Sam
 
 
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    engine = _make_engine(cfg, processor, resolve_device(cfg.rollout.device))
+    engine = make_engine(cfg, processor, resolve_device(cfg.rollout.device))
     params = SamplingParams.from_config(cfg.rollout, seed=seed)
     if max_tokens:
         params = SamplingParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, max_tokens)})
     sampler = Sampler(engine, processor, cfg, params, RewardSet(cfg), "agreement-check",
                       np.random.default_rng(seed))
     factor, temporal = vision_factors(processor)
-    samples = iter_samples(_records(cfg), cfg.data, shard=0, num_shards=1, seed=seed, epochs=None, factor=factor,
+    samples = iter_samples(train_records(cfg), cfg.data, shard=0, num_shards=1, seed=seed, epochs=None, factor=factor,
                            temporal_patch=temporal)
     torch.manual_seed(seed)
     groups: list = []

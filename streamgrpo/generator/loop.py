@@ -72,8 +72,8 @@ def run_generator(cfg: Config | GeneratorConfig, generator_id: int = 0, *, stop:
     # --- the policy, its processor, the engine; data, rewards, queue, weights ------------------
     device = resolve_device(cfg.rollout.device)
     processor = load_processor(cfg.model.name_or_path, cfg.model.revision)
-    engine = _make_engine(cfg, processor, device, name=name)
-    records = _records(cfg)
+    engine = make_engine(cfg, processor, device, name=name)
+    records = train_records(cfg)
     rewards = RewardSet(cfg)
     tc = cfg.rollout.temporal_contrast  # T-GRPO: shuffled-frame groups, scored and never sent
     if tc is not None and tc.reward not in rewards.names:
@@ -165,6 +165,8 @@ class ShardSamples:
         self.make, self.num_shards, self.shard, self.shard_size, self.name = make, num_shards, shard, shard_size, name
         self.at = (0, 0)
         self._it = iter(())
+        self.cursor_step: int | None = None  # the learner's step of the cursor read at start
+        self.seen_newer = False  # a cursor of a later step read since (the resumed learner's)
 
     def _go(self, start: Start) -> None:
         self.at = (start.epoch, start.position)
@@ -174,17 +176,30 @@ class ShardSamples:
     def _passes(self) -> None:  # streamgrpo_data_epochs: the passes this shard has had, where it is now
         metrics.DATA_EPOCHS.set(self.at[0] + self.at[1] / max(1, self.shard_size))
 
+    def _step(self, committed) -> int | None:
+        mine = committed.get((self.num_shards, self.shard))
+        return None if mine is None else mine[2]
+
     def start(self, committed) -> None:
         start = start_for(committed, self.num_shards, self.shard, self.shard_size)
         (log.warning if start.warning else log.info)("%s: %s", self.name, start.line)
+        self.cursor_step = self._step(committed)
         self._go(start)
 
     def move_ahead(self, committed) -> None:
-        """Go to the committed cursor if it is past where this shard is (never back)."""
+        """Go to the committed cursor if it is past where this shard is (never back). The first cursor of a
+        later step than the one read at start (a learner that resumed after this generator started) is said
+        either way."""
         later = start_for(committed, self.num_shards, self.shard, self.shard_size)
+        step = self._step(committed)
+        newer = step is not None and (self.cursor_step is None or step > self.cursor_step)
         if (later.epoch, later.position) > self.at:
             log.info("%s: the learner committed a later data cursor: %s", self.name, later.line)
             self._go(later)
+        elif newer and not self.seen_newer:
+            log.info("%s: shard %d/%d: already past the data cursor committed by the learner at step %d (at epoch %d, "
+                     "record %d)", self.name, self.shard, self.num_shards, step, *self.at)
+        self.seen_newer = self.seen_newer or newer
 
     def take(self, n: int) -> list:
         chunk = list(itertools.islice(self._it, n))
@@ -204,7 +219,9 @@ def with_sources(groups: list, chunk: list, num_shards: int, shard: int) -> list
     return groups
 
 
-def _make_engine(cfg: GeneratorConfig, processor, device, *, name: str = "generator") -> Engine:
+def make_engine(cfg: Config | GeneratorConfig, processor, device, *, name: str = "generator") -> Engine:
+    """The generator's engine for ``cfg`` (``check agreement`` samples with it too)."""
+    cfg = GeneratorConfig.of(cfg)
     if cfg.rollout.engine == "vllm":
         from streamgrpo.engines.vllm import VLLMEngine
 
@@ -214,8 +231,8 @@ def _make_engine(cfg: GeneratorConfig, processor, device, *, name: str = "genera
                     vision_cache_mib=cfg.rollout.vision_cache_mib)
 
 
-def _records(cfg: GeneratorConfig) -> list:
-
+def train_records(cfg: Config | GeneratorConfig) -> list:
+    """The training records the generators read (``data.kinds`` applied)."""
     records = load_records(cfg.data.train_path, cfg.data)
     if cfg.data.kinds:
         records = [r for r in records if r.kind in cfg.data.kinds]

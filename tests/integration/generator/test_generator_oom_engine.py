@@ -99,12 +99,12 @@ def test_the_generator_loop_sends_every_group_once_after_running_out_of_memory(t
                                                                                redis_ns):
     import math
 
-    from streamgrpo.generator.loop import _records, run_generator
+    from streamgrpo.generator.loop import run_generator, train_records
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     cfg = _cfg(tiny_model_dir, demo_data_dir, tmp_path / "run", f"queue.url={redis_server.url}",
                f"queue.namespace={redis_ns}", "rollout.num_epochs=0.5", "rollout.num_generators=1")
-    n = math.ceil(0.5 * len(_records(cfg)))  # the records this generator samples before its data ends
+    n = math.ceil(0.5 * len(train_records(cfg)))  # the records this generator samples before its data ends
     assert n > 4
     sampled = oom_above(monkeypatch, limit=2)  # every call with more than 2 prompts
     before = oom_count()
