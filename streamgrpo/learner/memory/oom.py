@@ -13,7 +13,10 @@ the next steps keep the smaller budget. When one sequence alone does not fit,
 
 Limit: DeepSpeed runs collectives inside the backward and the optimizer step; with several ranks a
 rank that runs out *inside* one of those leaves its peers waiting in it (NCCL's timeout ends them).
-Out of memory in the forward, where activations peak, is agreed on safely.
+Out of memory in the forward, where activations peak, is agreed on safely -- except with
+``learner.sequence_parallel``, whose forward and backward exchange heads between the group's ranks at every
+attention layer: a rank that runs out between two exchanges leaves its peers waiting in the next one (the
+process group's timeout ends them, and the restarted learner trains the step's groups again).
 """
 
 from __future__ import annotations
