@@ -14,7 +14,7 @@ Two drivers:
 * ``lockstep``: the in-process, on-policy driver (:mod:`benchmarks.lockstep`): deterministic per seed,
   one core, no start-up of servers (for diagnosis: a change's effect without the timing noise of ``up``).
 
-A run of ``up`` stops ``--stop-after`` steps (50) after it reached 0.9 (the rest would only confirm it).
+A run stops ``--stop-after`` steps (50) after it reached 0.9 (the rest would only confirm it).
 With ``--ablation`` (needle), each run's last checkpoint answers the held-out videos greedily, and the same
 videos with the flash's frames cut out (``test_cut.jsonl``): ``held_out`` and ``cut`` in its row.
 
@@ -150,7 +150,7 @@ def up_until_target(run_dir: Path, *, model: Path, train: Path, config: str, set
 
 def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any]:
     config = TASKS[task]
-    run_dir = WORK / f"seeds-{task}" / "runs" / f"{args.driver}_s{seed}"
+    run_dir = WORK / f"seeds-{task}" / "runs" / f"{args.driver}{args.tag}_s{seed}"
     sets = [f"seed={seed}", *args.set]
     if args.driver == "up":
         steps = [f"learner.max_steps={args.steps}"] if args.steps else []
@@ -164,7 +164,8 @@ def one_run(task: str, seed: int, paths: dict[str, Path], args) -> dict[str, Any
         if task == "needle" and args.ablation:
             stats.update(needle_ablation(run_dir, paths["train"].parent))
     else:
-        tail = ["--config", config, "--lag", "0", "--steps", str(args.steps or 600), "--seed", str(seed)]
+        tail = ["--config", config, "--lag", "0", "--steps", str(args.steps or 600), "--seed", str(seed),
+                "--stop-after", str(args.stop_after)]
         for s in args.set:
             tail += ["--set", s]
         argv = module_argv("lockstep", "--run-dir", str(run_dir), "--model", str(paths["model"]),
@@ -185,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap per run (start-up included)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
     ap.add_argument("--stop-after", type=int, default=50,
-                    help="up: stop a run this many steps after it reached 0.9 (-1: run to --steps or --cap-s)")
+                    help="stop a run this many steps after it reached 0.9 (-1: run to --steps or --cap-s)")
     ap.add_argument("--reuse", action="store_true", help="up: score a finished run (summary.json) instead of rerunning")
     ap.add_argument("--ablation", action="store_true",
                     help="needle, driver up: greedy held-out accuracy after each run, and with the flash cut out")
+    ap.add_argument("--tag", default="", help="suffix of the run folders (an A/B of --set beside the baseline's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -39,7 +39,7 @@ def lagged_version(step: int, lag: int) -> int:
 
 
 def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: list[str], seed: int = 0,
-        config: str = "demo") -> dict[str, Any]:
+        config: str = "demo", stop_after: int | None = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -53,6 +53,7 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     from streamgrpo.learner.trainer import Accepted, Learner
     from streamgrpo.models.loading import load_model
     from streamgrpo.rewards import RewardSet
+    from streamgrpo.runtime.accuracy import target_reached
 
     torch.set_num_threads(1)
     cfg = load_config(config, [f"model.name_or_path={model}", "demo.tiny_model=false",
@@ -81,6 +82,8 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
     gen_total = train_total = 0.0
     trained = 0
     recent: collections.deque = collections.deque(maxlen=40)  # accuracies of the last 40 groups, for the progress line
+    rows: list[dict[str, Any]] = []  # for --stop-after: the step at which the 50-group accuracy reached 0.9
+    hit: int | None = None
     for step in range(1, steps + 1):
         want = lagged_version(step, lag)
         version, tensors = next((v, t) for v, t in history if v == want)
@@ -118,6 +121,8 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
                "seconds": train_s, "generate_s": gen_s,
                "groups_trained": trained, "staleness_mean": float(step - 1 - version),
                "loss": None if result is None else result.loss, "kl": None if result is None else result.stats.kl,
+               "entropy": None if result is None else result.stats.entropy,
+               "completions": [[c.text for c in g.completions] for g in groups],  # per group: which answers it sampled
                "skipped": result is None}
         if result is not None and result.update is not None:
             row["update_kl"], row["update_scale"] = result.update.kl_first, result.update.scale
@@ -129,6 +134,12 @@ def run(run_dir: Path, model: Path, data: Path, *, lag: int, steps: int, sets: l
         if step % 10 == 0 or step == steps:
             print(f"[{run_dir.name}] step {step}/{steps} lag {step - 1 - version} accuracy(last 40 groups) "
                   f"{sum(recent) / len(recent):.3f}  {time.time() - t_start:.0f}s", flush=True)
+        if stop_after is not None:
+            rows.append({"step": step, "time": row["time"], "group_accuracy": acc})
+            hit = hit if hit is not None else (target_reached(rows) or (None,))[0]
+            if hit is not None and step >= hit + stop_after:
+                steps = step
+                break
     out.close()
     summary = {"steps": steps, "lag": lag, "wall_s": time.time() - t_start, "generate_s": gen_total,
                "train_s": train_total, "groups_trained": trained}
@@ -146,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default="demo", help="shipped config name or YAML file (demo, demo-motion)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override, e.g. learner.learning_rate=1e-3")
+    ap.add_argument("--stop-after", type=int, default=-1,
+                    help="stop this many steps after the 50-group accuracy reached 0.9 (-1: run all --steps)")
     args = ap.parse_args(argv)
     if args.lag < 0 or args.steps < 1:
         ap.error("--lag must be >= 0 and --steps >= 1")
     run(args.run_dir, args.model, args.data, lag=args.lag, steps=args.steps, sets=args.sets, seed=args.seed,
-        config=args.config)
+        config=args.config, stop_after=None if args.stop_after < 0 else args.stop_after)
     return 0
 
 
