@@ -11,10 +11,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
-# The main pytest run on two workers (pytest-xdist), a module's tests in one worker (its module fixtures built
-# once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are the other's CPU.
-# PYTEST_ARGS="-n 0" runs it in one process.
-PYTEST_ARGS ?= -n 2 --dist loadscope
+# The main pytest run on three workers (pytest-xdist), a module's tests in one worker (its module fixtures built
+# once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are another's CPU; three
+# keep the cores 95% busy (19.4 min, docs/performance.md). PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 3 --dist loadscope
 VLLM_PYTEST_ARGS ?=
 
 .PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu
