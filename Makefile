@@ -68,10 +68,16 @@ system-deps:
 demo: setup
 	$(VENV)/bin/streamgrpo up --config demo
 
+# The two extra environments (the lowest transformers, vLLM on CPU) are built while the main run goes (their
+# pip work waits on downloads and disk: ~5 min on a fresh clone, half a core); their tests run side by side after.
+EXTRA_SETUP_LOG := $(VENV)/setup-extra.log
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
-	@$(MAKE) --no-print-directory test-tf-low
-	@$(MAKE) --no-print-directory test-vllm
+	@$(MAKE) --no-print-directory setup-tf-low setup-vllm > $(EXTRA_SETUP_LOG) 2>&1 & extra=$$!; \
+	  $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if ! wait $$extra; then tail -n 40 $(EXTRA_SETUP_LOG); \
+	    echo "make test: building .venv-tf-low/.venv-vllm failed (above; all of it in $(EXTRA_SETUP_LOG))"; exit 1; fi; \
+	  exit $$rc
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tf-low test-vllm
 
 # --- the lowest transformers release pyproject.toml admits (~1 min on top of the suite) ---------------
 # pyproject.toml admits transformers from TF_LOW_VERSION up to the next minor after the pinned one

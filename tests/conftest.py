@@ -15,6 +15,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 
 
+def pytest_runtest_logreport(report):
+    """A failure named the moment it happens (the summary comes only at the end: a run stopped by CI's clock
+    would otherwise not say which tests failed). Printed once, by the process that shows the progress."""
+    if report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        print(f"\nFAILED {report.nodeid} ({report.when})", flush=True)
+
+
 # --- tiny model -------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
