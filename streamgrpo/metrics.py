@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -229,6 +230,7 @@ class _BoundedServer(ThreadingHTTPServer):
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self.refused = 0
+        self.hung_up = 0  # clients gone before their reply was written
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
@@ -246,6 +248,14 @@ class _BoundedServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request, client_address):
+        """A scraper that hung up before its reply was written (a scrape timeout on a loaded host) is counted,
+        not printed: socketserver's default prints a traceback into the process's log."""
+        if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipe, ConnectionReset, ConnectionAborted
+            self.hung_up += 1
+            return
+        super().handle_error(request, client_address)
 
 
 class MetricsServer:

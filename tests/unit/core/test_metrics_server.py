@@ -102,3 +102,24 @@ def test_close_waits_at_most_a_short_poll_of_the_serving_loop(monkeypatch):
         assert r.status == 200
     server.close()
     assert polls and max(polls) <= 0.1, polls
+
+
+def test_a_scraper_that_hung_up_is_counted_not_printed_and_other_errors_still_are(capsys):
+    """socketserver prints a traceback for any error in a handler; a client gone before its reply was
+    written (BrokenPipe, ConnectionReset: a scrape timeout on a loaded host) is counted instead."""
+    server = MetricsServer()
+    try:
+        httpd = server._httpd
+        for exc in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "Connection reset by peer")):
+            try:
+                raise exc
+            except ConnectionError:
+                httpd.handle_error(None, ("127.0.0.1", 1))
+        assert httpd.hung_up == 2 and capsys.readouterr().err == ""
+        try:
+            raise ValueError("a bug in a handler")
+        except ValueError:
+            httpd.handle_error(None, ("127.0.0.1", 1))
+        assert "ValueError: a bug in a handler" in capsys.readouterr().err and httpd.hung_up == 2
+    finally:
+        server.close()
