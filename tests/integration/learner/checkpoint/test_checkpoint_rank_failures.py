@@ -38,8 +38,8 @@ def _fails_on_every_rank(cfg: Path, tmp_path: Path, *inject: str, resume: bool =
     # torchrun stops the other ranks once one has exited, at its next look (every 0.1 s by default): a loaded box's
     # slower rank was stopped before it said its line; every 3 s leaves it the time to stop on its own
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "--monitor-interval", "3", DRIVER, *inject, "--out", str(tmp_path), "learner", "--config", str(cfg),
-           *(["--resume"] if resume else [])]
+           "--master_port", str(free_port()), "--monitor-interval", "3", DRIVER, *inject, "--out", str(tmp_path),
+           "learner", "--config", str(cfg), *(["--resume"] if resume else [])]
     out = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr
     (tmp_path / "torchrun-failed.log").write_text(text)
