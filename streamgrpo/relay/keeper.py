@@ -3,8 +3,9 @@
 The relay of a learner address lives in its folder (:func:`~streamgrpo.transport.weights.factory.relay_dir`,
 ``<shm_dir>/sgr-<hash>``, mode 0700: only this user's processes reach its sockets) and holds an
 exclusive ``flock`` on ``relay.lock`` there for its whole life (the kernel drops it when the process
-dies, ``kill -9`` included). Every generator with ``weights.relay`` probes that lock at start and
-between batches (at most every 5 s): when it can take it, no relay runs, and it starts one
+dies, ``kill -9`` included) and its PID in it. Every generator with ``weights.relay`` probes that lock at
+start and between batches (at most every 5 s, with a shared lock for an instant, writing nothing): when no
+relay holds it, it starts one
 (``streamgrpo relay``, in its own session, so it outlives that generator and serves the others).
 Two generators that race both start one; the second relay finds the lock held and exits. A relay
 with no generator connected for a minute exits (:mod:`.loop`), so nothing outlives a run for long.
@@ -47,27 +48,45 @@ def lock_path(wcfg) -> Path:
     return relay_dir(wcfg) / "relay.lock"
 
 
-def take_lock(wcfg) -> int | None:
-    """The relay's lock (a file descriptor to keep open while relaying), or None when another relay holds it."""
+def take_lock(wcfg, wait_s: float = 2.0) -> int | None:
+    """The relay's lock (a file descriptor to keep open while relaying, the file holding this PID), or None
+    when another relay holds it. A generator's probe (:func:`relay_running`) holds a shared lock for an
+    instant: that is waited out (up to ``wait_s``), so a relay starting beside a probe does not give up."""
     path = private_dir(wcfg) / "relay.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if _held_by_a_relay(path) or time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.01)  # a probe's shared lock: gone in a moment
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
 
 
-def relay_running(wcfg) -> bool:
-    """Whether a relay holds the lock now (a probe: the lock is let go at once when free)."""
-    fd = take_lock(wcfg)
-    if fd is None:
+def _held_by_a_relay(path: Path) -> bool:
+    """Whether an exclusive lock (a relay's) holds ``path``: a shared lock cannot be had beside it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
-    os.close(fd)
-    return False
+    finally:
+        os.close(fd)  # lets the shared lock go, when taken
+
+
+def relay_running(wcfg) -> bool:
+    """Whether a relay holds the lock now: a probe that writes nothing (the file keeps the relay's PID)."""
+    path = private_dir(wcfg) / "relay.lock"
+    if not path.exists():
+        return False
+    return _held_by_a_relay(path)
 
 
 class RelayKeeper:

@@ -65,7 +65,7 @@ from streamgrpo.transport.weights.codec import (
 from streamgrpo.transport.weights.keys import authorised_dir, server_keys
 from streamgrpo.transport.weights.layout import LayoutMemo, TensorSpec
 from streamgrpo.transport.weights.outgoing import OutgoingVersion, OutgoingWriter
-from streamgrpo.transport.weights.sockets import PortInUse, bind_tcp, endpoint, ipc_endpoints
+from streamgrpo.transport.weights.sockets import bind_tcp, endpoint, ipc_endpoints
 
 log = logging.getLogger(__name__)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -98,7 +98,12 @@ class WeightPublisher(Broadcaster, WeightSync):
         self.algo = algo
         self.src = secrets.randbits(62)  # publisher id: a restarted learner starts a new lineage
         self.bind_host = bind_host
+        self._ipc: tuple[str, str] | None = None
+        if ipc_dir is not None:
+            Path(ipc_dir).mkdir(parents=True, exist_ok=True)
+            self._ipc = ipc_endpoints(ipc_dir)  # (a path too long for a socket: one line before any socket)
         self._ctx = zmq.Context(io_threads=max(1, io_threads))
+        self._ctx.linger = 0  # every socket: a term() never waits on messages nobody will take
         self._auth = None
         self._curve: tuple[bytes, bytes] | None = None
         if curve_keys_dir:
@@ -108,10 +113,6 @@ class WeightPublisher(Broadcaster, WeightSync):
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".auth"))
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(authorised_dir(curve_keys_dir)))
-        self._ipc: tuple[str, str] | None = None
-        if ipc_dir is not None:
-            Path(ipc_dir).mkdir(parents=True, exist_ok=True)
-            self._ipc = ipc_endpoints(ipc_dir)
         self._hwm = sndhwm
         self._pub = self._socket(zmq.PUB, sndhwm)
         self._pub_monitor = self._pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -123,14 +124,15 @@ class WeightPublisher(Broadcaster, WeightSync):
                 self.snapshot_port = bind_tcp(self._router, bind_host, snapshot_port, "weights.snapshot_port")
             else:
                 self.pub_port = self.snapshot_port = None
-        except PortInUse:
+            if self._ipc is not None:
+                self._pub.bind(self._ipc[0])
+                self._router.bind(self._ipc[1])
+        except BaseException:  # a port in use, a socket file that cannot be made: nothing left open
+            self._drop_monitor()  # (a context left to the garbage collector can hang its term())
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.destroy(linger=0)
             raise
-        if self._ipc is not None:
-            self._pub.bind(self._ipc[0])
-            self._router.bind(self._ipc[1])
         self._last_beat = 0.0
         self._wake_addr = f"inproc://weights-pub-{self.src}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
@@ -166,6 +168,7 @@ class WeightPublisher(Broadcaster, WeightSync):
             if self._auth is not None:
                 self._auth.stop()
             self._hash_pool.shutdown(wait=False)
+            self._drop_monitor()
             self._ctx.destroy(linger=0)
             raise
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)

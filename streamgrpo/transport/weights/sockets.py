@@ -7,13 +7,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import zmq
+
 from streamgrpo.config import ConfigError
+
+IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+"""The longest path a unix socket (ipc://) takes: ``sizeof(sockaddr_un.sun_path) - 1`` on Linux."""
 
 
 def ipc_endpoints(ipc_dir: str | os.PathLike) -> tuple[str, str]:
-    """``(pub, snapshot)`` ipc:// endpoints in ``ipc_dir``."""
+    """``(pub, snapshot)`` ipc:// endpoints in ``ipc_dir``; a ConfigError when a path is too long for a unix
+    socket (the relay's folder is under ``weights.shm_dir``, the ipc/shm transports' under ``run_dir``)."""
     d = Path(ipc_dir)
-    return f"ipc://{d / 'weights-pub.sock'}", f"ipc://{d / 'weights-snap.sock'}"
+    paths = d / "weights-pub.sock", d / "weights-snap.sock"
+    longest = max(len(os.fsencode(p)) for p in paths)
+    if longest > IPC_PATH_MAX:
+        raise ConfigError(f"weights: the socket path {paths[1]} is {longest} bytes, over the {IPC_PATH_MAX} a unix "
+                          "socket takes: give weights.shm_dir (a relay's sockets) or run_dir (transport ipc/shm) "
+                          "a shorter path")
+    return f"ipc://{paths[0]}", f"ipc://{paths[1]}"
 
 
 def endpoint(host: str, port: int | str) -> str:

@@ -101,7 +101,42 @@ class WeightSubscriber(WeightSyncClient):
         self.pin_memory = pin_memory
         self.credit = max(1, snapshot_credit)
         self.repair_delay_s, self.retry_s, self.snapshot_timeout_s = repair_delay_s, retry_s, snapshot_timeout_s
+        if ipc_dir is not None:  # (a path too long for a socket: one line before any socket)
+            pub_ep, snap_ep = ipc_endpoints(ipc_dir)
+        else:
+            pub_ep, snap_ep = endpoint(connect_host, pub_port), endpoint(connect_host, snapshot_port)
         self._ctx = zmq.Context()
+        self._ctx.linger = 0  # every socket: a term() never waits on messages nobody will take
+        try:
+            self._connect(connect_host, curve_keys_dir, client_key, delta, pub_ep, snap_ep, redial_s)
+            self._pool = ThreadPoolExecutor(copy_threads or default_hash_threads(), thread_name_prefix="weights-recv")
+            self._wake_addr = f"inproc://weights-sub-{secrets.randbits(62)}"
+            self._wake_pull = self._ctx.socket(zmq.PULL)
+            self._wake_pull.bind(self._wake_addr)
+            self._wake_push = self._ctx.socket(zmq.PUSH)
+            self._wake_push.connect(self._wake_addr)
+            self._init_state()
+            self._setup_backend()
+        except BaseException:
+            self._abandon()
+            raise
+        self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
+        self._thread.start()
+
+    def _abandon(self) -> None:
+        """A constructor that failed half-way leaves nothing open: a context left to the garbage collector
+        closes its sockets in whatever thread collects it and can hang in its term()."""
+        for s in (getattr(self, "_sub", None), getattr(self, "_dealer", None)):
+            if s is not None and not s.closed:
+                try:
+                    s.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False)
+        self._ctx.destroy(linger=0)
+
+    def _connect(self, connect_host, curve_keys_dir, client_key, delta, pub_ep, snap_ep, redial_s) -> None:
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.immediate = True  # sends fail fast (EAGAIN) while not connected/authorised
@@ -121,23 +156,14 @@ class WeightSubscriber(WeightSyncClient):
         self.delta = delta
         if delta:
             self._sub.subscribe(TOPIC_DELTA)
-        if ipc_dir is not None:
-            pub_ep, snap_ep = ipc_endpoints(ipc_dir)
-        else:
-            pub_ep, snap_ep = endpoint(connect_host, pub_port), endpoint(connect_host, snapshot_port)
         self._links = Links([("PUB", self._sub, pub_ep), ("snapshot", self._dealer, snap_ep)],
                             curve=bool(curve_keys_dir), client=str(client_key) if client_key else None,
                             redial_s=redial_s)  # monitors first: they see the first connection attempt
         self._learner_empty = False  # the snapshot endpoint answered that nothing is published yet
         self._sub.connect(pub_ep)
         self._dealer.connect(snap_ep)
-        self._pool = ThreadPoolExecutor(copy_threads or default_hash_threads(), thread_name_prefix="weights-recv")
-        self._wake_addr = f"inproc://weights-sub-{secrets.randbits(62)}"
-        self._wake_pull = self._ctx.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake_addr)
-        self._wake_push = self._ctx.socket(zmq.PUSH)
-        self._wake_push.connect(self._wake_addr)
 
+    def _init_state(self) -> None:
         self._cv = threading.Condition(threading.RLock())
         self._ready: Completed | None = None
         self._have: VersionMeta | None = None  # newest of ready / last returned
@@ -157,9 +183,6 @@ class WeightSubscriber(WeightSyncClient):
         self._rid = 0
         self.stats = {"returned": 0, "from_pub": 0, "from_snapshot": 0, "from_delta": 0, "discarded": 0,
                       "snapshot_requests": 0, "beats": 0, "delta_no_base": 0}
-        self._setup_backend()
-        self._thread = threading.Thread(target=self._run, name="weights-subscriber", daemon=True)
-        self._thread.start()
 
     # -- caller thread ---------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:

@@ -1,6 +1,7 @@
 """The loop end to end: real redis-server, real ZeroMQ, the tiny model, demo mp4s, real processes.
 
-* `streamgrpo up` with 1 learner + 2 generators: the accuracy reward rises.
+* `streamgrpo up` with 1 learner + 2 generators + the evaluator: the accuracy reward rises, the learner never
+  waits for the evaluator.
 * staleness: max_staleness=0 with 2 fast generators drops stale groups; a large bound drops none.
 * kill -9 the learner, restart with --resume: no group trained twice, every produced group accounted for.
 * Ctrl-C on `up` leaves no child process alive.
@@ -105,17 +106,45 @@ def _pid_alive(pid: int) -> bool:
 ACCURACY_STEPS = 72
 
 
-def test_up_learns_accuracy_rises(demo_assets, tmp_path):
+def test_up_learns_accuracy_rises_and_never_waits_for_its_evaluator(demo_assets, tmp_path):
+    """`up` with 2 generators, the agreement check and eval.enabled: the accuracy reward rises. The evaluator
+    beside the learner is frozen (SIGSTOP) after its first result, so nothing the learner does waits for it;
+    after it thaws, it evaluates the run's last version (whatever eval.every_versions says), `up` waits for that
+    result, and the run ends with eval.jsonl, eval.png and the best held-out accuracy (one run: each `up` starts
+    five processes)."""
     run = tmp_path / "run"
-    cfg = _config(demo_assets, run, **{"learner.max_steps": ACCURACY_STEPS, "learner.save_steps": 1000,
-                                       "launch.agreement_check": True})
-    out = subprocess.run([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
-                         env=ENV, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "generator and learner agree: KL " in out.stdout  # the check before training ran and passed
+    steps = ACCURACY_STEPS
+    cfg = _config(demo_assets, run, **{"learner.max_steps": steps, "learner.save_steps": 1000,
+                                       "launch.agreement_check": True, "eval.enabled": "true",
+                                       "data.eval_path": demo_assets["data"].with_name("test.jsonl"),
+                                       "eval.every_versions": 7, "eval.max_records": 8})
+    log = tmp_path / "up.out"  # a file, not a pipe: nothing reads `up`'s output until it ends
+    with open(log, "w") as sink:
+        up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
+                              env=ENV, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: _jsonl(run / "eval.jsonl"), 600, "the evaluator's first result", [up])
+        evaluator = json.loads((run / "processes.json").read_text())["evaluator"]
+        os.kill(evaluator, signal.SIGSTOP)
+        frozen_at = len(_jsonl(run / "metrics.jsonl"))
+        evals_frozen = len(_jsonl(run / "eval.jsonl"))
+        thaw_at = frozen_at + 12
+        assert thaw_at < steps, "the learner got far before the evaluator's first result: nothing to show"
+        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= thaw_at, 600, f"step {thaw_at}", [up])
+        assert len(_jsonl(run / "eval.jsonl")) == evals_frozen  # it was frozen all along ...
+        os.kill(evaluator, signal.SIGCONT)  # ... while the learner trained steps frozen_at+1..thaw_at
+        up.wait(900)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            _kill_recorded(run)
+    out = log.read_text()
+    assert up.returncode == 0, out[-3000:]
+    assert "generator and learner agree: KL " in out  # the check before training ran and passed
     summary = json.loads((run / "summary.json").read_text())
     rows = _jsonl(run / "metrics.jsonl")
-    assert summary["steps"] == ACCURACY_STEPS and len(rows) == ACCURACY_STEPS
+    assert summary["steps"] == steps and len(rows) == steps
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["version"] == steps
     accs = [a for r in rows for a in r["group_accuracy"]]
     first, last = sum(accs[:20]) / 20, sum(accs[-20:]) / 20
     assert last >= first + 0.25, f"accuracy did not rise: first 20 groups {first:.3f}, last 20 {last:.3f}"
@@ -123,14 +152,27 @@ def test_up_learns_accuracy_rises(demo_assets, tmp_path):
     # a clean run drops nothing but groups over the staleness bound (how many depends on how the two cores are
     # shared: a generator's batch that takes 7 learner steps is dropped, counted), and trains full steps
     assert set(summary["groups_dropped"]) <= {"stale"}, summary["groups_dropped"]
-    assert summary["groups_trained"] == rows[-1]["groups_trained"] == ACCURACY_STEPS * 8
+    assert summary["groups_trained"] == rows[-1]["groups_trained"] == steps * 8
     bound = yaml.safe_load((run / "config.yaml").read_text())["learner"]["max_staleness"]
     assert max(r["staleness_max"] for r in rows) <= bound == 6
     for key in ("groups_trained", "groups_dropped", "wall_seconds", "first_accuracy", "last_accuracy", "time_to_target_s"):
         assert key in summary
     # every process wrote its metrics port
-    assert {"learner.json", "generator-0.json", "generator-1.json"} <= {p.name for p in (run / "ports").iterdir()}
+    assert {"learner.json", "generator-0.json", "generator-1.json", "evaluator.json"} <= {
+        p.name for p in (run / "ports").iterdir()}
     assert not list(run.glob("*.lock"))  # a clean exit leaves no lock file behind (learner.lock, up.lock)
+    # the evaluator
+    assert "learner + 2 generators + the evaluator started" in out and "the evaluator on the CPU" in out
+    evals = _jsonl(run / "eval.jsonl")
+    versions = [e["version"] for e in evals]
+    assert versions == sorted(set(versions)) and versions[-1] == steps  # the last version, whatever every_versions
+    assert all(b - a >= 7 for a, b in zip(versions[:-1], versions[1:-1]))
+    assert f"waiting for the evaluator's result at v{steps}" in out
+    assert all(e["records"] == 8 and e["accuracy"] is not None for e in evals)
+    best = max(e["accuracy"] for e in evals)
+    assert summary["best_eval_accuracy"] == best
+    assert summary["best_eval_version"] == next(e["version"] for e in evals if e["accuracy"] == best)
+    assert (run / "eval.png").stat().st_size > 1000
 
 
 def test_up_refuses_to_train_when_the_generator_and_the_learner_disagree(demo_assets, tmp_path):
@@ -149,49 +191,6 @@ def test_up_refuses_to_train_when_the_generator_and_the_learner_disagree(demo_as
     assert "launch.agreement_check=false skips this check" in line and "Traceback" not in out.stderr
     assert not (run / "metrics.jsonl").exists() and not (run / "logs" / "learner.log").exists()
     assert not list(run.glob("*.lock"))
-
-
-def test_up_runs_the_evaluator_and_never_waits_for_it(demo_assets, tmp_path):
-    """`up` with eval.enabled starts the evaluator beside the learner: the learner trains on while the
-    evaluator is frozen (SIGSTOP) after its first result, so nothing the learner does waits for it;
-    after it thaws, it evaluates the run's last version (whatever eval.every_versions says), `up` waits
-    for that result, and the run ends with eval.jsonl, eval.png and the best held-out accuracy."""
-    run = tmp_path / "evaluated"
-    steps, thaw_at = 30, 24
-    cfg = _config(demo_assets, run, **{"learner.max_steps": steps, "learner.save_steps": 1000, "eval.enabled": "true",
-                                       "data.eval_path": demo_assets["data"].with_name("test.jsonl"),
-                                       "eval.every_versions": 7, "eval.max_records": 8})
-    up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"],
-                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for(lambda: _jsonl(run / "eval.jsonl"), 600, "the evaluator's first result", [up])
-        evaluator = json.loads((run / "processes.json").read_text())["evaluator"]
-        os.kill(evaluator, signal.SIGSTOP)
-        frozen_at = len(_jsonl(run / "metrics.jsonl"))
-        evals_frozen = len(_jsonl(run / "eval.jsonl"))
-        assert frozen_at < thaw_at, "the learner got far before the evaluator's first result: nothing to show"
-        _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= thaw_at, 600, f"step {thaw_at}", [up])
-        assert len(_jsonl(run / "eval.jsonl")) == evals_frozen  # it was frozen all along ...
-        os.kill(evaluator, signal.SIGCONT)  # ... while the learner trained steps frozen_at+1..thaw_at
-        out, _ = up.communicate(timeout=300)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            _kill_recorded(run)
-    assert up.returncode == 0, out[-3000:]
-    assert "learner + 1 generators + the evaluator started" in out and "the evaluator on the CPU" in out
-    rows, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["version"] == steps
-    versions = [e["version"] for e in evals]
-    assert versions == sorted(set(versions)) and versions[-1] == steps  # the last version, whatever every_versions
-    assert all(b - a >= 7 for a, b in zip(versions[:-1], versions[1:-1]))
-    assert f"waiting for the evaluator's result at v{steps}" in out
-    assert all(e["records"] == 8 and e["accuracy"] is not None for e in evals)
-    summary = json.loads((run / "summary.json").read_text())
-    best = max(e["accuracy"] for e in evals)
-    assert summary["best_eval_accuracy"] == best
-    assert summary["best_eval_version"] == next(e["version"] for e in evals if e["accuracy"] == best)
-    assert (run / "eval.png").stat().st_size > 1000 and (run / "ports" / "evaluator.json").is_file()
 
 
 def _start_servers(tmp_path):
@@ -319,7 +318,7 @@ def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
     a summary."""
     run = tmp_path / "ctrlc"
     cfg = _config(demo_assets, run, **{"learner.max_steps": 10000})
-    up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"],
+    up = subprocess.Popen([sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"],
                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_ignore_sigint)
     try:
         _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= 1, 600, "the first step", [up])
@@ -344,7 +343,7 @@ def test_ctrl_c_on_up_leaves_no_child_alive(demo_assets, tmp_path, sig, code):
 
 def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refused(demo_assets, tmp_path,
                                                                                     redis_server, redis_ns):
-    """`up` killed with -9 cannot stop anyone itself: its children (learner, generators, and its own
+    """`up` killed with -9 cannot stop anyone itself: its children (learner, generator, and its own
     Redis) get SIGTERM from the kernel and stop cleanly. While it lives, a second `up` on the same run
     directory refuses in one line. Then `up --resume` goes on, and the audit finds nothing lost or
     trained twice."""
@@ -356,7 +355,7 @@ def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refu
     sets = {"learner.max_steps": 10000, "learner.save_steps": 3, "queue.url": redis_server.url,
             "queue.namespace": redis_ns}
     cfg = _config(demo_assets, run, **sets)
-    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "2"]
+    argv = [sys.executable, "-m", "streamgrpo", "up", "--config", str(cfg), "--generators", "1"]
     up = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: len(_jsonl(run / "metrics.jsonl")) >= 4, 600, "four steps", [up])
@@ -376,7 +375,7 @@ def test_up_killed_with_sigkill_takes_its_children_along_and_a_second_up_is_refu
     assert "SIGTERM received" in log  # stopped cleanly by the kernel's signal, not killed
     done = len(_jsonl(run / "metrics.jsonl"))
     cfg = _config(demo_assets, run, **{**sets, "learner.max_steps": done + 3})
-    out = subprocess.run([*argv[:5], str(cfg), "--generators", "2", "--resume"], env=ENV, capture_output=True,
+    out = subprocess.run([*argv[:5], str(cfg), "--generators", "1", "--resume"], env=ENV, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     q = RedisQueue.from_config(QueueConfig(url=redis_server.url, namespace=redis_ns), redis_server.url,

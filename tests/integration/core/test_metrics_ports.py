@@ -61,14 +61,13 @@ def _scrape(port: int) -> str:
 
 
 def test_two_generators_and_their_relay_on_one_host_each_serve_metrics(tiny_model_dir, demo_data_dir, redis_server,
-                                                                      redis_ns, tmp_path):
+                                                                      redis_ns, tmp_path, short_tmp):
     from streamgrpo.config import load_config
     from streamgrpo.relay.keeper import lock_path
     from streamgrpo.runtime.processes import free_port
 
     base = _base_port()
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     run = tmp_path / "run"
     shipped = load_config("qwen2_5_vl_7b_video")
     cfg = load_config("demo", [f"model.name_or_path={tiny_model_dir}", "demo.tiny_model=false",

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,14 +127,13 @@ def _until(pred, what: str, timeout: float = WAIT_S) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once(delta_pub, tmp_path):
+def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once(delta_pub, tmp_path, short_tmp):
     import threading
 
     from streamgrpo.relay.loop import run_relay
     from streamgrpo.runtime.processes import StopFlag
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     cfg = _relay_cfg(tmp_path, delta_pub, shm)
     stop = StopFlag(install=False)
     relay = threading.Thread(target=run_relay, args=(cfg,), kwargs={"stop": stop}, daemon=True)
@@ -159,11 +159,10 @@ def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once
     assert not relay.is_alive()
 
 
-def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pub, tmp_path):
-    from streamgrpo.relay.keeper import RelayKeeper, lock_path, relay_running
+def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pub, tmp_path, short_tmp):
+    from streamgrpo.relay.keeper import RelayKeeper, relay_running
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     cfg = _relay_cfg(tmp_path, delta_pub, shm)
     keeper = RelayKeeper(cfg, cfg.run_dir, "generator-0", every_s=0.0)
     assert keeper.check() and keeper.started == 1  # none ran: this generator started one
@@ -178,8 +177,7 @@ def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pu
         delta_pub.publish(0, v)
         assert _same(_wait(sub, 0, WAIT_S)[1], v)
         sub.mark_applied()
-        pid = int(lock_path(cfg.weights).read_text())
-        os.kill(pid, signal.SIGKILL)
+        os.kill(_relay_pid(cfg), signal.SIGKILL)
         _until(lambda: not relay_running(cfg.weights), "the killed relay's lock to go")
         assert keeper.check() and keeper.started == 2  # noticed and replaced
         _until(lambda: relay_running(cfg.weights), "the new relay")
@@ -192,9 +190,25 @@ def test_a_relay_killed_with_sigkill_is_replaced_by_a_generators_keeper(delta_pu
     finally:
         sub.close()
         if relay_running(cfg.weights):
-            pid = int(lock_path(cfg.weights).read_text())
-            os.kill(pid, signal.SIGTERM)
+            os.kill(_relay_pid(cfg), signal.SIGTERM)
             _until(lambda: not relay_running(cfg.weights), "the relay to stop", 30)
+
+
+def _relay_pid(cfg) -> int:
+    """The PID in the relay's lock file once it names a live ``streamgrpo relay`` (never this process)."""
+    from streamgrpo.relay.keeper import lock_path
+
+    def named() -> int | None:
+        text = lock_path(cfg.weights).read_text().strip()
+        if not text.isdigit() or int(text) == os.getpid():
+            return None
+        try:
+            return int(text) if b"relay" in Path(f"/proc/{text}/cmdline").read_bytes() else None
+        except OSError:
+            return None
+
+    _until(lambda: named() is not None, "the relay's PID in its lock file")
+    return named()
 
 
 def _config_file(cfg, tmp_path):
@@ -203,14 +217,14 @@ def _config_file(cfg, tmp_path):
     return path
 
 
-def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused(delta_pub, tmp_path):
+def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused(delta_pub, tmp_path,
+                                                                                short_tmp):
     from streamgrpo.config import ConfigError
     from streamgrpo.relay.keeper import RelayKeeper, relay_running
     from streamgrpo.relay.loop import run_relay
     from streamgrpo.transport.weights.factory import relay_dir
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     cfg = _relay_cfg(tmp_path, delta_pub, shm)
     assert run_relay(cfg, idle_exit_s=1.0) == 0  # nobody connected: it leaves on its own
     assert not relay_running(cfg.weights) and relay_dir(cfg.weights).stat().st_mode & 0o777 == 0o700
@@ -224,11 +238,10 @@ def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused
     assert "\n" not in str(err.value)
 
 
-def test_a_keeper_backs_off_when_its_relays_keep_dying(tmp_path):
+def test_a_keeper_backs_off_when_its_relays_keep_dying(tmp_path, short_tmp):
     from streamgrpo.relay.keeper import RelayKeeper
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.shm_dir={shm}", "weights.relay=true"])
     now = [0.0]
     keeper = RelayKeeper(cfg, cfg.run_dir, "generator-0", every_s=5.0, clock=lambda: now[0])

@@ -166,7 +166,7 @@ def test_a_generator_that_joins_in_the_middle_of_a_delta_takes_the_snapshot_and_
 
 
 def test_a_relay_whose_shm_folder_is_full_stops_in_one_line_and_its_generators_apply_nothing_partial(
-        delta_pub, tmp_path):
+        delta_pub, tmp_path, short_tmp):
     """A full folder, root-free: the relay runs with a 64 KiB file-size limit (RLIMIT_FSIZE; a version here is
     ~155 KB), so reserving a version's file fails as on a full tmpfs. The relay says so in one line and exits 1;
     its generators keep what they hold (nothing partial); a relay with room serves them the version."""
@@ -179,8 +179,7 @@ def test_a_relay_whose_shm_folder_is_full_stops_in_one_line_and_its_generators_a
     from streamgrpo.config import build_config
     from streamgrpo.transport.weights.factory import subscriber_from_config
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = short_tmp
     cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.pub_port={delta_pub.pub_port}",
                             f"weights.snapshot_port={delta_pub.snapshot_port}", "weights.delta=true",
                             f"weights.shm_dir={shm}", "weights.relay=true", "metrics.port=0"])

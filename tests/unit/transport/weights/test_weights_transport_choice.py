@@ -45,3 +45,19 @@ def test_a_subscriber_on_the_learners_host_keeps_shared_memory(tmp_path):
         assert all(ep.startswith(f"ipc://{tmp_path / 'run' / 'ipc'}") for ep in _endpoints(sub)), _endpoints(sub)
     finally:
         sub.close()
+
+
+def test_a_relay_folder_too_long_for_a_socket_is_one_line_naming_the_setting(tmp_path):
+    """A unix socket path holds 107 bytes: a deep ``weights.shm_dir`` was a ZMQError from inside zmq (and, in a
+    process that went on, a half-made context); now a ConfigError before any socket is made."""
+    from streamgrpo.config import ConfigError
+    from streamgrpo.transport.weights.factory import relay_publisher_from_config
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    wcfg = WeightsConfig(relay=True, connect_host="127.0.0.1", pub_port=45555, snapshot_port=45556, shm_dir=str(deep))
+    for make in (lambda: subscriber_from_config(wcfg, tmp_path / "run"), lambda: relay_publisher_from_config(wcfg)):
+        with pytest.raises(ConfigError) as err:
+            make()
+        line = str(err.value)
+        assert "\n" not in line and "weights.shm_dir" in line and "over the 107" in line, line
