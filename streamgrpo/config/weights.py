@@ -31,7 +31,7 @@ class WeightsConfig(Section):
     transport: Literal["tcp", "ipc", "shm"] = "tcp"
     """How generators reach the weights: tcp (any host); ipc (unix sockets in <run_dir>/ipc: generators on the learner's host; the learner listens on TCP as well); shm (as ipc, but each version's bytes are read from the learner's shared-memory file in shm_dir instead of being sent: no socket copy at all)."""
     shm_dir: str = "/dev/shm"
-    """transport=shm: the directory (a tmpfs) where the learner keeps its version files, which the generators on its host map."""
+    """transport=shm: the directory (a tmpfs) where the learner keeps its version files, which the generators on its host map. With relay, the relay's files and its unix sockets (a private folder here): a socket's path may have 107 bytes, so keep this path short."""
     delta: bool = False
     """Send a version as its difference to the previous one (positions and new values of the 16-bit words that changed) when that is at most delta_max_ratio of its bytes, else whole; subscribers apply it bit for bit, check the full version's digests, and fetch the snapshot when they missed the version it applies to. Costs the learner one comparison pass per version and each TCP subscriber one more payload of host memory; for generators (or relays) on other hosts."""
     delta_max_ratio: float = Field(0.5, gt=0.0, le=1.0)
