@@ -15,8 +15,8 @@ export WANDB_MODE ?= offline
 # once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are another's CPU; three
 # keep the cores 95% busy (19.4 min, docs/performance.md). PYTEST_ARGS="-n 0" runs it in one process.
 PYTEST_ARGS ?= -n 3 --dist loadscope
-# the vLLM tests in one process (beside the main run in `make test`); VLLM_PYTEST_ARGS="-n 2" on an idle machine
-VLLM_PYTEST_ARGS ?=
+# the vLLM tests on two workers: each starts its own engine (one core each once the main run is done)
+VLLM_PYTEST_ARGS ?= -n 2 --dist load
 
 .PHONY: setup demo test bench chaos lint clean setup-vllm test-vllm setup-tf-low test-tf-low setup-gpu
 
@@ -70,19 +70,15 @@ demo: setup
 	$(VENV)/bin/streamgrpo up --config demo
 
 # The two extra environments (the lowest transformers, vLLM on CPU) are built while the main run goes (their
-# pip work waits on downloads and disk: ~5 min on a fresh clone, half a core), and their tests run there too as
-# soon as they are built (one process each: ~4 min in all, done long before the main run); their output, kept in
-# $(EXTRA_LOG), is summed up after the main run's (all of it when something failed).
-EXTRA_LOG := $(VENV)/test-extra.log
+# pip work waits on downloads and disk: ~5 min on a fresh clone, half a core); their tests run side by side after.
+EXTRA_SETUP_LOG := $(VENV)/setup-extra.log
 test: setup
-	@( $(MAKE) --no-print-directory setup-tf-low setup-vllm && \
-	   $(MAKE) --no-print-directory -j2 --output-sync=target test-tf-low test-vllm ) > $(EXTRA_LOG) 2>&1 & extra=$$!; \
+	@$(MAKE) --no-print-directory setup-tf-low setup-vllm > $(EXTRA_SETUP_LOG) 2>&1 & extra=$$!; \
 	  $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	  wait $$extra; xrc=$$?; \
-	  echo "--- make test-tf-low test-vllm (beside the main run; their output: $(EXTRA_LOG))"; \
-	  if [ $$xrc -ne 0 ]; then tail -n 80 $(EXTRA_LOG); echo "make test: the tf-low/vLLM part failed (above)"; \
-	  else grep -E "^(PYTHONPATH|STREAMGRPO|\.venv|=+ .*(passed|failed))" $(EXTRA_LOG); fi; \
-	  if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$xrc
+	  if ! wait $$extra; then tail -n 40 $(EXTRA_SETUP_LOG); \
+	    echo "make test: building .venv-tf-low/.venv-vllm failed (above; all of it in $(EXTRA_SETUP_LOG))"; exit 1; fi; \
+	  exit $$rc
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tf-low test-vllm
 
 # --- the lowest transformers release pyproject.toml admits (~1 min on top of the suite) ---------------
 # pyproject.toml admits transformers from TF_LOW_VERSION up to the next minor after the pinned one

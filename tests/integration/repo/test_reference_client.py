@@ -64,7 +64,9 @@ def test_reference_client_feeds_a_real_learner_and_applies_its_weights(tiny_mode
             learner.kill()
     lines = client.stdout.splitlines()
     applied = [int(x.split(" v")[1].split(" ")[0]) for x in lines if x.startswith("applied weights v")]
-    assert applied[0] == 0 and max(applied) >= 1  # the initial weights, then a trained version
+    # a trained version, newer each time (v0 too when the learner published it before the client's first put;
+    # a client that started late on a loaded machine sees v1 first, having sampled from the model on disk)
+    assert applied == sorted(set(applied)) and applied[-1] >= 1, applied
     assert sum(x.startswith("put group ") for x in lines) == 8
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
