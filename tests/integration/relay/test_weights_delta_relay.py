@@ -238,10 +238,11 @@ def test_a_relay_without_generators_exits_and_a_folder_open_to_others_is_refused
     assert "\n" not in str(err.value)
 
 
-def test_a_keeper_backs_off_when_its_relays_keep_dying(tmp_path, short_tmp):
+def test_a_keeper_backs_off_when_its_relays_keep_dying(tmp_path):
     from streamgrpo.relay.keeper import RelayKeeper
 
-    shm = short_tmp
+    shm = tmp_path / "shm"  # (no socket here: tmp_path's length does not matter)
+    shm.mkdir()
     cfg = build_config({}, [f"run_dir={tmp_path / 'run'}", f"weights.shm_dir={shm}", "weights.relay=true"])
     now = [0.0]
     keeper = RelayKeeper(cfg, cfg.run_dir, "generator-0", every_s=5.0, clock=lambda: now[0])
