@@ -61,7 +61,7 @@ def worker(args) -> int:
 
     from streamgrpo.models.batching import build_batch
     from streamgrpo.models.logprobs import completion_logprobs
-    from streamgrpo.models.ulysses import new_groups
+    from streamgrpo.models.sp_group import new_groups
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -64,7 +64,7 @@ class PolicyLogprobs(torch.nn.Module):
         self.policy = policy
         self.entropy_grad = entropy_grad  # loss.entropy_coef > 0: the entropies carry the gradient
         self.shared_prompt = shared_prompt  # learner.shared_prompt: one copy of each group's prompt
-        self.seq_parallel = seq_parallel  # learner.sequence_parallel: models/ulysses.py's SPGroup
+        self.seq_parallel = seq_parallel  # learner.sequence_parallel: models/sp_group.py's SPGroup
 
     def forward(self, batch, temperature: float = 1.0, suppress_token_ids=None):
 

@@ -90,9 +90,10 @@ from streamgrpo.loss import LossError, LossSpec, compute_loss
 from streamgrpo.models.batching import GroupInputs, build_batch, pad_right, unwrap_model, vision_token_ids
 from streamgrpo.models.capabilities import capabilities
 from streamgrpo.models.loading import load_model, load_processor, resolve_device, store_frozen_in
-from streamgrpo.models.logprobs import completion_logprobs
+from streamgrpo.models.logprobs import completion_logprobs, head_chunks
 from streamgrpo.models.lora import apply_lora, check_quantization, load_quantized
-from streamgrpo.models.ulysses import SPGroup, install, new_groups
+from streamgrpo.models.sp_group import SPGroup, gate, new_groups
+from streamgrpo.models.ulysses import install
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -326,6 +327,7 @@ class Learner(WeightsOut, CheckpointIO):
         if n_micro > len(units):  # another rank cut its groups finer (after running out of memory)
             units, origin = cut_to(units, origin, n_micro)
         micro = split_micro_batches(units, self.budget.tokens, n_parts=n_micro, shared_prompt=shared)
+        head_calls = self._head_calls(micro)
         dapo = cfg.loss.loss_type == "dapo"
         spec = LossSpec.from_config(cfg.loss, cfg.rollout.max_completion_length)
         unit_adv = {id(u): advs[i][j: j + len(u.group.completions)] for u, (i, j) in zip(units, origin)}
@@ -344,6 +346,7 @@ class Learner(WeightsOut, CheckpointIO):
             tb = build_batch(groups, pad_id).to(self.device)
             # a frozen vision trunk once for the reference, the policy and the probes
             tb.vision_cache = {} if self.share_vision_trunk else None
+            tb.head_chunks = head_calls[k]
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():
@@ -400,6 +403,15 @@ class Learner(WeightsOut, CheckpointIO):
                           zero_variance=int(zero_var.sum()), adv_N=torch.cat(advs), micro_batches=n_micro,
                           seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), fresh_kl_sum=fresh_kl,
                           fresh_tokens=fresh_tokens, staleness_sums=add_buckets(by_staleness), **self.work.of_groups(batch))
+
+    def _head_calls(self, micro: list[list]) -> list[int]:
+        """Under DeepSpeed ZeRO-3 on several ranks, the LM head's calls each micro-batch's forwards make on every
+        rank: the most any rank's completion tokens need (one all-reduce; ZeRO-3 gathers the head's weight at each
+        call, collectively, and the ranks' micro-batches hold different numbers of tokens); else 0 (as needed)."""
+        if self.zero_stage < 3 or not self.dist.active:
+            return [0] * len(micro)
+        need = [head_chunks(sum(len(c.token_ids) for a in part for c in a.group.completions)) for part in micro]
+        return [int(v) for v in share(self.dist, need).max(axis=0)]
 
     def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
         """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on
@@ -485,6 +497,7 @@ class Learner(WeightsOut, CheckpointIO):
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for ps in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            gate(self.seq_parallel)  # the torch backend's ranks are one sequence-parallel group
             tdist.all_reduce(flat)
             flat /= self.dist.world_size
             at = 0

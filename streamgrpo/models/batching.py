@@ -272,6 +272,10 @@ class TrainBatch:
     vision_cache: dict | None = field(default=None, repr=False, compare=False)
     """A dict to keep a frozen vision trunk's outputs in for every forward of this batch
     (:mod:`streamgrpo.models.vision_trunk`); None: none kept. The learner gives each micro-batch one."""
+    head_chunks: int = 0
+    """The LM head's calls every forward of this batch makes at least (:func:`~streamgrpo.models.logprobs.
+    chunked_token_logprobs`' ``min_chunks``): under DeepSpeed ZeRO-3 on several ranks, the most any rank's
+    micro-batch needs; 0: as many as its own tokens need."""
 
     padding_side = "right"
 

@@ -48,6 +48,9 @@ from streamgrpo.models.packing import PackedBatch, attention_mask_for, pack_batc
 from streamgrpo.models.ulysses import hidden_states, kernel_of, sum_over_group
 from streamgrpo.models.vision_inputs import decoder_hidden_states
 
+CHUNK_TOKENS = 1024
+"""Rows of logits the LM head computes at a time."""
+
 BF16_LOGPROB_TOL = 0.1
 """Largest per-token |log-prob| difference between two bfloat16 computations of one policy (the learner's
 autocast vs the sampler's bf16 weights, shared-vision vs per-row, bf16 vs fp32) that the clipped
@@ -131,13 +134,17 @@ def chunked_token_logprobs(
     suppress_token_ids: Sequence[int] | Tensor | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = CHUNK_TOKENS,
     recompute: bool = True,
+    min_chunks: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of ``ids_N`` given hidden states (N, H), ``chunk_tokens`` rows of logits at a time.
 
     With gradients on and ``recompute``, each chunk's logits are recomputed in backward instead
     of stored. ``suppress_token_ids`` get -inf logits first (as a sampler's ``suppress_tokens``).
+    ``min_chunks``: call ``lm_head`` at least this many times, the extra calls over no rows (joined to the
+    result, so their backward runs too): DeepSpeed ZeRO-3 gathers the head's weight at every call, collectively,
+    so every rank must make as many (:func:`head_chunks`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -147,18 +154,24 @@ def chunked_token_logprobs(
     if suppress_token_ids is not None and len(suppress_token_ids):
         suppress = torch.as_tensor(suppress_token_ids, dtype=torch.long, device=hidden_NH.device)
     n = hidden_NH.shape[0]
-    if n == 0:
+    spans = [(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
+    spans += [(n, n)] * (min_chunks - len(spans))  # over no rows
+    if not spans:
         empty = hidden_NH.new_zeros((0,), dtype=torch.float32)
         return empty, (empty.clone() if with_entropy else None)
     use_ckpt = recompute and torch.is_grad_enabled() and hidden_NH.requires_grad
     lps, ents = [], []
-    for s in range(0, n, chunk_tokens):
-        args = (hidden_NH[s : s + chunk_tokens], ids_N[s : s + chunk_tokens], lm_head, temperature, suppress,
-                with_entropy, entropy_grad)
+    for a, b in spans:
+        args = (hidden_NH[a:b], ids_N[a:b], lm_head, temperature, suppress, with_entropy, entropy_grad)
         lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if use_ckpt else _token_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def head_chunks(tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """The LM head's calls for ``tokens`` completion tokens (:func:`chunked_token_logprobs`)."""
+    return -(-tokens // chunk_tokens)
 
 
 def completion_logprobs(
@@ -170,7 +183,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     shared_vision: bool = True,
     suppress_token_ids: Sequence[int] | None = None,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = CHUNK_TOKENS,
     recompute: bool = True,
     shared_prompt: bool = False,
     seq_parallel: Any = None,
@@ -205,6 +218,7 @@ def completion_logprobs(
     logp_N, ent_N = chunked_token_logprobs(
         hidden_NH, ids_N, hf.lm_head, temperature=temperature, suppress_token_ids=suppress_token_ids,
         with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens, recompute=recompute,
+        min_chunks=batch.head_chunks,
     )
     shape = tuple(batch.completion_mask.shape)
     logprobs_BT = logp_N.new_zeros(shape)

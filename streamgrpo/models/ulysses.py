@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from streamgrpo.models.batching import prepare_batch
 from streamgrpo.models.packing import PAD_SEGMENT, block_mask, pack_batch
 from streamgrpo.models.seq_split import SeqSplit
+from streamgrpo.models.sp_group import SPGroup, gate
 from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once, features_by_kind
 
 NAMES = {"sdpa": "streamgrpo_ulysses_sdpa", "eager": "streamgrpo_ulysses_eager"}
@@ -48,65 +50,32 @@ NAMES = {"sdpa": "streamgrpo_ulysses_sdpa", "eager": "streamgrpo_ulysses_eager"}
 _ATTR = "_streamgrpo_ulysses"
 
 
-@dataclass(frozen=True)
-class SPGroup:
-    """This rank's sequence-parallel group: ``world`` consecutive ranks, this one ``rank`` among them."""
-
-    world: int = 1
-    rank: int = 0
-    group: Any = None
-    """The ``torch.distributed`` process group (None: the default group)."""
-
-    @property
-    def active(self) -> bool:
-        return self.world > 1
-
-
-def new_groups(world_size: int, rank: int, size: int) -> SPGroup:
-    """The groups ``[0, size), [size, 2 size), ...`` of ``world_size`` ranks (every rank calls it, collectively);
-    this rank's."""
-    import torch.distributed as dist
-
-    if size <= 1:
-        return SPGroup()
-    if world_size % size:
-        raise ValueError(f"learner.sequence_parallel={size} does not divide the {world_size} learner ranks")
-    mine = None
-    for first in range(0, world_size, size):
-        ranks = list(range(first, first + size))
-        g = dist.new_group(ranks)  # its own communicator, also for all the ranks: DeepSpeed's keep their order
-        if rank in ranks:
-            mine = g
-    return SPGroup(world=size, rank=rank % size, group=mine)
-
-
 # ------------------------------------------------------------------------------------------ exchanges
 class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` of equal blocks; the backward sends the gradients back the same way."""
+    """``dist.all_to_all_single`` of equal blocks; the backward sends the gradients back the same way. Each
+    exchange is gated (:func:`~streamgrpo.models.sp_group.gate`) once its buffers exist."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
+    def forward(ctx, x: Tensor, sp: SPGroup) -> Tensor:
+        ctx.sp = sp
         x = x.contiguous()
         out = torch.empty_like(x)  # contiguous as x: the exchange reads and writes the memory in order
-        dist.all_to_all_single(out, x, group=group)
+        gate(sp)
+        dist.all_to_all_single(out, x, group=sp.group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        import torch.distributed as dist
-
         grad = grad.contiguous()  # a permuted view's gradient may come strided
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
+        gate(ctx.sp)
+        dist.all_to_all_single(out, grad, group=ctx.sp.group)
         return out, None
 
 
 def _all_to_all(x: Tensor, sp: SPGroup) -> Tensor:
     """Block n of dim 0 of ``x`` (N, ...) to rank n; returns the blocks received, block n from rank n."""
-    return _AllToAll.apply(x.contiguous(), sp.group)
+    return _AllToAll.apply(x.contiguous(), sp)
 
 
 def seq_to_heads(x: Tensor, sp: SPGroup) -> Tensor:
@@ -127,11 +96,10 @@ def heads_to_seq(x: Tensor, sp: SPGroup) -> Tensor:
 
 class _SumOverGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
-        import torch.distributed as dist
-
+    def forward(ctx, x: Tensor, sp: SPGroup) -> Tensor:
         out = x.clone()
-        dist.all_reduce(out, group=group)
+        gate(sp)
+        dist.all_reduce(out, group=sp.group)
         return out
 
     @staticmethod
@@ -142,7 +110,7 @@ class _SumOverGroup(torch.autograd.Function):
 def sum_over_group(x: Tensor, sp: SPGroup) -> Tensor:
     """The sum of the ranks' ``x``; its gradient goes back unchanged to each rank's own ``x`` (every rank computes
     the same function of the sum)."""
-    return _SumOverGroup.apply(x, sp.group) if sp.active else x
+    return _SumOverGroup.apply(x, sp) if sp.active else x
 
 
 # ------------------------------------------------------------------------------------------ attention

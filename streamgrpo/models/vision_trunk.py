@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from streamgrpo.models.seq_split import split_frames
+from streamgrpo.models.sp_group import gate
 
 _HEADS = ("merger", "deepstack_merger_list")
 
@@ -166,9 +168,6 @@ def _split_trunk(visual: nn.Module, fn: Callable[..., Any], pixels: Tensor, grid
     patches (:func:`~streamgrpo.models.seq_split.split_frames`: the trunk attends within a temporal patch, and
     Qwen2.5-VL's window order is frame-major, so the ranks' outputs in rank order are the whole pass's), then
     gathered over the group (padded to the largest share)."""
-    import torch.distributed as dist
-
-
     grid_list = [tuple(int(v) for v in g) for g in grids.tolist()]
     shares = split_frames(grid_list, sp.world)
     starts = torch.tensor([0] + [t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
@@ -194,6 +193,7 @@ def _split_trunk(visual: nn.Module, fn: Callable[..., Any], pixels: Tensor, grid
         padded = local.new_zeros((max(sizes), width))
         padded[: local.shape[0]] = local
         gathered = [torch.empty_like(padded) for _ in range(sp.world)]
+        gate(sp)
         dist.all_gather(gathered, padded, group=sp.group)
         whole[layer] = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
     return whole

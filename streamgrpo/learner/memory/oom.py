@@ -11,12 +11,16 @@ over it, down to one sequence) and trains the same groups again, which stay unco
 the next steps keep the smaller budget. When one sequence alone does not fit,
 :class:`LearnerOutOfMemory` ends the learner with one line naming what would make it fit.
 
-Limit: DeepSpeed runs collectives inside the backward and the optimizer step; with several ranks a
-rank that runs out *inside* one of those leaves its peers waiting in it (NCCL's timeout ends them).
-Out of memory in the forward, where activations peak, is agreed on safely -- except with
-``learner.sequence_parallel``, whose forward and backward exchange heads between the group's ranks at every
-attention layer: a rank that runs out between two exchanges leaves its peers waiting in the next one (the
-process group's timeout ends them, and the restarted learner trains the step's groups again).
+With ``learner.sequence_parallel`` the ranks of a group exchange attention heads at every decoder layer, in
+the forward and in the backward: a rank that runs out between two exchanges first tells its group
+(:func:`~streamgrpo.models.sp_group.settle`), whose ranks learn it at their next exchange's gate and leave the
+phase too (:class:`~streamgrpo.models.sp_group.PeerOutOfMemory`), so that every rank reaches the agreement
+below having made the same collectives; then the retry is the same as without sequence parallelism.
+
+Limit: DeepSpeed runs collectives of its own inside the backward and the optimizer step; with several
+data-parallel ranks a rank that runs out *inside* one of those leaves its peers waiting in it (NCCL's timeout
+ends them, and the restarted learner trains the step's groups again). Out of memory in the forward, where
+activations peak, and anywhere in the torch backend's step, is agreed on safely.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from streamgrpo import metrics as M
 from streamgrpo.learner.distributed import share
 from streamgrpo.learner.micro_batches import group_tokens
+from streamgrpo.models.sp_group import PeerOutOfMemory, settle
 
 log = logging.getLogger("streamgrpo.learner")
 
@@ -56,11 +61,15 @@ def one_sequence_message(tokens: int) -> str:
 @contextmanager
 def out_of_memory(learner, part: list, shared_prompt: bool):
     """Run one phase of a step; every rank raises :class:`StepOutOfMemory` when any ran out in it."""
-    failed = False
+    failed = peer_failed = False
     try:
         yield
     except torch.OutOfMemoryError:
         failed = True
+    except PeerOutOfMemory:  # a rank of this one's sequence-parallel group ran out, and said so at a gate
+        peer_failed = True
+    if not peer_failed:
+        settle(learner.seq_parallel, failed)  # the group's last word in this phase: see streamgrpo.models.sp_group
     tokens = sum(group_tokens(a, shared_prompt) for a in part) if failed else 0
     rows = sum(len(a.group.completions) for a in part) if failed else 0
     agreed = share(learner.dist, [float(failed), tokens, rows]) if learner.dist.world_size > 1 else \

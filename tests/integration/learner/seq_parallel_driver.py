@@ -167,7 +167,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from streamgrpo.learner.distributed import init_distributed
-    from streamgrpo.models.ulysses import new_groups
+    from streamgrpo.models.sp_group import new_groups
 
     info = init_distributed("deepspeed", dist_backend="gloo")  # the process group DeepSpeed joins too
     rank, world = dist.get_rank(), dist.get_world_size()

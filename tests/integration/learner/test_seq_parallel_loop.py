@@ -5,6 +5,11 @@ videos; then ``--resume`` from its checkpoint.
 The two ranks are one sequence-parallel group: rank 0 alone reads the groups from Redis and hands them to rank 1
 (:class:`streamgrpo.learner.distributed.ReadLayout`); both train every step; rank 0 alone commits, audits and counts
 them. The audit over both ranks' logs finds every group trained exactly once, and the metrics count each once.
+
+The first run is on a device that holds 4 sequences a forward, and on rank 1 only
+(tests/integration/learner/memory/oom_driver.py): its forward runs out inside the first decoder layer, between two
+exchanges of heads, and its first backward through that layer runs out once. Both ranks retry the step together,
+with half the micro-batch budget each time, instead of rank 0 waiting in the next exchange.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import pytest
 from test_learner_scale import _config, _jsonl, _put, _torchrun
 
 pytestmark = pytest.mark.slow
+OOM_DRIVER = str(Path(__file__).parent / "memory" / "oom_driver.py")
 
 
 def test_a_sequence_parallel_group_trains_each_group_once_and_resumes(tiny_model_dir, demo_data_dir, redis_server,
@@ -27,15 +33,19 @@ def test_a_sequence_parallel_group_trains_each_group_once_and_resumes(tiny_model
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
     url, run = redis_server.url, tmp_path / "run"
 
-    def launch(steps: int, *flags: str) -> str:
+    def launch(steps: int, *flags: str, run_with: tuple[str, ...] = ("-m", "streamgrpo")) -> str:
         cfg = _config(tmp_path, tiny_model_dir, url, redis_ns, "learner.backend=torch", "learner.sequence_parallel=2",
                       "learner.groups_per_step=2", f"learner.max_steps={steps}", "learner.save_steps=2",
                       "learner.async_checkpoint=false")
-        return _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), *flags, cwd=tmp_path).stderr
+        return _torchrun(*run_with, "learner", "--config", str(cfg), *flags, cwd=tmp_path).stderr
 
     _put(url, redis_ns, groups[:4])
-    first = launch(2)  # steps 1-2, checkpoint step-000002
-    assert "2 groups per step (2 per group of 2 ranks)" in first
+    first = launch(2, run_with=(OOM_DRIVER, "--max-rows", "4", "--rank", "1", "--in-decoder", "--backward-once"))
+    assert "2 groups per step (2 per group of 2 ranks)" in first  # steps 1-2, checkpoint step-000002
+    retries = [line for line in first.splitlines() if "retrying the step with learner.micro_batch_tokens=" in line]
+    assert len(retries) == 2, first[-4000:]  # 8 sequences in the forward, then 4 in the backward (once)
+    assert "(8 sequences)" in retries[0] and "(4 sequences)" in retries[1], retries
+    assert "Traceback" not in first
     assert (run / "checkpoints" / "step-000002").is_dir()
     _put(url, redis_ns, groups[4:])
     again = launch(4, "--resume")  # steps 3-4 from the checkpoint

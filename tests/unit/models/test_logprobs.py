@@ -400,3 +400,32 @@ def test_entropy_gradient_only_when_asked_and_through_recompute():
                                     entropy_grad=True, chunk_tokens=3)
     (g_h,) = torch.autograd.grad(ent.sum(), h)
     assert torch.isfinite(ent).all() and torch.isfinite(g_h).all() and (ent >= 0).all()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_min_chunks_calls_the_head_as_often_in_forward_and_backward_and_changes_nothing(recompute):
+    """DeepSpeed ZeRO-3 gathers the head's weight at each call, collectively: a rank whose tokens need 2 chunks
+    makes 4 calls when another rank needs 4, over no rows, in its backward too (no rows at all: 4 as well)."""
+    from streamgrpo.models.logprobs import chunked_token_logprobs, head_chunks
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    forwards, backwards = [], []
+    head.register_forward_hook(lambda m, a, out: forwards.append(a[0].shape[0]))
+    head.register_full_backward_hook(lambda m, gi, go: backwards.append(go[0].shape[0]))
+    h = torch.randn(5, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (5,))
+    assert head_chunks(5, 3) == 2 and head_chunks(0, 3) == 0 and head_chunks(6, 3) == 2
+    plain, _ = chunked_token_logprobs(h, ids, head, chunk_tokens=3, recompute=recompute)
+    (g_plain,) = torch.autograd.grad(plain.sum(), h)
+    forwards.clear(), backwards.clear()
+    padded, _ = chunked_token_logprobs(h, ids, head, chunk_tokens=3, recompute=recompute, min_chunks=4)
+    (g_padded,) = torch.autograd.grad(padded.sum(), h)
+    assert torch.equal(padded, plain) and torch.equal(g_padded, g_plain)
+    per_pass = [3, 2, 0, 0]
+    assert forwards[:4] == per_pass and sorted(forwards[4:]) == (sorted(per_pass) if recompute else [])
+    assert sorted(backwards) == sorted(per_pass)
+    forwards.clear(), backwards.clear()
+    none, _ = chunked_token_logprobs(h[:0], ids[:0], head, chunk_tokens=3, recompute=recompute, min_chunks=4)
+    (none.sum() + (h * 0).sum()).backward()
+    assert none.shape == (0,) and forwards[:4] == [0] * 4 and len(backwards) == 4

@@ -1,0 +1,49 @@
+"""DeepSpeed ZeRO-3 on several ranks gathers a module's weights at each call, collectively: every rank must call the
+LM head as often, though its micro-batch holds its own number of completion tokens (the learner agrees on the most
+any rank needs, :meth:`streamgrpo.learner.trainer.Learner._head_calls`, and the others call it over no rows).
+
+Real parts: ``python -m torch.distributed.run`` with two gloo ranks (``zero3_lockstep_driver.py``), the tiny
+Qwen2.5-VL, the shipped ``zero3`` DeepSpeed config, groups sampled from the demo data; rank 0's completions are made
+long enough for two chunks of the head, rank 1's need one. Without the agreement the ranks' collectives do not
+match (gloo: "Received data size doesn't match expected size"; NCCL would hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.conftest import sampled_groups
+from tests.paths import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_train(tiny_model_dir, demo_data_dir,
+                                                                                     tmp_path):
+    from streamgrpo.models.logprobs import CHUNK_TOKENS
+    from streamgrpo.runtime.processes import free_port
+    from streamgrpo.wire import encode
+
+    groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6)
+    (tmp_path / "groups.msgpack").write_bytes(msgpack.packb([encode(g) for g in groups]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).with_name("zero3_lockstep_driver.py")),
+           "--model", str(tiny_model_dir), "--groups", str(tmp_path / "groups.msgpack"),
+           "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"out-rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["tokens"] > CHUNK_TOKENS >= r1["tokens"]  # two head chunks against one
+    assert all(loss is not None and loss == loss for loss in r0["losses"] + r1["losses"])  # both steps trained
+    assert r0["calls"] == r1["calls"]  # forward and backward (the chunks' recompute included) alike
+    assert r1["calls"]["forward"] >= 2 * 2  # two steps, the second chunk over no rows on rank 1
