@@ -3,7 +3,8 @@ LM head as often, though its micro-batch holds its own number of completion toke
 any rank needs, :meth:`streamgrpo.learner.trainer.Learner._head_calls`, and the others call it over no rows).
 
 Real parts: ``python -m torch.distributed.run`` with two gloo ranks (``zero3_lockstep_driver.py``), the tiny
-Qwen2.5-VL, the shipped ``zero3`` DeepSpeed config, groups sampled from the demo data; rank 0's completions are made
+Qwen2.5-VL, the shipped ``zero3`` DeepSpeed config with no weight kept whole (its persistence threshold 0: most of
+the tiny model's weights are otherwise under it), groups sampled from the demo data; rank 0's completions are made
 long enough for two chunks of the head, rank 1's need one. Without the agreement the ranks' collectives do not
 match (gloo: "Received data size doesn't match expected size"; NCCL would hang).
 """
@@ -33,14 +34,19 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
 
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6)
     (tmp_path / "groups.msgpack").write_bytes(msgpack.packb([encode(g) for g in groups]))
+    ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "zero3.json").write_text(json.dumps(ds))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(Path(__file__).with_name("zero3_lockstep_driver.py")),
            "--model", str(tiny_model_dir), "--groups", str(tmp_path / "groups.msgpack"),
+           "--deepspeed-config", str(tmp_path / "zero3.json"),
            "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    (tmp_path / "torchrun.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"out-rank{r}.json").read_text()) for r in (0, 1))
     assert r0["tokens"] > CHUNK_TOKENS >= r1["tokens"]  # two head chunks against one

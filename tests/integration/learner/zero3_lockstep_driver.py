@@ -1,7 +1,7 @@
 """Run under torchrun (2 gloo ranks on the CPU) by test_zero3_lockstep.py: two DeepSpeed ZeRO-3 ranks, each a
 data-parallel replica with its own group, whose micro-batches need different numbers of LM head calls: rank 0's
 group has completions long enough for two chunks of ``CHUNK_TOKENS`` rows, rank 1's one chunk. ZeRO-3 gathers the
-head's weight at every call, collectively (the tiny model's head is over its persistence threshold). Each rank
+head's weight at every call, collectively (``--deepspeed-config``: every weight, none kept whole). Each rank
 counts its head's calls in forward and backward and writes them, with the step's results, to ``--out``-rank<N>.json.
 """
 
@@ -31,6 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--groups", required=True, help="msgpack list of two wire-encoded ScoredGroups")
+    ap.add_argument("--deepspeed-config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -51,7 +52,7 @@ def main() -> int:
     per_row = CHUNK_TOKENS // len(groups[0].completions) + 8  # rank 0: just over one chunk
     mine = _long(groups[0], per_row) if rank == 0 else groups[1]
     cfg = load_config("demo", [f"model.name_or_path={args.model}", f"run_dir={args.run_dir}",
-                               "learner.backend=deepspeed", "learner.deepspeed_config=zero3",
+                               "learner.backend=deepspeed", f"learner.deepspeed_config={args.deepspeed_config}",
                                "learner.groups_per_step=2", "learner.micro_batch_tokens=100000",
                                "learner.async_checkpoint=false", f"rollout.max_completion_length={per_row}"])
     lrn = Learner(cfg, dist=info)
