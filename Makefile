@@ -13,9 +13,8 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 # The main pytest run on three workers (pytest-xdist), a module's tests in one worker (its module fixtures built
 # once): on 2 cores one test's idle waits (process starts, polls, a stopped child's exit) are another's CPU; three
-# keep the cores 95% busy (19.4 min, docs/performance.md). The modules go out longest first (tests/conftest.py,
-# from tests/module_seconds.json), not xdist's default of most tests first. PYTEST_ARGS="-n 0" runs it in one process.
-PYTEST_ARGS ?= -n 3 --dist loadscope --no-loadscope-reorder
+# keep the cores 95% busy (19.4 min, docs/performance.md). PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 3 --dist loadscope
 # the vLLM tests on two workers: each starts its own engine (one core each once the main run is done)
 VLLM_PYTEST_ARGS ?= -n 2 --dist load
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 # One torch thread per process: the CI machine has 2 cores.
@@ -19,49 +17,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 
 
-MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
-"""Seconds each test module took in a whole run (``--record-module-seconds``): the longest run first."""
-_seconds_seen: Counter = Counter()
-
-
-def pytest_addoption(parser):
-    parser.addoption("--record-module-seconds", metavar="PATH", default=None,
-                     help="write each test module's seconds (setup, call, teardown) to PATH as JSON at the end "
-                          f"(the order of the next runs: copy it to {MODULE_SECONDS.name})")
-
-
-def _module(nodeid: str) -> str:
-    return nodeid.split("::")[0]
-
-
-def pytest_collection_modifyitems(config, items):
-    """The modules that took longest in the recorded run first, each module's tests together and in their order;
-    the others after them as collected. pytest-xdist's ``--dist loadscope --no-loadscope-reorder`` (the Makefile)
-    hands the modules to its workers in this order, so a 3-minute module does not start last and run alone (its
-    default order, most tests first, put the end-to-end modules of one or two tests at the end)."""
-    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        first.setdefault(_module(item.nodeid), i)
-    items.sort(key=lambda item: (-seconds.get(_module(item.nodeid), 0.0), first[_module(item.nodeid)]))
-
-
 def pytest_runtest_logreport(report):
     """A failure named the moment it happens (the summary comes only at the end: a run stopped by CI's clock
-    would otherwise not say which tests failed). Printed once, by the process that shows the progress; the same
-    process adds up each module's seconds."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    if report.failed:
+    would otherwise not say which tests failed). Printed once, by the process that shows the progress."""
+    if report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         print(f"\nFAILED {report.nodeid} ({report.when})", flush=True)
-    _seconds_seen[_module(report.nodeid)] += report.duration
-
-
-def pytest_sessionfinish(session):
-    path = session.config.getoption("--record-module-seconds", None)
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
-        ordered = sorted(_seconds_seen.items(), key=lambda kv: -kv[1])
-        Path(path).write_text(json.dumps({k: round(v, 1) for k, v in ordered if v >= 0.5}, indent=1) + "\n")
 
 
 # --- tiny model -------------------------------------------------------------------------------
