@@ -75,9 +75,8 @@ def gate(sp: SPGroup) -> None:
         raise PeerOutOfMemory("another rank of the sequence-parallel group ran out of memory")
 
 
-def settle(sp: SPGroup, failed: bool) -> bool:
+def settle(sp: SPGroup, failed: bool) -> None:
     """The end of a phase on a rank that did not leave it by :class:`PeerOutOfMemory`: ``failed`` (it ran out of
-    memory) tells the peers; returns whether any rank of the group did."""
-    if not (sp.active and sp.flags is not None):
-        return failed
-    return _any_failed(sp, failed)
+    memory) tells the peers (who learns what: the learner's agreement over all ranks)."""
+    if sp.active and sp.flags is not None:
+        _any_failed(sp, failed)

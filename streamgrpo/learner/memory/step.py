@@ -95,7 +95,8 @@ if TYPE_CHECKING:
 PROMPT_TEXT_TOKENS = 128
 """Text tokens of a prompt besides its visuals (chat template, system prompt, question): an estimate."""
 CHUNK_TOKENS = 1024
-"""Rows of logits the learner computes at a time (``chunked_token_logprobs``' ``chunk_tokens``)."""
+"""Rows of logits the learner computes at a time: :data:`streamgrpo.models.logprobs.CHUNK_TOKENS` (not imported:
+this plan loads without torch)."""
 ACT_BYTES = 2
 """Activations are bf16 (autocast, or a bf16 engine)."""
 
