@@ -229,11 +229,6 @@ class Learner(WeightsOut, CheckpointIO):
         if lc.compile:
             raise ConfigError("learner.sequence_parallel with learner.compile is not supported yet: set one of them "
                               "to its default")
-        if self.deepspeed and int((deepspeed_config(self.cfg).get("zero_optimization") or {}).get("stage", 0)) >= 3:
-            # ZeRO-3 gathers each module's weights as it runs, on every rank alike; a group's ranks run the LM head
-            # over different numbers of chunks (the tokens their columns predict): not yet
-            raise ConfigError("learner.sequence_parallel with DeepSpeed ZeRO-3 is not supported yet: use ZeRO-1/2 "
-                              "(learner.deepspeed_config: zero2) or learner.sequence_parallel: 1")
         return new_groups(self.dist.world_size, self.dist.rank, n)
 
     def _install_sequence_parallel(self, model) -> None:

@@ -250,16 +250,17 @@ def _sequence_parallel_logprobs(hf: nn.Module, batch: TrainBatch, rows: Tensor, 
     _check_vocab(hf, ids_N)
     mine = split.owns(pos)
     logp_M, ent_M = chunked_token_logprobs(hidden_SlH[seq[mine], pos[mine] - split.start], ids_N[mine], hf.lm_head,
-                                           **head)
+                                           min_chunks=batch.head_chunks, **head)
     shape = tuple(batch.completion_mask.shape)
     # every rank's backward must run through its whole decoder (the exchanges are collectives), also a rank
     # whose columns predict no completion token: its hidden states join the graph with weight 0, and so does the
     # LM head where it computed nothing (every trained tensor gets a gradient on every rank: the reductions of
-    # DeepSpeed and of the torch backend's ranks are over the same tensors everywhere)
+    # DeepSpeed and of the torch backend's ranks are over the same tensors everywhere). Under ZeRO-3 the head
+    # already ran ``batch.head_chunks`` times on every rank (over no rows where its columns predict nothing).
     anchor: Tensor | float = 0.0
     if torch.is_grad_enabled() and hidden_SlH.requires_grad:
         anchor = hidden_SlH.sum() * 0.0
-        if not bool(mine.any()):  # the head's forward over no rows (ZeRO-3 gathers its weights in its hooks)
+        if not bool(mine.any()) and not batch.head_chunks:  # the head's forward over no rows
             anchor = anchor + hf.lm_head(hidden_SlH.reshape(-1, hidden_SlH.shape[-1])[:0]).sum() * 0.0
     logprobs_BT = logp_M.new_zeros(shape)
     logprobs_BT[rows[mine], cols[mine]] = logp_M

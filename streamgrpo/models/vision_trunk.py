@@ -173,15 +173,18 @@ def _split_trunk(visual: nn.Module, fn: Callable[..., Any], pixels: Tensor, grid
     starts = torch.tensor([0] + [t * h * w for t, h, w in grid_list]).cumsum(0).tolist()
     mine = shares[sp.rank]
     kept = _kept_layers(visual)
-    if mine:
-        rows = torch.cat([torch.arange(starts[i] + first * grid_list[i][1] * grid_list[i][2],
-                                       starts[i] + (first + n) * grid_list[i][1] * grid_list[i][2])
-                          for i, first, n, _ in mine]).to(pixels.device)
-        sub_grids = torch.tensor([[n, grid_list[i][1], grid_list[i][2]] for i, _, n, _ in mine],
-                                 dtype=grids.dtype, device=grids.device)
-        sub_pixels = pixels.index_select(0, rows)
-        outputs, _ = _capture(visual, lambda: fn(sub_pixels, sub_grids, return_dict=True))
-    else:
+    # a rank with no frames (fewer temporal patches than ranks: an image) runs the trunk over the first temporal
+    # patch all the same and keeps nothing: DeepSpeed ZeRO-3 gathers each block's weights at its call, collectively,
+    # so every rank of the group calls the trunk alike (and that rank would wait for its peers anyway)
+    run = mine or [(0, 0, 1, 0)]
+    rows = torch.cat([torch.arange(starts[i] + first * grid_list[i][1] * grid_list[i][2],
+                                   starts[i] + (first + n) * grid_list[i][1] * grid_list[i][2])
+                      for i, first, n, _ in run]).to(pixels.device)
+    sub_grids = torch.tensor([[n, grid_list[i][1], grid_list[i][2]] for i, _, n, _ in run],
+                             dtype=grids.dtype, device=grids.device)
+    sub_pixels = pixels.index_select(0, rows)
+    outputs, _ = _capture(visual, lambda: fn(sub_pixels, sub_grids, return_dict=True))
+    if not mine:
         outputs = {}
     width = _patch_width(visual)[0]
     _, _, cast, _ = trunk_key(visual)

@@ -8,7 +8,9 @@ splitting the sequences (:mod:`streamgrpo.models.ulysses`), its gradient summed 
 differences go to ``--out``-rank<N>.json.
 
 Part 2, the learner's step (``--groups``: wire-encoded ScoredGroups): for each setting (the torch backend with rows,
-with ``learner.shared_prompt``, with LoRA; DeepSpeed ZeRO-2), a learner without sequence parallelism on this process
+with ``learner.shared_prompt``, with LoRA; DeepSpeed ZeRO-2; DeepSpeed ZeRO-3 with no weight kept whole, over
+``--short-groups`` whose videos are one temporal patch each, so that one rank has no frames of its own and runs the
+vision trunk over a stand-in), a learner without sequence parallelism on this process
 alone and one with ``learner.sequence_parallel: 2`` over both ranks each take two steps (two micro-batches, ``dapo``,
 ``loss.beta`` 0.04 or 0) on the same groups: the losses, gradient norms, the gradients the optimizer steps with (torch
 backend) and the weights after the steps; then a checkpoint of the sequence-parallel learner loaded into a fresh one
@@ -18,11 +20,21 @@ and a step of each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import torch
+
+
+def gathered(lrn, params):
+    """DeepSpeed ZeRO-3's context that makes ``params`` whole on every rank; else nothing."""
+    if lrn.zero_stage < 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def _grads(model, fn, weights_BT, mask_BT):
@@ -86,11 +98,12 @@ SETTINGS = {  # the demo's loss.beta 0.04 (a reference model, or LoRA's disabled
     "torch_shared": ["learner.shared_prompt=true", "loss.beta=0"],
     "torch_lora": ["model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"],
     "zero2_rows": ["learner.backend=deepspeed", "learner.deepspeed_config=zero2", "loss.beta=0"],
+    "zero3_rows": ["learner.backend=deepspeed"],  # --zero3-config; the reference partitioned too (loss.beta 0.04)
 }
-RESUME = ("torch_lora", "zero2_rows")
+RESUME = ("torch_lora", "zero2_rows", "zero3_rows")
 
 
-def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist_info) -> dict:
+def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist_info, extra: list[str]) -> dict:
     import msgpack
 
     from streamgrpo.config import load_config
@@ -107,12 +120,14 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
                                    f"learner.groups_per_step={len(groups)}", "loss.loss_type=dapo",
                                    "learner.learning_rate=1e-3", "model.tune_mm_vision=false",
                                    "learner.micro_batch_tokens=400", "learner.async_checkpoint=false",
-                                   *SETTINGS[name], *sets])
+                                   *SETTINGS[name], *extra, *sets])
         torch.manual_seed(0)
         return Learner(cfg, dist=dist or DistInfo())
 
     def trained(lrn: Learner) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().clone() for n, p in lrn.module.named_parameters() if p.requires_grad}
+        params = [(n, p) for n, p in lrn.module.named_parameters() if p.requires_grad]
+        with gathered(lrn, [p for _, p in params]):  # ZeRO-3: each rank holds a part (every rank gathers)
+            return {n: p.detach().float().clone() for n, p in params}
 
     def step(lrn: Learner) -> tuple[list[float], dict[str, torch.Tensor]]:
         grads: dict[str, torch.Tensor] = {}
@@ -160,6 +175,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", required=True)
     ap.add_argument("--groups", help="msgpack list of wire-encoded ScoredGroups of the first --model")
+    ap.add_argument("--short-groups", help="the same, videos of one temporal patch (ZeRO-3's setting)")
+    ap.add_argument("--zero3-config", help="a DeepSpeed ZeRO-3 JSON")
     ap.add_argument("--run-dir")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -182,7 +199,10 @@ def main() -> int:
                                                                                  dtype=torch.float64)
     if args.groups:
         for name in SETTINGS:
-            out["steps"][name] = step_checks(args.model[0], args.groups, Path(args.run_dir), name, info)
+            zero3 = name.startswith("zero3")
+            extra = [f"learner.deepspeed_config={args.zero3_config}"] if zero3 else []
+            out["steps"][name] = step_checks(args.model[0], args.short_groups if zero3 else args.groups,
+                                             Path(args.run_dir), name, info, extra)
     Path(f"{args.out}-rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
     return 0

@@ -35,12 +35,19 @@ def ranks(tiny_model_dir, tiny_qwen3_dir, demo_data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("seq_parallel")
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6)
     (tmp / "groups.msgpack").write_bytes(msgpack.packb([encode(g) for g in groups]))
+    short = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6,
+                           data_overrides=["data.min_frames=2", "data.max_frames=2"])  # one temporal patch
+    (tmp / "short.msgpack").write_bytes(msgpack.packb([encode(g) for g in short]))
+    ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # no weight kept whole: every call gathers
+    (tmp / "zero3.json").write_text(json.dumps(ds))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(Path(__file__).with_name("seq_parallel_driver.py")),
            "--model", str(tiny_model_dir), "--model", str(tiny_qwen3_dir), "--groups", str(tmp / "groups.msgpack"),
+           "--short-groups", str(tmp / "short.msgpack"), "--zero3-config", str(tmp / "zero3.json"),
            "--run-dir", str(tmp / "runs"), "--out", str(tmp / "out")]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -66,7 +73,7 @@ def test_logprobs_entropies_and_gradients_equal_one_rank(ranks):
 def test_learner_steps_equal_one_rank_torch_lora_and_deepspeed(ranks):
     for rank in ranks:
         steps = rank["steps"]
-        assert set(steps) == {"torch_rows", "torch_shared", "torch_lora", "zero2_rows"}
+        assert set(steps) == {"torch_rows", "torch_shared", "torch_lora", "zero2_rows", "zero3_rows"}
         for name, c in steps.items():
             at = f"{name}: {c}"
             for one, sp in c["steps"]:  # [loss, grad norm, kl, micro-batches, global tokens]
@@ -82,6 +89,8 @@ def test_learner_steps_equal_one_rank_torch_lora_and_deepspeed(ranks):
             # the frozen vision trunk: each sequence-parallel rank ran it over its share of the frames only
             one_rows, sp_rows = c["vision_rows"]
             assert sp_rows and sum(sp_rows) < sum(one_rows), at
+            if name.startswith("zero3"):  # a video of one temporal patch: one rank ran it whole, the other a stand-in
+                assert set(sp_rows) & set(one_rows), at  # (of as many rows: both ranks' rows are equal, below)
 
 
 def test_a_sequence_parallel_checkpoint_resumes(ranks):
