@@ -226,9 +226,6 @@ class Learner(WeightsOut, CheckpointIO):
         if self.dist.world_size % n:
             raise ConfigError(f"learner.sequence_parallel={n} needs a multiple of {n} learner ranks "
                               f"(this learner has {self.dist.world_size})")
-        if lc.compile:
-            raise ConfigError("learner.sequence_parallel with learner.compile is not supported yet: set one of them "
-                              "to its default")
         return new_groups(self.dist.world_size, self.dist.rank, n)
 
     def _install_sequence_parallel(self, model) -> None:

@@ -73,8 +73,11 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+@torch.compiler.disable
 def _all_to_all(x: Tensor, sp: SPGroup) -> Tensor:
-    """Block n of dim 0 of ``x`` (N, ...) to rank n; returns the blocks received, block n from rank n."""
+    """Block n of dim 0 of ``x`` (N, ...) to rank n; returns the blocks received, block n from rank n. Never traced
+    (``learner.compile``): a compiled decoder layer runs in graphs up to the exchange and after it, the exchange
+    (with its gate, which reads a number on the host) eagerly between them."""
     return _AllToAll.apply(x.contiguous(), sp)
 
 

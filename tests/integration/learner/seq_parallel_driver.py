@@ -8,9 +8,9 @@ splitting the sequences (:mod:`streamgrpo.models.ulysses`), its gradient summed 
 differences go to ``--out``-rank<N>.json.
 
 Part 2, the learner's step (``--groups``: wire-encoded ScoredGroups): for each setting (the torch backend with rows,
-with ``learner.shared_prompt``, with LoRA; DeepSpeed ZeRO-2; DeepSpeed ZeRO-3 with no weight kept whole, over
-``--short-groups`` whose videos are one temporal patch each, so that one rank has no frames of its own and runs the
-vision trunk over a stand-in), a learner without sequence parallelism on this process
+with ``learner.shared_prompt``, with LoRA, with ``learner.compile`` (aot_eager); DeepSpeed ZeRO-2; DeepSpeed ZeRO-3
+with no weight kept whole, over ``--short-groups`` whose videos are one temporal patch each, so that one rank has no
+frames of its own and runs the vision trunk over a stand-in), a learner without sequence parallelism on this process
 alone and one with ``learner.sequence_parallel: 2`` over both ranks each take two steps (two micro-batches, ``dapo``,
 ``loss.beta`` 0.04 or 0) on the same groups: the losses, gradient norms, the gradients the optimizer steps with (torch
 backend) and the weights after the steps; then a checkpoint of the sequence-parallel learner loaded into a fresh one
@@ -99,6 +99,7 @@ SETTINGS = {  # the demo's loss.beta 0.04 (a reference model, or LoRA's disabled
     "torch_lora": ["model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"],
     "zero2_rows": ["learner.backend=deepspeed", "learner.deepspeed_config=zero2", "loss.beta=0"],
     "zero3_rows": ["learner.backend=deepspeed"],  # --zero3-config; the reference partitioned too (loss.beta 0.04)
+    "torch_compile": ["learner.compile=true", "learner.compile_backend=aot_eager", "loss.beta=0"],
 }
 RESUME = ("torch_lora", "zero2_rows", "zero3_rows")
 
@@ -111,6 +112,7 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
     from streamgrpo.learner.state import Accepted
     from streamgrpo.learner.trainer import Learner
     from streamgrpo.models.batching import unwrap_model
+    from streamgrpo.models.compile import decoder_layers, is_compiled
     from streamgrpo.wire import decode
 
     groups = [decode(b) for b in msgpack.unpackb(Path(groups_path).read_bytes())]
@@ -160,6 +162,7 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
                                   for n in g1)
     w1, w2 = trained(one), trained(sp)
     out["moved"] = max(float((w1[k] - start[k]).abs().max()) for k in w1)
+    out["compiled"] = all(is_compiled(layer) for layer in decoder_layers(sp.module))
     out["weight"] = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     if name in RESUME:  # a checkpoint of the sequence-parallel learner into a fresh one: the same weights, next step
         sp.state.step += 2

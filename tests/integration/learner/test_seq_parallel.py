@@ -3,9 +3,10 @@ one rank without it (streamgrpo/models/ulysses.py, streamgrpo/models/seq_split.p
 
 Real parts: ``python -m torch.distributed.run`` with two gloo ranks on the CPU (``seq_parallel_driver.py``, one
 launch for every check), the tiny Qwen2.5-VL (float32; sdpa and eager) and Qwen3-VL (sdpa), the row layout and the
-shared-prompt layout, groups sampled from the demo videos, the torch backend (full, LoRA) and DeepSpeed ZeRO-2, a
-checkpoint written by the sequence-parallel learner and resumed, the frozen vision trunk's frames split over the
-ranks. Bounds: log-probs and entropies 1e-6 (absolute);
+shared-prompt layout, groups sampled from the demo videos, the torch backend (full, LoRA, the decoder layers compiled
+with aot_eager) and DeepSpeed ZeRO-2 and ZeRO-3 (every weight partitioned: each call of a module gathers it, so every
+rank must call each alike), a checkpoint written by the sequence-parallel learner and resumed, the frozen vision
+trunk's frames split over the ranks (a rank without frames runs it over a stand-in). Bounds: log-probs and entropies 1e-6 (absolute);
 each gradient tensor within 2e-6 of its largest element and the whole gradient within 1e-6 (relative norm): float32
 sums in another order (the local columns' matmuls, two ranks' parts added), nothing else: the same model in float64
 has every gradient element within 1e-6 absolute and 1e-9 of its tensor's largest.
@@ -73,7 +74,7 @@ def test_logprobs_entropies_and_gradients_equal_one_rank(ranks):
 def test_learner_steps_equal_one_rank_torch_lora_and_deepspeed(ranks):
     for rank in ranks:
         steps = rank["steps"]
-        assert set(steps) == {"torch_rows", "torch_shared", "torch_lora", "zero2_rows", "zero3_rows"}
+        assert set(steps) == {"torch_rows", "torch_shared", "torch_lora", "zero2_rows", "zero3_rows", "torch_compile"}
         for name, c in steps.items():
             at = f"{name}: {c}"
             for one, sp in c["steps"]:  # [loss, grad norm, kl, micro-batches, global tokens]
@@ -84,6 +85,7 @@ def test_learner_steps_equal_one_rank_torch_lora_and_deepspeed(ranks):
             second = c["steps"][1][0]
             assert abs(second[0]) > 1e-3, at  # a step with a real loss (the first one's is ~0: ratios 1)
             assert c["moved"] >= 1e-4 and c["weight"] <= 1e-4, at  # Adam's first steps: about the learning rate
+            assert c["compiled"] == name.endswith("compile"), at  # learner.compile: every decoder layer
             if not name.startswith("zero"):
                 assert c["same_grads"] and c["grad_rel"] <= 2e-6, at
             # the frozen vision trunk: each sequence-parallel rank ran it over its share of the frames only
