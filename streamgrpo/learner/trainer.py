@@ -339,6 +339,7 @@ class Learner(WeightsOut, CheckpointIO):
             # a frozen vision trunk once for the reference, the policy and the probes
             tb.vision_cache = {} if self.share_vision_trunk else None
             tb.head_chunks = head_calls[k]
+            tb.one_vision_call = self.zero_stage >= 3 and self.dist.active  # every rank calls the encoder alike
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():

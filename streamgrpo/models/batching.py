@@ -276,6 +276,10 @@ class TrainBatch:
     """The LM head's calls every forward of this batch makes at least (:func:`~streamgrpo.models.logprobs.
     chunked_token_logprobs`' ``min_chunks``): under DeepSpeed ZeRO-3 on several ranks, the most any rank's
     micro-batch needs; 0: as many as its own tokens need."""
+    one_vision_call: bool = False
+    """The batch's images and videos through the vision encoder in one call (:func:`~streamgrpo.models.
+    vision_inputs.encode_once`): under DeepSpeed ZeRO-3 on several ranks every rank then calls it once a forward,
+    whichever kinds its micro-batch holds; False: a call per kind."""
 
     padding_side = "right"
 

@@ -51,31 +51,66 @@ def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] |
     """
     encoded: dict[str, Any] = {}
     seqs = _sequence_groups(batch, seq_groups)
-    for kind, (pix_key, grid_key) in _PIXELS.items():
-        members = [gi for gi, g in enumerate(batch.groups) if getattr(g, pix_key) is not None]
-        if not members:
-            continue
-        pixels = torch.cat([getattr(batch.groups[gi], pix_key) for gi in members])
-        grids = torch.cat([getattr(batch.groups[gi], grid_key) for gi in members])
-        out = encoder_output(inner, kind, pixels, grids, batch.vision_cache, sp)
+    members = {kind: [gi for gi, g in enumerate(batch.groups) if getattr(g, pix_key) is not None]
+               for kind, (pix_key, _) in _PIXELS.items()}
+    inputs = {kind: (torch.cat([getattr(batch.groups[gi], pix_key) for gi in members[kind]]),
+                     torch.cat([getattr(batch.groups[gi], grid_key) for gi in members[kind]]))
+              for kind, (pix_key, grid_key) in _PIXELS.items() if members[kind]}
+    if batch.one_vision_call and len(inputs) == 2:
+        outputs = _one_call(inner, inputs, batch.vision_cache, sp)
+    else:
+        outputs = {kind: encoder_output(inner, kind, *inputs[kind], batch.vision_cache, sp) for kind in inputs}
+    for kind, out in outputs.items():
+        grid_key = _PIXELS[kind][1]
         if not isinstance(getattr(out, "pooler_output", None), (tuple, list)):
             raise TypeError(f"{type(inner).__name__}.get_{kind}_features returned no per-{kind} pooler_output tuple")
         # the items (images or videos) of each group, as index ranges into the encoder's tuples
         spans, start = {}, 0
-        for gi in members:
+        for gi in members[kind]:
             n = int(getattr(batch.groups[gi], grid_key).shape[0])
             spans[gi] = range(start, start + n)
             start += n
         order = [i for gi in seqs for i in spans.get(gi, ())]
         fields = dict(out.items())
         fields["pooler_output"] = tuple(out.pooler_output[i] for i in order)
-        deep = getattr(out, "deepstack_features", None)
+        deep = _deepstack_items(out)
         if deep is not None:
-            sizes = [int(p.shape[0]) for p in out.pooler_output]
-            items = [torch.split(layer, sizes) if isinstance(layer, Tensor) else layer for layer in deep]
-            fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in items]
+            fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in deep]
         encoded[kind] = type(out)(**fields)
     return encoded
+
+
+def _deepstack_items(out: Any) -> list | None:
+    """Qwen3-VL's deepstack features per layer, one entry per item (5.17 returns a tensor over all items)."""
+    deep = getattr(out, "deepstack_features", None)
+    if deep is None:
+        return None
+    sizes = [int(p.shape[0]) for p in out.pooler_output]
+    return [torch.split(layer, sizes) if isinstance(layer, Tensor) else layer for layer in deep]
+
+
+def _one_call(inner: nn.Module, inputs: dict[str, tuple[Tensor, Tensor]], cache: dict | None, sp: Any
+              ) -> dict[str, Any]:
+    """The images and the videos through the encoder in one call, its outputs cut into the two kinds'.
+
+    DeepSpeed ZeRO-3 gathers each vision module's weights at each of its calls, collectively: with a call per kind,
+    a rank whose micro-batch holds images and videos calls the encoder twice while a rank with videos only calls it
+    once, and their collectives no longer match. A Qwen-VL image's pixels are laid out as a video of one temporal
+    patch (the processor repeats the frame), and the trunk attends within an item, so the videos' call over the
+    images followed by the videos gives each item's features; the heads' backward then runs once too."""
+    pixels = torch.cat([inputs["image"][0], inputs["video"][0]])
+    grids = torch.cat([inputs["image"][1], inputs["video"][1]])
+    out = encoder_output(inner, "video", pixels, grids, cache, sp)
+    n = int(inputs["image"][1].shape[0])
+    deep = _deepstack_items(out)
+    parts = {}
+    for kind, items in (("image", slice(0, n)), ("video", slice(n, None))):
+        fields = dict(out.items())
+        fields["pooler_output"] = tuple(out.pooler_output[items])
+        if deep is not None:
+            fields["deepstack_features"] = [tuple(layer[items]) for layer in deep]
+        parts[kind] = type(out)(**fields)
+    return parts
 
 
 def pixels_per_sequence(batch: TrainBatch, seq_groups: Sequence[int] | None = None,

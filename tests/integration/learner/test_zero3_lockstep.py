@@ -6,7 +6,10 @@ Real parts: ``python -m torch.distributed.run`` with two gloo ranks (``zero3_loc
 Qwen2.5-VL, the shipped ``zero3`` DeepSpeed config with no weight kept whole (its persistence threshold 0: most of
 the tiny model's weights are otherwise under it), groups sampled from the demo data; rank 0's completions are made
 long enough for two chunks of the head, rank 1's need one. Without the agreement the ranks' collectives do not
-match (gloo: "Received data size doesn't match expected size"; NCCL would hang).
+match (gloo: "Received data size doesn't match expected size"; NCCL would hang). Likewise the vision encoder: rank 0's
+micro-batch holds an image group and a video group, rank 1's the video group alone; with a call per kind rank 0 called
+the encoder twice, rank 1 once (the same failure); the learner runs both kinds through it in one call
+(``TrainBatch.one_vision_call``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
 
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6)
     (tmp_path / "groups.msgpack").write_bytes(msgpack.packb([encode(g) for g in groups]))
+    image = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train_image.jsonl", 1, num_generations=4, max_tokens=6)
+    (tmp_path / "mixed.msgpack").write_bytes(msgpack.packb([encode(g) for g in image + groups[:1]]))
     ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "zero3.json").write_text(json.dumps(ds))
@@ -43,6 +48,7 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(Path(__file__).with_name("zero3_lockstep_driver.py")),
            "--model", str(tiny_model_dir), "--groups", str(tmp_path / "groups.msgpack"),
+           "--mixed", str(tmp_path / "mixed.msgpack"),
            "--deepspeed-config", str(tmp_path / "zero3.json"),
            "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -53,3 +59,7 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     assert all(loss is not None and loss == loss for loss in r0["losses"] + r1["losses"])  # both steps trained
     assert r0["calls"] == r1["calls"]  # forward and backward (the chunks' recompute included) alike
     assert r1["calls"]["forward"] >= 2 * 2  # two steps, the second chunk over no rows on rank 1
+    # images and videos on rank 0, videos alone on rank 1: as many encoder calls, and both trained
+    assert (r0["mixed"]["kinds"], r1["mixed"]["kinds"]) == (["image", "video"], ["video"])
+    assert r0["mixed"]["vision_calls"] == r1["mixed"]["vision_calls"] >= 1
+    assert all(r["mixed"]["loss"] is not None and r["mixed"]["loss"] == r["mixed"]["loss"] for r in (r0, r1))

@@ -3,6 +3,8 @@ data-parallel replica with its own group, whose micro-batches need different num
 group has completions long enough for two chunks of ``CHUNK_TOKENS`` rows, rank 1's one chunk. ZeRO-3 gathers the
 head's weight at every call, collectively (``--deepspeed-config``: every weight, none kept whole). Each rank
 counts its head's calls in forward and backward and writes them, with the step's results, to ``--out``-rank<N>.json.
+Then a step over ``--mixed`` (an image group and a video group): rank 0 trains both, rank 1 the video group alone,
+and each counts its vision encoder's calls.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--groups", required=True, help="msgpack list of two wire-encoded ScoredGroups")
+    ap.add_argument("--mixed", required=True, help="msgpack list of an image group and a video group")
     ap.add_argument("--deepspeed-config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", required=True)
@@ -65,7 +68,15 @@ def main() -> int:
         res = lrn.train_step(Accepted.directly([mine], lrn.processor, version=0))
         losses.append(None if res is None else res.loss)
     tokens = sum(len(c.token_ids) for c in mine.completions)
-    Path(f"{args.out}-rank{rank}.json").write_text(json.dumps({"losses": losses, "calls": calls, "tokens": tokens}))
+    image, video = (decode(b) for b in msgpack.unpackb(Path(args.mixed).read_bytes()))
+    both = [image, video] if rank == 0 else [video]
+    vision = []
+    unwrap_model(lrn.module).model.visual.register_forward_hook(lambda *_: vision.append(1))
+    res = lrn.train_step(Accepted.directly(both, lrn.processor, version=0))
+    mixed = {"kinds": sorted({v.kind for g in both for v in g.visuals}), "loss": None if res is None else res.loss,
+             "vision_calls": len(vision)}
+    Path(f"{args.out}-rank{rank}.json").write_text(json.dumps({"losses": losses, "calls": calls, "tokens": tokens,
+                                                               "mixed": mixed}))
     dist.destroy_process_group()
     return 0
 

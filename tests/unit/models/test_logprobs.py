@@ -280,6 +280,36 @@ def test_vision_encoder_runs_once_per_group(tiny_any_dir):
     assert naive_patches == sum(p * g.num_completions for p, g in zip(per_group, batch.groups))
 
 
+def test_one_vision_call_for_images_and_videos_changes_nothing(tiny_any_dir):
+    """``TrainBatch.one_vision_call`` (DeepSpeed ZeRO-3 on several ranks): the images and the videos go through the
+    encoder in one call, not one per kind, with the same log-probs and gradients."""
+    proc, model = _load(tiny_any_dir)
+    batch = build_batch(_three_groups(proc, model.config.model_type), proc.tokenizer.pad_token_id, model=model)
+    m = batch.completion_mask
+    weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    results = {}
+    try:
+        for one in (False, True):
+            batch.one_vision_call = one
+            calls.clear()
+            with torch.no_grad():
+                lp, ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+            grads = _grads(model, lambda: completion_logprobs(model, batch, temperature=0.7)[0], weights, m)
+            results[one] = (lp, ent, grads, len(calls))
+    finally:
+        hook.remove()
+    (lp0, ent0, g0, calls0), (lp1, ent1, g1, calls1) = results[False], results[True]
+    assert (calls0, calls1) == (2 * 2, 1 * 2)  # image and video apart, or together (the no-grad and grad forwards)
+    # float32 sums over other row counts (the encoder's matmuls over both kinds' patches): the bounds of the test above
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent1, ent0, atol=1e-5, rtol=0)
+    assert g1.keys() == g0.keys() and any(k.startswith("model.visual.") and g0[k].abs().sum() > 0 for k in g0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
+
+
 def test_chunking_and_recompute_change_nothing(tiny_model_dir):
     proc, model = _load(tiny_model_dir)
     batch = build_batch(_three_groups(proc, "qwen2_5_vl"), proc.tokenizer.pad_token_id, model=model)
