@@ -319,7 +319,7 @@ class Learner(WeightsOut, CheckpointIO):
         if n_micro > len(units):  # another rank cut its groups finer (after running out of memory)
             units, origin = cut_to(units, origin, n_micro)
         micro = split_micro_batches(units, self.budget.tokens, n_parts=n_micro, shared_prompt=shared)
-        head_calls = self._head_calls(micro)
+        lockstep = self._lockstep(micro)
         dapo = cfg.loss.loss_type == "dapo"
         spec = LossSpec.from_config(cfg.loss, cfg.rollout.max_completion_length)
         unit_adv = {id(u): advs[i][j: j + len(u.group.completions)] for u, (i, j) in zip(units, origin)}
@@ -338,8 +338,9 @@ class Learner(WeightsOut, CheckpointIO):
             tb = build_batch(groups, pad_id).to(self.device)
             # a frozen vision trunk once for the reference, the policy and the probes
             tb.vision_cache = {} if self.share_vision_trunk else None
-            tb.head_chunks = head_calls[k]
-            tb.one_vision_call = self.zero_stage >= 3 and self.dist.active  # every rank calls the encoder alike
+            tb.head_chunks, any_visual = lockstep[k]  # every rank calls the head and the vision encoder alike
+            tb.one_vision_call = self.zero_stage >= 3 and self.dist.active
+            tb.vision_stand_in = any_visual and not any(a.group.visuals for a in part)
             with out_of_memory(self, part, shared):  # every rank agrees before the backward's collectives
                 ref_lp = self._reference_logprobs(tb, temperature, suppress)
                 with self._autocast():
@@ -397,14 +398,17 @@ class Learner(WeightsOut, CheckpointIO):
                           seq_logprob_sum=seq_lp, rows=rows, stats=LossStats.merge(stats), fresh_kl_sum=fresh_kl,
                           fresh_tokens=fresh_tokens, staleness_sums=add_buckets(by_staleness), **self.work.of_groups(batch))
 
-    def _head_calls(self, micro: list[list]) -> list[int]:
-        """Under DeepSpeed ZeRO-3 on several ranks, the LM head's calls each micro-batch's forwards make on every
-        rank: the most any rank's completion tokens need (one all-reduce; ZeRO-3 gathers the head's weight at each
-        call, collectively, and the ranks' micro-batches hold different numbers of tokens); else 0 (as needed)."""
+    def _lockstep(self, micro: list[list]) -> list[tuple[int, bool]]:
+        """Under DeepSpeed ZeRO-3 on several ranks, per micro-batch what its forwards must call on every rank: the LM
+        head's chunks, the most any rank's completion tokens need, and whether any rank's micro-batch has a visual
+        (then a rank without one runs the vision encoder over a stand-in). ZeRO-3 gathers a module's weights at each
+        of its calls, collectively. One all-reduce; else ``(0, False)`` each (as needed)."""
         if self.zero_stage < 3 or not self.dist.active:
-            return [0] * len(micro)
+            return [(0, False)] * len(micro)
         need = [head_chunks(sum(len(c.token_ids) for a in part for c in a.group.completions)) for part in micro]
-        return [int(v) for v in share(self.dist, need).max(axis=0)]
+        seen = [int(any(a.group.visuals for a in part)) for part in micro]
+        agreed = share(self.dist, need + seen).max(axis=0)
+        return [(int(agreed[k]), bool(agreed[len(micro) + k])) for k in range(len(micro))]
 
     def _bound_update(self, probes, params, before, suppress) -> UpdateCheck:
         """``learner.max_update_kl``: halve the step just taken until it moves the policy little enough on

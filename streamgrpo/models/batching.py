@@ -280,6 +280,10 @@ class TrainBatch:
     """The batch's images and videos through the vision encoder in one call (:func:`~streamgrpo.models.
     vision_inputs.encode_once`): under DeepSpeed ZeRO-3 on several ranks every rank then calls it once a forward,
     whichever kinds its micro-batch holds; False: a call per kind."""
+    vision_stand_in: bool = False
+    """No visual in this batch while another rank's micro-batch has one (DeepSpeed ZeRO-3 on several ranks): the
+    encoder runs over a stand-in, joined to the embeddings times zero (:func:`~streamgrpo.models.vision_inputs.
+    encode_once`)."""
 
     padding_side = "right"
 

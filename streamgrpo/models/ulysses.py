@@ -42,7 +42,7 @@ from streamgrpo.models.batching import prepare_batch
 from streamgrpo.models.packing import PAD_SEGMENT, block_mask, pack_batch
 from streamgrpo.models.seq_split import SeqSplit
 from streamgrpo.models.sp_group import SPGroup, gate
-from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once, features_by_kind
+from streamgrpo.models.vision_inputs import _deepstack_inputs, encode_once, features_by_kind, stand_in_zero
 
 NAMES = {"sdpa": "streamgrpo_ulysses_sdpa", "eager": "streamgrpo_ulysses_eager"}
 """The registered attention names, per kernel they wrap."""
@@ -235,7 +235,7 @@ def _embeds(inner: nn.Module, encoded: dict[str, Any], ids: Tensor, split: SeqSp
     """This rank's input embeddings, the vision features of its columns scattered in, and Qwen3-VL's deepstack
     inputs for its columns (``visual_pos_masks``, ``deepstack_visual_embeds``)."""
 
-    embeds = inner.get_input_embeddings()(split.local(ids, pad_id))
+    embeds = stand_in_zero(encoded, inner.get_input_embeddings()(split.local(ids, pad_id)))
     masks: dict[str, Tensor] = {}
     deep: dict[str, list[Tensor]] = {}
     for kind, mask, feats, layers in features_by_kind(inner.config, encoded, ids, embeds):

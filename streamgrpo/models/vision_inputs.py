@@ -32,6 +32,8 @@ from streamgrpo.models.vision_trunk import encoder_output
 
 _PIXELS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 _VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+STAND_IN = "stand_in"
+"""The key of :func:`encode_once`'s output for a stand-in's encoding (``TrainBatch.vision_stand_in``)."""
 
 
 def _sequence_groups(batch: TrainBatch, seq_groups: Sequence[int] | None) -> list[int]:
@@ -56,6 +58,9 @@ def encode_once(inner: nn.Module, batch: TrainBatch, seq_groups: Sequence[int] |
     inputs = {kind: (torch.cat([getattr(batch.groups[gi], pix_key) for gi in members[kind]]),
                      torch.cat([getattr(batch.groups[gi], grid_key) for gi in members[kind]]))
               for kind, (pix_key, grid_key) in _PIXELS.items() if members[kind]}
+    if batch.vision_stand_in and not inputs:
+        return {STAND_IN: encoder_output(inner, "image", *_stand_in(inner, batch.input_ids.device), batch.vision_cache,
+                                         sp)}
     if batch.one_vision_call and len(inputs) == 2:
         outputs = _one_call(inner, inputs, batch.vision_cache, sp)
     else:
@@ -87,6 +92,26 @@ def _deepstack_items(out: Any) -> list | None:
         return None
     sizes = [int(p.shape[0]) for p in out.pooler_output]
     return [torch.split(layer, sizes) if isinstance(layer, Tensor) else layer for layer in deep]
+
+
+def _stand_in(inner: nn.Module, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Pixels and grid of the smallest image the encoder takes (one merged token's patches, zeros). (No weight is read
+    here: ZeRO-3 gathers a partitioned weight read outside its module's call.)"""
+    vc = inner.config.vision_config
+    merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
+    width = int(getattr(vc, "in_channels", 3)) * int(vc.temporal_patch_size) * patch * patch
+    return (torch.zeros((merge * merge, width), device=device),
+            torch.tensor([[1, merge, merge]], dtype=torch.long, device=device))
+
+
+def stand_in_zero(encoded: dict[str, Any], like: Tensor) -> Tensor:
+    """``like`` plus zero times the stand-in's features (:func:`encode_once`), so that its encoder call's backward runs
+    (ZeRO-3 gathers the trained heads' weights there too); ``like`` unchanged without a stand-in."""
+    out = encoded.get(STAND_IN)
+    if out is None:
+        return like
+    parts = [p.sum() for p in out.pooler_output] + [t.sum() for layer in (_deepstack_items(out) or []) for t in layer]
+    return like + (torch.stack(parts).sum() * 0.0).to(like.dtype)
 
 
 def _one_call(inner: nn.Module, inputs: dict[str, tuple[Tensor, Tensor]], cache: dict | None, sp: Any
@@ -171,7 +196,7 @@ def scatter_forward(inner: nn.Module, encoded: dict[str, Any], *, input_ids: Ten
     embeddings replaced by the features in order, Qwen3-VL's deepstack features added by the language
     model at the visual positions. Returns the language model's output (``last_hidden_state``).
     """
-    embeds = inner.get_input_embeddings()(input_ids)
+    embeds = stand_in_zero(encoded, inner.get_input_embeddings()(input_ids))
     masks: dict[str, Tensor] = {}
     deep: dict[str, list[Tensor]] = {}
     for kind, mask, feats, layers in features_by_kind(inner.config, encoded, input_ids, embeds):
@@ -202,7 +227,9 @@ def decoder_hidden_states(inner: nn.Module, caps: Capabilities, batch: TrainBatc
     encoded = encode_once(inner, batch, seq_groups)
     if not encoded:
         return inner(**inputs).last_hidden_state
-    if path == ENCODER_OUTPUTS:
+    # one_vision_call (ZeRO-3 on several ranks): the scatter path on every rank, a stand-in's too: ZeRO-3 gathers and
+    # prefetches weights by each rank's order of module calls (the inner model's own call counts)
+    if path == ENCODER_OUTPUTS and not batch.one_vision_call:
         return inner(**inputs, mm_encoder_outputs=encoded).last_hidden_state
     return scatter_forward(inner, encoded, input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                            position_ids=inputs["position_ids"], use_cache=bool(inputs.get("use_cache", False))

@@ -9,7 +9,8 @@ long enough for two chunks of the head, rank 1's need one. Without the agreement
 match (gloo: "Received data size doesn't match expected size"; NCCL would hang). Likewise the vision encoder: rank 0's
 micro-batch holds an image group and a video group, rank 1's the video group alone; with a call per kind rank 0 called
 the encoder twice, rank 1 once (the same failure); the learner runs both kinds through it in one call
-(``TrainBatch.one_vision_call``).
+(``TrainBatch.one_vision_call``). And a rank whose micro-batch has no visual at all (a text-only record) while the
+other's has a video runs the encoder over a stand-in (``TrainBatch.vision_stand_in``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     (tmp_path / "groups.msgpack").write_bytes(msgpack.packb([encode(g) for g in groups]))
     image = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train_image.jsonl", 1, num_generations=4, max_tokens=6)
     (tmp_path / "mixed.msgpack").write_bytes(msgpack.packb([encode(g) for g in image + groups[:1]]))
+    text = sampled_groups(tiny_model_dir, _text_records(Path(demo_data_dir), tmp_path), 1, num_generations=4,
+                          max_tokens=6)
+    assert not text[0].visuals
+    (tmp_path / "text.msgpack").write_bytes(msgpack.packb([encode(g) for g in text]))
     ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "zero3.json").write_text(json.dumps(ds))
@@ -48,7 +53,7 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(Path(__file__).with_name("zero3_lockstep_driver.py")),
            "--model", str(tiny_model_dir), "--groups", str(tmp_path / "groups.msgpack"),
-           "--mixed", str(tmp_path / "mixed.msgpack"),
+           "--mixed", str(tmp_path / "mixed.msgpack"), "--text", str(tmp_path / "text.msgpack"),
            "--deepspeed-config", str(tmp_path / "zero3.json"),
            "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -62,4 +67,22 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     # images and videos on rank 0, videos alone on rank 1: as many encoder calls, and both trained
     assert (r0["mixed"]["kinds"], r1["mixed"]["kinds"]) == (["image", "video"], ["video"])
     assert r0["mixed"]["vision_calls"] == r1["mixed"]["vision_calls"] >= 1
-    assert all(r["mixed"]["loss"] is not None and r["mixed"]["loss"] == r["mixed"]["loss"] for r in (r0, r1))
+    # a text-only micro-batch on rank 0, a video on rank 1: rank 0 calls the encoder over a stand-in as often
+    assert (r0["text"]["kinds"], r1["text"]["kinds"]) == ([], ["video"])
+    assert r0["text"]["vision_calls"] == r1["text"]["vision_calls"] >= 1
+    for step in ("mixed", "text"):
+        assert all(r[step]["loss"] is not None and r[step]["loss"] == r[step]["loss"] for r in (r0, r1)), step
+
+
+def _text_records(demo: Path, tmp: Path) -> Path:
+    """The demo's single-video records without their video: text-only questions, media paths resolved there."""
+    out = tmp / "text.jsonl"
+    rows = []
+    for line in (demo / "train.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if isinstance(r.get("video"), str):
+            r.pop("video")
+            r["conversations"][0]["value"] = r["conversations"][0]["value"].replace("<video>\n", "")
+            rows.append(json.dumps(r))
+    out.write_text("\n".join(rows) + "\n")
+    return out

@@ -3,8 +3,9 @@ data-parallel replica with its own group, whose micro-batches need different num
 group has completions long enough for two chunks of ``CHUNK_TOKENS`` rows, rank 1's one chunk. ZeRO-3 gathers the
 head's weight at every call, collectively (``--deepspeed-config``: every weight, none kept whole). Each rank
 counts its head's calls in forward and backward and writes them, with the step's results, to ``--out``-rank<N>.json.
-Then a step over ``--mixed`` (an image group and a video group): rank 0 trains both, rank 1 the video group alone,
-and each counts its vision encoder's calls.
+Then a step over ``--mixed`` (an image group and a video group): rank 0 trains both, rank 1 the video group alone;
+then one where rank 0 trains a ``--text`` group (no visual) and rank 1 the video group; each counts its vision
+encoder's calls.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--groups", required=True, help="msgpack list of two wire-encoded ScoredGroups")
     ap.add_argument("--mixed", required=True, help="msgpack list of an image group and a video group")
+    ap.add_argument("--text", required=True, help="msgpack list of a group without visuals")
     ap.add_argument("--deepspeed-config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", required=True)
@@ -69,14 +71,17 @@ def main() -> int:
         losses.append(None if res is None else res.loss)
     tokens = sum(len(c.token_ids) for c in mine.completions)
     image, video = (decode(b) for b in msgpack.unpackb(Path(args.mixed).read_bytes()))
-    both = [image, video] if rank == 0 else [video]
+    text = decode(msgpack.unpackb(Path(args.text).read_bytes())[0])
     vision = []
     unwrap_model(lrn.module).model.visual.register_forward_hook(lambda *_: vision.append(1))
-    res = lrn.train_step(Accepted.directly(both, lrn.processor, version=0))
-    mixed = {"kinds": sorted({v.kind for g in both for v in g.visuals}), "loss": None if res is None else res.loss,
-             "vision_calls": len(vision)}
+    steps = {}
+    for name, mine in (("mixed", [image, video] if rank == 0 else [video]), ("text", [text] if rank == 0 else [video])):
+        vision.clear()
+        res = lrn.train_step(Accepted.directly(mine, lrn.processor, version=0))
+        steps[name] = {"kinds": sorted({v.kind for g in mine for v in g.visuals}), "vision_calls": len(vision),
+                       "loss": None if res is None else res.loss}
     Path(f"{args.out}-rank{rank}.json").write_text(json.dumps({"losses": losses, "calls": calls, "tokens": tokens,
-                                                               "mixed": mixed}))
+                                                               **steps}))
     dist.destroy_process_group()
     return 0
 

@@ -310,6 +310,36 @@ def test_one_vision_call_for_images_and_videos_changes_nothing(tiny_any_dir):
         torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-5, msg=lambda s, k=k: f"{k}: {s}")
 
 
+def test_a_vision_stand_in_changes_nothing_and_calls_the_encoder(tiny_any_dir):
+    """``TrainBatch.vision_stand_in`` (ZeRO-3: another rank's micro-batch has a visual, this one's none): the encoder
+    runs over a stand-in in each forward, its backward too, and the log-probs and gradients are those without it."""
+    proc, model = _load(tiny_any_dir)
+    group = GroupInputs.from_processor(_process(proc, ["What is two and two?"]), _random_completions(proc, [4, 6], seed=4))
+    batch = build_batch([group], proc.tokenizer.pad_token_id, model=model)
+    m = batch.completion_mask
+    weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(0))
+    calls = []
+    hooks = [model.model.visual.register_forward_hook(lambda *_: calls.append("forward")),
+             model.model.visual.merger.register_full_backward_hook(lambda *_: calls.append("backward"))]
+    results = {}
+    try:
+        for stand_in in (False, True):
+            batch.one_vision_call = batch.vision_stand_in = stand_in
+            calls.clear()
+            grads = _grads(model, lambda: completion_logprobs(model, batch, temperature=0.7)[0], weights, m)
+            results[stand_in] = (completion_logprobs(model, batch, temperature=0.7)[0].detach(), grads, list(calls))
+    finally:
+        for h in hooks:
+            h.remove()
+    (lp0, g0, calls0), (lp1, g1, calls1) = results[False], results[True]
+    assert calls0 == [] and calls1 == ["forward", "backward", "forward"]
+    torch.testing.assert_close(lp1, lp0, atol=0, rtol=0)
+    assert g1.keys() >= g0.keys() and {k for k in g1 if k not in g0} and all(
+        k.startswith("model.visual.") and not g1[k].any() for k in g1 if k not in g0)  # the stand-in's: zeros
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=0, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
 def test_chunking_and_recompute_change_nothing(tiny_model_dir):
     proc, model = _load(tiny_model_dir)
     batch = build_batch(_three_groups(proc, "qwen2_5_vl"), proc.tokenizer.pad_token_id, model=model)
