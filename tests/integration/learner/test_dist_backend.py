@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.paths import REPO
+from tests.sessions import run_session
 
 SCRIPT = """
 import json, os, sys
@@ -42,7 +42,7 @@ def _torchrun(tmp_path: Path, nproc: int, requested: str = "auto") -> list[dict]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()),
            str(script), str(tmp_path), requested]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = run_session(cmd, env=env, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from streamgrpo.config.deepspeed_files import BUILT_IN_STAGE
 from streamgrpo.learner.deepspeed_setup import DEFAULT_DEEPSPEED
 from tests.integration.learner.test_learner_core import _cfg
 from tests.paths import REPO
+from tests.sessions import run_session
 
 DEPLOY = REPO / "streamgrpo" / "configs" / "deepspeed"
 
@@ -57,7 +57,7 @@ def zero2_run(request, tiny_model_dir, demo_data_dir, tmp_path_factory):
            "--master_port", str(free_port()), str(Path(__file__).with_name("compile_ranks_driver.py")),
            "--model", str(tiny_model_dir), "--groups", str(tmp / "groups.msgpack"), "--run-dir", str(tmp / "runs"),
            "--zero", "zero2", "--backend", request.param, "--out", str(tmp / "out")]
-    out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
+    out = run_session(cmd, env=env, cwd=tmp, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return TOLERANCES[request.param], [json.loads((tmp / f"out-rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -24,6 +24,7 @@ import pytest
 import wandb_log
 
 from tests.paths import REPO
+from tests.sessions import run_session
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -79,7 +80,7 @@ def _torchrun(*args: str, cwd: Path, timeout: int = 480) -> subprocess.Completed
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *args]
-    out = subprocess.run(cmd, env=ENV, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    out = run_session(cmd, env=ENV, cwd=cwd, timeout=timeout)
     (cwd / "torchrun.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 from tests.conftest import sampled_groups
 from tests.integration.learner.seq_parallel_driver import RESUME
 from tests.paths import REPO
+from tests.sessions import run_session
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def ranks(tiny_model_dir, tiny_qwen3_dir, demo_data_dir, tmp_path_factory):
            "--model", str(tiny_model_dir), "--model", str(tiny_qwen3_dir), "--groups", str(tmp / "groups.msgpack"),
            "--short-groups", str(tmp / "short.msgpack"), "--zero3-config", str(tmp / "zero3.json"),
            "--run-dir", str(tmp / "runs"), "--out", str(tmp / "out")]
-    out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
+    out = run_session(cmd, env=env, cwd=tmp, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads((tmp / f"out-rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from tests.conftest import sampled_groups
 from tests.paths import REPO
+from tests.sessions import run_session
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
            "--mixed", str(tmp_path / "mixed.msgpack"), "--text", str(tmp_path / "text.msgpack"),
            "--deepspeed-config", str(tmp_path / "zero3.json"),
            "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
-    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run_session(cmd, env=env, cwd=tmp_path, timeout=600)
     (tmp_path / "torchrun.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"out-rank{r}.json").read_text()) for r in (0, 1))

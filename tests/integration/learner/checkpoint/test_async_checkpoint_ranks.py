@@ -26,6 +26,7 @@ from tests.integration.learner.test_learner_scale import (
     _torchrun,
     kill_two_ranks_when,
 )
+from tests.sessions import run_session
 
 pytestmark = pytest.mark.slow
 DRIVER = str(Path(__file__).with_name("checkpoint_write_driver.py"))
@@ -144,7 +145,7 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_one_line_and_commits_not
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), DRIVER, "--fail-rank", "1", "--out", str(tmp_path),
            "learner", "--config", str(cfg)]
-    out = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=480)
+    out = run_session(cmd, env=ENV, cwd=tmp_path, timeout=480)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-4000:]
     line = "learner rank 1: cannot write checkpoint step-000002"

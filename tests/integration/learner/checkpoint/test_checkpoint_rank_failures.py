@@ -11,7 +11,6 @@ exactly once (the audit).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from test_async_checkpoint_ranks import DRIVER, _audit, _cfg
 
 from tests.integration.learner.test_learner_scale import ENV, _jsonl, _put, _torchrun
+from tests.sessions import run_session
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def _fails_on_every_rank(cfg: Path, tmp_path: Path, *inject: str, resume: bool =
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "--monitor-interval", "3", DRIVER, *inject, "--out", str(tmp_path),
            "learner", "--config", str(cfg), *(["--resume"] if resume else [])]
-    out = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = run_session(cmd, env=ENV, cwd=tmp_path, timeout=240)
     text = out.stdout + out.stderr
     (tmp_path / "torchrun-failed.log").write_text(text)
     assert out.returncode != 0, text[-4000:]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sessions import run_session
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 DRIVER = str(Path(__file__).with_name("oom_driver.py"))
 
@@ -108,7 +110,7 @@ def test_two_ranks_agree_on_the_retry_when_one_runs_out(groups, tiny_model_dir, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), DRIVER, "--max-rows", "4", "--rank", "1", "learner", "--config",
            str(cfg)]
-    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    out = run_session(cmd, env=ENV, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     text = out.stdout + out.stderr
     assert "retrying the step with learner.micro_batch_tokens=" in text
