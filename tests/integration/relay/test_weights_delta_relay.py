@@ -53,13 +53,15 @@ def test_versions_travel_as_deltas_and_apply_bit_for_bit(delta_pub, weight_subsc
         got = _wait(sub, k, WAIT_S)
         assert got[0] == k and _same(got[1], v)  # bit for bit
         sub.mark_applied()
+    # the last chunk can reach the subscriber before the sender thread counts the version: flush first
+    assert delta_pub.flush(WAIT_S)
     assert delta_pub.deltas_sent == 3 and sub.stats["from_delta"] == 3 and sub.stats["discarded"] == 0
     assert _value(M.WEIGHT_DELTAS, result="applied") == applied + 3
     assert 0 < M.WEIGHT_DELTA_RATIO._value.get() < 0.1
     # a version that changes everything goes out whole
     fresh, whole = _base(seed=9), sub.stats["from_pub"] + sub.stats["from_snapshot"]
     delta_pub.publish(4, fresh)
-    assert _same(_wait(sub, 4, WAIT_S)[1], fresh) and delta_pub.deltas_sent == 3
+    assert _same(_wait(sub, 4, WAIT_S)[1], fresh) and delta_pub.flush(WAIT_S) and delta_pub.deltas_sent == 3
     assert sub.stats["from_pub"] + sub.stats["from_snapshot"] == whole + 1 and sub.stats["from_delta"] == 3
 
 
@@ -101,7 +103,7 @@ def test_a_whole_version_subscriber_is_still_served_by_a_delta_publisher(delta_p
         delta_pub.publish(k, v)
         assert _same(_wait(old, k, WAIT_S)[1], v)  # announced by the heartbeat, fetched as a snapshot
         old.mark_applied()
-    assert delta_pub.deltas_sent == 2 and old.stats["from_snapshot"] >= 2
+    assert delta_pub.flush(WAIT_S) and delta_pub.deltas_sent == 2 and old.stats["from_snapshot"] >= 2
 
 
 # ------------------------------------------------------------------------------------- relay
@@ -149,7 +151,7 @@ def test_a_relays_generators_receive_every_version_and_the_learner_sends_it_once
                 s.mark_applied()
             v = _step(v, k + 1)
         assert delta_pub.subscribers == 1  # only the relay talks to the learner: one copy per host
-        assert delta_pub.deltas_sent == 3  # and after the first version, deltas
+        assert delta_pub.flush(WAIT_S) and delta_pub.deltas_sent == 3  # and after the first version, deltas
         assert all(s.stats.get("from_shm", 0) + s.stats["from_snapshot"] >= 4 for s in subs)
     finally:
         stop.set()
