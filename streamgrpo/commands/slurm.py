@@ -342,7 +342,7 @@ def render(job: SlurmJob, cfg: Config, config_path: str | Path, *, python: str =
               "done"]
     learners = ",".join(f"${{NODES[{n}]}}" for n in range(job.learner_nodes))
     per = job.ranks_per_node
-    launcher = (f"-m torch.distributed.run --nnodes={job.learner_nodes} --nproc-per-node={per} --rdzv-backend=c10d "
+    launcher = (f"-m streamgrpo.learner.ranks --nnodes={job.learner_nodes} --nproc-per-node={per} --rdzv-backend=c10d "
                 '--rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\\n  ') if job.learner_ranks > 1 else ""
     lines += ["", f"# 4. the learner: {per} rank(s) on each of the first {job.learner_nodes} node(s), one GPU each, "
               "NCCL/gloo on the interface that routes",

@@ -2,7 +2,7 @@
 
 Plans where each process runs (:mod:`.placement`: learner ranks and generators on the node's GPUs,
 or the CPU) and prints the plan; starts an embedded Redis when no ``queue.url`` is set, the learner
-(under ``python -m torch.distributed.run`` for several ranks), N generators and with ``eval.enabled``
+(under torchrun for several ranks: ``python -m streamgrpo.learner.ranks``), N generators and with ``eval.enabled``
 the evaluator as child processes (each with its own devices, /metrics port and log file in the run
 directory), shows one live status line, stops at ``learner.max_steps``, and on exit or Ctrl-C stops
 every child by PID and waits for it. With ``--resume`` the generators go on where the learner's committed data

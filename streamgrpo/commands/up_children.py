@@ -70,7 +70,7 @@ def child_specs(cfg: Config, plan, config_path: Path, python: str = sys.executab
         return ",".join(visible_ids[d] if visible_ids else str(d) for d in p.devices)
 
     base, learner = [python, "-m", "streamgrpo"], plan.learner
-    head = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(learner.ranks), "-m",
+    head = [python, "-m", "streamgrpo.learner.ranks", "--standalone", "--nproc-per-node", str(learner.ranks), "-m",
             "streamgrpo"] if learner.ranks > 1 else base
     port = cfg.metrics.port
     specs = [ChildSpec("learner", [*head, "learner", "--config", str(config_path)],

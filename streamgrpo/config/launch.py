@@ -16,7 +16,7 @@ class LaunchConfig(Section):
     gpus: Optional[str] = Field(None, pattern=r"^\s*(cpu|none|\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*)?\s*$")
     """The GPUs `streamgrpo up` places its processes on: `0-7`, `0,1,4-5`, or `cpu`; null: every visible CUDA device (none: the CPU)."""
     learner_ranks: int = Field(1, ge=1, le=1024)
-    """Learner ranks: more than one runs the learner under torchrun (python -m torch.distributed.run), one GPU each (NCCL), or gloo ranks on the CPU; they need learner.backend=deepspeed, which `up` then sets."""
+    """Learner ranks: more than one runs the learner under torchrun (python -m streamgrpo.learner.ranks: torchrun, its stop or a failed rank in one line), one GPU each (NCCL), or gloo ranks on the CPU; they need learner.backend=deepspeed, which `up` then sets."""
     generators_per_gpu: int = Field(1, ge=1, le=64)
     """Generators that share one GPU (each takes its share of the memory: set rollout.vllm.gpu_memory_utilization to match)."""
     agreement_check: bool = True

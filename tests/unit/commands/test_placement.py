@@ -113,7 +113,7 @@ def test_several_learner_ranks_run_under_torchrun_and_one_rank_without():
     one, *_ = _specs()
     assert one.argv == ["py", "-m", "streamgrpo", "learner", "--config", "/run/config.yaml"]
     two, *_ = _specs(ranks=2)
-    assert two.argv[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert two.argv[:6] == ["py", "-m", "streamgrpo.learner.ranks", "--standalone", "--nproc-per-node", "2"]
     assert two.argv[6:] == ["-m", "streamgrpo", "learner", "--config", "/run/config.yaml"]
 
 

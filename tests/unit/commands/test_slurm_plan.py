@@ -191,7 +191,7 @@ def test_the_learner_step_finds_its_network_interface(tmp_path):
     text = render(plan_job(cfg, 4, gpus_per_node=8, learner_ranks=16, generators=8), cfg, tmp_path / "my.yaml")
     assert "ib0" not in text and "NCCL_IB_HCA=" not in text
     assert 'export LEARNER_NODES="${NODES[0]} ${NODES[1]}"' in text
-    assert 'bash "$RUN_DIR/slurm/learner-env.sh" "$PYTHON" -m torch.distributed.run' in text
+    assert 'bash "$RUN_DIR/slurm/learner-env.sh" "$PYTHON" -m streamgrpo.learner.ranks' in text
     env_sh = tmp_path / "learner-env.sh"
     env_sh.write_text(_heredoc(text, '"$RUN_DIR/slurm/learner-env.sh"'))
     if shutil.which("ip") is None:
