@@ -31,6 +31,7 @@ from streamgrpo.rewards import RewardSet
 from streamgrpo.runtime.jsonl import JsonlWriter
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 from streamgrpo.transport.weights.factory import subscriber_from_config
+from streamgrpo.transport.weights.keys import EVALUATOR
 
 log = logging.getLogger("streamgrpo.evaluator")
 
@@ -124,7 +125,7 @@ def run_evaluator(cfg: Config | EvaluatorConfig, *, stop: StopFlag | None = None
     server = start_metrics(cfg.metrics, run_dir, "evaluator")
     out = JsonlWriter(run_dir / "eval.jsonl")
     weights = subscriber_from_config(cfg.weights, run_dir,
-                                     client_key="client-evaluator" if cfg.weights.curve_keys_dir else None)
+                                     client_key=EVALUATOR if cfg.weights.curve_keys_dir else None)
     last: int | None = None
     seen: int | None = None
     done = 0

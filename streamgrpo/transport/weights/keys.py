@@ -7,6 +7,7 @@ Layout of a keys directory (ZeroMQ's ZPL certificate files, as ``zmq.auth`` read
     DIR/clients/                                    (0700)
     DIR/clients/client-K.key         public  (0644)  the learner authorises every *.key here
     DIR/clients/client-K.key_secret  secret  (0600)  generator K only
+    DIR/clients/client-evaluator.key(_secret)        the evaluator's pair (always made)
 
 To revoke a generator, delete its ``clients/client-K.key`` and restart the learner; to add one,
 run ``streamgrpo keys --out DIR --clients N`` again with a larger N (existing keys are kept).
@@ -26,6 +27,8 @@ import zmq.auth
 
 SERVER = "server"
 CLIENTS_DIR = "clients"
+EVALUATOR = "client-evaluator"
+"""The evaluator's client key pair: it subscribes to the weights like a generator."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,14 @@ class KeyFiles:
     server_public: Path
     server_secret: Path
     clients: list[tuple[Path, Path]]  # (public, secret) per client, in order
+    evaluator: tuple[Path, Path]  # (public, secret) of the evaluator's pair
 
     def describe(self) -> str:
         lines = [
             f"CURVE keys in {self.keys_dir}",
             f"  learner:   {self.server_secret.name} (secret, 0600) + {CLIENTS_DIR}/*.key (authorised clients)",
             f"  generator: {self.server_public.name} + its own {CLIENTS_DIR}/client-K.key and client-K.key_secret",
+            f"  evaluator: {self.server_public.name} + {CLIENTS_DIR}/{EVALUATOR}.key and {EVALUATOR}.key_secret",
             f"  clients:   {len(self.clients)}; set weights.curve_keys_dir={self.keys_dir} in every process",
         ]
         return "\n".join(lines)
@@ -80,7 +85,7 @@ def generate_keys(out_dir: str | os.PathLike, clients: int = 1) -> KeyFiles:
     os.chmod(cdir, 0o700)
     server_pub, server_sec = _pair(root, SERVER)
     pairs = [_pair(cdir, f"client-{k}") for k in range(clients)]
-    return KeyFiles(root, server_pub, server_sec, pairs)
+    return KeyFiles(root, server_pub, server_sec, pairs, _pair(cdir, EVALUATOR))
 
 
 def server_keys(keys_dir: str | os.PathLike, *, secret: bool) -> tuple[bytes, bytes | None]:

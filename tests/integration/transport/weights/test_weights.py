@@ -227,7 +227,7 @@ def test_damaged_version_is_never_applied_and_the_previous_stays(raw_channel, we
 
 # ------------------------------------------------------------------------------------- CURVE
 def test_only_listed_curve_keys_receive_weights(curve_keys_dir, tmp_path, weight_subscriber_factory):
-    from streamgrpo.transport.weights.keys import generate_keys
+    from streamgrpo.transport.weights.keys import EVALUATOR, generate_keys
 
     # a rogue generator: it knows the server's public key but holds a key pair nobody listed
     rogue = tmp_path / "rogue"
@@ -239,6 +239,8 @@ def test_only_listed_curve_keys_receive_weights(curve_keys_dir, tmp_path, weight
     with WeightPublisher("127.0.0.1", 0, 0, 1 / 64, str(curve_keys_dir)) as pub:
         listed = weight_subscriber_factory(pub.pub_port, pub.snapshot_port, curve_keys_dir=str(curve_keys_dir),
                                            client_key="client-1")
+        evaluator = weight_subscriber_factory(pub.pub_port, pub.snapshot_port, curve_keys_dir=str(curve_keys_dir),
+                                              client_key=EVALUATOR)  # `streamgrpo keys` makes its pair too
         intruder = weight_subscriber_factory(pub.pub_port, pub.snapshot_port, curve_keys_dir=str(rogue),
                                              client_key="client-0")
         plain = weight_subscriber_factory(pub.pub_port, pub.snapshot_port)
@@ -247,6 +249,7 @@ def test_only_listed_curve_keys_receive_weights(curve_keys_dir, tmp_path, weight
         pub.publish(2, _tensors(2))
         assert _same(_wait_version(listed, 2)[1], _tensors(2))
         assert listed.stats["returned"] == 2
+        assert _same(_wait_version(evaluator, 2)[1], _tensors(2))
         assert intruder.request_snapshot(1.0) is None and intruder.poll(0.5) is None
         assert plain.request_snapshot(1.0) is None and plain.poll(0.0) is None
         assert intruder.stats["returned"] == plain.stats["returned"] == 0

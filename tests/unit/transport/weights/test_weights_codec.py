@@ -410,7 +410,13 @@ def test_lora_errors_name_the_tensor():
 def test_generate_keys_layout_modes_and_reuse(tmp_path):
     import zmq.auth
 
-    from streamgrpo.transport.weights.keys import authorised_dir, client_keys, generate_keys, server_keys
+    from streamgrpo.transport.weights.keys import (
+        EVALUATOR,
+        authorised_dir,
+        client_keys,
+        generate_keys,
+        server_keys,
+    )
 
     old = os.umask(0o022)
     try:
@@ -419,15 +425,18 @@ def test_generate_keys_layout_modes_and_reuse(tmp_path):
         os.umask(old)
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
     assert mode(kf.server_secret) == 0o600 and mode(kf.server_public) == 0o644
-    assert all(mode(sec) == 0o600 and mode(pub) == 0o644 for pub, sec in kf.clients)
+    assert all(mode(sec) == 0o600 and mode(pub) == 0o644 for pub, sec in [*kf.clients, kf.evaluator])
     assert mode(authorised_dir(kf.keys_dir)) == 0o700
     pub, sec = server_keys(kf.keys_dir, secret=True)
     assert len(pub) == 40 and len(sec) == 40
-    assert set(zmq.auth.load_certificates(authorised_dir(kf.keys_dir))) == {client_keys(kf.keys_dir, f"client-{k}")[0]
-                                                                           for k in range(2)}
+    assert set(zmq.auth.load_certificates(authorised_dir(kf.keys_dir))) == {client_keys(kf.keys_dir, name)[0]
+                                                                           for name in ("client-0", "client-1",
+                                                                                        EVALUATOR)}
     assert client_keys(kf.keys_dir)[0] == client_keys(kf.keys_dir, "client-0")[0]
     again = generate_keys(tmp_path / "k", clients=3)  # keeps existing pairs, adds one
     assert server_keys(again.keys_dir, secret=False)[0] == pub and len(again.clients) == 3
+    assert again.evaluator == kf.evaluator and client_keys(kf.keys_dir, EVALUATOR)[0] == zmq.auth.load_certificate(
+        kf.evaluator[0])[0]  # the evaluator's pair, kept
     assert client_keys(kf.keys_dir, "client-1") == client_keys(kf.keys_dir, str(kf.clients[1][1]))
     with pytest.raises(FileNotFoundError, match="client-9"):
         client_keys(kf.keys_dir, "client-9")
