@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import sampled_groups
 from tests.integration.learner.seq_parallel_driver import RESUME
+from tests.integration.learner.test_zero3_lockstep import zero3_every_weight_partitioned
 from tests.paths import REPO
 from tests.sessions import run_session
 
@@ -39,9 +40,7 @@ def ranks(tiny_model_dir, tiny_qwen3_dir, demo_data_dir, tmp_path_factory):
     short = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 2, num_generations=4, max_tokens=6,
                            data_overrides=["data.min_frames=2", "data.max_frames=2"])  # one temporal patch
     (tmp / "short.msgpack").write_bytes(msgpack.packb([encode(g) for g in short]))
-    ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # no weight kept whole: every call gathers
-    (tmp / "zero3.json").write_text(json.dumps(ds))
+    zero3_every_weight_partitioned(tmp / "zero3.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}

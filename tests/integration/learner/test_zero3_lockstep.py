@@ -44,9 +44,7 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
                           max_tokens=6)
     assert not text[0].visuals
     (tmp_path / "text.msgpack").write_bytes(msgpack.packb([encode(g) for g in text]))
-    ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    (tmp_path / "zero3.json").write_text(json.dumps(ds))
+    zero3_every_weight_partitioned(tmp_path / "zero3.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
@@ -72,6 +70,15 @@ def test_zero3_ranks_with_different_completion_lengths_call_the_head_alike_and_t
     assert r0["text"]["vision_calls"] == r1["text"]["vision_calls"] >= 1
     for step in ("mixed", "text"):
         assert all(r[step]["loss"] is not None and r[step]["loss"] == r[step]["loss"] for r in (r0, r1)), step
+
+
+def zero3_every_weight_partitioned(path: Path) -> Path:
+    """The shipped ``zero3`` DeepSpeed config with no weight kept whole (persistence threshold 0: the tiny model's
+    weights are otherwise under it), written to ``path``: every module call gathers, so a mismatch shows."""
+    ds = json.loads((REPO / "streamgrpo" / "configs" / "deepspeed" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path.write_text(json.dumps(ds))
+    return path
 
 
 def _text_records(demo: Path, tmp: Path) -> Path:
