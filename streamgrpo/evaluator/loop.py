@@ -28,6 +28,7 @@ from streamgrpo.evaluator.scoring import eval_rewards, shuffle_drop, summarize
 from streamgrpo.metrics import start_metrics
 from streamgrpo.models.lora import make_weight_applier
 from streamgrpo.rewards import RewardSet
+from streamgrpo.runtime import collector
 from streamgrpo.runtime.jsonl import JsonlWriter
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 from streamgrpo.transport.weights.factory import subscriber_from_config
@@ -131,6 +132,7 @@ def run_evaluator(cfg: Config | EvaluatorConfig, *, stop: StopFlag | None = None
     done = 0
     log.info("evaluator: %d held-out records, every %d version(s)%s", len(records), e.every_versions,
              ", ordered and shuffled frames" if e.shuffle_frames else "")
+    collector.started()  # set up: cyclic garbage collection from here on (paused by python -m streamgrpo)
     try:
         while not stop and (max_evals is None or done < max_evals):
             got = weights.poll(timeout_s=1.0)

@@ -40,6 +40,7 @@ from streamgrpo.metrics import start_metrics
 from streamgrpo.models.loading import load_model, load_processor, resolve_device
 from streamgrpo.models.lora import make_weight_applier
 from streamgrpo.rewards import RewardSet
+from streamgrpo.runtime import collector
 from streamgrpo.runtime.jsonl import JsonlWriter
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 from streamgrpo.transport.queue.base import QueueStopped
@@ -114,6 +115,7 @@ def run_generator(cfg: Config | GeneratorConfig, generator_id: int = 0, *, stop:
     # that outlived the last allocation, before the learner resumed and moved the cursor (one Redis read a version)
     shard.start(queue.committed_cursors())
     cursor_read_at = engine.version
+    collector.started()  # set up: cyclic garbage collection from here on (paused by python -m streamgrpo)
 
     # --- one batch of prompts per turn: weights in (a safe point), groups out ------------------
     produced = code = 0

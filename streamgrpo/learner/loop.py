@@ -89,6 +89,7 @@ from streamgrpo.learner.tracking import Tracker, sample_rows
 from streamgrpo.learner.trainer import Learner
 from streamgrpo.metrics import start_metrics
 from streamgrpo.models.card import model_card
+from streamgrpo.runtime import collector
 from streamgrpo.runtime.jsonl import JsonlWriter, rewind_jsonl, write_json
 from streamgrpo.runtime.processes import StopFlag, setup_torch_threads
 from streamgrpo.runtime.run_dir import RunLock
@@ -194,6 +195,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
                  "rank" if layout.sequence_parallel == 1 else f"group of {layout.sequence_parallel} ranks",
                  cfg.learner.max_steps)
     watch = MemoryWatch(queue) if main else None
+    collector.started()  # set up: cyclic garbage collection from here on (paused by python -m streamgrpo)
     # held = trained since the last checkpoint, or in a background write not committed yet (it frees nothing
     # until its commit, which a learner waiting for groups in a full Redis would otherwise never reach)
     pressure = (lambda: watch.check(holding=ckpts.holding)) if watch is not None else None

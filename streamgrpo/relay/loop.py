@@ -30,6 +30,7 @@ from streamgrpo.config.roles import RelayConfig
 from streamgrpo.metrics import start_metrics
 from streamgrpo.relay.forward import RelayReceiver
 from streamgrpo.relay.keeper import lock_path, take_lock
+from streamgrpo.runtime import collector
 from streamgrpo.runtime.processes import StopFlag
 from streamgrpo.transport.weights.factory import relay_dir, relay_publisher_from_config
 
@@ -62,6 +63,7 @@ def run_relay(cfg: Config | RelayConfig, *, stop: StopFlag | None = None, client
         log.info("relay: %s:%d -> this host's generators through %s (shared memory in %s)%s", wc.connect_host,
                  wc.pub_port, relay_dir(wc), wc.shm_dir, ", deltas from the learner" if wc.delta else "")
         alone_since = time.monotonic()
+        collector.started()  # set up: cyclic garbage collection from here on (paused by python -m streamgrpo)
         while not stop:
             time.sleep(0.5)
             if upstream.fatal:

@@ -143,7 +143,8 @@ def step_checks(model_dir: str, groups_path: str, run_dir: Path, name: str, dist
         return [res.loss, res.grad_norm, res.stats.kl, res.micro_batches, res.tokens_global], grads
 
     # without sequence parallelism: one process, the torch backend (DeepSpeed's ZeRO-2 steps the same AdamW)
-    one = learner("one", "learner.backend=torch")
+    # learner.compile: the sequence-parallel learner compiled against the eager one (its compile is what is tested)
+    one = learner("one", "learner.backend=torch", "learner.compile=false")
     sp = learner("sp", "learner.sequence_parallel=2", dist=dist_info)
     start = trained(one)
     out: dict = {"steps": [], "vision_rows": []}
