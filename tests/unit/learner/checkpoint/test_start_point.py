@@ -188,7 +188,7 @@ def test_a_child_that_dies_with_its_parent_gets_sigterm_when_the_parent_is_kille
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not mark.exists():
+    while time.monotonic() < deadline and not (mark.exists() and mark.read_text()):  # made, then written
         time.sleep(0.1)
     try:
         assert mark.read_text() == "term"  # SIGTERM, not a kill: the child could finish its step
