@@ -32,8 +32,11 @@ def pause(limit_s: float = LIMIT_S) -> None:
 
 
 def started() -> None:
-    """The process has built what it runs with: freeze it, and collect from here on (idempotent)."""
-    if _timer is not None and _timer is not threading.current_thread() and _timer.is_alive():
+    """The process has built what it runs with: freeze it, and collect from here on (idempotent; nothing unless
+    :func:`pause` ran in this process or the one it was forked from: a collector disabled by other code stays so)."""
+    if _timer is None:
+        return
+    if _timer is not threading.current_thread() and _timer.is_alive():
         _timer.cancel()
         _timer.join()  # it wakes at once: no timer left behind
     if not gc.isenabled():

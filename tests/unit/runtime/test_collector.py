@@ -52,8 +52,14 @@ def test_a_forked_child_collects_at_once():
 
 
 def test_started_without_a_pause_changes_nothing():
-    got = _run("collector.started()\nprint(gc.isenabled(), gc.get_freeze_count())\n")
-    assert got == ["True", "0"]
+    got = _run("collector.started()\nprint(gc.isenabled(), gc.get_freeze_count())\n"
+               "gc.disable()\n"  # other code's choice, kept (in a forked child too)
+               "collector.started()\n"
+               "pid = os.fork()\n"
+               "if pid == 0:\n"
+               "    os._exit(0 if not gc.isenabled() else 3)\n"
+               "print(gc.isenabled(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    assert got == ["True", "0", "False", "0"]
 
 
 def test_python_m_streamgrpo_starts_paused():
