@@ -57,7 +57,10 @@ def test_offloaded_optimizer_trains_like_zero2_on_the_device(offload_run):
         assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)
     assert any(abs(loss) > 1e-3 for loss, _, _ in on["steps"])  # the steps did train
     assert on["steps"][-1][2] > 1e-6  # beta > 0: the policy moved away from its reference
-    _close(on["weights"], off["weights"], atol=1e-5)
+    # the host's fused AdamW and the device's round float32 differently: after 4 steps at learning rate 1e-3 a
+    # k_proj bias was 1.04e-5 apart on an AMD EPYC (2026-12-07; under 1e-5 on Intel Xeons). A wrong step (learning
+    # rate, bias correction, a state not restored) moves weights by the order of the learning rate: 30x this bound
+    _close(on["weights"], off["weights"], atol=3e-5)
 
 
 def test_zero3_trains_like_zero2(offload_run):
