@@ -634,3 +634,44 @@ def test_nothing_in_the_repo_points_outside_it():
     pointing = [name for name in files.decode().split("\0") if name and (REPO / name).is_file()
                 and OUTSIDE in (REPO / name).read_text(errors="ignore")]
     assert pointing == [], f"files that point at {OUTSIDE}: {pointing}"
+
+
+def _design_map() -> dict[str, str]:
+    """docs/design.md's map of the package: each folder's entry (``learner/``, ``learner/intake/``, ``""`` for
+    the top-level modules) -> its text. An entry starts at a line indented 2 (a top folder or a top-level module)
+    or 4 (a room inside the folder above) and runs on over its deeper-indented lines."""
+    text = (REPO / "docs" / "design.md").read_text().split("## Layout", 1)[1]
+    block = text.split("```\n", 2)[1]
+    entries: dict[str, str] = {"": ""}
+    key, parent = "", ""
+    for line in block.splitlines()[1:]:  # the first line is "streamgrpo/"
+        indent = len(line) - len(line.lstrip())
+        if indent in (2, 4):
+            first = line.split()[0]
+            if not first.endswith("/"):
+                key = ""
+            elif indent == 2:
+                key = parent = first
+            else:
+                key = parent + first
+        entries[key] = entries.get(key, "") + "\n" + line
+    return entries
+
+
+def test_the_design_map_names_every_module_in_its_folder():
+    """The map in docs/design.md matches the package: every folder has an entry, every module is named in its
+    folder's entry, and every module an entry names exists there."""
+    package = REPO / "streamgrpo"
+    entries = _design_map()
+    folders = {"" if p.parent == package else p.parent.relative_to(package).as_posix() + "/"
+               for p in package.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(folders - entries.keys()) == [], "package folders without an entry in docs/design.md's map"
+    assert sorted(entries.keys() - folders) == [], "entries of docs/design.md's map that are not package folders"
+    unnamed, stale = [], []
+    for folder in folders:
+        here = {p.name for p in (package / folder).glob("*.py")} - {"__init__.py"}
+        named = set(re.findall(r"(?<![\w/.])(\w+\.py)\b", entries[folder]))
+        unnamed += [folder + name for name in sorted(here - named)]
+        stale += [folder + name for name in sorted(named - here)]
+    assert unnamed == [], "modules the map in docs/design.md does not name"
+    assert stale == [], "modules the map in docs/design.md names that are not there"
