@@ -75,8 +75,9 @@ class ReadLayout:
     The ranks form sequence-parallel groups of N consecutive ranks (:func:`streamgrpo.models.ulysses.new_groups`),
     ``world_size / N`` data-parallel replicas. The ranks of a group train the same groups, so only its first rank
     (its *reader*) is a queue consumer that takes groups: its replica's share of a step, which it hands to the
-    group's other ranks; it alone commits them, writes their audit rows, counts them and marks them for the
-    crash-loop breaker. N = 1: every rank reads its own share."""
+    group's other ranks; it alone commits them, writes their audit rows and counts them. Every rank marks the groups
+    it steps for the crash-loop breaker; the reader judges the marks of the group's ranks. N = 1: every rank reads
+    its own share."""
 
     rank: int = 0
     world_size: int = 1
@@ -101,6 +102,12 @@ class ReadLayout:
     @property
     def reads(self) -> bool:
         return self.rank == self.reader
+
+    @property
+    def helpers(self) -> list[int]:
+        """A reader's other ranks (none for a non-reader, or N = 1): they train its groups, and it judges their deaths
+        in a step for the crash-loop breaker (their marks are of its groups)."""
+        return list(range(self.rank + 1, self.rank + self.sequence_parallel)) if self.reads else []
 
     def share(self, groups_per_step: int) -> int:
         """Groups this rank takes from the queue each step: its replica's share (none for a non-reader)."""

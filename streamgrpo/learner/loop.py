@@ -46,7 +46,6 @@ come from rank 0 alone and cover the whole step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -73,6 +72,7 @@ from streamgrpo.learner.checkpoint.resume import (
 from streamgrpo.learner.distributed import (
     DistInfo,
     ReadLayout,
+    barrier,
     gather_json,
     hand_out,
     init_distributed,
@@ -135,6 +135,21 @@ def run_learner(cfg: Config, *, stop: StopFlag | None = None, dist: DistInfo | N
             owner.close()
 
 
+def _crash_loop_breaker(cfg: Config, queue, layout: ReadLayout, dist: DistInfo, run_dir: Path) -> CrashLoopBreaker:
+    """The crash-loop breaker, once it has judged the deaths of the last learner's ranks: a reader its own, those of
+    the consumers this start lacks (their pending groups claimed now, before they go stale) and its helpers' (their
+    steps are its groups); a sequence-parallel helper judges nothing (its reader does). Every rank calls it."""
+    breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=layout.world_size,
+                               crash_dir=run_dir / "crash")
+    if layout.reads:  # the groups of a step (or a read-ahead decode) those learners died in
+        breaker.on_start([*adopt_absent_ranks(queue, layout), *(f"learner-{r}" for r in layout.helpers)])
+    if layout.sequence_parallel > 1:
+        barrier(dist)  # a helper empties its crash record (arms it) once its reader has read it
+    if not layout.reads:
+        breaker.arm()
+    return breaker
+
+
 def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
 
     stop = stop if stop is not None else StopFlag()
@@ -182,10 +197,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
     ckpts = Checkpointing(learner, queue, dist, ckpt_root, asynchronous=cfg.learner.async_checkpoint,
                           model_card=lambda: model_card(cfg, state.to_json(), last_metrics))
     want = layout.share(cfg.learner.groups_per_step)
-    breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=dist.world_size,
-                               crash_dir=run_dir / "crash")
-    gone = adopt_absent_ranks(queue, layout)  # the groups of consumers this start lacks: now, before they go stale
-    breaker.on_start(gone)  # the groups of a step (or a read-ahead decode) the last learner, or those ranks, died in
+    breaker = _crash_loop_breaker(cfg, queue, layout, dist, run_dir)
     media.breaker = breaker  # read-ahead decodes are marked too: a group that kills the learner there is counted
     screened = Screen(queue, gate, GroupLimits.from_config(cfg), breaker)  # too large, crash-looped: before decoding
     source = ReadAhead(screened, media, ahead=want)  # groups by reference: the next step's decoded while this one trains
@@ -225,7 +237,7 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             t0 = time.perf_counter()
             batch, later = breaker.isolate(batch)  # a group the learner died with trains alone
             batch = hand_out(batch, layout, learner.seq_parallel.group)
-            with breaker.stepping(batch) if layout.reads else contextlib.nullcontext():  # the reader marks them
+            with breaker.stepping(batch):  # every rank marks the groups it steps (a helper: its reader's)
                 out, carry = guarded_step(learner, queue, gate, batch, dist, reads=layout.reads)
             carry += later
             step_s = time.perf_counter() - t0

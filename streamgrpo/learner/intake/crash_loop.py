@@ -18,7 +18,11 @@ kill, no crash) counts nothing. Then
 * with several ranks, a step that raises a collective's failure (another rank died, the link between the ranks
   broke: :func:`~streamgrpo.learner.distributed.is_peer_failure`) marks this rank's end as a peer's: the death that
   follows (the rank stops, torchrun restarts them all) is never counted for this rank's groups. Only the rank
-  whose own process died in the step (crashed, out of memory) counts it.
+  whose own process died in the step (crashed, out of memory) counts it;
+* a sequence-parallel group's other ranks (its helpers) mark the groups of its reader's step too, and the reader's
+  start judges their marks with its own (:meth:`CrashLoopBreaker.on_start` given their consumers; a helper only
+  arms its crash record, :meth:`CrashLoopBreaker.arm`): a group that kills a helper alone is counted, not taken for
+  the reader's peer failure and trained again forever.
 
 Best effort: when Redis refuses these small writes the learner says so once and trains on.
 """
@@ -52,9 +56,10 @@ class CrashLoopBreaker:
         return self.crash_dir / f"{consumer}.txt" if self.crash_dir is not None else None
 
     def on_start(self, adopted: list[str] = ()) -> list[str]:
-        """Judge the deaths of the last learner (and of the ``adopted`` consumers, ranks this start does not have,
-        whose groups this rank took over) in a step or decode; count this start for the groups of those that were
-        their own. Returns the ids counted. Then arms this process's crash record."""
+        """Judge the deaths of the last learner (and of the ``adopted`` consumers: ranks this start does not have,
+        whose groups this rank took over, and a reader's sequence-parallel helpers) in a step or decode; count this
+        start for the groups of those that were their own. Returns the ids counted. Then arms this process's crash
+        record."""
         consumers = [self.marks.consumer, *adopted]
         causes: dict[str, str] = {}  # group id -> why its learner's death was its own
         try:
@@ -81,6 +86,10 @@ class CrashLoopBreaker:
                         "; ".join(dict.fromkeys(causes[g] for g in again)),
                         "/".join(str(self.counts.get(g, 0)) for g in again), self.starts)
         return died_in
+
+    def arm(self) -> None:
+        """A sequence-parallel helper's start: its crash record armed; its reader judges its marks (``on_start``)."""
+        self.witnessing.arm()
 
     def verdict(self, group_id: str) -> str | None:
         """The dead-letter reason for a group that crash-looped, or None."""

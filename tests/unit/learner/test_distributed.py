@@ -86,8 +86,9 @@ def test_the_first_rank_of_each_sequence_parallel_group_reads_its_replicas_share
     assert [x.reads for x in layouts] == [True, False, False, False, True, False, False, False]
     assert [x.reader for x in layouts] == [0, 0, 0, 0, 4, 4, 4, 4]
     assert [x.share(6) for x in layouts] == [3, 0, 0, 0, 3, 0, 0, 0] and layouts[0].replicas == 2
+    assert [x.helpers for x in layouts] == [[1, 2, 3], [], [], [], [5, 6, 7], [], [], []]  # whose deaths it judges
     plain = [ReadLayout(r, 2) for r in range(2)]  # without sequence parallelism every rank reads its own share
-    assert [(x.reads, x.reader, x.share(4)) for x in plain] == [(True, 0, 2), (True, 1, 2)]
+    assert [(x.reads, x.reader, x.share(4), x.helpers) for x in plain] == [(True, 0, 2, []), (True, 1, 2, [])]
     assert hand_out(["a"], plain[1], None) == ["a"]  # nothing to hand out: no collective
     for bad in ((0, 6, 4), (2, 2, 2), (0, 2, 0)):
         with pytest.raises(ValueError, match="sequence_parallel"):
