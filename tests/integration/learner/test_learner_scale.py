@@ -75,6 +75,41 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _kill_rank_in_its_step(cfg: Path, tmp_path: Path, url: str, ns: str, rank: int = 1) -> tuple[list[str], str]:
+    """Two learner ranks under torchrun on ``cfg``; ``rank`` killed with SIGSEGV (as a decoder that segfaults on a
+    poison group) while its crash-loop mark names the groups of its step. The other ranks must stop on their own.
+    Returns the groups it had marked and torchrun's output."""
+    import signal
+    import time
+
+    import redis
+
+    from streamgrpo.runtime.processes import free_port
+    from streamgrpo.transport.queue.crash_marks import CrashMarks
+
+    consumer, run = f"learner-{rank}", tmp_path / "run"
+    r = redis.Redis.from_url(url)
+    marks = CrashMarks(r, ns, consumer)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (marked := marks.read([consumer])[0].groups):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
+            time.sleep(0.02)
+        os.kill(json.loads((run / "ports" / f"learner-rank{rank}.json").read_text())["pid"], signal.SIGSEGV)
+        assert first.wait(timeout=120) != 0  # the other rank stops on its own: its collective failed
+    finally:
+        r.close()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    return marked, (tmp_path / "first.log").read_text()
+
+
 def _torchrun(*args: str, cwd: Path, timeout: int = 480) -> subprocess.CompletedProcess:
     from streamgrpo.runtime.processes import free_port
 

@@ -14,16 +14,10 @@ with half the micro-batch budget each time, instead of rank 0 waiting in the nex
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from test_learner_scale import ENV, _config, _jsonl, _put, _torchrun
+from test_learner_scale import _config, _jsonl, _kill_rank_in_its_step, _put, _torchrun
 
 pytestmark = pytest.mark.slow
 OOM_DRIVER = str(Path(__file__).parent / "memory" / "oom_driver.py")
@@ -79,12 +73,9 @@ def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_mo
     the resumed reader judges the helper's death its own and counts it (learner.crash_loop_starts 1): the group is
     dead-lettered, the others train. Before, only the reader marked, its mark said "peer", and the group would kill
     the helper again at every start."""
-    import redis
     from conftest import sampled_groups
 
     from benchmarks.audit import audit_run
-    from streamgrpo.runtime.processes import free_port
-    from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
@@ -93,27 +84,8 @@ def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_mo
                   "learner.groups_per_step=1", "learner.max_steps=3", "learner.save_steps=100",
                   "queue.max_failures=1", "learner.crash_loop_starts=1")
     _put(url, redis_ns, groups[:4])
-    r = redis.Redis.from_url(url)
-    helper = CrashMarks(r, redis_ns, "learner-1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not (marked := helper.read(["learner-1"])[0].groups):  # the helper marks its reader's group
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.02)
-        os.kill(json.loads((run / "ports" / "learner-rank1.json").read_text())["pid"], signal.SIGSEGV)
-        assert first.wait(timeout=120) != 0  # rank 0 stops on its own: its collective failed
-    finally:
-        r.close()
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+    marked, text = _kill_rank_in_its_step(cfg, tmp_path, url, redis_ns)  # the helper marks its reader's group
     (killer,) = marked
-    text = (tmp_path / "first.log").read_text()
     assert "another rank or the link between ranks failed" in text, text[-4000:]
 
     again = _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path).stderr

@@ -29,6 +29,7 @@ from tests.integration.learner.test_learner_scale import (
     ENV,
     _config,
     _jsonl,
+    _kill_rank_in_its_step,
     _put,
     _torchrun,
     kill_two_ranks_when,
@@ -238,41 +239,14 @@ def test_a_rank_killed_in_its_step_charges_only_its_own_group_never_the_peers(gr
     step it marked; rank 0's step fails on the collective. With queue.max_failures 1 and learner.crash_loop_starts
     1 the resumed learner dead-letters rank 1's group alone: rank 0's, the innocent neighbour, trains (before, the
     peer's death was counted as its failure, and its mark as a crash start: dead-lettered too)."""
-    import os
-    import signal
-    import time
-
-    import redis
-
-    from streamgrpo.runtime.processes import free_port
-    from streamgrpo.transport.queue.crash_marks import CrashMarks
     from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     url, run = redis_server.url, tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_model_dir, url, redis_ns, 2, "peer.yaml", "zero2.json", "learner.groups_per_step=2",
                "queue.max_failures=1", "learner.crash_loop_starts=1")
     _put(url, redis_ns, groups[:5])
-    r = redis.Redis.from_url(url)
-    marks = CrashMarks(r, redis_ns, "learner-1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "streamgrpo", "learner", "--config", str(cfg)]
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not (marked := marks.read(["learner-1"])[0].groups):
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.02)
-        os.kill(json.loads((run / "ports" / "learner-rank1.json").read_text())["pid"], signal.SIGSEGV)
-        assert first.wait(timeout=120) != 0  # rank 0 stops on its own: its collective failed
-    finally:
-        r.close()
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+    marked, text = _kill_rank_in_its_step(cfg, tmp_path, url, redis_ns)
     (killer,) = marked
-    text = (tmp_path / "first.log").read_text()
     assert "another rank or the link between ranks failed" in text, text[-4000:]
     _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path)
     with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:
