@@ -78,7 +78,7 @@ from streamgrpo.learner.distributed import (
     init_distributed,
 )
 from streamgrpo.learner.intake.crash_loop import CrashLoopBreaker
-from streamgrpo.learner.intake.gate import CommitNow, Gate, MemoryWatch, collect_groups
+from streamgrpo.learner.intake.gate import CommitFirst, Gate, MemoryWatch, collect_groups
 from streamgrpo.learner.intake.limits import GroupLimits
 from streamgrpo.learner.intake.media import MediaResolver, MediaWatch, ReadAhead, check_media_root
 from streamgrpo.learner.intake.poison import guarded_step
@@ -219,15 +219,14 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             # 1. every reader collects its share of usable groups (all ranks go on, or all stop)
             t_wait = time.perf_counter()
             source.ahead = want if state.step + 1 < cfg.learner.max_steps else 0  # the last step reads nothing ahead
-            try:
-                batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
-                                       pressure=pressure, redis_full=redis_full, reads=layout.reads)
-            except CommitNow as early:  # Redis near maxmemory: the commit frees what this learner holds
+            batch = collect_groups(source, gate, stop, dist, want, carry, timeout_s=cfg.learner.get_timeout_s,
+                                   pressure=pressure, redis_full=redis_full, reads=layout.reads)
+            if isinstance(batch, CommitFirst):  # Redis near maxmemory: the commit frees what this learner holds
                 log.warning("%s with %d step(s) of groups uncommitted%s: checkpointing at step %d now to commit and "
-                            "free them", early, state.step - ckpts.saved_step,
+                            "free them", batch.why, state.step - ckpts.saved_step,
                             " and a checkpoint write in flight" if ckpts.in_flight else "", state.step)
                 ckpts.commit_now()
-                carry = early.carry
+                carry = batch.carry
                 continue
             wait_s = time.perf_counter() - t_wait
             carry = []

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from streamgrpo import metrics as M
 from streamgrpo.advantages import is_zero_variance
@@ -188,13 +189,13 @@ class MemoryWatch:
         return None
 
 
-class CommitNow(Exception):
-    """Raised by :func:`collect_groups` on every rank when Redis nears ``maxmemory``: checkpoint now so
-    that the commit frees the messages the learner holds; ``carry`` are the groups accepted so far."""
+@dataclass(frozen=True)
+class CommitFirst:
+    """What :func:`collect_groups` returns on every rank when Redis nears ``maxmemory``: checkpoint now so that the
+    commit frees the messages the learner holds (``why``); ``carry``: the groups accepted so far, for the next step."""
 
-    def __init__(self, carry: list[Accepted], why: str):
-        super().__init__(why)
-        self.carry = carry
+    carry: list[Accepted]
+    why: str
 
 
 def _admit_all(gate: Gate, deliveries, accepted: list[Accepted]):
@@ -220,8 +221,8 @@ def _stop_together(unusable, ranks) -> None:
     raise MediaUnavailable(f"stopping with learner rank(s) {which}, whose media root is unusable (their log says why)")
 
 
-def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *,
-                   timeout_s: float, pressure=None, redis_full=None, reads: bool = True) -> list[Accepted] | None:
+def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: list[Accepted], *, timeout_s: float,
+                   pressure=None, redis_full=None, reads: bool = True) -> list[Accepted] | CommitFirst | None:
     """This rank's ``want`` usable groups once every rank has its share; None when stopping.
 
     ``carry``: groups already accepted (kept from a failed step) that count toward ``want``. Ranks
@@ -229,7 +230,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
     all-reduce), so no rank waits in a collective for longer than a round. With
     ``loss.drop_zero_variance`` a step that has waited ``loss.fill_timeout_s`` trains on what it has
     once every rank holds at least one group. ``pressure`` (rank 0): a callable that returns a reason
-    to checkpoint now (Redis near ``maxmemory``) or None; then every rank raises :class:`CommitNow`.
+    to checkpoint now (Redis near ``maxmemory``) or None; then every rank returns :class:`CommitFirst`.
     ``redis_full`` (rank 0): a callable, true while Redis is at ``maxmemory``; then, once no group came to
     any rank for ``STARVED_S`` and every rank holds at least one, the step trains on what the ranks hold: the
     groups held and not trained would otherwise fill Redis with nothing able to free it (its commit
@@ -261,7 +262,7 @@ def collect_groups(queue, gate: Gate, stop, dist: DistInfo, want: int, carry: li
         if flags[:, 7].any():  # a rank's media root is unusable: every rank stops (none waits in a collective)
             _stop_together(unusable, flags[:, 7])
         if flags[:, 3].any():  # the groups accepted so far are carried into the step after the checkpoint
-            raise CommitNow(accepted, why or "rank 0 asked for an early checkpoint")
+            return CommitFirst(accepted, why or "rank 0 asked for an early checkpoint")
         if flags[:, 0].all():
             if len(accepted) < want:
                 log.info("step %d: %d of %d groups after waiting %.0fs for informative ones (drop_zero_variance)",
