@@ -142,7 +142,8 @@ def _crash_loop_breaker(cfg: Config, queue, layout: ReadLayout, dist: DistInfo, 
     breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=layout.world_size,
                                crash_dir=run_dir / "crash")
     if layout.reads:  # the groups of a step (or a read-ahead decode) those learners died in
-        breaker.on_start([*adopt_absent_ranks(queue, layout), *(f"learner-{r}" for r in layout.helpers)])
+        adopted = adopt_absent_ranks(queue, layout)  # a helper's consumer too, when it holds groups
+        breaker.on_start(list(dict.fromkeys([*adopted, *(f"learner-{r}" for r in layout.helpers)])))
     if layout.sequence_parallel > 1:
         barrier(dist)  # a helper empties its crash record (arms it) once its reader has read it
     if not layout.reads:
@@ -235,8 +236,10 @@ def _train(cfg: Config, *, stop: StopFlag | None, dist: DistInfo) -> int:
             # 2. one optimizer step over all ranks' groups (a sequence-parallel group's: its reader's)
             t0 = time.perf_counter()
             batch, later = breaker.isolate(batch)  # a group the learner died with trains alone
-            batch = hand_out(batch, layout, learner.seq_parallel.group)
-            with breaker.stepping(batch):  # every rank marks the groups it steps (a helper: its reader's)
+            sp_group = learner.seq_parallel.group
+            # every rank marks the groups it steps; a sequence-parallel helper its reader's, before it takes them
+            with breaker.stepping(hand_out([a.group.group_id for a in batch], layout, sp_group)):
+                batch = hand_out(batch, layout, sp_group)
                 out, carry = guarded_step(learner, queue, gate, batch, dist, reads=layout.reads)
             carry += later
             step_s = time.perf_counter() - t0

@@ -157,8 +157,8 @@ def absent_rank_consumers(consumers, rank: int, world_size: int, sequence_parall
     """Of the queue's consumers (names), the learner ranks that do not read in this start (``learner-<k>``: ``k >=
     world_size``, a run on more ranks or killed with some; or a rank that is not the reader of its
     sequence-parallel group now, :class:`~streamgrpo.learner.distributed.ReadLayout`): their pending groups are no
-    one's now, so the reader of replica ``k % replicas`` takes them at once instead of after
-    ``queue.claim_idle_s``."""
+    one's now, so a reader takes them at once instead of after ``queue.claim_idle_s``: a helper's its own reader
+    (which also judges its crash-loop marks), an absent rank's the reader of replica ``k % replicas``."""
     layout = ReadLayout(rank, world_size, sequence_parallel)
     if not layout.reads:
         return []
@@ -168,7 +168,13 @@ def absent_rank_consumers(consumers, rank: int, world_size: int, sequence_parall
         if not (name.startswith("learner-") and k.isdigit()):
             continue
         k = int(k)
-        if (k >= world_size or k % sequence_parallel) and k % layout.replicas == rank // sequence_parallel:
+        if k >= world_size:
+            owner = k % layout.replicas
+        elif k % sequence_parallel:  # a helper of this start
+            owner = k // sequence_parallel
+        else:
+            continue
+        if owner == rank // sequence_parallel:
             out.append(name)
     return sorted(out, key=lambda n: int(n.removeprefix("learner-")))
 

@@ -109,17 +109,17 @@ class CrashLoopBreaker:
         return [batch[i]], batch[:i] + batch[i + 1:]
 
     @contextlib.contextmanager
-    def stepping(self, batch: list):
-        """Around the step that trains ``batch``: marked before, cleared when it returns (not when it raises,
-        unless a peer's failure raised: :meth:`peer_failed`)."""
-        self.begin_step(batch)
+    def stepping(self, group_ids: list[str]):
+        """Around the step that trains the groups ``group_ids``: marked before, cleared when it returns (not when it
+        raises, unless a peer's failure raised: :meth:`peer_failed`)."""
+        self.begin_step(group_ids)
         try:
             yield
         except Exception as exc:
             if self.ranks > 1 and is_peer_failure(exc):
                 self.peer_failed()
             raise
-        self.end_step(batch)
+        self.end_step(group_ids)
 
     @contextlib.contextmanager
     def reading(self, group_id: str):
@@ -135,14 +135,14 @@ class CrashLoopBreaker:
         """This rank's step failed because another rank did: this rank's end is not its groups' doing."""
         self._mark(lambda: self.marks.mark([], self.witnessing.now().to_json(), peer=True))
 
-    def begin_step(self, batch: list) -> None:
-        """Before training ``batch``: what a learner that starts after a death here will judge and count."""
-        ids = [a.group.group_id for a in batch]
+    def begin_step(self, group_ids: list[str]) -> None:
+        """Before training ``group_ids``: what a learner that starts after a death here will judge and count."""
+        ids = list(group_ids)
         self._mark(lambda: self.marks.mark(ids, self.witnessing.now().to_json()))
 
-    def end_step(self, batch: list) -> None:
-        """``batch``'s step returned (applied or not): the learner did not die in it."""
-        done = [a.group.group_id for a in batch if a.group.group_id in self.counts]
+    def end_step(self, group_ids: list[str]) -> None:
+        """The step of ``group_ids`` returned (applied or not): the learner did not die in it."""
+        done = [gid for gid in group_ids if gid in self.counts]
         if self._mark(lambda: self.marks.mark([], self.witnessing.now().to_json(), done=done)):
             for gid in done:
                 self.counts.pop(gid, None)

@@ -77,8 +77,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _kill_rank_in_its_step(cfg: Path, tmp_path: Path, url: str, ns: str, rank: int = 1) -> tuple[list[str], str]:
     """Two learner ranks under torchrun on ``cfg``; ``rank`` killed with SIGSEGV (as a decoder that segfaults on a
-    poison group) while its crash-loop mark names the groups of its step. The other ranks must stop on their own.
-    Returns the groups it had marked and torchrun's output."""
+    poison group) while its crash-loop mark names the groups of its step (stopped with SIGSTOP, the mark read again,
+    then killed: a step that ends between the read and the kill cannot make it die between steps). The other ranks
+    must stop on their own. Returns the groups it had marked and torchrun's output."""
     import signal
     import time
 
@@ -96,11 +97,18 @@ def _kill_rank_in_its_step(cfg: Path, tmp_path: Path, url: str, ns: str, rank: i
         first = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
-        deadline = time.monotonic() + 400
-        while not (marked := marks.read([consumer])[0].groups):
+        deadline, pid = time.monotonic() + 400, None
+        while True:
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
+            if marked := marks.read([consumer])[0].groups:
+                pid = pid or json.loads((run / "ports" / f"learner-rank{rank}.json").read_text())["pid"]
+                os.kill(pid, signal.SIGSTOP)  # frozen; still marked, it is in the step (or clearing its mark)
+                if marks.read([consumer])[0].groups == marked:
+                    os.kill(pid, signal.SIGSEGV)  # delivered first thing when it runs on
+                    os.kill(pid, signal.SIGCONT)
+                    break
+                os.kill(pid, signal.SIGCONT)  # the step ended meanwhile: the next one
             time.sleep(0.02)
-        os.kill(json.loads((run / "ports" / f"learner-rank{rank}.json").read_text())["pid"], signal.SIGSEGV)
         assert first.wait(timeout=120) != 0  # the other rank stops on its own: its collective failed
     finally:
         r.close()

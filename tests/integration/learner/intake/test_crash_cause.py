@@ -55,7 +55,7 @@ CHILD = textwrap.dedent('''
                             group_id=gid)
         resolver.submit([SimpleNamespace(stream_id="1-0", group=group)])  # read-ahead: decoded in a media thread
     else:
-        breaker.begin_step([SimpleNamespace(group=SimpleNamespace(group_id=gid))])
+        breaker.begin_step([gid])
         print("busy", flush=True)
         if mode == "oom":  # the step's memory grows until the kernel kills it
             held = []
