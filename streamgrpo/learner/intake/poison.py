@@ -32,8 +32,9 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
     groups. When no single group explains the failure (or with several ranks, where one
     rank cannot probe alone), an exception is counted per group in Redis and re-raised (a restarted
     learner dead-letters a group at ``queue.max_failures``), and a non-finite loss drops the step's
-    groups as ``nan_loss``. ``reads`` false: a sequence-parallel rank whose groups its reader owns (and counts,
-    drops): it re-raises, or returns ``(None, [])``, and touches no group.
+    groups as ``nan_loss``. ``reads`` false: a sequence-parallel rank whose groups its reader owns (and drops): an
+    exception of its own is counted per group too (its reader's step then fails as a peer's, counting nothing, and
+    its next start dead-letters the group at ``queue.max_failures``) and re-raised; else it returns ``(None, [])``.
     """
     try:
         out = _train_within_memory(learner, batch)
@@ -55,6 +56,8 @@ def guarded_step(learner: Learner, queue, gate: Gate, batch: list[Accepted],
         raise raised
     if not reads:
         if raised is not None:
+            log.error("training step failed on this sequence-parallel rank (%s) on its reader's groups %s", error, where)
+            queue.record_failure([a.group.group_id for a in batch], error)
             raise raised
         return None, []
     log.error("training step failed (%s) on groups %s", error, where)

@@ -14,13 +14,17 @@ with half the micro-batch budget each time, instead of rank 0 waiting in the nex
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from test_learner_scale import _config, _jsonl, _kill_rank_in_its_step, _put, _torchrun
+from test_learner_scale import ENV, _config, _jsonl, _kill_rank_in_its_step, _put, _torchrun
+
+from tests.sessions import run_session
 
 pytestmark = pytest.mark.slow
 OOM_DRIVER = str(Path(__file__).parent / "memory" / "oom_driver.py")
+POISON_DRIVER = str(Path(__file__).with_name("poison_rank_driver.py"))
 
 
 def test_a_sequence_parallel_group_trains_each_group_once_and_resumes(tiny_model_dir, demo_data_dir, redis_server,
@@ -95,4 +99,42 @@ def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_mo
         audit = audit_run(run, q)
         held, depth = q.held_count(), q.depth()
     assert [(d["group_id"], "consecutive starts" in d["reason"]) for d in dead] == [(killer, True)], dead
+    assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 3, 3, 0, 0), audit
+
+
+def test_a_group_whose_step_raises_on_the_helper_alone_is_counted_and_dead_lettered(tiny_model_dir, demo_data_dir,
+                                                                                   redis_server, redis_ns, tmp_path):
+    """The helper's step raises on one group (poison_rank_driver.py: rank 1 only, as a bug one rank's share of the
+    sequences trips); the reader's step fails as a peer's and counts nothing. The helper counts the failure
+    (queue.max_failures 1), so the next start dead-letters the group instead of dying on it at every start."""
+    from conftest import sampled_groups
+
+    from benchmarks.audit import audit_run
+    from streamgrpo.runtime.processes import free_port
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
+    url, run, poison = redis_server.url, tmp_path / "run", groups[1].group_id  # the second step's group
+    cfg = _config(tmp_path, tiny_model_dir, url, redis_ns, "learner.backend=torch", "learner.sequence_parallel=2",
+                  "learner.groups_per_step=1", "learner.max_steps=3", "learner.save_steps=100",
+                  "queue.max_failures=1")
+    _put(url, redis_ns, groups[:4])
+
+    def launch(*flags: str):
+        return run_session([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                            "127.0.0.1", "--master_port", str(free_port()), POISON_DRIVER, "--rank", "1", "--group",
+                            poison, "learner", "--config", str(cfg), *flags], env=ENV, cwd=tmp_path, timeout=480)
+
+    first = launch()
+    text = first.stdout + first.stderr
+    assert first.returncode != 0, text[-4000:]
+    assert "training step failed on this sequence-parallel rank (ValueError: injected on rank 1" in text, text[-4000:]
+    assert "another rank or the link between ranks failed" in text, text[-4000:]  # the reader: a peer's failure
+    again = launch("--resume")  # the group still trips rank 1: dead-lettered before it reaches a step
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:
+        dead = q.dead_letters()
+        audit = audit_run(run, q)
+        held, depth = q.held_count(), q.depth()
+    assert [(d["group_id"], "training failed 1 times" in d["reason"]) for d in dead] == [(poison, True)], dead
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 3, 3, 0, 0), audit
