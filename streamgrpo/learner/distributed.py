@@ -117,7 +117,7 @@ class ReadLayout:
 def hand_out(batch: list | None, layout: ReadLayout, group: Any) -> list:
     """The reader's ``batch`` on every rank of its sequence-parallel group (``group``: its process group; every
     rank of the group calls it). Pickled (``broadcast_object_list``): the learner's own accepted groups, their
-    processor inputs already made, between its own ranks."""
+    processor inputs already made, or their ids, between its own ranks."""
     if layout.sequence_parallel == 1:
         return batch
     import torch.distributed as dist
