@@ -70,6 +70,22 @@ def test_a_sequence_parallel_group_trains_each_group_once_and_resumes(tiny_model
     assert audit.steps_in_order and audit.resumes == 1
 
 
+def _one_group_a_step(tmp_path: Path, model_dir, url: str, ns: str, *sets: str) -> Path:
+    """A sequence-parallel group of 2 torch ranks, one group a step, 3 steps, no checkpoint on the way."""
+    return _config(tmp_path, model_dir, url, ns, "learner.backend=torch", "learner.sequence_parallel=2",
+                   "learner.groups_per_step=1", "learner.max_steps=3", "learner.save_steps=100", "queue.max_failures=1",
+                   *sets)
+
+
+def _dead_letters_and_audit(url: str, ns: str, run: Path):
+    """The dead letters, the exactly-once audit of ``run``, and the groups held and waiting, after a run."""
+    from benchmarks.audit import audit_run
+    from streamgrpo.transport.queue.redis_stream import RedisQueue
+
+    with RedisQueue(url, namespace=ns, consumer="test-inspect") as q:
+        return q.dead_letters(), audit_run(run, q), q.held_count(), q.depth()
+
+
 def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_model_dir, demo_data_dir, redis_server,
                                                                         redis_ns, tmp_path):
     """Rank 1, the helper of a sequence-parallel group, dies (SIGSEGV, as a decoder that segfaults on a poison group)
@@ -79,14 +95,9 @@ def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_mo
     the helper again at every start."""
     from conftest import sampled_groups
 
-    from benchmarks.audit import audit_run
-    from streamgrpo.transport.queue.redis_stream import RedisQueue
-
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
     url, run = redis_server.url, tmp_path / "run"
-    cfg = _config(tmp_path, tiny_model_dir, url, redis_ns, "learner.backend=torch", "learner.sequence_parallel=2",
-                  "learner.groups_per_step=1", "learner.max_steps=3", "learner.save_steps=100",
-                  "queue.max_failures=1", "learner.crash_loop_starts=1")
+    cfg = _one_group_a_step(tmp_path, tiny_model_dir, url, redis_ns, "learner.crash_loop_starts=1")
     _put(url, redis_ns, groups[:4])
     marked, text = _kill_rank_in_its_step(cfg, tmp_path, url, redis_ns)  # the helper marks its reader's group
     (killer,) = marked
@@ -94,10 +105,7 @@ def test_a_group_that_kills_the_helper_rank_is_counted_and_dead_lettered(tiny_mo
 
     again = _torchrun("-m", "streamgrpo", "learner", "--config", str(cfg), "--resume", cwd=tmp_path).stderr
     assert f"(group {killer}): crash_loop: the learner died while training it" in again, again[-4000:]
-    with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:
-        dead = q.dead_letters()
-        audit = audit_run(run, q)
-        held, depth = q.held_count(), q.depth()
+    dead, audit, held, depth = _dead_letters_and_audit(url, redis_ns, run)
     assert [(d["group_id"], "consecutive starts" in d["reason"]) for d in dead] == [(killer, True)], dead
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 3, 3, 0, 0), audit
 
@@ -109,15 +117,11 @@ def test_a_group_whose_step_raises_on_the_helper_alone_is_counted_and_dead_lette
     (queue.max_failures 1), so the next start dead-letters the group instead of dying on it at every start."""
     from conftest import sampled_groups
 
-    from benchmarks.audit import audit_run
     from streamgrpo.runtime.processes import free_port
-    from streamgrpo.transport.queue.redis_stream import RedisQueue
 
     groups = sampled_groups(tiny_model_dir, Path(demo_data_dir) / "train.jsonl", 8, num_generations=4, max_tokens=6)
     url, run, poison = redis_server.url, tmp_path / "run", groups[1].group_id  # the second step's group
-    cfg = _config(tmp_path, tiny_model_dir, url, redis_ns, "learner.backend=torch", "learner.sequence_parallel=2",
-                  "learner.groups_per_step=1", "learner.max_steps=3", "learner.save_steps=100",
-                  "queue.max_failures=1")
+    cfg = _one_group_a_step(tmp_path, tiny_model_dir, url, redis_ns)
     _put(url, redis_ns, groups[:4])
 
     def launch(*flags: str):
@@ -132,9 +136,6 @@ def test_a_group_whose_step_raises_on_the_helper_alone_is_counted_and_dead_lette
     assert "another rank or the link between ranks failed" in text, text[-4000:]  # the reader: a peer's failure
     again = launch("--resume")  # the group still trips rank 1: dead-lettered before it reaches a step
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    with RedisQueue(url, namespace=redis_ns, consumer="test-inspect") as q:
-        dead = q.dead_letters()
-        audit = audit_run(run, q)
-        held, depth = q.held_count(), q.depth()
+    dead, audit, held, depth = _dead_letters_and_audit(url, redis_ns, run)
     assert [(d["group_id"], "training failed 1 times" in d["reason"]) for d in dead] == [(poison, True)], dead
     assert (audit.lost, audit.twice, audit.trained, audit.steps, held, depth) == (0, 0, 3, 3, 0, 0), audit
