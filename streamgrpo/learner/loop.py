@@ -142,8 +142,7 @@ def _crash_loop_breaker(cfg: Config, queue, layout: ReadLayout, dist: DistInfo, 
     breaker = CrashLoopBreaker(queue.crash_marks(), cfg.learner.crash_loop_starts, ranks=layout.world_size,
                                crash_dir=run_dir / "crash")
     if layout.reads:  # the groups of a step (or a read-ahead decode) those learners died in
-        adopted = adopt_absent_ranks(queue, layout)  # a helper's consumer too, when it holds groups
-        breaker.on_start(list(dict.fromkeys([*adopted, *(f"learner-{r}" for r in layout.helpers)])))
+        breaker.on_start([*adopt_absent_ranks(queue, layout), *(f"learner-{r}" for r in layout.helpers)])
     if layout.sequence_parallel > 1:
         barrier(dist)  # a helper empties its crash record (arms it) once its reader has read it
     if not layout.reads:

@@ -60,7 +60,7 @@ class CrashLoopBreaker:
         whose groups this rank took over, and a reader's sequence-parallel helpers) in a step or decode; count this
         start for the groups of those that were their own. Returns the ids counted. Then arms this process's crash
         record."""
-        consumers = [self.marks.consumer, *adopted]
+        consumers = list(dict.fromkeys([self.marks.consumer, *adopted]))  # a helper's may be adopted too
         causes: dict[str, str] = {}  # group id -> why its learner's death was its own
         try:
             for mark in self.marks.read(consumers):
